@@ -1,0 +1,1 @@
+"""medha_kernels (see README for status)."""

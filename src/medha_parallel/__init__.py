@@ -1,0 +1,1 @@
+"""medha_parallel (see README for status)."""

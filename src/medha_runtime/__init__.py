@@ -1,0 +1,1 @@
+"""medha_runtime (see README for status)."""

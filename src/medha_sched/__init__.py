@@ -1,0 +1,1 @@
+"""medha_sched: pure-Python scheduling for long-context LLM inference."""

@@ -1,0 +1,93 @@
+"""Price a batch as it is being built.
+
+A *work* is ``(group, q_tokens, kv_tokens, tail)``: one request's share of the
+iteration on one KVP group (see :mod:`medha_sched.cost.base`). For an
+:class:`AggregateCostModel` a candidate is priced in O(groups) by adding its
+features to running per-group totals; any other :class:`CostModel` is called
+on the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from medha_sched.cost.base import AggregateCostModel, BatchWork, CostModel, RequestWork
+
+Work = tuple[int, int, int, bool]
+
+
+def chunk_works(groups: Sequence[int], start: int, num_tokens: int, group_limit: int) -> list[Work]:
+    """The works of a chunk at positions ``[start, start + num_tokens)``.
+
+    Shard ``i`` holds positions ``[i*G, (i+1)*G)`` on ``groups[i]``. Earlier
+    shards are full and only attend; the shard holding ``start`` is the tail.
+    The chunk must not cross a shard boundary.
+    """
+    tail = start // group_limit
+    works: list[Work] = [(groups[i], num_tokens, group_limit, False) for i in range(tail)]
+    works.append((groups[tail], num_tokens, start - tail * group_limit, True))
+    return works
+
+
+class BatchCost:
+    """Running prediction of a batch's time.
+
+    Attributes:
+        time: predicted seconds of the works added so far.
+    """
+
+    def __init__(self, model: CostModel, num_groups: int) -> None:
+        self._model = model
+        self._num_groups = num_groups
+        self._agg = model if isinstance(model, AggregateCostModel) else None
+        self._totals: list[list[float] | None] = [None] * num_groups
+        self._group_times = [0.0] * num_groups
+        self._items: list[list[RequestWork]] = [[] for _ in range(num_groups)]
+        self.time = 0.0
+
+    def time_with(self, works: Sequence[Work]) -> float:
+        """Predicted seconds if ``works`` were added (nothing changes)."""
+        if self._agg is None:
+            return self._model.predict(self._batch_with(works))
+        return max(self._priced(works).values(), default=0.0) if works else self.time
+
+    def add(self, works: Sequence[Work]) -> None:
+        """Add ``works`` to the batch."""
+        if self._agg is None:
+            for g, q, kv, tail in works:
+                self._items[g].append(RequestWork(q, kv, tail))
+            self.time = self._model.predict(self._batch())
+            return
+        self._priced(works, commit=True)
+        self.time = max(self._group_times)
+
+    def _priced(self, works: Sequence[Work], *, commit: bool = False) -> dict[int, float]:
+        agg = self._agg
+        assert agg is not None
+        touched: dict[int, list[float]] = {}
+        for g, q, kv, tail in works:
+            totals = touched.get(g)
+            if totals is None:
+                base = self._totals[g]
+                totals = touched[g] = list(base) if base is not None else [0.0] * agg.num_features
+            for i, f in enumerate(agg.features(q, kv, tail)):
+                totals[i] += f
+        times = {g: agg.group_time(t) for g, t in touched.items()}
+        if commit:
+            for g, t in touched.items():
+                self._totals[g] = t
+                self._group_times[g] = times[g]
+        else:
+            for g in range(self._num_groups):
+                if g not in times:
+                    times[g] = self._group_times[g]
+        return times
+
+    def _batch(self) -> BatchWork:
+        return BatchWork(groups=tuple(tuple(items) for items in self._items))
+
+    def _batch_with(self, works: Sequence[Work]) -> BatchWork:
+        items = [list(x) for x in self._items]
+        for g, q, kv, tail in works:
+            items[g].append(RequestWork(q, kv, tail))
+        return BatchWork(groups=tuple(tuple(x) for x in items))

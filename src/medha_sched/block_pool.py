@@ -1,0 +1,78 @@
+"""One KVP group's pool of KV blocks, with ownership tracking.
+
+Free block ids sit in a min-heap, so allocation always hands out the lowest
+free ids: the same sequence of calls gives the same block ids. Every owned
+block records its owner, which makes a block owned twice or freed twice
+impossible rather than merely unlikely.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable
+
+
+class BlockPool:
+    """Block ids ``0 .. num_blocks - 1`` of one group."""
+
+    __slots__ = ("_free", "_owner", "group", "num_allocs", "num_blocks", "num_frees")
+
+    def __init__(self, group: int, num_blocks: int) -> None:
+        self.group = group
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks))  # sorted, hence a valid heap
+        self._owner: dict[int, Hashable] = {}
+        self.num_allocs = 0  # blocks handed out, ever
+        self.num_frees = 0  # blocks returned, ever
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not owned by any request."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks owned by some request."""
+        return len(self._owner)
+
+    def allocate(self, owner: Hashable, count: int) -> tuple[int, ...]:
+        """Give ``count`` free blocks (lowest ids first) to ``owner``."""
+        if count > len(self._free):
+            raise AssertionError(
+                f"group {self.group}: {count} blocks asked, only {len(self._free)} free"
+            )
+        blocks = tuple(heapq.heappop(self._free) for _ in range(count))
+        for block in blocks:
+            self._owner[block] = owner
+        self.num_allocs += count
+        return blocks
+
+    def release(self, owner: Hashable, blocks: Iterable[int]) -> None:
+        """Return ``blocks`` to the pool; each must be owned by ``owner``."""
+        for block in blocks:
+            if self._owner.get(block, _NOBODY) != owner:
+                raise AssertionError(f"group {self.group}: block {block} is not owned by {owner!r}")
+            del self._owner[block]
+            heapq.heappush(self._free, block)
+            self.num_frees += 1
+
+    def owner_of(self, block: int) -> Hashable | None:
+        """The request owning ``block``, or None when it is free."""
+        return self._owner.get(block)
+
+    def check(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent."""
+        free = set(self._free)
+        g = self.group
+        assert len(free) == len(self._free), f"group {g}: a block is free twice"
+        assert not free & self._owner.keys(), f"group {g}: block both free and owned"
+        assert free | self._owner.keys() == set(range(self.num_blocks)), (
+            f"group {g}: free + used blocks are not exactly 0..{self.num_blocks - 1}"
+        )
+        assert self.num_free + self.num_used == self.num_blocks, f"group {g}: free+used!=total"
+        assert self.num_allocs - self.num_frees == self.num_used, (
+            f"group {g}: {self.num_allocs} allocs - {self.num_frees} frees != {self.num_used} used"
+        )
+
+
+_NOBODY = object()

@@ -1,0 +1,161 @@
+"""An analytic roofline cost model from a model shape and a GPU spec.
+
+Each operation takes ``max(FLOPs / achievable FLOP/s, bytes / achievable
+HBM bytes/s)``. Per layer and per KVP group the operations are:
+
+* QKV projection, output projection and the SwiGLU MLP (three matmuls) on
+  the group's *tail* query tokens; each reads its weights once per iteration
+  (sharded by ``tp``) plus its input and output activations. A group holding
+  any request reads its weights, even if it only attends.
+* Attention: ``4 * pairs * (h_q / tp) * d`` FLOPs, where a tail item attends
+  to its ``kv`` cached tokens and causally to itself (``q*kv + q(q+1)/2``
+  pairs) and a non-tail item attends to its shard (``q*kv`` pairs); bytes are
+  the group's KV shard read once per request (plus the chunk's new KV
+  written) and the queries read and outputs written.
+* KVP merge: a non-tail item sends its partial output ``[q, h_q/tp, d]`` in
+  bf16 and its fp32 log-sum-exp ``[q, h_q/tp]`` over the interconnect.
+* TP (``tp > 1``): two ring all-reduces of the tail activations,
+  ``2 (tp-1)/tp * q * hidden * 2`` bytes each, plus a fixed launch cost.
+* A fixed ``kernel_overhead`` for each of ``KERNELS_PER_LAYER`` kernels.
+
+The output head runs once per iteration on one token per tail request (the
+sampled position). Stream pipelining splits the layers over ``spp`` stages;
+the latency through all stages is the sum of the stage times (all layers)
+plus ``spp - 1`` sends of ``q * hidden * 2`` activation bytes.
+
+Activations and KV are bf16 (2 bytes); weights use ``bytes_per_param``. All
+traffic (TP, SPP, KVP) uses the intra-node interconnect rate, unscaled.
+
+Approximation: to stay additive, requests contribute summed features
+(tail tokens, attended pairs, KV tokens read, query tokens, merged tokens,
+tail requests) and the ``max`` of compute and memory is taken per operation
+over the whole group, as if one batched kernel served all its requests.
+This is optimistic for batches that mix very different requests (a real
+kernel may be memory-bound on some and compute-bound on others) but keeps
+the model monotone and O(1) per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from medha_sched.config import ParallelDegrees
+from medha_sched.cost.base import AggregateCostModel
+from medha_sched.cost.hardware import HardwareSpec, get_hardware
+from medha_sched.cost.models import ModelShape, get_model_shape
+from medha_sched.cost.registry import DEFAULT_LAYOUT, check_spec_keys
+
+#: fixed-cost kernels per layer (norms, projections, rope, attention, MLP)
+KERNELS_PER_LAYER = 8
+
+_ACT_BYTES = 2  # bf16 activations and KV
+_LSE_BYTES = 4  # fp32 log-sum-exp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RooflineCostModel(AggregateCostModel):
+    """Roofline time of ``model`` on ``hardware`` in ``layout``.
+
+    Features per request: (tail query tokens, attended pairs, KV tokens read
+    or written, query tokens, merged query tokens, tail requests).
+    """
+
+    model: ModelShape
+    hardware: HardwareSpec
+    layout: ParallelDegrees = field(default_factory=ParallelDegrees)
+    _layer: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _outer: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    num_features: ClassVar[int] = 6
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelShape):
+            raise ValueError(f"model must be a ModelShape, got {self.model!r}")
+        if not isinstance(self.hardware, HardwareSpec):
+            raise ValueError(f"hardware must be a HardwareSpec, got {self.hardware!r}")
+        if not isinstance(self.layout, ParallelDegrees):
+            raise ValueError(f"layout must be a ParallelDegrees, got {self.layout!r}")
+        layer = _layer_coef(self.model, self.hardware, self.layout.tp)
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(self, "_outer", _outer_coef(self.model, self.hardware, self.layout))
+
+    def features(self, q_tokens: int, kv_tokens: int, tail: bool) -> tuple[float, ...]:
+        """Additive features of one request on one group."""
+        if tail:
+            pairs = q_tokens * kv_tokens + q_tokens * (q_tokens + 1) // 2
+            return (q_tokens, pairs, kv_tokens + q_tokens, q_tokens, 0, 1)
+        return (0, q_tokens * kv_tokens, kv_tokens, q_tokens, q_tokens, 0)
+
+    def group_time(self, totals: Sequence[float]) -> float:
+        """Seconds of one group through every stage, from summed features."""
+        q, pairs, kv, qa, qm, nt = totals
+        (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = self._layer
+        (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = self._outer
+        layer = (
+            max(q * c_qkv, w_qkv + q * a_qkv)
+            + max(pairs * c_att, kv * b_kv + qa * b_qo)
+            + max(q * c_o, w_o + q * a_o)
+            + max(q * c_m, w_m + q * a_m)
+            + qm * merge
+            + fixed
+        )
+        if q > 0:
+            layer += ar_fixed + q * ar_tok
+        time = layers * layer + pp_fixed + qa * pp_tok
+        if nt > 0:
+            time += max(nt * c_h, w_h + nt * a_h)
+        return time
+
+    @classmethod
+    def from_spec(
+        cls, params: Mapping[str, str], *, layout: ParallelDegrees = DEFAULT_LAYOUT
+    ) -> RooflineCostModel:
+        """Build from ``roofline:model=NAME,gpu=NAME`` parameters."""
+        check_spec_keys("roofline", params, required=("model", "gpu"))
+        shape = get_model_shape(params["model"])
+        return cls(model=shape, hardware=get_hardware(params["gpu"]), layout=layout)
+
+
+def _layer_coef(m: ModelShape, hw: HardwareSpec, tp: int) -> tuple[float, ...]:
+    """Per-layer matmul and attention coefficients (seconds per unit)."""
+    flops, mem, b = hw.flops_rate, hw.memory_rate, m.bytes_per_param
+    h, d = m.hidden_size, m.head_dim
+    hq, hkv = m.num_q_heads / tp, max(m.num_kv_heads / tp, 1.0)
+    qkv, out, mlp = m.qkv_params / tp, m.out_params / tp, m.mlp_params / tp
+    qkv_width = (m.num_q_heads + 2 * m.num_kv_heads) * d / tp
+    return (
+        2 * qkv / flops,
+        qkv * b / mem,
+        _ACT_BYTES * (h + qkv_width) / mem,
+        4 * hq * d / flops,
+        2 * hkv * d * _ACT_BYTES / mem,
+        2 * hq * d * _ACT_BYTES / mem,
+        2 * out / flops,
+        out * b / mem,
+        _ACT_BYTES * (hq * d + h) / mem,
+        2 * mlp / flops,
+        mlp * b / mem,
+        _ACT_BYTES * (2 * h + 3 * m.intermediate_size / tp) / mem,
+    )
+
+
+def _outer_coef(m: ModelShape, hw: HardwareSpec, layout: ParallelDegrees) -> tuple[float, ...]:
+    """Merge, fixed, TP, output-head and SPP coefficients."""
+    tp, spp, link = layout.tp, layout.spp, hw.interconnect_bandwidth
+    hq, h = m.num_q_heads / tp, m.hidden_size
+    ring = 2 * (tp - 1) / tp * h * _ACT_BYTES / link
+    head = m.head_params / tp
+    return (
+        hq * (m.head_dim * _ACT_BYTES + _LSE_BYTES) / link,
+        KERNELS_PER_LAYER * hw.kernel_overhead,
+        2 * hw.kernel_overhead if tp > 1 else 0.0,
+        2 * ring,
+        float(m.num_layers),
+        2 * head / hw.flops_rate,
+        head * m.bytes_per_param / hw.memory_rate,
+        _ACT_BYTES * (h + m.vocab_size / tp) / hw.memory_rate,
+        (spp - 1) * hw.kernel_overhead,
+        (spp - 1) * h * _ACT_BYTES / link,
+    )

@@ -1,0 +1,256 @@
+"""Paged KV memory per KVP group, for a scheduler that preempts by recompute.
+
+Sharding: with ``G = cache.group_token_limit`` (Gmax), shard ``i`` of a request
+holds token positions ``[i*G, (i+1)*G)`` and lives on its own KVP group. The
+request's groups form an ordered tuple in shard order; the last is the *tail*
+group, the only one whose shard may be partial. Shard ``i`` holding ``t``
+tokens owns ``ceil(t / block_size)`` blocks of its group's pool.
+
+Watermark rule: an admission reserves blocks for the WHOLE prompt at once (a
+half-admitted prefill could deadlock waiting for memory) and must leave at
+least ``cache.watermark_blocks`` free on every group it touches. Growth for
+decodes (:meth:`KVBlockManager.ensure_capacity`) ignores the watermark: that
+head-room is kept exactly so running requests can grow.
+
+Group choice is deterministic: groups with the most free blocks first, ties
+to the lowest id; full shards take the roomiest groups, the tail the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from medha_sched.block_pool import BlockPool
+from medha_sched.config import CacheConfig
+from medha_sched.errors import SchedulerError
+
+
+def _check_tokens(num_tokens: object) -> None:
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+        raise SchedulerError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+
+
+@dataclass(slots=True)
+class _Entry:
+    groups: list[int]  # shard order
+    blocks: list[list[int]]  # per shard
+    tokens: int  # tokens the request was sized for
+    pending: dict[int, list[int]] = field(default_factory=dict)  # group -> new blocks
+
+
+class KVBlockManager:
+    """Block tables of all requests over ``num_groups`` KVP groups."""
+
+    def __init__(self, cache: CacheConfig, *, num_groups: int) -> None:
+        if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+            raise SchedulerError(f"num_groups must be an integer >= 1, got {num_groups!r}")
+        self.cache = cache
+        self.num_groups = num_groups
+        self._g = cache.group_token_limit
+        self._bs = cache.block_size
+        self._pools = [BlockPool(g, cache.num_blocks_per_group) for g in range(num_groups)]
+        self._holders: list[set[Hashable]] = [set() for _ in range(num_groups)]
+        self._entries: dict[Hashable, _Entry] = {}
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self._bs)
+
+    def _split(self, num_tokens: int, num_shards: int) -> list[int]:
+        return [min(self._g, max(0, num_tokens - i * self._g)) for i in range(num_shards)]
+
+    def _pick(
+        self, free: Sequence[int], candidates: Iterable[int], needs: list[int], reserve: int
+    ) -> list[int] | None:
+        """Groups for shards needing ``needs`` blocks (non-increasing), or None.
+
+        The roomiest candidates are taken in order; pairing the biggest needs
+        with the most free groups is optimal, so None means no fit exists.
+        """
+        order = sorted(candidates, key=lambda g: (-free[g], g))[: len(needs)]
+        if len(order) < len(needs):
+            return None
+        if any(free[g] - need < reserve for g, need in zip(order, needs, strict=True)):
+            return None
+        return order
+
+    def _plan_admit(self, num_tokens: int, free: Sequence[int]) -> list[int] | None:
+        _check_tokens(num_tokens)
+        needs = [self._blocks_for(t) for t in self._split(num_tokens, -(-num_tokens // self._g))]
+        return self._pick(free, range(self.num_groups), needs, self.cache.watermark_blocks)
+
+    def _free_counts(self) -> list[int]:
+        return [pool.num_free for pool in self._pools]
+
+    def _grant(self, rid: Hashable, entry: _Entry, shard: int, count: int) -> None:
+        group = entry.groups[shard]
+        new = self._pools[group].allocate(rid, count)
+        entry.blocks[shard].extend(new)
+        entry.pending.setdefault(group, []).extend(new)
+        self._holders[group].add(rid)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether :meth:`admit` of ``num_tokens`` tokens would succeed now."""
+        return self._plan_admit(num_tokens, self._free_counts()) is not None
+
+    def can_ever_admit(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` tokens could be admitted into empty memory."""
+        empty = [self.cache.num_blocks_per_group] * self.num_groups
+        return self._plan_admit(num_tokens, empty) is not None
+
+    def admit(self, request_id: Hashable, num_tokens: int) -> bool:
+        """Reserve blocks for a whole ``num_tokens``-token prompt.
+
+        Returns False, changing nothing, if it does not fit while leaving the
+        watermark free on each touched group. Raises SchedulerError (a
+        ValueError) if ``request_id`` already holds blocks.
+        """
+        if request_id in self._entries:
+            raise SchedulerError(f"request {request_id!r} is already admitted")
+        groups = self._plan_admit(num_tokens, self._free_counts())
+        if groups is None:
+            return False
+        entry = _Entry(groups=groups, blocks=[[] for _ in groups], tokens=num_tokens)
+        self._entries[request_id] = entry
+        for shard, tokens in enumerate(self._split(num_tokens, len(groups))):
+            self._grant(request_id, entry, shard, self._blocks_for(tokens))
+        return True
+
+    def ensure_capacity(self, request_id: Hashable, num_tokens: int) -> bool:
+        """Grow the request block by block until it holds ``num_tokens`` tokens.
+
+        Ignores the watermark. A token past a full tail shard opens a new
+        shard on the roomiest group the request does not use yet. Returns
+        False, changing nothing, if blocks or groups run out. Never shrinks.
+        """
+        entry = self._entry(request_id)
+        _check_tokens(num_tokens)
+        if num_tokens <= self.num_tokens_capacity(request_id):
+            entry.tokens = max(entry.tokens, num_tokens)
+            return True
+        num_shards = -(-num_tokens // self._g)
+        if num_shards > self.num_groups:
+            return False
+        needs = [self._blocks_for(t) for t in self._split(num_tokens, num_shards)]
+        old = len(entry.groups)
+        extra = [need - len(have) for need, have in zip(needs[:old], entry.blocks, strict=True)]
+        free = self._free_counts()
+        if any(free[g] < n for g, n in zip(entry.groups, extra, strict=True)):
+            return False
+        unused = (g for g in range(self.num_groups) if g not in entry.groups)
+        new_groups = self._pick(free, unused, needs[old:], 0)
+        if new_groups is None:
+            return False
+        entry.groups.extend(new_groups)
+        entry.blocks.extend([] for _ in new_groups)
+        for shard, count in enumerate(extra + needs[old:]):
+            if count:
+                self._grant(request_id, entry, shard, count)
+        entry.tokens = num_tokens
+        return True
+
+    def free(self, request_id: Hashable) -> None:
+        """Return every block of the request to its group's pool, exactly once."""
+        entry = self._entry(request_id)
+        for group, blocks in zip(entry.groups, entry.blocks, strict=True):
+            self._pools[group].release(request_id, blocks)
+            self._holders[group].discard(request_id)
+        del self._entries[request_id]
+
+    def pop_new_blocks(self, request_id: Hashable) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """``(group, block ids)`` allocated since the last call, in shard order."""
+        entry = self._entry(request_id)
+        out = tuple((g, tuple(entry.pending[g])) for g in entry.groups if g in entry.pending)
+        entry.pending.clear()
+        return out
+
+    def _entry(self, request_id: Hashable) -> _Entry:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            raise SchedulerError(
+                f"request {request_id!r} holds no KV blocks (unknown or already freed)"
+            )
+        return entry
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def groups_of(self, request_id: Hashable) -> tuple[int, ...]:
+        """The request's groups in shard order."""
+        return tuple(self._entry(request_id).groups)
+
+    def tail_group(self, request_id: Hashable) -> int:
+        """The group holding the request's last shard (may be group 0)."""
+        return self._entry(request_id).groups[-1]
+
+    def block_table(self, request_id: Hashable) -> tuple[tuple[int, ...], ...]:
+        """Block ids per shard, in shard order."""
+        return tuple(tuple(b) for b in self._entry(request_id).blocks)
+
+    def num_tokens_capacity(self, request_id: Hashable) -> int:
+        """Tokens the request's blocks can hold: full shards plus the tail's blocks."""
+        entry = self._entry(request_id)
+        return (len(entry.groups) - 1) * self._g + len(entry.blocks[-1]) * self._bs
+
+    def shard_tokens(self, request_id: Hashable, num_tokens: int) -> tuple[int, ...]:
+        """How many of the first ``num_tokens`` positions each shard holds."""
+        if not 0 <= num_tokens <= self.num_tokens_capacity(request_id):
+            raise SchedulerError(
+                f"num_tokens={num_tokens!r} is outside request {request_id!r}'s capacity"
+            )
+        return tuple(self._split(num_tokens, len(self._entry(request_id).groups)))
+
+    def num_free_blocks(self, group: int) -> int:
+        """Free blocks in ``group``'s pool."""
+        return self._pools[group].num_free
+
+    def num_used_blocks(self, group: int) -> int:
+        """Blocks of ``group`` owned by some request."""
+        return self._pools[group].num_used
+
+    def usage(self) -> float:
+        """Fraction of all blocks, over all groups, in use."""
+        used = sum(pool.num_used for pool in self._pools)
+        return used / (self.num_groups * self.cache.num_blocks_per_group)
+
+    def holders(self, group: int) -> set[Hashable]:
+        """Requests with blocks on ``group`` (a copy)."""
+        return set(self._holders[group])
+
+    @property
+    def num_block_allocs(self) -> int:
+        """Blocks handed out, ever, over all groups."""
+        return sum(pool.num_allocs for pool in self._pools)
+
+    @property
+    def num_block_frees(self) -> int:
+        """Blocks returned, ever, over all groups."""
+        return sum(pool.num_frees for pool in self._pools)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any bookkeeping invariant is broken."""
+        for pool in self._pools:
+            pool.check()
+        seen: list[dict[int, Hashable]] = [{} for _ in self._pools]
+        for rid, entry in self._entries.items():
+            self._check_entry(rid, entry, seen)
+        for group, pool in enumerate(self._pools):
+            assert len(seen[group]) == pool.num_used, f"group {group}: owned blocks leaked"
+            holders = set(seen[group].values())
+            assert holders == self._holders[group], f"group {group}: holders out of date"
+
+    def _check_entry(self, rid: Hashable, entry: _Entry, seen: list[dict[int, Hashable]]) -> None:
+        assert len(set(entry.groups)) == len(entry.groups), f"{rid!r}: a group holds two shards"
+        assert len(entry.groups) == len(entry.blocks) >= 1, f"{rid!r}: bad shard lists"
+        split = self._split(entry.tokens, len(entry.groups))
+        for shard, (group, blocks) in enumerate(zip(entry.groups, entry.blocks, strict=True)):
+            tokens = split[shard]
+            assert self._blocks_for(tokens) <= len(blocks) <= self._g // self._bs, (
+                f"{rid!r}: shard {shard} has {len(blocks)} blocks for {tokens} tokens"
+            )
+            for block in blocks:
+                assert block not in seen[group], f"group {group}: block {block} owned twice"
+                assert self._pools[group].owner_of(block) == rid, f"{rid!r}: block {block} lost"
+                seen[group][block] = rid
+        for shard, blocks in enumerate(entry.blocks[:-1]):
+            assert len(blocks) * self._bs == self._g, f"{rid!r}: non-tail shard {shard} not full"

@@ -1,0 +1,90 @@
+"""Batch packing (the paper's Alg. 1 and 2).
+
+Running decodes go in first. Prefill chunks follow in policy order; each is
+the largest chunk on the token grid whose batch still fits the budget (a
+long prefill under space sharing gets ``T * (1 - clamp(rho, 0, rho_max))``),
+at most one long prefill per KVP group, never crossing a KVP shard.
+
+Guarantee: with adaptive chunking the predicted batch time is <= T. The one
+exception is decodes that alone exceed T: then no prefill is added (the
+decodes still run, so nobody starves). With a fixed chunk size the budget is
+in tokens instead (Sarathi-style), and with ``chunk_size=0`` prompts go whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from medha_sched.batch_cost import BatchCost, Work, chunk_works
+from medha_sched.chunking import largest_fitting_chunk
+from medha_sched.config import SchedulerConfig
+from medha_sched.policies.base import Policy, relative_slack
+from medha_sched.request import Request
+
+
+@dataclass
+class Draft:
+    """A batch being formed."""
+
+    cost: BatchCost
+    target: float
+    entries: list[tuple[Request, int]] = field(default_factory=list)
+    long_groups: set[int] = field(default_factory=set)
+    num_tokens: int = 0
+    num_prefills: int = 0
+
+    def add(self, request: Request, num_tokens: int, works: list[Work]) -> None:
+        self.cost.add(works)
+        self.entries.append((request, num_tokens))
+        self.num_tokens += num_tokens
+
+
+class ChunkSizer:
+    """Decides how many prompt tokens of one request go into a draft."""
+
+    def __init__(self, config: SchedulerConfig, policy: Policy, group_limit: int) -> None:
+        self._cfg = config
+        self._policy = policy
+        self._limit = group_limit
+
+    def room(self, request: Request) -> int:
+        """Largest chunk allowed by what is left, the max chunk and the shard."""
+        start = request.num_scheduled_tokens
+        return min(
+            request.num_prefill_tokens - start,
+            self._cfg.max_chunk_tokens,
+            self._limit - start % self._limit,
+        )
+
+    def fixed(self, request: Request, draft: Draft) -> int:
+        """Chunk under a token budget (``chunk_size`` > 0) or no chunking (0)."""
+        size = self._cfg.chunk_size
+        assert size is not None
+        room = request.num_prefill_tokens - request.num_scheduled_tokens
+        room = min(room, self._limit - request.num_scheduled_tokens % self._limit)
+        if size == 0:
+            fits = draft.num_prefills == 0 or draft.num_tokens + room <= self._cfg.max_chunk_tokens
+            return room if fits else 0
+        return max(0, min(room, size - draft.num_tokens))
+
+    def adaptive(
+        self, request: Request, groups: tuple[int, ...], draft: Draft, now: float
+    ) -> tuple[int, bool]:
+        """``(chunk, is_long)``: the largest grid chunk that keeps the draft in budget."""
+        start = request.num_scheduled_tokens
+        active = groups[: start // self._limit + 1]
+        is_long = request.num_prefill_tokens >= self._cfg.long_prefill_threshold
+        if is_long and draft.long_groups.intersection(active):
+            return 0, is_long
+        target = draft.target
+        if is_long and self._policy.space_sharing:
+            rho = min(self._cfg.max_space_share, max(0.0, relative_slack(request, now)))
+            target *= 1.0 - rho
+        cost = draft.cost
+        if cost.time >= target:
+            return 0, is_long
+
+        def fits(n: int) -> bool:
+            return cost.time_with(chunk_works(groups, start, n, self._limit)) <= target
+
+        return largest_fitting_chunk(self.room(request), self._cfg.token_grid, fits), is_long

@@ -1,0 +1,116 @@
+"""Predicted prefill time of a request alone, with adaptive chunking (Alg. 3).
+
+The table is built in one pass: a request of unbounded length is chunked
+exactly as the packer would chunk it alone (the largest grid chunk whose
+predicted time fits T, never crossing a KVP shard), and the cumulative time
+is recorded at every chunk boundary ``b_k``. A prompt of length ``L`` with
+``b_k <= L < b_{k+1}`` takes ``C(b_k)`` plus one last, shorter chunk of
+``L - b_k`` tokens at KV ``b_k`` (the last-chunk correction). ``C`` is
+therefore exact at every length, non-decreasing, and ``C(0) = 0``.
+
+Lookups beyond the built range extend the same simulation on demand (the
+table doubles), so no length ever raises. Where even the smallest chunk
+alone exceeds T the simulation still advances by one grid chunk, and
+``max_feasible_tokens`` records the first such position: a prompt longer
+than that can never meet the budget, and the scheduler rejects it.
+
+With SPP depth ``s`` chunks overlap across stages, so the remaining time is
+``(C(P) - C(done)) / s`` plus a pipeline-fill term ``(1 - 1/s) * T``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from medha_sched.batch_cost import BatchCost, chunk_works
+from medha_sched.chunking import largest_fitting_chunk
+from medha_sched.cost.base import CostModel
+
+
+class PrefillTimeCache:
+    """Remaining prefill time of a request, in seconds.
+
+    Args:
+        model: the cost model.
+        target_time: the iteration budget T in seconds.
+        token_grid: chunk granularity in tokens.
+        max_chunk_tokens: the largest chunk.
+        group_token_limit: tokens per KVP shard (Gmax).
+        initial_tokens: length the table is first built to.
+    """
+
+    def __init__(
+        self,
+        model: CostModel,
+        *,
+        target_time: float,
+        token_grid: int,
+        max_chunk_tokens: int,
+        group_token_limit: int,
+        initial_tokens: int = 8192,
+    ) -> None:
+        self._model = model
+        self._target = target_time
+        self._grid = token_grid
+        self._max_chunk = max_chunk_tokens
+        self._limit = group_token_limit
+        self._spp = model.layout.spp
+        self._bounds: list[int] = [0]
+        self._cum: list[float] = [0.0]
+        self.max_feasible_tokens = math.inf
+        self._extend_to(initial_tokens)
+
+    @property
+    def built_tokens(self) -> int:
+        """Length up to which the table has been simulated."""
+        return self._bounds[-1]
+
+    def prefill_time(self, num_tokens: int) -> float:
+        """C(L): seconds to prefill ``num_tokens`` alone, stage time summed."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
+        if num_tokens > self._bounds[-1]:
+            self._extend_to(max(num_tokens, 2 * self._bounds[-1]))
+        k = bisect.bisect_right(self._bounds, num_tokens) - 1
+        base = self._bounds[k]
+        if base == num_tokens:
+            return self._cum[k]
+        return self._cum[k] + self._chunk_time(base, num_tokens - base)
+
+    def remaining_time(self, num_tokens: int, num_done: int) -> float:
+        """Predicted seconds to prefill positions ``[num_done, num_tokens)``.
+
+        Never negative, 0 when nothing is left, and non-decreasing in
+        ``num_tokens``.
+        """
+        if num_done < 0 or num_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got {num_tokens!r}, {num_done!r}")
+        if num_done >= num_tokens:
+            return 0.0
+        span = max(0.0, self.prefill_time(num_tokens) - self.prefill_time(num_done))
+        return span / self._spp + (1.0 - 1.0 / self._spp) * self._target
+
+    def _chunk_time(self, start: int, num_tokens: int) -> float:
+        kvp = self._model.layout.kvp
+        # Past kvp shards a request cannot exist; fold extra shards onto the
+        # groups so that lookups there stay defined and monotone.
+        groups = [i % kvp for i in range(start // self._limit + 1)]
+        cost = BatchCost(self._model, kvp)
+        return cost.time_with(chunk_works(groups, start, num_tokens, self._limit))
+
+    def _extend_to(self, num_tokens: int) -> None:
+        done, total = self._bounds[-1], self._cum[-1]
+        while done < num_tokens:
+            room = self._limit - done % self._limit
+            limit = min(self._max_chunk, room)
+            chunk = largest_fitting_chunk(
+                limit, self._grid, lambda n, d=done: self._chunk_time(d, n) <= self._target
+            )
+            if chunk == 0:
+                self.max_feasible_tokens = min(self.max_feasible_tokens, done)
+                chunk = min(self._grid, limit)
+            total += self._chunk_time(done, chunk)
+            done += chunk
+            self._bounds.append(done)
+            self._cum.append(total)

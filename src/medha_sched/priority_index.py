@@ -1,0 +1,379 @@
+"""Kinetic tournament tree over priority keys that are lines in time.
+
+Every policy gives item ``i`` the key ``key_i(t) = intercept_i + slope_i * t``
+(FCFS ``(arrival, 0)``, EDF ``(deadline, 0)``, SRPT ``(remaining, 0)``, LARS
+relative slack ``((a + D - w_rem) / W, -1 / W)``); smaller is served first and
+a static ``tiebreak`` tuple breaks ties. Keys change with time, so they are
+never cached as heap values: the leaves store the line parameters.
+
+Algorithm (Basch, Guibas & Hershberger, "Data structures for mobile data",
+1997). Leaves sit in a power-of-two array (doubled when full; freed slots are
+reused). Each internal node holds the slot of its subtree's winner at the
+structure's clock and a *certificate*: the time at which the loser of its match
+overtakes the winner (the crossing time when the loser's slope is smaller,
+else never). ``advance`` pops failed certificates from one global heap of
+``(time, node, version)`` entries in time order (stale entries are skipped by
+version) and replays the failed match and the matches above it while the
+winner changes. ``iter_sorted`` never touches the tree: a best-first search
+keeps a heap of disjoint subtrees keyed by their winners; popping one yields
+its winner and pushes the siblings on the path down to that winner's leaf.
+
+Robustness. A match between lines ``s`` and ``t`` with different slopes is
+decided by their crossing time ``tau = (b_t - b_s) / (m_s - m_t)``, computed by
+the very float expression that becomes the certificate, so a winner flips
+exactly when its certificate fails: float jitter near a crossing can neither
+leave the tree stale nor loop. At ``tau`` itself the smaller slope wins (it is
+smaller from then on); equal slopes compare intercepts, then tiebreaks. The
+order equals sorting by ``(b + m * t, tiebreak)`` except between keys that
+differ by rounding error (a few ulps of ``|b| + |m * t|``).
+
+Costs for ``n`` items: add/update/remove O(log n) matches; advance O(log n)
+per failed certificate (for fixed lines O(n log n) failures over all time);
+the first ``k`` items of ``iter_sorted`` O(k log n log k); ``peek`` O(1) after
+advancing.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
+from typing import Any, Generic, TypeVar
+
+__all__ = ["MAX_MAGNITUDE", "IndexStats", "KineticIndex"]
+
+K = TypeVar("K", bound=Hashable)
+
+MAX_MAGNITUDE = 1e300
+"""Largest accepted ``|intercept|`` / ``|slope|``: their differences stay finite."""
+
+_INF = math.inf
+_CHECK_RTOL = 1e-9
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Work counters of a :class:`KineticIndex` (they only grow; see ``reset``)."""
+
+    comparisons: int = 0
+    """Matches played at internal nodes (insert, update, remove, certificate failure)."""
+    key_evals: int = 0
+    """Subtree winners whose key ``iter_sorted`` evaluated."""
+    events: int = 0
+    """Certificate failures processed by ``advance``."""
+    rebuilds: int = 0
+    """Capacity doublings (each replays every match)."""
+
+    @property
+    def evaluations(self) -> int:
+        """Tree-node evaluations of any kind: ``comparisons + key_evals``."""
+        return self.comparisons + self.key_evals
+
+    def reset(self) -> None:
+        """Set every counter to zero."""
+        self.comparisons = self.key_evals = self.events = self.rebuilds = 0
+
+
+def _coordinate(item: object, name: str, value: object) -> float:
+    """``value`` as a float, or ValueError naming the item and the value."""
+    if type(value) is float:
+        x = value
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        x = float(value)
+    else:
+        raise ValueError(f"{name} of item {item!r} must be a real number, got {value!r}")
+    if not -MAX_MAGNITUDE <= x <= MAX_MAGNITUDE:
+        raise ValueError(
+            f"{name} of item {item!r} must be finite with magnitude <= {MAX_MAGNITUDE:g}, "
+            f"got {value!r}"
+        )
+    return x
+
+
+def _time(value: object) -> float:
+    """A finite time as a float, or ValueError naming it."""
+    if type(value) is float:
+        t = value
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        t = float(value)
+    else:
+        raise ValueError(f"time must be a real number, got {value!r}")
+    if not math.isfinite(t):
+        raise ValueError(f"time must be finite, got {value!r}")
+    return t
+
+
+class KineticIndex(Generic[K]):
+    """Items ordered by ``intercept + slope * t`` at a clock that only moves forward.
+
+    Mutating the index (``add``, ``update``, ``remove``, or ``advance`` to a
+    later time) while an ``iter_sorted`` generator is live makes that
+    generator's next step raise RuntimeError; abandoned generators are harmless,
+    so collect candidates first and mutate afterwards.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        """An empty index whose clock starts at ``start``."""
+        self._clock = _time(start)
+        self._slot: dict[K, int] = {}
+        self._items: list[Any] = [None]
+        self._b: list[float] = [0.0]
+        self._m: list[float] = [0.0]
+        self._tb: list[tuple[Any, ...]] = [()]
+        self._free: list[int] = [0]
+        self._cap = 1
+        self._win: list[int] = [-1, -1]  # node -> winning slot; leaves at cap + slot
+        self._ver: list[int] = [0]
+        self._cert: list[float] = [_INF]
+        self._events: list[tuple[float, int, int]] = []
+        self._epoch = 0
+        self.stats = IndexStats()
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def clock(self) -> float:
+        """The time the tree is valid at (the latest ``advance``)."""
+        return self._clock
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._slot
+
+    def key_of(self, item: K, now: float) -> float:
+        """``intercept + slope * now`` of ``item`` (pure: does not advance)."""
+        slot = self._lookup(item)
+        return self._b[slot] + self._m[slot] * now
+
+    def peek(self, now: float) -> K | None:
+        """Advance to ``now`` and return the highest-priority item, or None if empty."""
+        self.advance(now)
+        slot = self._win[1]
+        return None if slot < 0 else self._items[slot]
+
+    def iter_sorted(self, now: float) -> Iterator[K]:
+        """Advance to ``now``; lazily yield items by increasing ``(key(now), tiebreak)``.
+
+        The first ``k`` items cost O(k log n log k); the tree is not modified.
+        """
+        self.advance(now)
+        return self._best_first()
+
+    # --------------------------------------------------------------- mutation
+
+    def add(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> None:
+        """Insert ``item`` with key line ``intercept + slope * t``."""
+        if item in self._slot:
+            raise ValueError(f"item {item!r} is already in the index")
+        b = _coordinate(item, "intercept", intercept)
+        m = _coordinate(item, "slope", slope)
+        if not isinstance(tiebreak, tuple):
+            raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self._slot[item] = slot
+        self._items[slot], self._b[slot], self._m[slot], self._tb[slot] = item, b, m, tiebreak
+        self._win[self._cap + slot] = slot
+        self._repair(slot)
+
+    def update(self, item: K, *, intercept: float, slope: float) -> None:
+        """Replace the key line of ``item`` (its tiebreak is kept)."""
+        slot = self._lookup(item)
+        b = _coordinate(item, "intercept", intercept)
+        m = _coordinate(item, "slope", slope)
+        if b == self._b[slot] and m == self._m[slot]:
+            return
+        self._b[slot], self._m[slot] = b, m
+        self._repair(slot)
+
+    def remove(self, item: K) -> None:
+        """Delete ``item``; ValueError if absent."""
+        slot = self._lookup(item)
+        del self._slot[item]
+        self._items[slot], self._tb[slot] = None, ()
+        self._win[self._cap + slot] = -1
+        self._free.append(slot)
+        self._repair(slot)
+
+    def discard(self, item: K) -> None:
+        """Delete ``item`` if present."""
+        if item in self._slot:
+            self.remove(item)
+
+    def advance(self, now: float) -> None:
+        """Move the clock to ``now``, replaying failed certificates in time order."""
+        now = _time(now)
+        if now < self._clock:
+            raise ValueError(f"time went backwards: now={now!r} < index clock={self._clock!r}")
+        if now == self._clock:
+            return
+        events, ver = self._events, self._ver
+        while events and events[0][0] <= now:
+            t, node, version = heappop(events)
+            if version == ver[node]:
+                self._clock = t
+                self.stats.events += 1
+                self._replay(node)
+        self._clock = now
+        self._epoch += 1
+        self._compact_events()
+
+    # --------------------------------------------------------------- internals
+
+    def _lookup(self, item: K) -> int:
+        slot = self._slot.get(item)
+        if slot is None:
+            raise ValueError(f"item {item!r} is not in the index")
+        return slot
+
+    def _match(self, a: int, c: int, now: float) -> tuple[int, float]:
+        """Winner of slots ``a`` vs ``c`` at ``now`` and the time the loser overtakes it."""
+        b, m = self._b, self._m
+        ma, mc = m[a], m[c]
+        if ma < mc:  # a is below c from tau on
+            tau = (b[c] - b[a]) / (ma - mc)
+            return (a, _INF) if now >= tau else (c, tau)
+        if ma > mc:  # c is below a from tau on
+            tau = (b[a] - b[c]) / (mc - ma)
+            return (c, _INF) if now >= tau else (a, tau)
+        tb = self._tb
+        return (a, _INF) if (b[a], tb[a], a) < (b[c], tb[c], c) else (c, _INF)
+
+    def _settle(self, node: int) -> None:
+        """Replay ``node``'s match at the clock and schedule its certificate."""
+        win = self._win
+        a, c = win[2 * node], win[2 * node + 1]
+        version = self._ver[node] + 1
+        self._ver[node] = version
+        if a < 0 or c < 0:
+            win[node], self._cert[node] = (c if a < 0 else a), _INF
+            return
+        self.stats.comparisons += 1
+        win[node], cert = self._match(a, c, self._clock)
+        self._cert[node] = cert
+        if cert < _INF:
+            heappush(self._events, (cert, node, version))
+
+    def _repair(self, slot: int) -> None:
+        """Replay the matches from ``slot``'s leaf up while ``slot`` can affect them.
+
+        Above a node whose winner is unchanged and is not ``slot``, nothing changed.
+        """
+        win = self._win
+        node = (self._cap + slot) >> 1
+        while node:
+            old = win[node]
+            self._settle(node)
+            if win[node] == old != slot:
+                break
+            node >>= 1
+        self._epoch += 1
+        self._compact_events()
+
+    def _replay(self, node: int) -> None:
+        """Handle ``node``'s failed certificate, moving up while its winner changes."""
+        win = self._win
+        while True:
+            old = win[node]
+            self._settle(node)
+            if node == 1 or win[node] == old:
+                return
+            node >>= 1
+
+    def _grow(self) -> None:
+        """Double the capacity and replay every match (amortised O(1) per add)."""
+        old, cap = self._cap, 2 * self._cap
+        pad = cap - old
+        self._items += [None] * pad
+        self._b += [0.0] * pad
+        self._m += [0.0] * pad
+        self._tb += [()] * pad
+        self._free.extend(range(cap - 1, old - 1, -1))
+        win = [-1] * (2 * cap)
+        win[cap : cap + old] = self._win[old : 2 * old]
+        self._win, self._ver, self._cert, self._events = win, [0] * cap, [_INF] * cap, []
+        self._cap = cap
+        for node in range(cap - 1, 0, -1):
+            self._settle(node)
+        self.stats.rebuilds += 1
+        self._epoch += 1
+
+    def _compact_events(self) -> None:
+        """Drop stale heap entries once they outnumber the nodes."""
+        if len(self._events) > 2 * self._cap + 32:
+            ver = self._ver
+            self._events = [(c, n, ver[n]) for n, c in enumerate(self._cert) if c < _INF]
+            heapify(self._events)
+
+    def _best_first(self) -> Iterator[K]:
+        """Best-first enumeration over subtrees (see the module docstring)."""
+        epoch, now, cap, win = self._epoch, self._clock, self._cap, self._win
+        b, m, tb, items, stats = self._b, self._m, self._tb, self._items, self.stats
+        heap: list[tuple[float, float, float, tuple[Any, ...], int]] = []
+        if (s := win[1]) >= 0:
+            stats.key_evals += 1
+            heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], 1))
+        while heap:
+            node = heappop(heap)[4]
+            s = win[node]
+            yield items[s]
+            if self._epoch != epoch:
+                raise RuntimeError("KineticIndex was modified while iter_sorted was running")
+            leaf = cap + s
+            for shift in range(leaf.bit_length() - node.bit_length() - 1, -1, -1):
+                sib = (leaf >> shift) ^ 1
+                if (w := win[sib]) >= 0:
+                    stats.key_evals += 1
+                    heappush(heap, (b[w] + m[w] * now, m[w], b[w], tb[w], sib))
+
+    # ----------------------------------------------------------------- testing
+
+    def check(self) -> None:
+        """Verify every invariant by brute force at the clock; AssertionError if broken."""
+        self._check_leaves()
+        cap, win, now = self._cap, self._win, self._clock
+        live = {e for e in self._events if e[2] == self._ver[e[1]]}
+        best = [_INF] * (2 * cap)  # brute-force minimum key per subtree
+        for slot in range(cap):
+            if win[cap + slot] >= 0:
+                best[cap + slot] = self._b[slot] + self._m[slot] * now
+        for node in range(cap - 1, 0, -1):
+            best[node] = min(best[2 * node], best[2 * node + 1])
+            self._check_node(node, live, best[node])
+
+    def _check_leaves(self) -> None:
+        cap, win = self._cap, self._win
+        occupied = {s for s in range(cap) if win[cap + s] >= 0}
+        _require(all(win[cap + s] in (s, -1) for s in range(cap)), "leaf winner is not its slot")
+        _require(occupied == set(self._slot.values()), "occupied leaves differ from the items")
+        _require(occupied.isdisjoint(self._free), "a free slot is occupied")
+        _require(len(occupied) + len(self._free) == cap, "slots lost from the free list")
+        for item, slot in self._slot.items():
+            _require(self._items[slot] == item, f"slot {slot} does not hold item {item!r}")
+
+    def _check_node(self, node: int, live: set[tuple[float, int, int]], best: float) -> None:
+        win, now = self._win, self._clock
+        a, c = win[2 * node], win[2 * node + 1]
+        if a < 0 or c < 0:
+            want, cert = (c if a < 0 else a), _INF
+        else:
+            want, cert = self._match(a, c, now)
+        _require(win[node] == want, f"node {node}: winner {win[node]} but the match gives {want}")
+        _require(self._cert[node] == cert, f"node {node}: certificate {self._cert[node]} != {cert}")
+        if cert < _INF:
+            _require(cert > now, f"node {node}: certificate {cert} is not after the clock {now}")
+            _require((cert, node, self._ver[node]) in live, f"node {node}: certificate unscheduled")
+        if want >= 0:
+            b, m = self._b[want], self._m[want]
+            slack = _CHECK_RTOL * max(1.0, abs(b) + abs(m * now))
+            _require(b + m * now <= best + slack, f"node {node}: winner is not the subtree minimum")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)

@@ -1,0 +1,55 @@
+"""The prefill queue: strict priority classes, each a kinetic index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from medha_sched.policies.base import Policy
+from medha_sched.priority_index import KineticIndex
+from medha_sched.request import Request
+
+
+class PrefillQueue:
+    """Requests with prompt tokens left to issue, in policy order.
+
+    A more important class (lower ``priority``) always comes first; inside a
+    class the policy's time-dependent key decides, ties by arrival then order
+    of insertion.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+        self._classes: dict[int, KineticIndex[str]] = {}
+        self._where: dict[str, int] = {}
+        self._requests: dict[str, Request] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._where
+
+    def push(self, request: Request) -> None:
+        """Insert, or refresh the key of a request whose progress changed."""
+        intercept, slope = self._policy.line(request)
+        rid = request.request_id
+        if rid in self._where:
+            self._classes[self._where[rid]].update(rid, intercept=intercept, slope=slope)
+            return
+        index = self._classes.setdefault(request.priority, KineticIndex())
+        self._seq += 1
+        index.add(rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, self._seq))
+        self._where[rid] = request.priority
+        self._requests[rid] = request
+
+    def remove(self, request_id: str) -> None:
+        if request_id in self._where:
+            self._classes[self._where.pop(request_id)].remove(request_id)
+            del self._requests[request_id]
+
+    def iter_sorted(self, now: float) -> Iterator[Request]:
+        """Requests in service order at time ``now``; do not mutate while iterating."""
+        for priority in sorted(self._classes):
+            for rid in self._classes[priority].iter_sorted(now):
+                yield self._requests[rid]

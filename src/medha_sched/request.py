@@ -1,0 +1,139 @@
+"""A request and its progress cursors.
+
+Progress is counted one way: ``num_computed_tokens`` against ``num_tokens``.
+There are no prefill or decode flags; a request is *prefilling* while its
+issued cursor is below ``num_prefill_tokens``. With stream pipelining a chunk
+is first *issued* (``num_scheduled_tokens``), then clears stage 0
+(``num_stage0_tokens``, after which the next chunk may be issued), then leaves
+the pipeline (``num_computed_tokens``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request, as the scheduler sees it.
+
+    Attributes:
+        request_id: unique id.
+        arrival_time: seconds, on the scheduler's clock.
+        num_prompt_tokens: length of the original prompt.
+        max_output_tokens: generation stops after this many tokens.
+        prompt_token_ids: the prompt, or ``None`` when only lengths matter
+            (simulation).
+        ttft_slo: relative TTFT deadline D in seconds, or ``None`` to derive
+            D = max(m * p, min_deadline) at arrival.
+        tpot_slo: per-token latency target in seconds, or ``None``.
+        priority: strict class; lower numbers are served first.
+    """
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    max_output_tokens: int
+    prompt_token_ids: tuple[int, ...] | None = None
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    num_stage0_tokens: int = 0
+    num_computed_tokens: int = 0
+    # Tokens to prefill: the prompt, or after a preemption by recompute every
+    # token so far. A request's chunks sum exactly to this.
+    num_prefill_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Set by the scheduler when the request arrives; fixed across preemptions.
+    deadline: float = math.inf
+    # Predicted prefill work in seconds: of the whole current prompt, and left.
+    total_work: float = 0.0
+    remaining_work: float = 0.0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    @classmethod
+    def from_tokens(
+        cls, request_id: str, arrival_time: float, prompt_token_ids: Sequence[int], **kwargs: object
+    ) -> Request:
+        """A request whose prompt is given as token ids."""
+        ids = tuple(int(t) for t in prompt_token_ids)
+        return cls(request_id, arrival_time, len(ids), prompt_token_ids=ids, **kwargs)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        if not _finite(self.arrival_time):
+            raise ValueError(f"arrival_time must be finite, got {self.arrival_time!r}")
+        if not isinstance(self.num_prompt_tokens, int) or self.num_prompt_tokens < 1:
+            raise ValueError(
+                f"request {self.request_id!r}: prompt must have >= 1 token, "
+                f"got {self.num_prompt_tokens!r}"
+            )
+        if not isinstance(self.max_output_tokens, int) or self.max_output_tokens < 1:
+            raise ValueError(
+                f"request {self.request_id!r}: max_output_tokens must be >= 1, "
+                f"got {self.max_output_tokens!r}"
+            )
+        for name in ("ttft_slo", "tpot_slo"):
+            value = getattr(self, name)
+            if value is not None and (not _finite(value) or value <= 0):
+                raise ValueError(f"request {self.request_id!r}: {name} must be > 0, got {value!r}")
+        if not isinstance(self.priority, int):
+            raise ValueError(f"request {self.request_id!r}: priority must be an int")
+        if self.num_prefill_tokens == 0:
+            self.num_prefill_tokens = self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: everything whose KV will exist."""
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Derived, not stored: the issued cursor is still inside the prompt."""
+        return self.num_scheduled_tokens < self.num_prefill_tokens
+
+    @property
+    def num_remaining_prompt_tokens(self) -> int:
+        return self.num_prefill_tokens - self.num_scheduled_tokens
+
+    @property
+    def in_flight(self) -> bool:
+        """Tokens issued that have not left the pipeline."""
+        return self.num_scheduled_tokens > self.num_computed_tokens
+
+    def token_ids(self, start: int, stop: int) -> tuple[int, ...]:
+        """Token ids at positions [start, stop), or () when ids are unknown."""
+        if self.prompt_token_ids is None:
+            return ()
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        full = prompt + tuple(self.output_token_ids)
+        return full[start:stop]
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

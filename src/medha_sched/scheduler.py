@@ -1,0 +1,366 @@
+"""The scheduler: requests in, plain-data batches out.
+
+``schedule(now)`` forms one batch (a frozen :class:`ScheduleOutput`);
+``on_stage_end`` says a batch cleared pipeline stage 0 (a prefill's next
+chunk may then be issued); ``on_batch_end`` brings the results back. Nothing
+here knows about tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medha_sched.batch_cost import BatchCost, chunk_works
+from medha_sched.config import CacheConfig, SchedulerConfig
+from medha_sched.cost.base import CostModel
+from medha_sched.errors import RequestTooLongError, SchedulerError
+from medha_sched.kv_memory import KVBlockManager
+from medha_sched.output import BatchResult, ScheduledChunk, ScheduleOutput
+from medha_sched.packer import ChunkSizer, Draft
+from medha_sched.policies import get_policy
+from medha_sched.prefill_cache import PrefillTimeCache
+from medha_sched.queue import PrefillQueue
+from medha_sched.request import Request, RequestStatus
+
+
+@dataclass
+class _InFlight:
+    entries: list[tuple[Request, int, int, bool]]  # request, start, tokens, samples
+    stage0_cleared: bool = False
+
+
+class Scheduler:
+    """Medha's replica scheduler.
+
+    Args:
+        config: batching policy and budget.
+        cost_model: predicts iteration times; its ``layout`` gives tp/spp/kvp.
+        cache: KV memory per KVP group.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, cost_model: CostModel, *, cache: CacheConfig | None = None
+    ) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.cache = cache if cache is not None else CacheConfig()
+        self.layout = cost_model.layout
+        self.policy = get_policy(config.policy)
+        self.memory = KVBlockManager(self.cache, num_groups=self.layout.kvp)
+        self.group_limit = self.cache.group_token_limit
+        self.prefill_times = PrefillTimeCache(
+            cost_model,
+            target_time=config.target_batch_time,
+            token_grid=config.token_grid,
+            max_chunk_tokens=config.max_chunk_tokens,
+            group_token_limit=self.group_limit,
+        )
+        self._sizer = ChunkSizer(config, self.policy, self.group_limit)
+        self._queue = PrefillQueue(self.policy)
+        self._requests: dict[str, Request] = {}
+        self._running: dict[str, Request] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._abort_pending: set[str] = set()
+        self._next_batch_id = 0
+        self._clock = float("-inf")
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- intake
+    @property
+    def max_context_tokens(self) -> int:
+        """Most tokens (prompt + output) one request may ever hold."""
+        return self.layout.kvp * self.group_limit
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt that can be admitted (whole-prompt reservation)."""
+        usable = (
+            self.cache.num_blocks_per_group - self.cache.watermark_blocks
+        ) * self.cache.block_size
+        prompt = self.max_context_tokens if usable >= self.group_limit else usable
+        if self.config.adaptive:
+            prompt = min(prompt, self.prefill_times.max_feasible_tokens)
+        return int(prompt)
+
+    def add_request(self, request: Request) -> None:
+        """Accept a new request; its deadline is fixed here for good."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise SchedulerError(f"request id {rid!r} is already in the scheduler")
+        self._check_fits(request)
+        p = self.prefill_times.remaining_time(request.num_prefill_tokens, 0)
+        if request.ttft_slo is not None:
+            d = request.ttft_slo
+        else:
+            d = max(self.config.deadline_multiplier * p, self.config.min_deadline)
+        request.deadline = request.arrival_time + d
+        request.total_work = request.remaining_work = p
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self._queue.push(request)
+
+    def _check_fits(self, request: Request) -> None:
+        total = request.num_prompt_tokens + request.max_output_tokens
+        if total > self.max_context_tokens:
+            raise RequestTooLongError(
+                f"request {request.request_id!r} needs {total} tokens (prompt "
+                f"{request.num_prompt_tokens} + max_output_tokens {request.max_output_tokens}) "
+                f"but the maximum context is {self.max_context_tokens} tokens"
+            )
+        if request.num_prefill_tokens > self.max_prompt_tokens:
+            raise RequestTooLongError(
+                f"request {request.request_id!r} has a {request.num_prefill_tokens}-token prompt; "
+                f"the longest prompt this configuration can prefill is {self.max_prompt_tokens} "
+                "tokens (KV memory, or a chunk alone exceeding target_batch_time)"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its KV is freed now, or when its in-flight batch ends."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if request.in_flight:
+            self._abort_pending.add(request_id)
+            self._queue.remove(request_id)
+        else:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    # ---------------------------------------------------------------- queries
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._requests) - len(self._running)
+
+    @property
+    def num_in_flight_batches(self) -> int:
+        return len(self._in_flight)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self, now: float) -> ScheduleOutput:
+        """Form the next batch at time ``now`` (seconds, never decreasing)."""
+        if now < self._clock:
+            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        self._clock = now
+        draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        preempted = self._pack_decodes(draft, now)
+        self._pack_prefills(draft, now)
+        return self._emit(draft, now, preempted)
+
+    def _target_time(self) -> float:
+        target = self.config.target_batch_time
+        for r in self._running.values():
+            if r.tpot_slo is not None and not r.is_prefilling:
+                target = min(target, r.tpot_slo)
+        return target
+
+    def _pack_decodes(self, draft: Draft, now: float) -> list[str]:
+        ready = [
+            r
+            for r in self._running.values()
+            if not r.is_prefilling and r.num_scheduled_tokens < r.num_tokens
+        ]
+        preempted: list[str] = []
+        for r in ready:
+            if r.status is RequestStatus.RUNNING:
+                preempted.extend(self._make_room(r, now))
+        cap = self.config.max_batch_requests
+        for r in ready:
+            if len(draft.entries) >= cap:
+                break
+            if r.status is RequestStatus.RUNNING:
+                groups = self.memory.groups_of(r.request_id)
+                draft.add(r, 1, chunk_works(groups, r.num_scheduled_tokens, 1, self.group_limit))
+        return preempted
+
+    def _make_room(self, request: Request, now: float) -> list[str]:
+        """Grow ``request`` by a block, preempting the worst requests if needed."""
+        victims: list[str] = []
+        while not self.memory.ensure_capacity(request.request_id, request.num_tokens):
+            victim = self._pick_victim(request, now)
+            self._preempt(victim)
+            victims.append(victim.request_id)
+            if victim is request:
+                break
+        return victims
+
+    def _pick_victim(self, needy: Request, now: float) -> Request:
+        groups = self.memory.groups_of(needy.request_id)
+        shard_full = needy.num_tokens > len(groups) * self.group_limit
+        holders = None if shard_full else self.memory.holders(groups[-1])
+        candidates = [
+            r
+            for r in self._running.values()
+            if not r.in_flight and (holders is None or r.request_id in holders)
+        ]
+        return max(candidates, key=lambda r: (self.policy.key(r, now), r.arrival_time))
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the KV, keep the deadline, prefill again."""
+        rid = request.request_id
+        self.memory.free(rid)
+        del self._running[rid]
+        request.num_prefill_tokens = request.num_tokens
+        request.num_scheduled_tokens = request.num_stage0_tokens = request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.total_work = request.remaining_work = self.prefill_times.remaining_time(
+            request.num_prefill_tokens, 0
+        )
+        self._queue.push(request)
+
+    def _pack_prefills(self, draft: Draft, now: float) -> None:
+        chosen: list[Request] = []
+        skips = 0
+        for r in self._queue.iter_sorted(now):
+            if len(draft.entries) >= self.config.max_batch_requests or self._budget_spent(draft):
+                break
+            if self._try_prefill(r, draft, now):
+                chosen.append(r)
+                skips = 0
+            else:
+                skips += 1
+                if skips >= self.config.max_consecutive_skips:
+                    break
+        for r in chosen:
+            self._queue.remove(r.request_id)
+
+    def _budget_spent(self, draft: Draft) -> bool:
+        if self.config.adaptive:
+            return draft.cost.time >= draft.target
+        size = self.config.chunk_size
+        return size is not None and size > 0 and draft.num_tokens >= size
+
+    def _try_prefill(self, request: Request, draft: Draft, now: float) -> bool:
+        rid = request.request_id
+        admitted_now = False
+        if rid not in self._running:
+            if not self.memory.admit(rid, request.num_prefill_tokens):
+                return False
+            admitted_now = True
+        groups = self.memory.groups_of(rid)
+        if self.config.adaptive:
+            n, is_long = self._sizer.adaptive(request, groups, draft, now)
+        else:
+            n, is_long = self._sizer.fixed(request, draft), False
+        if n == 0:
+            if admitted_now:
+                self.memory.free(rid)
+            return False
+        if admitted_now:
+            self._running[rid] = request
+            request.status = RequestStatus.RUNNING
+        start = request.num_scheduled_tokens
+        if is_long:
+            draft.long_groups.update(groups[: start // self.group_limit + 1])
+        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
+        draft.num_prefills += 1
+        return True
+
+    def _emit(self, draft: Draft, now: float, preempted: list[str]) -> ScheduleOutput:
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        chunks = []
+        entries = []
+        for r, n in draft.entries:
+            start = r.num_scheduled_tokens
+            samples = start + n == r.num_tokens
+            groups = self.memory.groups_of(r.request_id)[: start // self.group_limit + 1]
+            chunks.append(
+                ScheduledChunk(
+                    r.request_id,
+                    start,
+                    n,
+                    groups,
+                    self.memory.pop_new_blocks(r.request_id),
+                    r.token_ids(start, start + n),
+                    samples,
+                )
+            )
+            r.num_scheduled_tokens = start + n
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            entries.append((r, start, n, samples))
+        if entries:
+            self._in_flight[batch_id] = _InFlight(entries)
+        return ScheduleOutput(
+            batch_id, now, tuple(chunks), tuple(preempted), draft.cost.time, draft.target
+        )
+
+    # ---------------------------------------------------------------- results
+    def on_stage_end(self, batch_id: int, *, stage: int = 0) -> None:
+        """Batch ``batch_id`` cleared pipeline ``stage``; stage 0 frees its prefills."""
+        batch = self._in_flight.get(batch_id)
+        if batch is None:
+            raise SchedulerError(f"unknown or finished batch id {batch_id!r}")
+        if stage != 0 or batch.stage0_cleared:
+            return
+        batch.stage0_cleared = True
+        for r, _, n, _ in batch.entries:
+            r.num_stage0_tokens += n
+            live = r.status is RequestStatus.RUNNING and r.request_id not in self._abort_pending
+            if live and r.is_prefilling:
+                self._refresh_work(r)
+                self._queue.push(r)
+
+    def on_batch_end(self, batch_id: int, result: BatchResult) -> tuple[str, ...]:
+        """Take a batch's results back; returns the ids of requests that finished."""
+        if batch_id not in self._in_flight:
+            raise SchedulerError(f"unknown or finished batch id {batch_id!r}")
+        self.on_stage_end(batch_id, stage=0)
+        batch = self._in_flight.pop(batch_id)
+        self._check_result(batch, result)
+        finished: list[str] = []
+        for r, _, n, samples in batch.entries:
+            r.num_computed_tokens += n
+            status = self._after_compute(r, samples, result)
+            if status is not None:
+                self._finish(r, status)
+                finished.append(r.request_id)
+        return tuple(finished)
+
+    def _check_result(self, batch: _InFlight, result: BatchResult) -> None:
+        for r, _, _, samples in batch.entries:
+            if samples and r.request_id not in result.sampled_token_ids:
+                raise SchedulerError(
+                    f"batch result has no sampled token for request {r.request_id!r}"
+                )
+
+    def _after_compute(
+        self, request: Request, samples: bool, result: BatchResult
+    ) -> RequestStatus | None:
+        rid = request.request_id
+        if rid in self._abort_pending and not request.in_flight:
+            self._abort_pending.discard(rid)
+            return RequestStatus.FINISHED_ABORTED
+        if not samples or request.status is not RequestStatus.RUNNING:
+            return None
+        request.output_token_ids.append(int(result.sampled_token_ids[rid]))
+        if rid in result.stopped:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _refresh_work(self, request: Request) -> None:
+        request.remaining_work = self.prefill_times.remaining_time(
+            request.num_prefill_tokens, request.num_scheduled_tokens
+        )
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        rid = request.request_id
+        self._queue.remove(rid)
+        if rid in self._running:
+            self.memory.free(rid)
+            del self._running[rid]
+        request.status = status
+        self._requests.pop(rid, None)

@@ -1,0 +1,220 @@
+"""Drive a Scheduler like an executor would, checking invariants on every batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from medha_sched.batch_cost import chunk_works
+from medha_sched.cost.base import BatchWork, RequestWork
+from medha_sched.output import BatchResult, ScheduleOutput
+from medha_sched.policies import relative_slack
+from medha_sched.request import Request
+from medha_sched.scheduler import Scheduler
+
+EPS = 1e-9
+
+
+@dataclass
+class Trace:
+    outputs: list[ScheduleOutput] = field(default_factory=list)
+    finished: dict[str, Request] = field(default_factory=dict)
+    deadlines: dict[str, float] = field(default_factory=dict)
+    prefill_sums: dict[str, int] = field(default_factory=dict)
+    iterations: int = 0
+
+
+def batch_work(sched: Scheduler, out: ScheduleOutput, upto: int | None = None) -> BatchWork:
+    groups: list[list[RequestWork]] = [[] for _ in range(sched.layout.kvp)]
+    for chunk in out.chunks[:upto]:
+        for g, q, kv, tail in chunk_works(
+            chunk.kvp_groups, chunk.start, chunk.num_tokens, sched.group_limit
+        ):
+            groups[g].append(RequestWork(q, kv, tail))
+    return BatchWork(groups=tuple(tuple(x) for x in groups))
+
+
+def with_chunk(sched: Scheduler, base: BatchWork, groups, start: int, n: int) -> BatchWork:
+    items = [list(x) for x in base.groups]
+    for g, q, kv, tail in chunk_works(groups, start, n, sched.group_limit):
+        items[g].append(RequestWork(q, kv, tail))
+    return BatchWork(groups=tuple(tuple(x) for x in items))
+
+
+class Checker:
+    """Checks one batch against the scheduler's state just before and after it."""
+
+    def __init__(self, sched: Scheduler, trace: Trace) -> None:
+        self.s = sched
+        self.t = trace
+
+    def before(self) -> dict[str, Request]:
+        """Snapshot of decode-ready requests."""
+        return {
+            r.request_id: r
+            for r in self.s._running.values()
+            if not r.is_prefilling and r.num_scheduled_tokens < r.num_tokens
+        }
+
+    def check(self, out: ScheduleOutput, ready: dict[str, Request], starts: dict) -> None:
+        s, cfg = self.s, self.s.config
+        ready = {k: v for k, v in ready.items() if k not in out.preempted}
+        ids = [c.request_id for c in out.chunks]
+        assert len(ids) == len(set(ids)), f"request twice in batch {out.batch_id}: {ids}"
+        assert len(ids) <= cfg.max_batch_requests
+        decode_ids = [c.request_id for c in out.chunks if c.request_id in ready]
+        n_dec = len(decode_ids)
+        assert ids[:n_dec] == decode_ids, "decodes must come first"
+        missing = set(ready) - set(decode_ids) - set(out.preempted)
+        assert not missing or len(ids) >= cfg.max_batch_requests, f"decodes left out: {missing}"
+        for c in out.chunks:
+            r = starts[c.request_id][0]
+            assert c.num_tokens >= 1
+            assert not r.status.finished or c.request_id in s._requests
+            expected = 0 if c.request_id in out.preempted else starts[c.request_id][1]
+            assert c.start == expected, "chunk must start at the issued cursor"
+            if c.request_id not in ready:
+                assert c.start + c.num_tokens <= r.num_prefill_tokens, "chunk beyond prompt"
+                lo = c.start // s.group_limit
+                assert (c.start + c.num_tokens - 1) // s.group_limit == lo, "chunk crosses shard"
+        self._check_budget(out, n_dec, starts)
+        self._check_long(out, n_dec)
+        s.memory.check_invariants()
+        for g in range(s.layout.kvp):
+            assert s.memory.num_used_blocks(g) <= s.cache.num_blocks_per_group
+
+    def _check_budget(self, out: ScheduleOutput, n_dec: int, starts: dict) -> None:
+        s = self.s
+        full = s.cost_model.predict(batch_work(s, out))
+        assert math.isclose(full, out.predicted_time, rel_tol=1e-9, abs_tol=1e-12)
+        if not s.config.adaptive:
+            return
+        if len(out.chunks) > n_dec:
+            assert out.predicted_time <= out.target_time * (1 + EPS), (
+                f"batch {out.batch_id} over budget: {out.predicted_time} > {out.target_time}"
+            )
+        for i in range(n_dec, len(out.chunks)):
+            self._check_optimal(out, i, starts)
+
+    def _target_for(self, r: Request, out: ScheduleOutput) -> float:
+        s = self.s
+        target = out.target_time
+        if r.num_prefill_tokens >= s.config.long_prefill_threshold and s.policy.space_sharing:
+            rho = min(s.config.max_space_share, max(0.0, relative_slack(r, out.time)))
+            target *= 1 - rho
+        return target
+
+    def _check_optimal(self, out: ScheduleOutput, i: int, starts: dict) -> None:
+        """The chunk is the largest grid chunk that fits its target."""
+        s, c = self.s, out.chunks[i]
+        r = starts[c.request_id][0]
+        target = self._target_for(r, out)
+        prefix = batch_work(s, out, upto=i)
+        t_with = s.cost_model.predict(with_chunk(s, prefix, c.kvp_groups, c.start, c.num_tokens))
+        assert t_with <= target * (1 + EPS), "chunk overshoots its own target"
+        limit = min(
+            r.num_prefill_tokens - c.start,
+            s.config.max_chunk_tokens,
+            s.group_limit - c.start % s.group_limit,
+        )
+        if c.num_tokens >= limit:
+            return
+        grid = s.config.token_grid
+        assert c.num_tokens % grid == 0, f"non-final chunk {c.num_tokens} off the grid"
+        bigger = min(c.num_tokens + grid, limit)
+        t_big = s.cost_model.predict(with_chunk(s, prefix, c.kvp_groups, c.start, bigger))
+        assert t_big > target * (1 - EPS), f"chunk {c.num_tokens} not maximal: {bigger} fits"
+
+    def _check_long(self, out: ScheduleOutput, n_dec: int) -> None:
+        s = self.s
+        if not s.config.adaptive:
+            return
+        seen: set[int] = set()
+        for c in out.chunks[n_dec:]:
+            r = s._requests.get(c.request_id)
+            if r is None or r.num_prefill_tokens < s.config.long_prefill_threshold:
+                continue
+            assert not seen.intersection(c.kvp_groups), "two long prefills share a KVP group"
+            seen.update(c.kvp_groups)
+
+
+def token_for(request_id: str, position: int) -> int:
+    return (hash((request_id, position)) & 0xFFFF) + 1
+
+
+def run(sched: Scheduler, requests: list[Request], *, max_iters: int = 20_000) -> Trace:
+    """Run to completion with an executor that takes ``predicted_time`` per batch.
+
+    With SPP depth s, a batch clears stage 0 after predicted/s and leaves the
+    pipeline after predicted; up to s batches are in flight.
+    """
+    trace = Trace()
+    checker = Checker(sched, trace)
+    pending = sorted(requests, key=lambda r: r.arrival_time)
+    now, spp = 0.0, sched.layout.spp
+    in_flight: list[tuple[float, float, int]] = []  # (stage0 end, end, batch id)
+    while pending or sched.has_unfinished_requests():
+        trace.iterations += 1
+        assert trace.iterations <= max_iters, "no progress: liveness violated"
+        while pending and pending[0].arrival_time <= now:
+            r = pending.pop(0)
+            sched.add_request(r)
+            trace.deadlines[r.request_id] = r.deadline
+        out = None
+        if len(in_flight) < spp:
+            ready = checker.before()
+            starts = {r.request_id: (r, r.num_scheduled_tokens) for r in sched._requests.values()}
+            out = sched.schedule(now)
+            checker.check(out, ready, starts)
+            trace.outputs.append(out)
+            _track_prefill(trace, out, ready, starts)
+            if out.chunks:
+                stage = out.predicted_time / spp
+                in_flight.append((now + stage, now + out.predicted_time, out.batch_id))
+        for rid, d in trace.deadlines.items():
+            r = sched.get_request(rid)
+            if r is not None:
+                assert r.deadline == d, f"deadline of {rid} moved"
+        now = _advance(sched, trace, in_flight, pending, now, idle=out is None or not out.chunks)
+    return trace
+
+
+def _track_prefill(trace: Trace, out: ScheduleOutput, ready: dict, starts: dict) -> None:
+    ready = {k: v for k, v in ready.items() if k not in out.preempted}
+    for rid in out.preempted:
+        trace.prefill_sums.pop(rid, None)
+    for c in out.chunks:
+        if c.request_id in ready:
+            continue
+        total = trace.prefill_sums.get(c.request_id, 0) + c.num_tokens
+        r = starts[c.request_id][0]
+        if c.start == 0:
+            total = c.num_tokens
+        assert total == c.start + c.num_tokens, "chunks must be contiguous"
+        trace.prefill_sums[c.request_id] = total
+        if c.samples:
+            assert total == r.num_prefill_tokens, "chunks must sum to the prompt"
+
+
+def _advance(sched, trace, in_flight, pending, now, *, idle) -> float:
+    events = [s0 for s0, _, _ in in_flight if s0 > now] + [end for _, end, _ in in_flight]
+    if pending:
+        events.append(pending[0].arrival_time)
+    if not events:
+        return now + 1e-3  # nothing will happen: the liveness bound catches a stall
+    nxt = max(min(events), now)
+    for s0, _, bid in in_flight:
+        if s0 <= nxt:
+            sched.on_stage_end(bid)
+    for e in [e for e in in_flight if e[1] <= nxt]:
+        in_flight.remove(e)
+        _finish_batch(sched, trace, e[2])
+    return nxt
+
+
+def _finish_batch(sched: Scheduler, trace: Trace, batch_id: int) -> None:
+    out = next(o for o in reversed(trace.outputs) if o.batch_id == batch_id)
+    sampled = {c.request_id: token_for(c.request_id, c.start) for c in out.chunks if c.samples}
+    requests = {c.request_id: sched.get_request(c.request_id) for c in out.chunks}
+    for rid in sched.on_batch_end(batch_id, BatchResult(sampled_token_ids=sampled)):
+        trace.finished[rid] = requests[rid]
