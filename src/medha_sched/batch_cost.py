@@ -64,14 +64,17 @@ class BatchCost:
     def _priced(self, works: Sequence[Work], *, commit: bool = False) -> dict[int, float]:
         agg = self._agg
         assert agg is not None
-        touched: dict[int, list[float]] = {}
+        features = agg.features
+        by_group: dict[int, list[tuple[float, ...]]] = {}
         for g, q, kv, tail in works:
-            totals = touched.get(g)
-            if totals is None:
+            feats = by_group.get(g)
+            if feats is None:
+                feats = by_group[g] = []
                 base = self._totals[g]
-                totals = touched[g] = list(base) if base is not None else [0.0] * agg.num_features
-            for i, f in enumerate(agg.features(q, kv, tail)):
-                totals[i] += f
+                if base is not None:
+                    feats.append(tuple(base))
+            feats.append(features(q, kv, tail))
+        touched = {g: list(map(sum, zip(*feats, strict=True))) for g, feats in by_group.items()}
         times = {g: agg.group_time(t) for g, t in touched.items()}
         if commit:
             for g, t in touched.items():

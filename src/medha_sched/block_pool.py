@@ -1,14 +1,13 @@
 """One KVP group's pool of KV blocks, with ownership tracking.
 
-Free block ids sit in a min-heap, so allocation always hands out the lowest
-free ids: the same sequence of calls gives the same block ids. Every owned
+Free block ids sit on a stack (lowest ids on top at the start), so the same
+sequence of calls always gives the same block ids, in O(1) per block. Every owned
 block records its owner, which makes a block owned twice or freed twice
 impossible rather than merely unlikely.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable, Iterable
 
 
@@ -20,7 +19,7 @@ class BlockPool:
     def __init__(self, group: int, num_blocks: int) -> None:
         self.group = group
         self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks))  # sorted, hence a valid heap
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
         self._owner: dict[int, Hashable] = {}
         self.num_allocs = 0  # blocks handed out, ever
         self.num_frees = 0  # blocks returned, ever
@@ -36,25 +35,31 @@ class BlockPool:
         return len(self._owner)
 
     def allocate(self, owner: Hashable, count: int) -> tuple[int, ...]:
-        """Give ``count`` free blocks (lowest ids first) to ``owner``."""
+        """Give ``count`` free blocks to ``owner`` (most recently freed first)."""
         if count > len(self._free):
             raise AssertionError(
                 f"group {self.group}: {count} blocks asked, only {len(self._free)} free"
             )
-        blocks = tuple(heapq.heappop(self._free) for _ in range(count))
-        for block in blocks:
-            self._owner[block] = owner
+        if count == 0:
+            return ()
+        blocks = tuple(reversed(self._free[-count:]))
+        del self._free[-count:]
+        self._owner.update(dict.fromkeys(blocks, owner))
         self.num_allocs += count
         return blocks
 
     def release(self, owner: Hashable, blocks: Iterable[int]) -> None:
         """Return ``blocks`` to the pool; each must be owned by ``owner``."""
+        owners = self._owner
+        released = []
         for block in blocks:
-            if self._owner.get(block, _NOBODY) != owner:
+            if owners.pop(block, _NOBODY) != owner:
+                for done in released:  # undo, so the pool stays consistent
+                    owners[done] = owner
                 raise AssertionError(f"group {self.group}: block {block} is not owned by {owner!r}")
-            del self._owner[block]
-            heapq.heappush(self._free, block)
-            self.num_frees += 1
+            released.append(block)
+        self._free.extend(reversed(released))
+        self.num_frees += len(released)
 
     def owner_of(self, block: int) -> Hashable | None:
         """The request owning ``block``, or None when it is free."""

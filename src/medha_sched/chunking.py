@@ -11,11 +11,14 @@ def largest_fitting_chunk(limit: int, grid: int, fits: Callable[[int], bool]) ->
     Candidates are ``grid, 2*grid, ...`` below ``limit``, and ``limit`` itself
     (a request's final piece, or the room left in its KVP shard). ``fits``
     must be monotone: if a chunk fits, every smaller one does. The search only
-    ever returns a chunk it has seen fit, so it never overshoots the budget;
-    it makes about ``log2(limit / grid) + 1`` calls.
+    ever returns a chunk it has seen fit, so it never overshoots the budget.
+    It tries ``limit`` first (a short prompt usually fits whole: one call),
+    then bisects: at most ``log2(limit / grid) + 2`` calls.
     """
     if limit <= 0:
         return 0
+    if fits(limit):
+        return limit
     count = -(-limit // grid)
 
     def candidate(i: int) -> int:
@@ -23,7 +26,7 @@ def largest_fitting_chunk(limit: int, grid: int, fits: Callable[[int], bool]) ->
 
     if not fits(candidate(0)):
         return 0
-    lo, hi = 0, count - 1  # candidate(lo) fits
+    lo, hi = 0, count - 2  # candidate(lo) fits; candidate(count - 1) == limit does not
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(candidate(mid)):

@@ -131,7 +131,7 @@ class SchedulerConfig:
     max_space_share: float = 0.5
     deadline_multiplier: float = 1.5
     min_deadline: float = 0.5
-    max_consecutive_skips: int = 32
+    max_consecutive_skips: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy:

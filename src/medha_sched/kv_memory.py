@@ -93,6 +93,11 @@ class KVBlockManager:
         """Whether :meth:`admit` of ``num_tokens`` tokens would succeed now."""
         return self._plan_admit(num_tokens, self._free_counts()) is not None
 
+    def plan_admit(self, num_tokens: int) -> tuple[int, ...] | None:
+        """The groups :meth:`admit` would give a prompt now, in shard order, or None."""
+        groups = self._plan_admit(num_tokens, self._free_counts())
+        return None if groups is None else tuple(groups)
+
     def can_ever_admit(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` tokens could be admitted into empty memory."""
         empty = [self.cache.num_blocks_per_group] * self.num_groups
@@ -125,8 +130,10 @@ class KVBlockManager:
         """
         entry = self._entry(request_id)
         _check_tokens(num_tokens)
-        if num_tokens <= self.num_tokens_capacity(request_id):
-            entry.tokens = max(entry.tokens, num_tokens)
+        capacity = (len(entry.groups) - 1) * self._g + len(entry.blocks[-1]) * self._bs
+        if num_tokens <= capacity:
+            if num_tokens > entry.tokens:
+                entry.tokens = num_tokens
             return True
         num_shards = -(-num_tokens // self._g)
         if num_shards > self.num_groups:
@@ -149,6 +156,26 @@ class KVBlockManager:
         entry.tokens = num_tokens
         return True
 
+    def ensure_capacity_many(self, wants: Iterable[tuple[Hashable, int]]) -> list[Hashable]:
+        """``ensure_capacity`` for many requests; returns the ids that could not grow.
+
+        The common case (room already there) costs one lookup per request.
+        """
+        failed = []
+        g, bs, entries = self._g, self._bs, self._entries
+        for request_id, num_tokens in wants:
+            entry = entries.get(request_id)
+            if (
+                entry is not None
+                and num_tokens <= (len(entry.groups) - 1) * g + len(entry.blocks[-1]) * bs
+            ):
+                if num_tokens > entry.tokens:
+                    entry.tokens = num_tokens
+                continue
+            if not self.ensure_capacity(request_id, num_tokens):
+                failed.append(request_id)
+        return failed
+
     def free(self, request_id: Hashable) -> None:
         """Return every block of the request to its group's pool, exactly once."""
         entry = self._entry(request_id)
@@ -160,6 +187,8 @@ class KVBlockManager:
     def pop_new_blocks(self, request_id: Hashable) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """``(group, block ids)`` allocated since the last call, in shard order."""
         entry = self._entry(request_id)
+        if not entry.pending:
+            return ()
         out = tuple((g, tuple(entry.pending[g])) for g in entry.groups if g in entry.pending)
         entry.pending.clear()
         return out

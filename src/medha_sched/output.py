@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Work for one request in one batch.
+class ScheduledChunk(NamedTuple):
+    """Work for one request in one batch (an immutable named tuple).
 
     Attributes:
         request_id: the request.

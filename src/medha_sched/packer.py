@@ -30,13 +30,34 @@ class Draft:
     target: float
     entries: list[tuple[Request, int]] = field(default_factory=list)
     long_groups: set[int] = field(default_factory=set)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_tokens: int = 0
     num_prefills: int = 0
+    # (group, kv, tokens, target) of smallest chunks that did not fit the
+    # draft as it is: any chunk on that group with at least that KV and
+    # tokens, against no larger a target, cannot fit either (monotone model).
+    misses: list[tuple[int, int, int, float]] = field(default_factory=list)
+    # Smallest chunk size that fits on no group even at KV 0 against the
+    # draft's target: no chunk at least this big can join (monotone model).
+    floor: int | None = None
+
+    def known_miss(self, group: int, kv: int, tokens: int, target: float) -> bool:
+        return any(
+            g == group and kv >= k and tokens >= q and target <= t for g, k, q, t in self.misses
+        )
 
     def add(self, request: Request, num_tokens: int, works: list[Work]) -> None:
+        self.misses.clear()
+        self.floor = None
         self.cost.add(works)
         self.entries.append((request, num_tokens))
         self.num_tokens += num_tokens
+
+    def add_decodes(self, requests: list[Request], works: list[Work]) -> None:
+        """Add one token for each of ``requests``, priced in a single pass."""
+        self.cost.add(works)
+        self.entries.extend((r, 1) for r in requests)
+        self.num_tokens += len(requests)
 
 
 class ChunkSizer:
@@ -83,8 +104,16 @@ class ChunkSizer:
         cost = draft.cost
         if cost.time >= target:
             return 0, is_long
+        limit = self.room(request)
+        smallest = min(self._cfg.token_grid, limit)
+        single = start < self._limit  # one shard: the draft's miss memo applies
+        if single and draft.known_miss(groups[0], start, smallest, target):
+            return 0, is_long
 
         def fits(n: int) -> bool:
             return cost.time_with(chunk_works(groups, start, n, self._limit)) <= target
 
-        return largest_fitting_chunk(self.room(request), self._cfg.token_grid, fits), is_long
+        chunk = largest_fitting_chunk(limit, self._cfg.token_grid, fits)
+        if chunk == 0 and single:
+            draft.misses.append((groups[0], start, smallest, target))
+        return chunk, is_long

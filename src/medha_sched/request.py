@@ -125,14 +125,18 @@ class Request:
         return self.num_scheduled_tokens > self.num_computed_tokens
 
     def token_ids(self, start: int, stop: int) -> tuple[int, ...]:
-        """Token ids at positions [start, stop), or () when ids are unknown."""
-        if self.prompt_token_ids is None:
-            return ()
+        """Token ids at positions [start, stop), or () when ids are unknown.
+
+        Costs O(stop - start), whatever the prompt's length.
+        """
         prompt = self.prompt_token_ids
-        if stop <= len(prompt):
+        if prompt is None:
+            return ()
+        n = len(prompt)
+        if stop <= n:
             return prompt[start:stop]
-        full = prompt + tuple(self.output_token_ids)
-        return full[start:stop]
+        tail = tuple(self.output_token_ids[max(0, start - n) : stop - n])
+        return prompt[start:] + tail if start < n else tail
 
 
 def _finite(x: object) -> bool:

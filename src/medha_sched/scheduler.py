@@ -166,19 +166,23 @@ class Scheduler:
         ready = [
             r
             for r in self._running.values()
-            if not r.is_prefilling and r.num_scheduled_tokens < r.num_tokens
+            if r.num_scheduled_tokens >= r.num_prefill_tokens
+            and r.num_scheduled_tokens < r.num_prompt_tokens + len(r.output_token_ids)
         ]
+        short = set(self.memory.ensure_capacity_many((r.request_id, r.num_tokens) for r in ready))
         preempted: list[str] = []
         for r in ready:
-            if r.status is RequestStatus.RUNNING:
+            if r.request_id in short and r.status is RequestStatus.RUNNING:
                 preempted.extend(self._make_room(r, now))
-        cap = self.config.max_batch_requests
-        for r in ready:
-            if len(draft.entries) >= cap:
-                break
-            if r.status is RequestStatus.RUNNING:
-                groups = self.memory.groups_of(r.request_id)
-                draft.add(r, 1, chunk_works(groups, r.num_scheduled_tokens, 1, self.group_limit))
+        chosen = [r for r in ready if r.status is RequestStatus.RUNNING]
+        chosen = chosen[: self.config.max_batch_requests]
+        works = []
+        groups_of, limit = self.memory.groups_of, self.group_limit
+        for r in chosen:
+            groups = groups_of(r.request_id)
+            draft.groups[r.request_id] = groups
+            works.extend(chunk_works(groups, r.num_scheduled_tokens, 1, limit))
+        draft.add_decodes(chosen, works)
         return preempted
 
     def _make_room(self, request: Request, now: float) -> list[str]:
@@ -221,44 +225,66 @@ class Scheduler:
     def _pack_prefills(self, draft: Draft, now: float) -> None:
         chosen: list[Request] = []
         skips = 0
+        grid = self.config.token_grid
         for r in self._queue.iter_sorted(now):
             if len(draft.entries) >= self.config.max_batch_requests or self._budget_spent(draft):
                 break
-            if self._try_prefill(r, draft, now):
-                chosen.append(r)
-                skips = 0
-            else:
-                skips += 1
-                if skips >= self.config.max_consecutive_skips:
-                    break
+            smallest = min(grid, r.num_remaining_prompt_tokens)
+            if draft.floor is None or smallest < draft.floor:
+                if self._try_prefill(r, draft, now):
+                    chosen.append(r)
+                    skips = 0
+                    continue
+                self._lower_floor(draft, smallest)
+            skips += 1
+            if skips >= self.config.max_consecutive_skips:
+                break
         for r in chosen:
             self._queue.remove(r.request_id)
 
     def _budget_spent(self, draft: Draft) -> bool:
-        if self.config.adaptive:
-            return draft.cost.time >= draft.target
-        size = self.config.chunk_size
-        return size is not None and size > 0 and draft.num_tokens >= size
+        """True when no prefill chunk at all can join the draft."""
+        if not self.config.adaptive:
+            size = self.config.chunk_size
+            return size is not None and size > 0 and draft.num_tokens >= size
+        if draft.cost.time >= draft.target:
+            return True
+        if draft.floor is None:
+            self._lower_floor(draft, 1)  # one token at KV 0 bounds any chunk's cost
+        return draft.floor == 1
+
+    def _lower_floor(self, draft: Draft, tokens: int) -> None:
+        """Record ``tokens`` as the draft's floor if such a chunk fits on no group."""
+        if not self.config.adaptive or (draft.floor is not None and draft.floor <= tokens):
+            return
+        cost = draft.cost
+        if all(
+            cost.time_with([(g, tokens, 0, True)]) > draft.target for g in range(self.layout.kvp)
+        ):
+            draft.floor = tokens
 
     def _try_prefill(self, request: Request, draft: Draft, now: float) -> bool:
         rid = request.request_id
-        admitted_now = False
-        if rid not in self._running:
-            if not self.memory.admit(rid, request.num_prefill_tokens):
-                return False
-            admitted_now = True
-        groups = self.memory.groups_of(rid)
+        admitted = rid in self._running
+        groups = (
+            self.memory.groups_of(rid)
+            if admitted
+            else self.memory.plan_admit(request.num_prefill_tokens)
+        )
+        if groups is None:
+            return False  # no memory for the whole prompt yet
         if self.config.adaptive:
             n, is_long = self._sizer.adaptive(request, groups, draft, now)
         else:
             n, is_long = self._sizer.fixed(request, draft), False
         if n == 0:
-            if admitted_now:
-                self.memory.free(rid)
             return False
-        if admitted_now:
+        if not admitted:
+            ok = self.memory.admit(rid, request.num_prefill_tokens)
+            assert ok and self.memory.groups_of(rid) == groups, "admission differs from its plan"
             self._running[rid] = request
             request.status = RequestStatus.RUNNING
+        draft.groups[rid] = groups
         start = request.num_scheduled_tokens
         if is_long:
             draft.long_groups.update(groups[: start // self.group_limit + 1])
@@ -271,21 +297,13 @@ class Scheduler:
         self._next_batch_id += 1
         chunks = []
         entries = []
+        limit, pop_new_blocks = self.group_limit, self.memory.pop_new_blocks
         for r, n in draft.entries:
-            start = r.num_scheduled_tokens
+            rid, start = r.request_id, r.num_scheduled_tokens
             samples = start + n == r.num_tokens
-            groups = self.memory.groups_of(r.request_id)[: start // self.group_limit + 1]
-            chunks.append(
-                ScheduledChunk(
-                    r.request_id,
-                    start,
-                    n,
-                    groups,
-                    self.memory.pop_new_blocks(r.request_id),
-                    r.token_ids(start, start + n),
-                    samples,
-                )
-            )
+            groups = draft.groups[rid][: start // limit + 1]
+            ids = r.token_ids(start, start + n)
+            chunks.append(ScheduledChunk(rid, start, n, groups, pop_new_blocks(rid), ids, samples))
             r.num_scheduled_tokens = start + n
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
