@@ -47,3 +47,19 @@ def test_example_runs(example: Path) -> None:
     )
     assert proc.returncode == 0, f"{example.name} failed:\n{proc.stdout}\n{proc.stderr}"
     assert proc.stdout.strip(), f"{example.name} printed nothing"
+
+
+def test_readme_python_snippets_run() -> None:
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert blocks, "README must show a Python example"
+    for block in blocks:
+        proc = subprocess.run(
+            [sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, f"README snippet failed:\n{block}\n{proc.stderr}"
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci in (ROOT / "README.md").read_text(), f"README lacks the CI command: {ci}"

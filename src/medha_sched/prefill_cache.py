@@ -9,10 +9,11 @@ is recorded at every chunk boundary ``b_k``. A prompt of length ``L`` with
 therefore exact at every length, non-decreasing, and ``C(0) = 0``.
 
 Lookups beyond the built range extend the same simulation on demand (the
-table doubles), so no length ever raises. Where even the smallest chunk
-alone exceeds T the simulation still advances by one grid chunk, and
-``max_feasible_tokens`` records the first such position: a prompt longer
-than that can never meet the budget, and the scheduler rejects it.
+table doubles), so no length ever raises. Where even the smallest grid
+chunk alone exceeds T the simulation still advances by one grid chunk, and
+``max_feasible_tokens`` records that position plus the largest shorter final
+piece that still fits: a longer prompt can never meet the budget, and the
+scheduler rejects it.
 
 With SPP depth ``s`` chunks overlap across stages, so the remaining time is
 ``(C(P) - C(done)) / s`` plus a pipeline-fill term ``(1 - 1/s) * T``.
@@ -108,8 +109,12 @@ class PrefillTimeCache:
                 limit, self._grid, lambda n, d=done: self._chunk_time(d, n) <= self._target
             )
             if chunk == 0:
-                self.max_feasible_tokens = min(self.max_feasible_tokens, done)
-                chunk = min(self._grid, limit)
+                smallest = min(self._grid, limit)
+                tail = largest_fitting_chunk(
+                    smallest - 1, 1, lambda n, d=done: self._chunk_time(d, n) <= self._target
+                )
+                self.max_feasible_tokens = min(self.max_feasible_tokens, done + tail)
+                chunk = smallest
             total += self._chunk_time(done, chunk)
             done += chunk
             self._bounds.append(done)

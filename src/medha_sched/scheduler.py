@@ -87,8 +87,10 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests:
             raise SchedulerError(f"request id {rid!r} is already in the scheduler")
-        self._check_fits(request)
+        # Pricing the prompt first extends the prefill table to its length, so
+        # the feasibility check below sees every position the prompt covers.
         p = self.prefill_times.remaining_time(request.num_prefill_tokens, 0)
+        self._check_fits(request)
         if request.ttft_slo is not None:
             d = request.ttft_slo
         else:
@@ -331,12 +333,20 @@ class Scheduler:
                 self._queue.push(r)
 
     def on_batch_end(self, batch_id: int, result: BatchResult) -> tuple[str, ...]:
-        """Take a batch's results back; returns the ids of requests that finished."""
+        """Take a batch's results back; returns the ids of requests that finished.
+
+        Batches leave the pipeline in the order they were scheduled.
+        """
         if batch_id not in self._in_flight:
             raise SchedulerError(f"unknown or finished batch id {batch_id!r}")
+        oldest = next(iter(self._in_flight))
+        if batch_id != oldest:
+            raise SchedulerError(
+                f"batch {batch_id} ended before batch {oldest}: batches must end in order"
+            )
+        self._check_result(self._in_flight[batch_id], result)
         self.on_stage_end(batch_id, stage=0)
         batch = self._in_flight.pop(batch_id)
-        self._check_result(batch, result)
         finished: list[str] = []
         for r, _, n, samples in batch.entries:
             r.num_computed_tokens += n

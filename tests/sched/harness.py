@@ -145,14 +145,16 @@ def token_for(request_id: str, position: int) -> int:
 def run(sched: Scheduler, requests: list[Request], *, max_iters: int = 20_000) -> Trace:
     """Run to completion with an executor that takes ``predicted_time`` per batch.
 
-    With SPP depth s, a batch clears stage 0 after predicted/s and leaves the
-    pipeline after predicted; up to s batches are in flight.
+    The executor is a FIFO pipeline of ``spp`` stages, each busy for
+    predicted/spp per batch: a batch clears stage 0 when its first stage is
+    done and ends after the last; a new batch starts once stage 0 is free.
     """
     trace = Trace()
     checker = Checker(sched, trace)
     pending = sorted(requests, key=lambda r: r.arrival_time)
     now, spp = 0.0, sched.layout.spp
-    in_flight: list[tuple[float, float, int]] = []  # (stage0 end, end, batch id)
+    stage_free = [0.0] * spp
+    in_flight: list[tuple[float, float, int]] = []  # (stage0 end, end, batch id), FIFO
     while pending or sched.has_unfinished_requests():
         trace.iterations += 1
         assert trace.iterations <= max_iters, "no progress: liveness violated"
@@ -161,7 +163,7 @@ def run(sched: Scheduler, requests: list[Request], *, max_iters: int = 20_000) -
             sched.add_request(r)
             trace.deadlines[r.request_id] = r.deadline
         out = None
-        if len(in_flight) < spp:
+        if stage_free[0] <= now:
             ready = checker.before()
             starts = {r.request_id: (r, r.num_scheduled_tokens) for r in sched._requests.values()}
             out = sched.schedule(now)
@@ -169,14 +171,26 @@ def run(sched: Scheduler, requests: list[Request], *, max_iters: int = 20_000) -
             trace.outputs.append(out)
             _track_prefill(trace, out, ready, starts)
             if out.chunks:
-                stage = out.predicted_time / spp
-                in_flight.append((now + stage, now + out.predicted_time, out.batch_id))
+                in_flight.append(
+                    (*_occupy(stage_free, now, out.predicted_time / spp), out.batch_id)
+                )
         for rid, d in trace.deadlines.items():
             r = sched.get_request(rid)
             if r is not None:
                 assert r.deadline == d, f"deadline of {rid} moved"
-        now = _advance(sched, trace, in_flight, pending, now, idle=out is None or not out.chunks)
+        now = _advance(sched, trace, in_flight, pending, now, stage_free[0])
     return trace
+
+
+def _occupy(stage_free: list[float], now: float, stage_time: float) -> tuple[float, float]:
+    """Push a batch through the pipeline; returns (stage-0 end, last-stage end)."""
+    t, first = now, None
+    for k in range(len(stage_free)):
+        t = max(t, stage_free[k]) + stage_time
+        stage_free[k] = t
+        first = t if first is None else first
+    assert first is not None
+    return first, t
 
 
 def _track_prefill(trace: Trace, out: ScheduleOutput, ready: dict, starts: dict) -> None:
@@ -196,8 +210,10 @@ def _track_prefill(trace: Trace, out: ScheduleOutput, ready: dict, starts: dict)
             assert total == r.num_prefill_tokens, "chunks must sum to the prompt"
 
 
-def _advance(sched, trace, in_flight, pending, now, *, idle) -> float:
+def _advance(sched, trace, in_flight, pending, now, stage0_free) -> float:
     events = [s0 for s0, _, _ in in_flight if s0 > now] + [end for _, end, _ in in_flight]
+    if stage0_free > now:
+        events.append(stage0_free)
     if pending:
         events.append(pending[0].arrival_time)
     if not events:
@@ -206,9 +222,8 @@ def _advance(sched, trace, in_flight, pending, now, *, idle) -> float:
     for s0, _, bid in in_flight:
         if s0 <= nxt:
             sched.on_stage_end(bid)
-    for e in [e for e in in_flight if e[1] <= nxt]:
-        in_flight.remove(e)
-        _finish_batch(sched, trace, e[2])
+    while in_flight and in_flight[0][1] <= nxt:
+        _finish_batch(sched, trace, in_flight.pop(0)[2])
     return nxt
 
 

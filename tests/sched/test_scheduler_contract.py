@@ -1,0 +1,68 @@
+"""The scheduler/executor contract: results come back once, in order, validated."""
+
+from __future__ import annotations
+
+import pytest
+
+from medha_sched import (
+    AffineCostModel,
+    BatchResult,
+    ParallelDegrees,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+)
+
+
+def make(spp: int = 1) -> Scheduler:
+    model = AffineCostModel(
+        base=1e-3, per_token=1e-5, per_attn=1e-9, layout=ParallelDegrees(spp=spp)
+    )
+    return Scheduler(SchedulerConfig(target_batch_time=0.05, max_chunk_tokens=64), model)
+
+
+def test_a_rejected_result_leaves_the_batch_in_flight_for_a_retry() -> None:
+    sched = make()
+    sched.add_request(Request("a", 0.0, 10, 2))
+    out = sched.schedule(0.0)
+    with pytest.raises(SchedulerError, match="no sampled token for request 'a'"):
+        sched.on_batch_end(out.batch_id, BatchResult())
+    assert sched.num_in_flight_batches == 1
+    assert sched.on_batch_end(out.batch_id, BatchResult(sampled_token_ids={"a": 5})) == ()
+    assert sched.get_request("a").output_token_ids == [5]
+
+
+def test_batches_must_end_in_the_order_they_were_scheduled() -> None:
+    sched = make(spp=2)
+    sched.add_request(Request("long", 0.0, 200, 1))
+    first = sched.schedule(0.0)
+    sched.on_stage_end(first.batch_id)
+    second = sched.schedule(0.01)
+    assert second.chunks and second.chunks[0].start == first.chunks[0].num_tokens
+    with pytest.raises(SchedulerError, match=f"batch {second.batch_id} ended before batch"):
+        sched.on_batch_end(second.batch_id, BatchResult())
+    assert sched.on_batch_end(first.batch_id, BatchResult()) == ()
+
+
+def test_schedule_output_is_frozen_plain_data() -> None:
+    sched = make()
+    sched.add_request(Request("a", 0.0, 10, 1))
+    out = sched.schedule(0.0)
+    with pytest.raises(AttributeError):
+        out.predicted_time = 0.0  # type: ignore[misc]
+    chunk = out.chunks[0]
+    assert (chunk.request_id, chunk.start, chunk.num_tokens, chunk.kvp_groups) == ("a", 0, 10, (0,))
+    assert chunk.samples and chunk.new_blocks and chunk.new_blocks[0][0] == 0
+    with pytest.raises(AttributeError):
+        chunk.start = 3  # type: ignore[misc]
+
+
+def test_token_ids_travel_with_chunks_and_decodes() -> None:
+    sched = make()
+    sched.add_request(Request.from_tokens("a", 0.0, [11, 12, 13], max_output_tokens=3))
+    out = sched.schedule(0.0)
+    assert out.chunks[0].token_ids == (11, 12, 13)
+    sched.on_batch_end(out.batch_id, BatchResult(sampled_token_ids={"a": 99}))
+    decode = sched.schedule(0.1).chunks[0]
+    assert (decode.start, decode.num_tokens, decode.token_ids) == (3, 1, (99,))
