@@ -33,7 +33,7 @@ def _check_tokens(num_tokens: object) -> None:
 
 @dataclass(slots=True)
 class _Entry:
-    groups: list[int]  # shard order
+    groups: tuple[int, ...]  # shard order (a tuple: handed out without copying)
     blocks: list[list[int]]  # per shard
     tokens: int  # tokens the request was sized for
     pending: dict[int, list[int]] = field(default_factory=dict)  # group -> new blocks
@@ -115,7 +115,7 @@ class KVBlockManager:
         groups = self._plan_admit(num_tokens, self._free_counts())
         if groups is None:
             return False
-        entry = _Entry(groups=groups, blocks=[[] for _ in groups], tokens=num_tokens)
+        entry = _Entry(groups=tuple(groups), blocks=[[] for _ in groups], tokens=num_tokens)
         self._entries[request_id] = entry
         for shard, tokens in enumerate(self._split(num_tokens, len(groups))):
             self._grant(request_id, entry, shard, self._blocks_for(tokens))
@@ -148,7 +148,7 @@ class KVBlockManager:
         new_groups = self._pick(free, unused, needs[old:], 0)
         if new_groups is None:
             return False
-        entry.groups.extend(new_groups)
+        entry.groups = (*entry.groups, *new_groups)
         entry.blocks.extend([] for _ in new_groups)
         for shard, count in enumerate(extra + needs[old:]):
             if count:
@@ -159,22 +159,31 @@ class KVBlockManager:
     def ensure_capacity_many(self, wants: Iterable[tuple[Hashable, int]]) -> list[Hashable]:
         """``ensure_capacity`` for many requests; returns the ids that could not grow.
 
-        The common case (room already there) costs one lookup per request.
+        The common cases (room already there, or more blocks in the tail
+        shard's own group) cost one lookup and one allocation per request.
         """
         failed = []
         g, bs, entries = self._g, self._bs, self._entries
         for request_id, num_tokens in wants:
             entry = entries.get(request_id)
-            if (
-                entry is not None
-                and num_tokens <= (len(entry.groups) - 1) * g + len(entry.blocks[-1]) * bs
-            ):
-                if num_tokens > entry.tokens:
-                    entry.tokens = num_tokens
-                continue
+            if entry is not None:
+                shards = len(entry.groups)
+                tail_tokens = num_tokens - (shards - 1) * g
+                if 0 < tail_tokens <= g:
+                    extra = -(-tail_tokens // bs) - len(entry.blocks[-1])
+                    if extra <= 0 or self._grow_tail(request_id, entry, extra):
+                        entry.tokens = max(entry.tokens, num_tokens)
+                        continue
             if not self.ensure_capacity(request_id, num_tokens):
                 failed.append(request_id)
         return failed
+
+    def _grow_tail(self, rid: Hashable, entry: _Entry, count: int) -> bool:
+        """Give the tail shard ``count`` more blocks from its own group, if free."""
+        if self._pools[entry.groups[-1]].num_free < count:
+            return False
+        self._grant(rid, entry, len(entry.groups) - 1, count)
+        return True
 
     def free(self, request_id: Hashable) -> None:
         """Return every block of the request to its group's pool, exactly once."""
@@ -206,7 +215,7 @@ class KVBlockManager:
 
     def groups_of(self, request_id: Hashable) -> tuple[int, ...]:
         """The request's groups in shard order."""
-        return tuple(self._entry(request_id).groups)
+        return self._entry(request_id).groups
 
     def tail_group(self, request_id: Hashable) -> int:
         """The group holding the request's last shard (may be group 0)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from medha_sched.batch_cost import BatchCost, chunk_works
+from medha_sched.batch_cost import BatchCost, Work, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
 from medha_sched.errors import RequestTooLongError, SchedulerError
@@ -178,12 +178,15 @@ class Scheduler:
                 preempted.extend(self._make_room(r, now))
         chosen = [r for r in ready if r.status is RequestStatus.RUNNING]
         chosen = chosen[: self.config.max_batch_requests]
-        works = []
-        groups_of, limit = self.memory.groups_of, self.group_limit
+        works: list[Work] = []
+        groups_of, limit, known = self.memory.groups_of, self.group_limit, draft.groups
         for r in chosen:
-            groups = groups_of(r.request_id)
-            draft.groups[r.request_id] = groups
-            works.extend(chunk_works(groups, r.num_scheduled_tokens, 1, limit))
+            groups = known[r.request_id] = groups_of(r.request_id)
+            pos = r.num_scheduled_tokens
+            if pos < limit:  # one shard: the common case, inlined
+                works.append((groups[0], 1, pos, True))
+            else:
+                works.extend(chunk_works(groups, pos, 1, limit))
         draft.add_decodes(chosen, works)
         return preempted
 

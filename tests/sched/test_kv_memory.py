@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -342,3 +342,38 @@ KVMemoryMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVMemory = KVMemoryMachine.TestCase
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    block_size=st.integers(1, 8),
+    groups=st.integers(1, 3),
+    blocks=st.integers(4, 24),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), min_size=1, max_size=40),
+)
+def test_ensure_capacity_many_matches_one_by_one(block_size, groups, blocks, steps) -> None:
+    gmax = block_size * max(1, blocks // 2)
+    cache = CacheConfig(
+        block_size=block_size, num_blocks_per_group=blocks, max_tokens_per_group=gmax, watermark=0.0
+    )
+    bulk, single = (KVBlockManager(cache, num_groups=groups) for _ in range(2))
+    tokens: dict[str, int] = {}
+    for i in range(4):
+        rid = f"r{i}"
+        if bulk.admit(rid, 1 + i):
+            assert single.admit(rid, 1 + i)
+            tokens[rid] = 1 + i
+    for which, grow in steps:
+        rid = f"r{which}"
+        if rid not in tokens:
+            continue
+        want = tokens[rid] + grow
+        failed = bulk.ensure_capacity_many([(rid, want)])
+        ok = single.ensure_capacity(rid, want)
+        assert (rid not in failed) == ok
+        if ok:
+            tokens[rid] = want
+        assert bulk.block_table(rid) == single.block_table(rid)
+        assert bulk.groups_of(rid) == single.groups_of(rid)
+        assert bulk.pop_new_blocks(rid) == single.pop_new_blocks(rid)
+        bulk.check_invariants()
