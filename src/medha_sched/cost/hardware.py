@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from medha_sched.config import _check_float
+from medha_sched.cost.presets import lookup_preset
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,8 +78,4 @@ HARDWARE_PRESETS: Mapping[str, HardwareSpec] = MappingProxyType(
 
 def get_hardware(name: str) -> HardwareSpec:
     """The preset called ``name`` (``a100``, ``h100``, ``h200``)."""
-    spec = HARDWARE_PRESETS.get(name) if isinstance(name, str) else None
-    if spec is None:
-        known = ", ".join(sorted(HARDWARE_PRESETS))
-        raise ValueError(f"unknown GPU preset {name!r}; known: {known}")
-    return spec
+    return lookup_preset(HARDWARE_PRESETS, name, "GPU")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from medha_sched.config import _check_float, _check_int
+from medha_sched.cost.presets import lookup_preset
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,8 +115,4 @@ MODEL_PRESETS: Mapping[str, ModelShape] = MappingProxyType(
 
 def get_model_shape(name: str) -> ModelShape:
     """The preset called ``name`` (``llama3-8b``, ``llama3-70b``)."""
-    shape = MODEL_PRESETS.get(name) if isinstance(name, str) else None
-    if shape is None:
-        known = ", ".join(sorted(MODEL_PRESETS))
-        raise ValueError(f"unknown model preset {name!r}; known: {known}")
-    return shape
+    return lookup_preset(MODEL_PRESETS, name, "model")
