@@ -1,0 +1,92 @@
+"""Backend registry: which implementations exist, which run here, and "auto".
+
+Each backend is a subpackage exposing the ops it implements as functions with
+already-validated arguments. Nothing is imported or compiled until an op is
+first called with that backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("medha_kernels")
+
+BACKENDS = ("torch", "triton", "native", "flashinfer")
+_MODULES = {
+    "torch": "torch_ref",
+    "triton": "triton",
+    "native": "native",
+    "flashinfer": "flashinfer_adapter",
+}
+OPS = (
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "chunked_prefill_attention",
+    "paged_attention",
+    "append_paged_kv",
+)
+# Fastest first, per device type.
+_AUTO_ORDER = {
+    "cuda": ("flashinfer", "triton", "native", "torch"),
+    "cpu": ("native", "torch"),
+}
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _module(backend: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"medha_kernels.{_MODULES[backend]}")
+    except ImportError as exc:  # an optional dependency is missing
+        logger.debug("backend %s unavailable: %s", backend, exc)
+        return None
+
+
+def _runs_on(backend: str, device: torch.device) -> bool:
+    supports = getattr(_module(backend), "supports_device", None)
+    return supports is not None and bool(supports(device))
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends usable here for ``device`` (default: CUDA if present, else CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    return [b for b in BACKENDS if _runs_on(b, dev)]
+
+
+def resolve(op: str, backend: str, device: torch.device):
+    """The function implementing ``op`` on ``device`` for ``backend`` (or "auto")."""
+    if backend == "auto":
+        for name in _AUTO_ORDER.get(device.type, ("torch",)):
+            fn = _lookup(op, name, device)
+            if fn is not None:
+                logger.debug("auto backend for %s on %s: %s", op, device, name)
+                return fn
+        raise ValueError(f"no backend implements {op} on {device}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    fn = _lookup(op, backend, device)
+    if fn is None:
+        usable = ", ".join(b for b in available_backends(device) if _lookup(op, b, device))
+        raise ValueError(
+            f"backend {backend!r} cannot run {op} on {device}; usable here: {usable or 'none'}"
+        )
+    return fn
+
+
+def _lookup(op: str, backend: str, device: torch.device):
+    if not _runs_on(backend, device):
+        return None
+    return getattr(_module(backend), op, None)

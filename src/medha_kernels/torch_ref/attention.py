@@ -1,0 +1,87 @@
+"""Attention with LSE over contiguous or paged KV, in plain torch."""
+
+from __future__ import annotations
+
+import torch
+
+from medha_kernels.torch_ref.merge import merge_states
+
+KV_TILE = 4096  # keys per tile; bounds memory at num_q * KV_TILE * num_heads floats
+
+
+def _attend_tile(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor | None, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KV tile: q ``[Nq, Hq, D]`` (compute dtype), k/v ``[Nk, Hq, D]``.
+
+    ``limit[i]`` is the last key index query i may see (causal), or None.
+    """
+    scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
+    if limit is not None:
+        keys = torch.arange(k.shape[0], device=q.device)
+        allowed = keys.view(1, -1) <= limit.view(-1, 1)  # [Nq, Nk]
+        scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, Nq]
+    finite = torch.isfinite(lse)
+    p = torch.exp(scores - torch.where(finite, lse, 0).unsqueeze(-1))
+    p = torch.where(finite.unsqueeze(-1), p, 0)
+    o = torch.einsum("hqk,khd->qhd", p, v)
+    return o, lse.transpose(0, 1)
+
+
+def chunked_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offset: int,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`medha_kernels.chunked_prefill_attention` (arguments already checked)."""
+    num_q, hq, _ = q.shape
+    group = hq // k.shape[1]
+    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc = q.to(cdtype)
+    last = torch.arange(num_q, device=q.device) + q_offset if causal else None
+    outs, lses = [], []
+    for start in range(0, k.shape[0], KV_TILE):
+        kt = k[start : start + KV_TILE].to(cdtype).repeat_interleave(group, dim=1)
+        vt = v[start : start + KV_TILE].to(cdtype).repeat_interleave(group, dim=1)
+        o, lse = _attend_tile(qc, kt, vt, None if last is None else last - start, sm_scale)
+        outs.append(o)
+        lses.append(lse)
+    if not outs:  # no keys at all: every row is empty
+        lse_dtype = torch.float64 if cdtype == torch.float64 else torch.float32
+        return q.new_zeros(q.shape), torch.full(
+            (num_q, hq), float("-inf"), dtype=lse_dtype, device=q.device
+        )
+    o, lse = merge_states(torch.stack(outs, dim=1), torch.stack(lses, dim=1))
+    return o.to(q.dtype), lse
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`medha_kernels.paged_attention` (arguments already checked)."""
+    block_size = k_cache.shape[1]
+    cu = cu_seqlens_q.tolist()
+    lens = kv_lens.tolist()
+    out = torch.empty_like(q)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.empty(q.shape[:2], dtype=lse_dtype, device=q.device)
+    for b, kv_len in enumerate(lens):
+        lo, hi = cu[b], cu[b + 1]
+        blocks = block_table[b, : -(-kv_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:kv_len]
+        v = v_cache[blocks].flatten(0, 1)[:kv_len]
+        o_b, lse_b = chunked_prefill_attention(q[lo:hi], k, v, kv_len - (hi - lo), causal, sm_scale)
+        out[lo:hi] = o_b
+        lse[lo:hi] = lse_b
+    return out, lse
