@@ -72,8 +72,8 @@ def chunked_prefill_attention(
     check_gqa(q.shape[1], k.shape[1])
     offset = k.shape[0] - q.shape[0] if q_offset is None else int(q_offset)
     scale = default_sm_scale(q.shape[2], sm_scale)
-    fn = resolve("chunked_prefill_attention", backend, q.device)
-    return fn(q, k, v, offset, bool(causal), scale)
+    args = (q, k, v, offset, bool(causal), scale)
+    return resolve("chunked_prefill_attention", backend, q.device, args)(*args)
 
 
 def paged_attention(
@@ -120,8 +120,8 @@ def paged_attention(
     check_gqa(q.shape[1], k_cache.shape[2])
     _check_batch_index(q, k_cache, cu_seqlens_q, kv_lens, block_table)
     scale = default_sm_scale(q.shape[2], sm_scale)
-    fn = resolve("paged_attention", backend, q.device)
-    return fn(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_table, bool(causal), scale)
+    args = (q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_table, bool(causal), scale)
+    return resolve("paged_attention", backend, q.device, args)(*args)
 
 
 def _check_batch_index(

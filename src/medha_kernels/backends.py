@@ -66,12 +66,16 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     return [b for b in BACKENDS if _runs_on(b, dev)]
 
 
-def resolve(op: str, backend: str, device: torch.device):
-    """The function implementing ``op`` on ``device`` for ``backend`` (or "auto")."""
+def resolve(op: str, backend: str, device: torch.device, args: tuple = ()):
+    """The function implementing ``op`` on ``device`` for ``backend`` (or "auto").
+
+    With "auto", a backend that declares ``can_run(op, *args)`` is skipped for
+    inputs outside its limits (FlashInfer's head dims and dtypes, say).
+    """
     if backend == "auto":
         for name in _AUTO_ORDER.get(device.type, ("torch",)):
             fn = _lookup(op, name, device)
-            if fn is not None:
+            if fn is not None and _accepts(name, op, args):
                 logger.debug("auto backend for %s on %s: %s", op, device, name)
                 return fn
         raise ValueError(f"no backend implements {op} on {device}")
@@ -90,3 +94,8 @@ def _lookup(op: str, backend: str, device: torch.device):
     if not _runs_on(backend, device):
         return None
     return getattr(_module(backend), op, None)
+
+
+def _accepts(backend: str, op: str, args: tuple) -> bool:
+    check = getattr(_module(backend), "can_run", None)
+    return check is None or bool(check(op, *args))

@@ -64,7 +64,8 @@ def merge_state(
     """
     _check_pair("", v_a, s_a, None)
     _check_pair("b: ", v_b, s_b, v_a)
-    return resolve("merge_state", backend, v_a.device)(v_a, s_a, v_b, s_b)
+    args = (v_a, s_a, v_b, s_b)
+    return resolve("merge_state", backend, v_a.device, args)(*args)
 
 
 def merge_state_in_place(
@@ -92,7 +93,8 @@ def merge_state_in_place(
     if mask is not None:
         check_tensor("mask", mask, layout="[num_tokens]", dtypes=(torch.bool,), device=v.device)
         check_shape("mask", mask, (v.shape[0],), "[num_tokens]")
-    resolve("merge_state_in_place", backend, v.device)(v, s, v_other, s_other, mask)
+    args = (v, s, v_other, s_other, mask)
+    resolve("merge_state_in_place", backend, v.device, args)(*args)
 
 
 def merge_states(
@@ -115,4 +117,4 @@ def merge_states(
     check_tensor("v", v, layout=layout_v)
     check_tensor("s", s, layout=layout_s, dtypes=_F32, device=v.device)
     check_shape("s", s, tuple(v.shape[:3]), layout_s)
-    return resolve("merge_states", backend, v.device)(v, s)
+    return resolve("merge_states", backend, v.device, (v, s))(v, s)

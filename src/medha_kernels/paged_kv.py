@@ -47,4 +47,5 @@ def append_paged_kv(
     capacity = k_cache.shape[0] * k_cache.shape[1]
     if slots.numel() and int(slots.max()) >= capacity:
         raise KernelInputError(f"slots: {int(slots.max())} is past the cache's {capacity} slots")
-    resolve("append_paged_kv", backend, k.device)(k, v, k_cache, v_cache, slots)
+    args = (k, v, k_cache, v_cache, slots)
+    resolve("append_paged_kv", backend, k.device, args)(*args)

@@ -1,0 +1,45 @@
+"""benchmarks/kernels.py runs on CPU and reports what it promises."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_quick_benchmark_reports_every_op(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    cmd = [
+        sys.executable,
+        "benchmarks/kernels.py",
+        "--device",
+        "cpu",
+        "--quick",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| op | shape | backend |" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["ceilings"]["copy_gbps"] > 0 and data["ceilings"]["bf16_mm_tflops"] > 0
+    for op in ("merge", "decode", "prefill"):
+        rows = [r for r in data["rows"] if r["op"] == op and r["backend"] == "medha/torch"]
+        assert rows, f"no {op} rows on the torch backend"
+        for r in rows:
+            assert r["time_us"] > 0 and math.isfinite(r["gbps"]) and r["gbps"] > 0
+            assert math.isfinite(r["tflops"]) and math.isfinite(r["pct_ceiling"])
+
+
+def test_figure_chunking_explains_itself_on_cpu() -> None:
+    cmd = [sys.executable, "benchmarks/kernels.py", "--device", "cpu", "--figure-chunking"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "needs a GPU" in proc.stdout
