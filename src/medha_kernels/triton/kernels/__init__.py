@@ -1,0 +1,1 @@
+"""``@triton.jit`` kernels only; the launchers one level up pick grids, tiles and strides."""
