@@ -1,0 +1,133 @@
+// CPU merge kernels: one pass per (token, head) row, float accumulation,
+// tokens split across threads with at::parallel_for, 64-bit offsets.
+//
+// A state whose LSE is -inf, +inf or NaN is empty: its v is never read. The
+// weights are exp(s - m) with m the largest finite LSE, so any common offset
+// is exact; all states empty gives (0, -inf).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "merge.h"
+
+namespace medha {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// State n of token t, head h: v at v[n] + t * v_tok + h * D, s at s[n] + t * s_tok + h.
+template <typename scalar_t>
+struct States {
+  std::vector<const scalar_t*> v;
+  std::vector<const float*> s;
+  int64_t v_tok;
+  int64_t s_tok;
+};
+
+// Writes out[t, h, :] and lse[t, h] (contiguous [T, H, D] / [T, H]) for every
+// token whose mask entry is true (all tokens when mask is null). The output may
+// alias state 0: each row is read completely before it is written.
+template <typename scalar_t>
+void merge_rows(const States<scalar_t>& in, int64_t T, int64_t H, int64_t D, scalar_t* out,
+                float* lse, const bool* mask) {
+  const auto N = static_cast<int64_t>(in.v.size());
+  const int64_t work_per_token = std::max<int64_t>(1, (N + 1) * H * D);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / work_per_token);
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    std::vector<float> s_row(N);
+    for (int64_t t = begin; t < end; ++t) {
+      if (mask != nullptr && !mask[t]) continue;  // never written
+      for (int64_t h = 0; h < H; ++h) {
+        float m = kNegInf;
+        for (int64_t n = 0; n < N; ++n) {
+          const float x = in.s[n][t * in.s_tok + h];
+          s_row[n] = x;
+          if (std::isfinite(x) && x > m) m = x;
+        }
+        scalar_t* o = out + (t * H + h) * D;
+        float* l = lse + t * H + h;
+        if (m == kNegInf) {  // every state empty
+          std::fill(o, o + D, static_cast<scalar_t>(0.0f));
+          *l = kNegInf;
+          continue;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float total = 0.0f;
+        for (int64_t n = 0; n < N; ++n) {
+          const float x = s_row[n];
+          const float w = std::isfinite(x) ? std::exp(x - m) : 0.0f;
+          if (!(w > 0.0f)) continue;  // select, never multiply: garbage v cannot leak
+          total += w;
+          const scalar_t* vn = in.v[n] + t * in.v_tok + h * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(vn[d]);
+        }
+        // total >= 1: the state attaining m has weight exp(0).
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d] / total);
+        *l = m + std::log(total);
+      }
+    }
+  });
+}
+
+#define MEDHA_DISPATCH(TYPE, NAME, ...)                                         \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)      \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> merge_state_cpu(const at::Tensor& v_a, const at::Tensor& s_a,
+                                                   const at::Tensor& v_b, const at::Tensor& s_b) {
+  const int64_t T = v_a.size(0), H = v_a.size(1), D = v_a.size(2);
+  at::Tensor out = at::empty({T, H, D}, v_a.options());
+  at::Tensor lse = at::empty({T, H}, s_a.options());
+  MEDHA_DISPATCH(v_a.scalar_type(), "merge_state_cpu", [&] {
+    States<scalar_t> in{{v_a.const_data_ptr<scalar_t>(), v_b.const_data_ptr<scalar_t>()},
+                        {s_a.const_data_ptr<float>(), s_b.const_data_ptr<float>()},
+                        H * D,
+                        H};
+    merge_rows(in, T, H, D, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr);
+  });
+  return {out, lse};
+}
+
+void merge_state_in_place_cpu(const at::Tensor& v, const at::Tensor& s, const at::Tensor& v_other,
+                              const at::Tensor& s_other, const at::Tensor& mask) {
+  const int64_t T = v.size(0), H = v.size(1), D = v.size(2);
+  const bool* mask_ptr = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+  MEDHA_DISPATCH(v.scalar_type(), "merge_state_in_place_cpu", [&] {
+    scalar_t* out = v.data_ptr<scalar_t>();
+    float* lse = s.data_ptr<float>();
+    States<scalar_t> in{{out, v_other.const_data_ptr<scalar_t>()},
+                        {lse, s_other.const_data_ptr<float>()},
+                        H * D,
+                        H};
+    merge_rows(in, T, H, D, out, lse, mask_ptr);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_states_cpu(const at::Tensor& v, const at::Tensor& s) {
+  const int64_t T = v.size(0), N = v.size(1), H = v.size(2), D = v.size(3);
+  at::Tensor out = at::empty({T, H, D}, v.options());
+  at::Tensor lse = at::empty({T, H}, s.options());
+  if (T == 0) return {out, lse};
+  MEDHA_DISPATCH(v.scalar_type(), "merge_states_cpu", [&] {
+    States<scalar_t> in{{}, {}, N * H * D, N * H};
+    for (int64_t n = 0; n < N; ++n) {
+      in.v.push_back(v.const_data_ptr<scalar_t>() + n * H * D);
+      in.s.push_back(s.const_data_ptr<float>() + n * H);
+    }
+    merge_rows(in, T, H, D, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr);
+  });
+  return {out, lse};
+}
+
+}  // namespace medha
