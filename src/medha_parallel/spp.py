@@ -1,0 +1,394 @@
+"""Stream pipeline parallelism (SPP): chunks of one prompt flow stage to stage.
+
+Chunk ``i+1`` of a prefill needs only the KV cache of earlier chunks, which
+every stage keeps for its own layers, never chunk ``i``'s final output. So
+stage 0 starts chunk ``i+1`` as soon as it has handed chunk ``i`` to stage 1,
+and all stages work on different chunks of the same prompt at once. Only
+activations cross stages.
+
+:class:`SPPCommunicator` moves chunks between adjacent stages of one pipeline
+(``state.ranks["spp"]``): ``send_chunk`` posts non-blocking sends and returns
+at once (at most ``max_inflight`` chunks outstanding, then it waits for the
+oldest: backpressure); ``recv_chunk`` blocks, reads the fixed-size header
+(:mod:`medha_parallel.spp_header`) and allocates exactly what it announces.
+:class:`StageRunner` runs the per-stage schedule::
+
+    x = embed(chunk) if first stage else recv_chunk()
+    y = layers(meta, x)              # appends this chunk's KV locally
+    send_chunk(meta, y) unless last stage
+    on_stage_done(meta) on the first stage  # the scheduler may issue chunk i+1
+
+Decode micro-batches (``ChunkMeta.kind == 1`` by convention) take the same path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from medha_parallel.errors import CommunicationError, named_comm
+from medha_parallel.spp_header import (
+    HEADER_WORDS,
+    ChunkHeaderError,
+    ChunkMeta,
+    decode_header,
+    encode_header,
+)
+from medha_parallel.state import ParallelState
+
+__all__ = [
+    "HEADER_WORDS",
+    "ChunkHeaderError",
+    "ChunkMeta",
+    "ChunkTiming",
+    "SPPCommunicator",
+    "SPPProtocolError",
+    "SPPStats",
+    "SendHandle",
+    "StageRunner",
+    "decode_header",
+    "encode_header",
+]
+
+Tensors = dict[str, torch.Tensor]
+
+
+class SPPProtocolError(CommunicationError):
+    """The chunk stream broke its contract: a malformed header, a chunk out of
+    order, or tensors other than the receiver expected."""
+
+
+@dataclass
+class SPPStats:
+    """Counters and wall times of one communicator (seconds, ``time.perf_counter``).
+
+    ``recv_s`` is time blocked in ``recv_chunk``, which includes waiting for the
+    previous stage to finish its compute; ``send_s`` is time inside
+    ``send_chunk`` (posting plus any backpressure wait).
+    """
+
+    chunks_sent: int = 0
+    chunks_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peak_inflight: int = 0
+    backpressure_waits: int = 0
+    send_s: float = 0.0
+    recv_s: float = 0.0
+    drain_s: float = 0.0
+
+    @property
+    def comm_s(self) -> float:
+        return self.send_s + self.recv_s + self.drain_s
+
+
+class SendHandle:
+    """One chunk's outstanding sends. Holds every buffer until they complete."""
+
+    def __init__(self, meta: ChunkMeta, works: list[Any], buffers: list[torch.Tensor]) -> None:
+        self.meta = meta
+        self._works = works
+        self._buffers: list[torch.Tensor] | None = buffers
+
+    def is_completed(self) -> bool:
+        if self._buffers is None:
+            return True
+        if all(w is None or w.is_completed() for w in self._works):
+            self.wait()  # surfaces a failed send, releases the buffers
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Block until every send of the chunk is done, then drop the buffers."""
+        if self._buffers is None:
+            return
+        with named_comm("spp", "send"):
+            for w in self._works:
+                if w is not None:
+                    w.wait()
+        self._buffers = None
+        self._works = []
+
+
+class SPPCommunicator:
+    """Chunk transport between adjacent stages of this rank's pipeline.
+
+    Args:
+        state: this rank's :class:`ParallelState`; the pipeline is
+            ``state.ranks["spp"]`` (global ranks in stage order) on
+            ``state.spp_group``, whose timeout bounds every receive.
+        max_inflight: chunks that may have sends outstanding at once; the next
+            ``send_chunk`` waits for the oldest (backpressure, bounded memory).
+        check_order: make ``recv_chunk`` check that each sequence's chunks
+            arrive with consecutive ``chunk_idx`` (from 0) and contiguous
+            ``start_pos``.
+
+    A tensor handed to ``send_chunk`` must not be modified until its handle
+    completes (``send_chunk`` does not copy contiguous tensors).
+    """
+
+    def __init__(
+        self, state: ParallelState, *, max_inflight: int = 2, check_order: bool = True
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if "spp" not in state.ranks or state.spp_group is None:
+            raise ValueError("state has no pipeline group; build it with ParallelState.initialize")
+        self.group = state.spp_group
+        self.ranks: list[int] = list(state.ranks["spp"])
+        self.stage = self.ranks.index(state.rank)
+        self.device = state.device
+        self.max_inflight = max_inflight
+        self.check_order = check_order
+        self.stats = SPPStats()
+        self._inflight: deque[SendHandle] = deque()
+        self._next: dict[int, tuple[int, int]] = {}  # seq_id -> (chunk_idx, start_pos) due
+
+    # -- topology ---------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def prev(self) -> int | None:
+        """Global rank of the previous stage (None on the first stage)."""
+        return None if self.is_first else self.ranks[self.stage - 1]
+
+    @property
+    def next(self) -> int | None:
+        """Global rank of the next stage (None on the last stage)."""
+        return None if self.is_last else self.ranks[self.stage + 1]
+
+    @property
+    def inflight(self) -> int:
+        """Chunks whose sends are still outstanding."""
+        self._reap()
+        return len(self._inflight)
+
+    # -- sending ----------------------------------------------------------------
+    def send_chunk(self, meta: ChunkMeta, tensors: Mapping[str, torch.Tensor]) -> SendHandle:
+        """Post the header and tensors to the next stage; return without waiting.
+
+        Waits first for the oldest outstanding chunk when ``max_inflight``
+        chunks are already in flight.
+        """
+        if self.is_last:
+            raise ValueError(f"stage {self.stage} is the last stage: there is no next stage")
+        header = encode_header(meta, tensors).to(self.device)
+        t0 = time.perf_counter()
+        self._reap()
+        while len(self._inflight) >= self.max_inflight:
+            self.stats.backpressure_waits += 1
+            self._inflight.popleft().wait()
+        buffers = [header] + [tensors[name].contiguous() for name in sorted(tensors)]
+        dst = self.stage + 1
+        with named_comm("spp", "send"):
+            works = [
+                dist.isend(b, group=self.group, group_dst=dst) for b in buffers if b.numel() > 0
+            ]
+        handle = SendHandle(meta, works, buffers)
+        self._inflight.append(handle)
+        self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
+        self.stats.chunks_sent += 1
+        self.stats.bytes_sent += sum(b.numel() * b.element_size() for b in buffers)
+        self.stats.send_s += time.perf_counter() - t0
+        return handle
+
+    def drain(self) -> None:
+        """Wait for every outstanding send."""
+        t0 = time.perf_counter()
+        try:
+            while self._inflight:
+                self._inflight[0].wait()
+                self._inflight.popleft()
+        finally:
+            self.stats.drain_s += time.perf_counter() - t0
+
+    def _reap(self) -> None:
+        while self._inflight and self._inflight[0].is_completed():
+            self._inflight.popleft()
+
+    # -- receiving --------------------------------------------------------------
+    def recv_chunk(
+        self, *, expect: Mapping[str, Sequence[int | None] | None] | None = None
+    ) -> tuple[ChunkMeta, Tensors]:
+        """Receive the next chunk from the previous stage (blocking).
+
+        ``expect`` optionally names exactly the tensors the caller wants, each
+        with a shape (``None`` for any dim, or ``None`` for any shape). A
+        mismatch, or a chunk out of order, raises :class:`SPPProtocolError`
+        after the whole chunk has been received, so the stream stays in step.
+        A missing sender raises :class:`CommunicationError` after the group
+        timeout.
+        """
+        if self.is_first:
+            raise ValueError("stage 0 is the first stage: there is no previous stage")
+        src = self.stage - 1
+        t0 = time.perf_counter()
+        try:
+            header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
+            with named_comm("spp", "recv"):
+                dist.recv(header, group=self.group, group_src=src)
+            try:
+                meta, specs = decode_header(header.cpu())
+            except ChunkHeaderError as exc:
+                raise SPPProtocolError(
+                    f"recv on the spp group from stage {src}: {exc}; the stream is out of "
+                    "step, tear the group down"
+                ) from exc
+            tensors: Tensors = {}
+            works = []
+            with named_comm("spp", "recv"):
+                for spec in specs:
+                    buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                    tensors[spec.name] = buf
+                    if buf.numel() > 0:
+                        works.append(dist.irecv(buf, group=self.group, group_src=src))
+                for w in works:
+                    w.wait()
+        finally:
+            self.stats.recv_s += time.perf_counter() - t0
+        self.stats.chunks_received += 1
+        self.stats.bytes_received += header.numel() * 8
+        self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
+        if expect is not None:
+            self._check_expected(meta, tensors, expect)
+        if self.check_order:
+            self._check_order(meta)
+        return meta, tensors
+
+    def forget(self, seq_id: int) -> None:
+        """Stop tracking a finished sequence's chunk order."""
+        self._next.pop(seq_id, None)
+
+    def _check_order(self, meta: ChunkMeta) -> None:
+        due = self._next.get(meta.seq_id)
+        if due is None and meta.chunk_idx != 0:
+            raise SPPProtocolError(
+                f"recv on the spp group: seq {meta.seq_id} starts with chunk_idx "
+                f"{meta.chunk_idx}, expected 0 (chunks out of order)"
+            )
+        if due is not None and (meta.chunk_idx, meta.start_pos) != due:
+            raise SPPProtocolError(
+                f"recv on the spp group: seq {meta.seq_id} expected chunk_idx {due[0]} at "
+                f"start_pos {due[1]}, got chunk_idx {meta.chunk_idx} at start_pos "
+                f"{meta.start_pos} (chunks out of order)"
+            )
+        self._next[meta.seq_id] = (meta.chunk_idx + 1, meta.start_pos + meta.num_tokens)
+
+    @staticmethod
+    def _check_expected(
+        meta: ChunkMeta, tensors: Tensors, expect: Mapping[str, Sequence[int | None] | None]
+    ) -> None:
+        where = f"recv on the spp group (seq {meta.seq_id} chunk {meta.chunk_idx})"
+        if set(tensors) != set(expect):
+            raise SPPProtocolError(
+                f"{where}: header announces {len(tensors)} tensors {sorted(tensors)}, "
+                f"receiver expects {len(expect)} {sorted(expect)}"
+            )
+        for name, shape in expect.items():
+            got = tuple(tensors[name].shape)
+            if shape is None:
+                continue
+            if len(got) != len(shape) or any(
+                s is not None and s != g for s, g in zip(shape, got, strict=True)
+            ):
+                raise SPPProtocolError(
+                    f"{where}: tensor {name!r} has shape {list(got)}, receiver expects "
+                    f"{list(shape)}"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTiming:
+    """``time.perf_counter`` stamps of one chunk on one stage.
+
+    ``wait_start``: the stage began waiting for the chunk (recv) or embedding it;
+    ``start``: its input is in hand and compute begins (after embed on stage 0);
+    ``end``: compute done; ``sent``: the send is posted (``end`` on the last stage).
+    """
+
+    meta: ChunkMeta
+    wait_start: float
+    start: float
+    end: float
+    sent: float
+
+
+class StageRunner:
+    """Runs the SPP schedule for one stage.
+
+    Args:
+        comm: this stage's communicator.
+        layers: ``layers(meta, inputs) -> outputs``: the stage's layers on one
+            chunk; it appends the chunk's KV to the stage's own cache.
+        embed: ``embed(meta, payload) -> inputs``: first stage only.
+        on_stage_done: called with the chunk's meta once the first stage has
+            finished it and posted its send: the next chunk may be issued.
+    """
+
+    def __init__(
+        self,
+        comm: SPPCommunicator,
+        layers: Callable[[ChunkMeta, Tensors], Tensors],
+        *,
+        embed: Callable[[ChunkMeta, Any], Tensors] | None = None,
+        on_stage_done: Callable[[ChunkMeta], None] | None = None,
+    ) -> None:
+        if comm.is_first and embed is None:
+            raise ValueError("the first stage needs an embed function")
+        self.comm = comm
+        self.layers = layers
+        self.embed = embed
+        self.on_stage_done = on_stage_done
+        self.timeline: list[ChunkTiming] = []
+
+    def step(self, meta: ChunkMeta | None = None, payload: Any = None) -> tuple[ChunkMeta, Tensors]:
+        """Process one chunk; return its meta and this stage's outputs.
+
+        The first stage needs ``meta`` and ``payload`` (e.g. token ids); later
+        stages receive both meta and inputs, and check them against ``meta``
+        when given.
+        """
+        wait_start = time.perf_counter()
+        if self.comm.is_first:
+            if meta is None or self.embed is None:
+                raise ValueError("the first stage needs the chunk's meta and payload")
+            x = self.embed(meta, payload)
+        else:
+            got, x = self.comm.recv_chunk()
+            if meta is not None and got != meta:
+                raise SPPProtocolError(
+                    f"recv on the spp group: stage {self.comm.stage} expected {meta}, got {got}"
+                )
+            meta = got
+        start = time.perf_counter()
+        y = self.layers(meta, x)
+        end = time.perf_counter()
+        if not self.comm.is_last:
+            self.comm.send_chunk(meta, y)
+        self.timeline.append(ChunkTiming(meta, wait_start, start, end, time.perf_counter()))
+        if self.comm.is_first and self.on_stage_done is not None:
+            self.on_stage_done(meta)
+        return meta, y
+
+    def run(self, chunks: Iterable[tuple[ChunkMeta, Any]]) -> list[tuple[ChunkMeta, Tensors]]:
+        """Step through ``(meta, payload)`` chunks (later stages use the metas as
+        checks and ignore payloads), then drain the sends."""
+        out = [self.step(meta, payload) for meta, payload in chunks]
+        self.comm.drain()
+        return out

@@ -1,0 +1,191 @@
+"""The fixed-size int64 header that precedes every stream-pipeline chunk.
+
+gloo fills an oversized receive buffer only partly and says nothing, so a
+receiver must know every tensor's exact size before it posts a receive. Each
+chunk therefore starts with one header of ``HEADER_WORDS`` int64 words::
+
+    [0]  MAGIC                      [5]  num_tokens
+    [1]  VERSION                    [6]  is_last (0/1)
+    [2]  seq_id                     [7]  kind (free int: 0 prefill, 1 decode, ...)
+    [3]  chunk_idx                  [8]  number of tensors n (0..MAX_TENSORS)
+    [4]  start_pos                  [9]  HEADER_WORDS
+    [10 + 9*i : 19 + 9*i]  tensor i: name (NAME_WORDS words of ASCII, NUL padded),
+                           dtype code, ndim, shape padded with zeros to MAX_NDIM
+    [-1] MAGIC again (a short message leaves it zero)
+
+Tensors follow in sorted-name order, each sent ``.contiguous()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = int.from_bytes(b"MEDHSPP1", "big")  # fits in a signed int64 (first byte < 0x80)
+VERSION = 1
+MAX_TENSORS = 8
+MAX_NDIM = 4
+NAME_WORDS = 3
+MAX_NAME_BYTES = 8 * NAME_WORDS
+_FIXED = 10
+_PER_TENSOR = NAME_WORDS + 2 + MAX_NDIM
+HEADER_WORDS = _FIXED + MAX_TENSORS * _PER_TENSOR + 1
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+class ChunkHeaderError(ValueError):
+    """A header that cannot be encoded, or a received one that is malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """Which tokens of which sequence a chunk carries.
+
+    ``start_pos`` is the absolute position of the chunk's first token (its KV
+    offset); ``is_last`` marks the chunk whose output is wanted (the end of a
+    prompt, or any decode step); ``kind`` is free (0 prefill, 1 decode
+    micro-batch by convention).
+    """
+
+    seq_id: int
+    chunk_idx: int
+    start_pos: int
+    num_tokens: int
+    is_last: bool = False
+    kind: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_id", "chunk_idx", "start_pos", "num_tokens", "kind"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ChunkHeaderError(f"ChunkMeta.{name} must be an int, got {value!r}")
+        for name in ("chunk_idx", "start_pos", "num_tokens"):
+            if getattr(self, name) < 0:
+                raise ChunkHeaderError(f"ChunkMeta.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor announced by a header: enough to allocate its receive buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _name_words(name: str) -> list[int]:
+    raw = name.encode("ascii", errors="strict") if name.isascii() else b""
+    if not raw or len(raw) > MAX_NAME_BYTES or b"\0" in raw:
+        raise ChunkHeaderError(
+            f"tensor name {name!r} must be 1..{MAX_NAME_BYTES} ASCII characters without NUL"
+        )
+    raw = raw.ljust(MAX_NAME_BYTES, b"\0")
+    return [int.from_bytes(raw[8 * i : 8 * i + 8], "big") for i in range(NAME_WORDS)]
+
+
+def _words_name(words: list[int]) -> str:
+    raw = b"".join(w.to_bytes(8, "big") for w in words if w >= 0)
+    if len(raw) != MAX_NAME_BYTES:
+        raise ChunkHeaderError("tensor name words are negative")
+    name = raw.rstrip(b"\0")
+    if not name or b"\0" in name or not name.isascii():
+        raise ChunkHeaderError(f"tensor name bytes {raw!r} are not a NUL-padded ASCII name")
+    return name.decode("ascii")
+
+
+def encode_header(meta: ChunkMeta, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The CPU int64 ``[HEADER_WORDS]`` header for ``meta`` and ``tensors`` (sorted by name)."""
+    if len(tensors) > MAX_TENSORS:
+        raise ChunkHeaderError(f"a chunk carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
+    words = [
+        MAGIC,
+        VERSION,
+        meta.seq_id,
+        meta.chunk_idx,
+        meta.start_pos,
+        meta.num_tokens,
+        int(bool(meta.is_last)),
+        meta.kind,
+        len(tensors),
+        HEADER_WORDS,
+    ]
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise ChunkHeaderError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.dtype not in _DTYPE_CODE:
+            raise ChunkHeaderError(f"tensor {name!r}: dtype {t.dtype} cannot be sent")
+        if t.dim() > MAX_NDIM:
+            raise ChunkHeaderError(f"tensor {name!r}: {t.dim()} dims, at most {MAX_NDIM}")
+        shape = list(t.shape) + [0] * (MAX_NDIM - t.dim())
+        words += [*_name_words(name), _DTYPE_CODE[t.dtype], t.dim(), *shape]
+    words += [0] * (HEADER_WORDS - 1 - len(words)) + [MAGIC]
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[ChunkMeta, list[TensorSpec]]:
+    """Check a received header and read the meta and tensor specs out of it."""
+    if header.dtype != torch.int64 or tuple(header.shape) != (HEADER_WORDS,):
+        raise ChunkHeaderError(
+            f"header must be int64 [{HEADER_WORDS}], got {header.dtype} {list(header.shape)}"
+        )
+    w = header.tolist()
+    if w[0] != MAGIC:
+        raise ChunkHeaderError(
+            f"bad magic {w[0]:#x} (expected {MAGIC:#x}): not an SPP chunk header, "
+            "or the sender and receiver are out of step"
+        )
+    if w[1] != VERSION or w[9] != HEADER_WORDS:
+        raise ChunkHeaderError(
+            f"header version {w[1]} / size {w[9]} words; this side speaks version "
+            f"{VERSION} with {HEADER_WORDS} words"
+        )
+    if w[-1] != MAGIC:
+        raise ChunkHeaderError("header trailer is missing: the header arrived truncated")
+    n = w[8]
+    if not 0 <= n <= MAX_TENSORS:
+        raise ChunkHeaderError(f"header announces {n} tensors, outside 0..{MAX_TENSORS}")
+    try:
+        meta = ChunkMeta(
+            seq_id=w[2],
+            chunk_idx=w[3],
+            start_pos=w[4],
+            num_tokens=w[5],
+            is_last=bool(w[6]),
+            kind=w[7],
+        )
+    except ChunkHeaderError as exc:
+        raise ChunkHeaderError(f"header meta is invalid: {exc}") from None
+    if w[6] not in (0, 1):
+        raise ChunkHeaderError(f"header is_last must be 0 or 1, got {w[6]}")
+    specs: list[TensorSpec] = []
+    for i in range(n):
+        base = _FIXED + i * _PER_TENSOR
+        name = _words_name(w[base : base + NAME_WORDS])
+        code, ndim = w[base + NAME_WORDS], w[base + NAME_WORDS + 1]
+        dims = w[base + NAME_WORDS + 2 : base + _PER_TENSOR]
+        if not 0 <= code < len(_DTYPES):
+            raise ChunkHeaderError(f"tensor {name!r}: unknown dtype code {code}")
+        if not 0 <= ndim <= MAX_NDIM or any(d < 0 for d in dims) or any(dims[ndim:]):
+            raise ChunkHeaderError(f"tensor {name!r}: bad shape ndim={ndim} dims={dims}")
+        if specs and name <= specs[-1].name:
+            raise ChunkHeaderError(f"tensor names are not sorted and unique at {name!r}")
+        specs.append(TensorSpec(name, _DTYPES[code], tuple(dims[:ndim])))
+    if any(w[_FIXED + n * _PER_TENSOR : -1]):
+        raise ChunkHeaderError(f"header has data past its {n} announced tensors")
+    return meta, specs

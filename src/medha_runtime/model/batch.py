@@ -1,0 +1,186 @@
+"""What one model step reads: a flat batch of tokens and a paged KV cache.
+
+Vocabulary: a batch holds ``B`` sequences and ``N`` new tokens, tokens first
+(sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``). A decode is a
+sequence with one new token; a prefill chunk one with several. Slot ``s`` of
+the cache is offset ``s % block_size`` of block ``s // block_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Index tensors for one step (all on the model's device).
+
+    Attributes:
+        input_ids: ``[N]`` int64 token ids (read by the first SPP stage only).
+        positions: ``[N]`` int64 absolute positions (RoPE).
+        cu_seqlens_q: ``[B + 1]`` int32 row offsets of each sequence.
+        kv_lens: ``[B]`` int32 keys per sequence in this cache, including this chunk's.
+        block_table: ``[B, max_blocks]`` int32 cache blocks of each sequence, in order.
+        slots: ``[N]`` int32 cache slot where each new token's K/V is written;
+            a negative slot writes nothing (a token whose KV lives elsewhere).
+        sample_rows: ``[S]`` int64 rows whose logits the last stage returns.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    kv_lens: torch.Tensor
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    sample_rows: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv_lens.shape[0])
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        return ForwardBatch(**{k: getattr(self, k).to(device) for k in self.__dataclass_fields__})
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        *,
+        block_size: int,
+        sample: Sequence[bool] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """A batch from per-sequence Python lists.
+
+        Args:
+            token_ids: each sequence's new tokens (a chunk, or one decode token).
+            start_positions: the position of each sequence's first new token,
+                i.e. how many of its tokens are already in the cache.
+            block_ids: each sequence's cache blocks, in order; enough for
+                ``start + len(tokens)`` tokens.
+            block_size: tokens per cache block.
+            sample: which sequences need logits (their last row is sampled);
+                default all.
+            device: where the tensors go.
+
+        Example:
+            A 5-token prefill chunk of sequence 0 beside a decode of sequence 1
+            (which already has 6 tokens cached), block size 4::
+
+                ForwardBatch.build([[1, 2, 3, 4, 5], [9]], [0, 6], [[0, 1], [3, 2]],
+                                   block_size=4)
+        """
+        n = len(token_ids)
+        if not (len(start_positions) == len(block_ids) == n):
+            raise ValueError(
+                f"token_ids, start_positions and block_ids need one entry per sequence; "
+                f"got {n}, {len(start_positions)} and {len(block_ids)}"
+            )
+        sample = [True] * n if sample is None else list(sample)
+        if len(sample) != n:
+            raise ValueError(f"sample has {len(sample)} entries for {n} sequences")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        kv_lens: list[int] = []
+        rows: list[int] = []
+        for b, (toks, start, blocks) in enumerate(
+            zip(token_ids, start_positions, block_ids, strict=True)
+        ):
+            if start < 0:
+                raise ValueError(f"sequence {b}: start position {start} is negative")
+            end = start + len(toks)
+            if -(-end // block_size) > len(blocks):
+                raise ValueError(
+                    f"sequence {b}: {end} tokens need {-(-end // block_size)} blocks of "
+                    f"{block_size}, got {len(blocks)}"
+                )
+            ids.extend(toks)
+            positions.extend(range(start, end))
+            slots.extend(
+                blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+            )
+            cu.append(len(ids))
+            kv_lens.append(end)
+            if sample[b] and toks:
+                rows.append(len(ids) - 1)
+        width = max((len(b) for b in block_ids), default=0)
+        table = [list(b) + [0] * (width - len(b)) for b in block_ids]
+
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=t(ids, torch.int64),
+            positions=t(positions, torch.int64),
+            cu_seqlens_q=t(cu, torch.int32),
+            kv_lens=t(kv_lens, torch.int32),
+            block_table=t(table, torch.int32).reshape(n, width),
+            slots=t(slots, torch.int32),
+            sample_rows=t(rows, torch.int64),
+        )
+
+
+class KVCache:
+    """Paged K/V for the layers of one stage.
+
+    ``k[i]`` and ``v[i]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    (this TP rank's KV heads) for the ``i``-th layer this model holds.
+    """
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        if len(k) != len(v) or not k:
+            raise ValueError(f"need one k and one v per layer, got {len(k)} and {len(v)}")
+        self.k, self.v = k, v
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """Zero-filled caches for ``num_layers`` layers."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(k, v)
+
+    @staticmethod
+    def bytes_per_block(
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Memory one block takes across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k[0].shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k[0].shape[1])
+
+    def __repr__(self) -> str:
+        shape = tuple(self.k[0].shape)
+        return f"KVCache(layers={self.num_layers}, shape={shape}, dtype={self.k[0].dtype})"

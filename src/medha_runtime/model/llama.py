@@ -1,0 +1,410 @@
+"""The Llama family (Llama 2, 3, 3.1, 3.2) over a paged KV cache.
+
+One :class:`LlamaModel` holds one pipeline stage (``layer_range``) of one TP
+rank. TP follows Megatron: q/k/v and gate/up are fused column-parallel
+projections holding this rank's heads and MLP columns, o and down are
+row-parallel (one all-reduce each), and the token embedding and LM head are
+split over the vocabulary (padded to a multiple of the TP degree). Parameter
+names keep the global layer index (``layers.5.self_attn.qkv_proj.weight``) so
+every stage loads its own slice of a checkpoint; see
+:mod:`medha_runtime.model.loader`.
+
+Attention goes through :meth:`LlamaModel.set_attention`: the default
+:class:`PagedAttention` calls :func:`medha_kernels.paged_attention`; a KV-parallel
+worker installs one that attends to its KV shard and merges partial states.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medha_kernels import append_paged_kv, paged_attention
+from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
+from medha_runtime.model.batch import ForwardBatch, KVCache
+from medha_runtime.model.config import ModelConfig, resolve_dtype
+from medha_runtime.model.rope import RotaryEmbedding, apply_rotary
+
+Device = torch.device | str
+
+
+class AttentionFn(Protocol):
+    """How a layer attends: ``q`` over the keys the cache holds for each sequence."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        *,
+        layer_id: int,
+    ) -> torch.Tensor:
+        """Args:
+            q: ``[num_tokens, num_q_heads_local, head_dim]``, already rotated.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads_local, head_dim]``,
+                this chunk's K/V already written at ``batch.slots``.
+            batch: the step's index tensors.
+            layer_id: the global layer index.
+
+        Returns:
+            ``[num_tokens, num_q_heads_local, head_dim]`` in ``q``'s dtype.
+        """
+        ...
+
+
+class PagedAttention:
+    """The default :class:`AttentionFn`: causal paged attention over the local cache.
+
+    Args:
+        backend: passed to :func:`medha_kernels.paged_attention` (``"auto"``:
+            torch on the CPU, Triton or FlashInfer on GPUs).
+    """
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"PagedAttention(backend={self.backend!r})"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        *,
+        layer_id: int,
+    ) -> torch.Tensor:
+        out, _ = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            kv_lens=batch.kv_lens,
+            block_table=batch.block_table,
+            backend=self.backend,
+        )
+        return out
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as in transformers: normalize in fp32, cast back, then scale."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        *,
+        device: Device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of the TP degree."""
+    return -(-vocab_size // tp) * tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows are split over TP ranks (one all-reduce).
+
+    Rank ``r`` holds rows ``[r * V', (r + 1) * V')`` of the embedding padded to
+    ``V' * tp`` rows; padding rows are zero.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        comm: TPCommunicator,
+        device: Device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.comm = comm
+        self.vocab_size = vocab_size
+        self.rows_per_rank = padded_vocab(vocab_size, comm.world_size) // comm.world_size
+        self.start = comm.rank * self.rows_per_rank
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size, device=device, dtype=dtype)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer with this TP rank's heads."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        comm: TPCommunicator,
+        device: Device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp = comm.world_size
+        self.layer_id = layer_id
+        self.head_dim = config.head_dim
+        self.num_q_heads = config.num_q_heads // tp
+        self.num_kv_heads = config.num_kv_heads // tp
+        self.q_size = self.num_q_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        kw = {"comm": comm, "bias": config.attention_bias, "device": device, "dtype": dtype}
+        full_qkv = (config.num_q_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, full_qkv, **kw)
+        self.o_proj = RowParallelLinear(
+            config.num_q_heads * config.head_dim, config.hidden_size, **kw
+        )
+        self.attn_fn: AttentionFn = PagedAttention()
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The hook: ``q [N, Hq_local, D]`` over the cache → ``[N, Hq_local, D]``."""
+        return self.attn_fn(q, k_cache, v_cache, batch, layer_id=self.layer_id)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_q_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        append_paged_kv(k, v, k_cache, v_cache, slots=batch.slots)
+        o = self.attend(q, k_cache, v_cache, batch)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU with a fused column-parallel gate/up and a row-parallel down."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        comm: TPCommunicator,
+        device: Device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        kw = {"comm": comm, "bias": config.mlp_bias, "device": device, "dtype": dtype}
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, 2 * config.intermediate_size, **kw
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        comm: TPCommunicator,
+        device: Device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.self_attn = LlamaAttention(config, layer_id, comm=comm, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.mlp = LlamaMLP(config, comm=comm, **kw)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """One stage of one TP rank of a Llama model.
+
+    Args:
+        config: the model's shape.
+        dtype: parameter and activation dtype (a torch dtype, a name, or
+            ``"auto"`` for ``config.dtype``).
+        device: where parameters live (``"meta"`` builds a skeleton for the loader).
+        tp: the TP communicator (default: one rank). ``num_kv_heads`` (hence
+            ``num_q_heads``) and ``intermediate_size`` must divide by its degree.
+        layer_range: this SPP stage's layers (default all). The stage holding
+            layer 0 embeds token ids; the one holding the last layer applies the
+            final norm and LM head.
+
+    Parameters are initialized for shape only (uniform projections, N(0, 0.02)
+    embeddings); real weights come from :func:`medha_runtime.model.loader.load_model`
+    or :mod:`medha_runtime.model.tiny`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: str | torch.dtype,
+        device: Device = "cpu",
+        tp: TPCommunicator | None = None,
+        layer_range: range | None = None,
+    ) -> None:
+        super().__init__()
+        comm = tp if tp is not None else TPCommunicator()
+        _check_tp(config, comm.world_size)
+        layer_range = range(config.num_layers) if layer_range is None else layer_range
+        if (
+            layer_range.step != 1
+            or len(layer_range) == 0
+            or layer_range.start < 0
+            or layer_range.stop > config.num_layers
+        ):
+            raise ValueError(
+                f"layer_range {layer_range} must be a non-empty contiguous part of "
+                f"range(0, {config.num_layers})"
+            )
+        self.config = config
+        self.dtype = resolve_dtype(dtype, config)
+        self.tp = comm
+        self.layer_range = layer_range
+        self.is_first = layer_range.start == 0
+        self.is_last = layer_range.stop == config.num_layers
+        self.rotary = RotaryEmbedding(
+            config.rope,
+            head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        kw = {"device": device, "dtype": self.dtype}
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, comm=comm, **kw
+            )
+            with torch.no_grad():
+                self.embed_tokens.weight.normal_(0.0, 0.02)
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(config, i, comm=comm, **kw) for i in layer_range}
+        )
+        if self.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+            self.lm_head = ColumnParallelLinear(
+                config.hidden_size,
+                padded_vocab(config.vocab_size, comm.world_size),
+                comm=comm,
+                bias=False,
+                gather_output=True,
+                **kw,
+            )
+            self.tie_weights()
+        self.requires_grad_(False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head if the config ties them and this stage has both."""
+        if self.config.tie_word_embeddings and self.is_first and self.is_last:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.config.num_kv_heads // self.tp.world_size
+
+    def set_attention(self, fn: AttentionFn) -> None:
+        """Make every layer attend through ``fn`` (see :class:`AttentionFn`)."""
+        for layer in self.layers.values():
+            layer.self_attn.attn_fn = fn
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """A zeroed cache for this stage's layers and this rank's KV heads."""
+        return KVCache.allocate(
+            num_layers=len(self.layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads_local,
+            head_dim=self.config.head_dim,
+            dtype=dtype or self.dtype,
+            device=self.device,
+        )
+
+    @torch.no_grad()
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run this stage's layers on a batch; writes the new tokens' K/V into ``kv``.
+
+        Args:
+            batch: the step's index tensors, on this model's device.
+            kv: this stage's cache (one entry per layer in ``layer_range``).
+            hidden: ``[num_tokens, hidden_size]`` from the previous stage;
+                required unless this stage is the first.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` hidden states (in the model dtype) if
+            this is not the last stage, else fp32 logits
+            ``[len(batch.sample_rows), vocab_size]``.
+        """
+        if kv.num_layers != len(self.layers):
+            raise ValueError(f"kv has {kv.num_layers} layers, this stage {len(self.layers)}")
+        if self.is_first:
+            x = self.embed_tokens(batch.input_ids)
+        elif hidden is None:
+            raise ValueError(
+                f"stage with layers {self.layer_range} is not the first: pass the previous "
+                "stage's hidden states"
+            )
+        else:
+            x = hidden
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        for i, layer in enumerate(self.layers.values()):
+            x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
+        if not self.is_last:
+            return x
+        x = self.norm(x[batch.sample_rows])
+        return self.lm_head(x)[:, : self.config.vocab_size].float()
+
+
+def _check_tp(config: ModelConfig, tp: int) -> None:
+    for name in ("num_kv_heads", "intermediate_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(
+                f"{name}={getattr(config, name)} is not divisible by the TP degree {tp}"
+            )

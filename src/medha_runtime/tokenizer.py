@@ -1,0 +1,288 @@
+"""Tokenization, chat templates, stop tokens and streaming detokenization.
+
+A model directory supplies:
+
+- ``tokenizer.json``, read by the ``tokenizers`` library (its post-processor
+  adds BOS when ``add_special_tokens`` is true);
+- the chat template: ``chat_template.jinja`` if present, else
+  ``tokenizer_config.json["chat_template"]`` (a string, or a list of
+  ``{"name", "template"}`` where ``"default"`` is used); rendered with a
+  sandboxed jinja2 environment providing ``raise_exception``, ``strftime_now``,
+  ``bos_token``, ``eos_token`` and ``add_generation_prompt``. Rendered chats
+  usually start with BOS already: encode them with ``add_special_tokens=False``
+  (``apply_chat_template(..., tokenize=True)`` does);
+- stop tokens: ``generation_config.json["eos_token_id"]`` (an int or a list)
+  merged with the tokenizer's EOS token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from medha_runtime.model.errors import ConfigError, MissingFileError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# Tokens of context kept before the new ones when decoding incrementally
+# (as vLLM does), so a token's leading space or byte-fallback pieces decode in context.
+_CONTEXT_TOKENS = 5
+
+
+class ChatTemplateError(ValueError):
+    """No chat template, or the template failed (including ``raise_exception``)."""
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` with its special tokens, chat template and stop ids.
+
+    Args:
+        tokenizer: the fast tokenizer.
+        bos_token, eos_token: special token strings (None if the model has none).
+        chat_template: the Jinja source, or None.
+        generation_eos_ids: EOS ids from generation_config.json.
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+        generation_eos_ids: Sequence[int] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
+        stops = [*generation_eos_ids, *([] if self.eos_token_id is None else [self.eos_token_id])]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        self._template: Any = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos={self.eos_token!r}, stop_token_ids={list(self.stop_token_ids)})"
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> Tokenizer:
+        """Read ``tokenizer.json`` and, if present, the tokenizer, template and generation configs.
+
+        Raises:
+            MissingFileError: no directory or no ``tokenizer.json`` (named).
+            ConfigError: a JSON file that does not parse (named).
+        """
+        directory = Path(path)
+        file = directory / TOKENIZER_FILE
+        if not file.is_file():
+            raise MissingFileError(f"{file} not found: the tokenizer needs a tokenizer.json")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as exc:
+            raise ConfigError(f"{file}: cannot be read by tokenizers ({exc})") from None
+        tcfg = _read_json(directory / TOKENIZER_CONFIG_FILE)
+        gcfg = _read_json(directory / GENERATION_CONFIG_FILE)
+        template_file = directory / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            template: str | None = template_file.read_text()
+        else:
+            template = _pick_template(tcfg.get("chat_template"), directory / TOKENIZER_CONFIG_FILE)
+        return cls(
+            tok,
+            bos_token=_token_content(tcfg.get("bos_token")),
+            eos_token=_token_content(tcfg.get("eos_token")),
+            chat_template=template,
+            generation_eos_ids=_ids(gcfg.get("eos_token_id")),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Including added (special) tokens."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> DetokenizeState:
+        """A streaming decoder that continues after ``prompt_ids``."""
+        return DetokenizeState(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render a conversation with the model's chat template.
+
+        Args:
+            messages: ``[{"role": ..., "content": ...}, ...]``.
+            add_generation_prompt: end with the assistant turn's header.
+            tokenize: return token ids (encoded without adding special tokens,
+                since templates emit BOS themselves) instead of text.
+            kwargs: extra template variables (``tools``, ``date_string``...).
+
+        Raises:
+            ChatTemplateError: no template, or rendering failed.
+        """
+        if self._template is None:
+            if not self.chat_template:
+                raise ChatTemplateError(
+                    "this tokenizer has no chat template (expected chat_template.jinja or "
+                    "tokenizer_config.json 'chat_template')"
+                )
+            self._template = _compile(self.chat_template)
+        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        variables.update(kwargs)
+        try:
+            text = self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class DetokenizeState:
+    """Incremental detokenization for streaming.
+
+    :meth:`add` returns the text the new ids complete. Text is held back while
+    it ends in an incomplete UTF-8 sequence (decoded as U+FFFD), so a
+    multi-byte character split over tokens is never emitted broken. A window of
+    earlier tokens is decoded with the new ones so leading spaces decode as in
+    the full text.
+
+    Attributes:
+        ids: every id seen (prompt context, then generated).
+        text: the text emitted so far (generated part only).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_ids: Iterable[int]) -> str:
+        """Append generated ids; return the newly completed text (maybe ``""``)."""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += new
+            return new
+        return ""
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is held back, replacement characters included."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        new = full[len(prefix) :] if full.startswith(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += new
+        return new
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{file}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a JSON object")
+    return data
+
+
+def _pick_template(value: Any, source: Path) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        if "default" in named:
+            return named["default"]
+        raise ConfigError(f"{source}: chat_template list has no 'default' entry ({list(named)})")
+    raise ConfigError(f"{source}: chat_template must be a string or a list, got {type(value)}")
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _compile(source: str) -> Any:
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc

@@ -1,0 +1,280 @@
+"""Stream pipeline parallelism: chunk header, SPPCommunicator and StageRunner on gloo.
+
+Each distributed test is one 2-rank launch running several sub-cases.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from medha_parallel.spp_header import (
+    HEADER_WORDS,
+    MAX_TENSORS,
+    ChunkHeaderError,
+    ChunkMeta,
+    decode_header,
+    encode_header,
+)
+
+from .dist import launch
+from .toy import ToyConfig, ToyModel, make_tokens
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops run far faster on one intra-op thread, above all on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- header (no processes) ---------------------------------------------------------
+
+
+def test_header_round_trip_keeps_meta_dtypes_shapes_and_sorted_names() -> None:
+    meta = ChunkMeta(seq_id=7, chunk_idx=3, start_pos=96, num_tokens=32, is_last=True, kind=1)
+    tensors = {
+        "hidden": torch.randn(32, 16),
+        "a_bf16": torch.randn(2, 3, 4, 5).to(torch.bfloat16),
+        "positions": torch.arange(32),
+        "scalar": torch.tensor(1.5),
+        "empty": torch.zeros(0, 16),
+    }
+    header = encode_header(meta, tensors)
+    assert header.dtype == torch.int64 and header.shape == (HEADER_WORDS,)
+    got_meta, specs = decode_header(header)
+    assert got_meta == meta
+    assert [s.name for s in specs] == sorted(tensors)
+    for spec in specs:
+        assert spec.dtype == tensors[spec.name].dtype
+        assert spec.shape == tuple(tensors[spec.name].shape)
+    empty_meta, empty_specs = decode_header(encode_header(ChunkMeta(0, 0, 0, 0), {}))
+    assert empty_meta == ChunkMeta(0, 0, 0, 0) and empty_specs == []
+
+
+def test_header_rejects_bad_input_with_clear_errors() -> None:
+    meta = ChunkMeta(seq_id=0, chunk_idx=0, start_pos=0, num_tokens=4)
+    good = encode_header(meta, {"hidden": torch.zeros(4, 16)})
+    bad = good.clone()
+    bad[0] = 12345
+    with pytest.raises(ChunkHeaderError, match="bad magic"):
+        decode_header(bad)
+    truncated = good.clone()
+    truncated[-1] = 0  # what a short message leaves in a zeroed buffer
+    with pytest.raises(ChunkHeaderError, match="truncated"):
+        decode_header(truncated)
+    with pytest.raises(ChunkHeaderError, match=r"int64 \["):
+        decode_header(good[:-1])
+    too_many = good.clone()
+    too_many[8] = MAX_TENSORS + 1
+    with pytest.raises(ChunkHeaderError, match="tensors"):
+        decode_header(too_many)
+    bad_dtype = good.clone()
+    bad_dtype[13] = 99
+    with pytest.raises(ChunkHeaderError, match="dtype code"):
+        decode_header(bad_dtype)
+    with pytest.raises(ChunkHeaderError, match="dims"):
+        encode_header(meta, {"x": torch.zeros(1, 1, 1, 1, 1)})
+    with pytest.raises(ChunkHeaderError, match="ASCII"):
+        encode_header(meta, {"x" * 25: torch.zeros(1)})
+    with pytest.raises(ChunkHeaderError, match="at most"):
+        encode_header(meta, {f"t{i}": torch.zeros(1) for i in range(MAX_TENSORS + 1)})
+    with pytest.raises(ChunkHeaderError, match="chunk_idx"):
+        ChunkMeta(seq_id=0, chunk_idx=-1, start_pos=0, num_tokens=1)
+
+
+def test_toy_model_chunked_equals_full(one_thread) -> None:
+    model = ToyModel(ToyConfig(compute_weight=2, burn_dim=32))
+    tokens = make_tokens(40)
+    full = model.forward_full(tokens)
+    torch.testing.assert_close(model.forward_chunked(tokens, 10), full, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ToyModel(ToyConfig()).forward_full(tokens), full)  # extra work only
+
+
+# -- SPP2 end to end ------------------------------------------------------------------
+
+PROMPT, CHUNK, DECODES = 128, 32, 3
+# ~10-20 ms of compute per chunk and stage, so the overlap check survives a busy machine.
+CFG = ToyConfig(compute_weight=64, burn_dim=512)
+
+
+def _chunks() -> list[tuple[ChunkMeta, torch.Tensor]]:
+    tokens = make_tokens(PROMPT + DECODES)
+    out = []
+    for i, lo in enumerate(range(0, PROMPT, CHUNK)):
+        meta = ChunkMeta(0, i, lo, CHUNK, is_last=lo + CHUNK == PROMPT, kind=0)
+        out.append((meta, tokens[lo : lo + CHUNK]))
+    for j in range(DECODES):  # decode micro-batches: one token each, through the same path
+        pos = PROMPT + j
+        out.append((ChunkMeta(0, len(out), pos, 1, is_last=True, kind=1), tokens[pos : pos + 1]))
+    return out
+
+
+def _spp2(rank: int, world_size: int, init: str) -> dict:
+    import torch.distributed as dist
+
+    from medha_parallel import ParallelLayout, ParallelState
+    from medha_parallel.spp import SPPCommunicator, StageRunner
+
+    state = ParallelState.initialize(
+        ParallelLayout(spp=2), init_method=init, rank=rank, world_size=world_size, timeout_s=30
+    )
+    model = ToyModel(CFG)
+    comm = SPPCommunicator(state, max_inflight=2)
+    stage = model.make_stage(comm.stage, comm.num_stages)
+    done: list[tuple[int, float]] = []
+    runner = StageRunner(
+        comm,
+        lambda meta, x: {"hidden": model.forward_stage(stage, x["hidden"], meta.start_pos)},
+        embed=lambda meta, toks: {"hidden": model.embed(toks, meta.start_pos)},
+        on_stage_done=lambda meta: done.append((meta.chunk_idx, time.perf_counter())),
+    )
+    out: dict = {
+        "stage": comm.stage,
+        "prev": comm.prev,
+        "next": comm.next,
+        "first_last": (comm.is_first, comm.is_last),
+    }
+    dist.barrier()
+    results = runner.run(_chunks())
+    out["timeline"] = [
+        (t.meta.chunk_idx, t.wait_start, t.start, t.end, t.sent) for t in runner.timeline
+    ]
+    out["metas"] = [m for m, _ in results]
+    out["hidden"] = [y["hidden"] for _, y in results]
+    out["done"] = done
+    out["inflight_after_drain"] = comm.inflight
+    out["stats"] = comm.stats
+
+    # Backpressure: stage 1 is slow, stage 0 sends as fast as it can.
+    dist.barrier()
+    comm2 = SPPCommunicator(state, max_inflight=2)
+    if comm2.is_first:
+        handles, seen = [], []
+        for i in range(8):
+            meta = ChunkMeta(1, i, i * 4, 4)
+            handles.append(comm2.send_chunk(meta, {"hidden": torch.full((4, 16), float(i))}))
+            seen.append(comm2.inflight)
+        out["bp_seen"] = seen
+        comm2.drain()
+        out["bp_all_done"] = all(h.is_completed() for h in handles)
+        out["bp_inflight_after_drain"] = comm2.inflight
+    else:
+        vals = []
+        for _ in range(8):
+            time.sleep(0.03)
+            _, t = comm2.recv_chunk(expect={"hidden": (4, 16)})
+            vals.append(t["hidden"][0, 0].item())
+        out["bp_values"] = vals
+    out["bp_stats"] = comm2.stats
+    return out
+
+
+def test_spp2_matches_oracle_overlaps_and_bounds_inflight(one_thread) -> None:
+    s0, s1 = launch(_spp2, 2)
+    assert (s0["stage"], s0["prev"], s0["next"], s0["first_last"]) == (0, None, 1, (True, False))
+    assert (s1["stage"], s1["prev"], s1["next"], s1["first_last"]) == (1, 0, None, (False, True))
+
+    # Every chunk (prompt and decode) leaves the last stage equal to the oracle.
+    chunks = _chunks()
+    assert s1["metas"] == [m for m, _ in chunks]
+    ref = ToyModel(ToyConfig()).forward_full(make_tokens(PROMPT + DECODES))
+    got = torch.cat(s1["hidden"])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert [m.kind for m in s1["metas"]].count(1) == DECODES
+
+    # Stream pipelining: stage 0 starts chunk i+1 before stage 1 finishes chunk i.
+    t0 = {c: (ws, st, en, se) for c, ws, st, en, se in s0["timeline"]}
+    t1 = {c: (ws, st, en, se) for c, ws, st, en, se in s1["timeline"]}
+    for i in range(PROMPT // CHUNK - 1):
+        assert t0[i + 1][1] < t1[i][2], f"no overlap at chunk {i}: {t0[i + 1]} vs {t1[i]}"
+    for c in t1:  # causality sanity: stage 1 computes a chunk only after stage 0 made it
+        assert t1[c][1] >= t0[c][2]
+    # on_stage_done fires on stage 0 once per chunk, in order, after its compute.
+    assert [c for c, _ in s0["done"]] == list(range(len(chunks)))
+    assert all(t >= t0[c][2] for c, t in s0["done"])
+    assert s1["done"] == []
+
+    # max_inflight respected; drain leaves nothing outstanding.
+    assert 1 <= s0["stats"].peak_inflight <= 2
+    assert s0["stats"].chunks_sent == len(chunks) and s1["stats"].chunks_received == len(chunks)
+    assert s0["inflight_after_drain"] == 0
+    assert max(s0["bp_seen"]) == 2 and s0["bp_stats"].peak_inflight == 2
+    assert s0["bp_stats"].backpressure_waits >= 1
+    assert s0["bp_all_done"] and s0["bp_inflight_after_drain"] == 0
+    assert s1["bp_values"] == [float(i) for i in range(8)]
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+def _errors(rank: int, world_size: int, init: str, flag: str) -> dict:
+    from medha_parallel import CommunicationError, ParallelLayout, ParallelState
+    from medha_parallel.spp import SPPCommunicator
+
+    state = ParallelState.initialize(
+        ParallelLayout(spp=2), init_method=init, rank=rank, world_size=world_size, timeout_s=3
+    )
+    comm = SPPCommunicator(state)
+    out: dict = {}
+
+    def record(key: str, fn) -> None:
+        try:
+            fn()
+            out[key] = None
+        except Exception as exc:
+            out[key] = (type(exc).__name__, isinstance(exc, CommunicationError), str(exc))
+
+    h = {"hidden": torch.zeros(4, 16)}
+    if rank == 0:
+        record("recv_on_first", comm.recv_chunk)
+        comm.send_chunk(ChunkMeta(10, 0, 0, 4), h)  # shape the receiver does not expect
+        comm.send_chunk(ChunkMeta(11, 0, 0, 4), {**h, "extra": torch.ones(2)})  # one too many
+        comm.send_chunk(ChunkMeta(12, 0, 0, 4), h)
+        comm.send_chunk(ChunkMeta(12, 2, 8, 4), h)  # chunk 1 skipped
+        comm.send_chunk(ChunkMeta(13, 1, 4, 4), h)  # a sequence starting mid-way
+        comm.send_chunk(ChunkMeta(14, 0, 0, 4), h)  # the stream is still in step
+        comm.drain()
+        out["inflight"] = comm.inflight
+        deadline = time.monotonic() + 30  # stay alive (PG open) until rank 1 timed out
+        while not Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        record("send_on_last", lambda: comm.send_chunk(ChunkMeta(0, 0, 0, 4), h))
+        record("shape", lambda: comm.recv_chunk(expect={"hidden": (4, 8)}))
+        record("count", lambda: comm.recv_chunk(expect={"hidden": (None, 16)}))
+        record("in_order", comm.recv_chunk)
+        record("skipped", comm.recv_chunk)
+        record("midway", comm.recv_chunk)
+        record("still_in_step", lambda: comm.recv_chunk(expect={"hidden": (4, 16)}))
+        t = time.perf_counter()
+        record("timeout", comm.recv_chunk)  # nobody sends: the group timeout fires
+        out["timeout_s"] = time.perf_counter() - t
+        Path(flag).write_text("done")
+    return out
+
+
+def test_spp_failures_raise_clear_errors_and_do_not_hang(tmp_path: Path) -> None:
+    s0, s1 = launch(_errors, 2, str(tmp_path / "flag"), timeout=60)
+    assert s0["recv_on_first"][0] == "ValueError" and "first stage" in s0["recv_on_first"][2]
+    assert s0["inflight"] == 0
+    assert s1["send_on_last"][0] == "ValueError" and "last stage" in s1["send_on_last"][2]
+    name, is_comm, msg = s1["shape"]
+    assert name == "SPPProtocolError" and is_comm and "'hidden'" in msg and "[4, 8]" in msg
+    name, is_comm, msg = s1["count"]
+    assert name == "SPPProtocolError" and "2 tensors" in msg and "expects 1" in msg
+    assert s1["in_order"] is None
+    name, _, msg = s1["skipped"]
+    assert name == "SPPProtocolError" and "expected chunk_idx 1" in msg and "out of order" in msg
+    name, _, msg = s1["midway"]
+    assert name == "SPPProtocolError" and "expected 0" in msg
+    assert s1["still_in_step"] is None
+    name, is_comm, msg = s1["timeout"]
+    assert name == "CommunicationError" and is_comm
+    assert "spp" in msg and "recv" in msg and "Timed out" in msg
+    assert 2.0 < s1["timeout_s"] < 15.0

@@ -1,0 +1,91 @@
+"""The built-in tiny model: deterministic, long-context, and round-trips through the loader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import medha_runtime.model.tiny as tiny
+from medha_runtime.model import ForwardBatch, load_model
+from medha_runtime.model.tiny import build_tiny, save_tiny, tiny_config, tiny_tokenizer
+
+PROMPT = tiny_tokenizer().encode("Medha serves long prompts.")
+
+
+def _logits(model, prompt=PROMPT, offset: int = 0) -> torch.Tensor:
+    batch = ForwardBatch.build([prompt], [0], [[2, 0, 1, 3]], block_size=8)
+    batch.sample_rows = torch.arange(len(prompt))
+    batch.positions += offset  # RoPE positions only; the cache holds just the prompt
+    return model(batch, model.allocate_kv_cache(4, 8))
+
+
+def test_same_seed_same_logits_other_seed_other_logits() -> None:
+    a, _ = build_tiny()
+    b, _ = build_tiny()
+    c, _ = build_tiny(seed=1)
+    la, lb, lc = _logits(a), _logits(b), _logits(c)
+    assert torch.equal(la, lb)
+    assert not torch.allclose(la, lc)
+    # Varied, decisive output: not one repeated token, and no near-ties.
+    top = la.topk(2, dim=-1)
+    assert len(set(top.indices[:, 0].tolist())) > 3
+    assert (top.values[:, 0] - top.values[:, 1]).min() > 1e-3
+
+
+def test_config_is_a_long_context_llama3_shape() -> None:
+    c = tiny_config()
+    assert c.max_position_embeddings >= 65536
+    assert (c.vocab_size, c.num_q_heads, c.num_kv_heads, c.head_dim) == (259, 4, 2, 16)
+    assert c.rope.rope_type == "llama3" and c.tie_word_embeddings
+    assert "random" in tiny.__doc__.lower()
+
+
+def test_decodes_at_the_end_of_its_64k_context() -> None:
+    model, config = build_tiny()
+    n, bs = config.max_position_embeddings, 1024
+    kv = model.allocate_kv_cache(n // bs, bs)
+    blocks = list(range(n // bs))
+    prefix = ForwardBatch.build([PROMPT], [0], [blocks[:1]], block_size=bs)
+    first = model(prefix, kv)
+    # The last position: the cache holds the prompt then zeros, as if prefilled.
+    last = ForwardBatch.build([[PROMPT[-1]]], [n - 1], [blocks], block_size=bs)
+    logits = model(last, kv)
+    assert logits.shape == (1, 259) and torch.isfinite(logits).all()
+    assert not torch.allclose(logits, first)
+
+
+def test_save_then_load_gives_identical_logits(tmp_path) -> None:
+    path = save_tiny(tmp_path / "tiny")
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
+        assert (path / name).is_file(), name
+    assert "RANDOM" in (path / "README.md").read_text()
+    assert json.loads((path / "config.json").read_text())["max_position_embeddings"] == 65536
+    loaded, config = load_model(path)
+    assert config == tiny_config()
+    built, _ = load_model("tiny")
+    assert torch.equal(_logits(loaded), _logits(built))
+
+
+def test_transformers_reads_the_saved_tiny_model(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = save_tiny(tmp_path / "tiny")
+    ref = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([PROMPT])).logits[0]
+    model, config = build_tiny()
+    torch.testing.assert_close(_logits(model), expected, atol=1e-4, rtol=1e-4)
+    # The same tokens placed at the very end of the 64K context.
+    offset = config.max_position_embeddings - len(PROMPT)
+    positions = torch.arange(offset, offset + len(PROMPT))[None]
+    with torch.no_grad():
+        far = ref(torch.tensor([PROMPT]), position_ids=positions).logits[0]
+    assert not torch.allclose(far, expected, atol=1e-2)
+    torch.testing.assert_close(_logits(model, offset=offset), far, atol=1e-4, rtol=1e-4)

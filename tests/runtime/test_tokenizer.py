@@ -1,0 +1,166 @@
+"""Tokenizer: byte-level round trips, streaming detokenization, chat templates, stop ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from medha_runtime.model import ConfigError, MissingFileError
+from medha_runtime.model.tiny import BOS_ID, EOS_ID, save_tiny, tiny_tokenizer
+from medha_runtime.tokenizer import ChatTemplateError, Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "naïve café — ünïcödé",
+    "日本語のテキスト",
+    "emoji 🎉🦙 end",
+    " lead\nand\ttabs ",
+]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi ✓"},
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_level_round_trip(text: str) -> None:
+    tok = tiny_tokenizer()
+    ids = tok.encode(text)
+    assert ids[0] == BOS_ID and ids[1:] == list(text.encode("utf-8"))
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == "<s>" + text
+
+
+def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] = ()) -> list[str]:
+    state = tok.detokenizer(prompt)
+    pieces = [state.add([i]) for i in ids]
+    pieces.append(state.flush())
+    assert state.text == "".join(pieces)
+    return pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_decode_never_splits_a_character(text: str) -> None:
+    tok = tiny_tokenizer()
+    ids = [*tok.encode(text, add_special_tokens=False), EOS_ID]
+    pieces = _stream(tok, ids, prompt=tok.encode("prompt: é"))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    if len(text.encode()) > len(text):  # multi-byte characters were held back
+        assert "" in pieces[:-1]
+
+
+def test_incremental_decode_flushes_a_truncated_character() -> None:
+    tok = tiny_tokenizer()
+    state = tok.detokenizer()
+    assert state.add([ord("a")]) == "a"
+    assert state.add(list("€".encode())[:2]) == ""  # 2 of 3 bytes
+    assert state.flush() == "\ufffd"
+
+
+def test_incremental_decode_keeps_spaces_of_a_bpe_tokenizer() -> None:
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    corpus = ["the cat sat on the mat", "the dog ate the café food", "über naïve"] * 20
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, show_progress=False)
+    tok = Tokenizer(bpe._tokenizer)
+    text = " the cat ate the café über food"
+    ids = tok.encode(text)
+    assert len(ids) < len(text.encode())  # merges happened
+    assert "".join(_stream(tok, ids)) == tok.decode(ids) == text
+
+
+def _write_tokenizer_dir(path: Path, *, template_in_config=None, jinja=None, generation=None):
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
+    config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
+    if template_in_config is not None:
+        config["chat_template"] = template_in_config
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (path / "chat_template.jinja").write_text(jinja)
+    if generation is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation))
+    return path
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def test_chat_template_from_tokenizer_config(tmp_path) -> None:
+    tok = Tokenizer.from_pretrained_dir(_write_tokenizer_dir(tmp_path, template_in_config=TEMPLATE))
+    text = tok.apply_chat_template(CHAT)
+    assert text == "<s>[system] Be brief.</s>[user] Hi ✓</s>[assistant] "
+    assert tok.apply_chat_template(CHAT, add_generation_prompt=False).endswith("✓</s>")
+    ids = tok.apply_chat_template(CHAT, tokenize=True)
+    assert ids.count(BOS_ID) == 1 and ids[0] == BOS_ID  # no double BOS
+
+
+def test_chat_template_from_jinja_file_takes_precedence(tmp_path) -> None:
+    path = _write_tokenizer_dir(tmp_path, template_in_config="config {{ 1 }}", jinja="file {{ 2 }}")
+    assert Tokenizer.from_pretrained_dir(path).apply_chat_template(CHAT) == "file 2"
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    tok = Tokenizer.from_pretrained_dir(path)
+    assert tok.apply_chat_template(CHAT[1:]) == "[user] Hi ✓</s>[assistant] "  # no bos_token
+
+
+def test_chat_template_list_form_raise_exception_and_missing(tmp_path) -> None:
+    listed = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "dflt"}]
+    tok = Tokenizer.from_pretrained_dir(
+        _write_tokenizer_dir(tmp_path / "a", template_in_config=listed)
+    )
+    assert tok.apply_chat_template(CHAT) == "dflt"
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    tok = Tokenizer.from_pretrained_dir(_write_tokenizer_dir(tmp_path / "b", jinja=strict))
+    with pytest.raises(ChatTemplateError, match="user first"):
+        tok.apply_chat_template(CHAT)
+    tok = Tokenizer.from_pretrained_dir(_write_tokenizer_dir(tmp_path / "c"))
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template(CHAT)
+
+
+def test_chat_template_is_sandboxed(tmp_path) -> None:
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    tok = Tokenizer.from_pretrained_dir(_write_tokenizer_dir(tmp_path, jinja=evil))
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template(CHAT)
+
+
+@pytest.mark.parametrize(
+    ("generation", "expected"),
+    [
+        (None, (EOS_ID,)),
+        ({"eos_token_id": 5}, (5, EOS_ID)),
+        ({"eos_token_id": [7, EOS_ID, 9]}, (7, EOS_ID, 9)),
+    ],
+)
+def test_stop_ids_merge_generation_config_and_eos(tmp_path, generation, expected) -> None:
+    tok = Tokenizer.from_pretrained_dir(_write_tokenizer_dir(tmp_path, generation=generation))
+    assert tok.eos_token_id == EOS_ID and tok.bos_token_id == BOS_ID
+    assert tok.stop_token_ids == expected
+
+
+def test_missing_and_broken_files(tmp_path) -> None:
+    with pytest.raises(MissingFileError, match=r"tokenizer\.json"):
+        Tokenizer.from_pretrained_dir(tmp_path)
+    path = _write_tokenizer_dir(tmp_path / "m")
+    (path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"generation_config\.json"):
+        Tokenizer.from_pretrained_dir(path)
+
+
+def test_saved_tiny_tokenizer_matches_the_in_memory_one(tmp_path) -> None:
+    path = save_tiny(tmp_path / "tiny")
+    loaded, memory = Tokenizer.from_pretrained_dir(path), tiny_tokenizer()
+    for text in TEXTS:
+        assert loaded.encode(text) == memory.encode(text)
+    assert loaded.apply_chat_template(CHAT) == memory.apply_chat_template(CHAT)
+    assert loaded.stop_token_ids == memory.stop_token_ids == (EOS_ID,)
+    assert loaded.vocab_size == 259
