@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from medha_kernels import chunked_prefill_attention
+from medha_parallel.compat import all_gather_concat
 from medha_parallel.errors import named_comm
 from medha_parallel.merge import merge_partials, merge_weights, weighted_output
 from medha_parallel.state import ParallelState
@@ -146,7 +147,7 @@ def _all_gather(x: torch.Tensor, n: int, group: dist.ProcessGroup | None, op: st
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     with named_comm("kvp", op):
-        dist.all_gather_into_tensor(out, x, group=group)
+        all_gather_concat(out, x, group)
     return out.view(n, *x.shape)
 
 

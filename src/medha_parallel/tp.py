@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from medha_parallel.compat import all_gather_concat
 from medha_parallel.errors import named_comm
 from medha_parallel.state import ParallelState
 
@@ -85,7 +86,7 @@ class TPCommunicator:
         # gloo accepts only a dim-0 concatenated output: gather there, then move.
         out = src.new_empty((self.world_size * src.shape[0], *src.shape[1:]))
         with named_comm("tp", "all_gather"):
-            dist.all_gather_into_tensor(out, src, group=self.group)
+            all_gather_concat(out, src, self.group)
         if dim == 0:
             return out
         return torch.cat(out.chunk(self.world_size, dim=0), dim=dim)
