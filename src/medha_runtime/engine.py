@@ -1,0 +1,596 @@
+"""The engine: a ``medha_sched.Scheduler`` driving an executor, plus sampling and stops.
+
+One :meth:`LLMEngine.step`:
+
+1. ``scheduler.schedule(now)`` forms a batch (decodes and prefill chunks);
+2. the batch becomes a :class:`~medha_runtime.plan.StepPlan` (block-table
+   deltas, a :class:`~medha_runtime.sampling.SampleSpec` per sampled row)
+   that the executor runs on every rank;
+3. each sampled token is appended to its request, detokenized incrementally
+   and checked against the stop conditions (EOS unless ``ignore_eos``, stop
+   token ids, stop strings; none before ``min_tokens``);
+4. ``scheduler.on_batch_end`` gets the tokens and the requests the engine
+   stopped; ``max_tokens`` is the scheduler's (``finish_reason="length"``).
+
+Batches are not overlapped (one in flight at a time, also with SPP).
+
+KV memory: every KVP group has a pool of ``kv_cache_tokens`` tokens
+(``num_blocks_per_group`` blocks of ``block_size``); one request holds at most
+``G`` tokens on one group (``kvp_group_tokens``; by default the context
+divided by ``kvp``), so its context is at most ``kvp * G`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medha_runtime.executor import WorkerError, make_executor
+from medha_runtime.model import ModelConfig, load_config
+from medha_runtime.model.config import dtype_name, resolve_dtype
+from medha_runtime.model.errors import MissingFileError
+from medha_runtime.outputs import CompletionOutput, RequestOutput
+from medha_runtime.plan import PlannedChunk, StepPlan
+from medha_runtime.runner import RunnerSpec, kv_bytes_per_token, resolve_device
+from medha_runtime.sampling import Sampled, SampleSpec, SamplingParams
+from medha_runtime.tokenizer import DetokenizeState, Tokenizer
+from medha_sched import (
+    BatchResult,
+    BatchWork,
+    CacheConfig,
+    CostModel,
+    ParallelDegrees,
+    Request,
+    RequestStatus,
+    RequestWork,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    parse_cost_model_spec,
+)
+
+_GIB = 1 << 30
+#: the iteration-time budget when none is given (raised for slow devices, see LLMEngine)
+DEFAULT_TARGET_TIME = 0.05
+
+
+def _is_tiny(model: str) -> bool:
+    return model == "tiny" and not Path(model).is_dir()
+
+
+def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer | None]:
+    """The model's config and tokenizer (None if the directory has no ``tokenizer.json``)."""
+    if _is_tiny(model):
+        from medha_runtime.model.tiny import tiny_config, tiny_tokenizer
+
+        return tiny_config(), tiny_tokenizer()
+    config = load_config(model)
+    try:
+        tokenizer = Tokenizer.from_pretrained_dir(model)
+    except MissingFileError:
+        tokenizer = None
+    return config, tokenizer
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started.
+
+    Attributes:
+        steps: batches run.
+        prefill_tokens: prompt (or recomputed) tokens run in prefill chunks.
+        decode_tokens: decode steps run.
+        sharded_chunks: chunks whose request spanned more than one KVP group.
+        preemptions: requests preempted by recompute.
+    """
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    sharded_chunks: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    sched: Request
+    detok: DetokenizeState | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class LLMEngine:
+    """Requests in, finished :class:`~medha_runtime.outputs.RequestOutput` s out.
+
+    Arguments are those of :class:`medha_runtime.LLM`, which documents them.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = "tiny",
+        *,
+        dtype: str | torch.dtype = "auto",
+        tp: int = 1,
+        spp: int = 1,
+        kvp: int = 1,
+        kvp_group_tokens: int | None = None,
+        policy: str = "lars-mp",
+        target_batch_time: float | None = None,
+        chunk_size: int | None = None,
+        token_grid: int | None = None,
+        max_batch_requests: int | None = None,
+        max_model_len: int | None = None,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        seed: int = 0,
+        cost_model: CostModel | str | None = None,
+        device: str | None = None,
+        timeout_s: float = 60.0,
+        attention_backend: str = "auto",
+    ) -> None:
+        model = str(model)
+        self.model = model
+        self.config, self.tokenizer = load_model_info(model)
+        config = self.config
+        for name, value in (("tp", tp), ("spp", spp), ("kvp", kvp)):
+            _check_int(name, value, 1)
+        if config.num_kv_heads % tp or config.intermediate_size % tp:
+            raise ValueError(
+                f"tp={tp} must divide the model's {config.num_kv_heads} KV heads and its "
+                f"intermediate size {config.intermediate_size}"
+            )
+        if spp > config.num_layers:
+            raise ValueError(f"spp={spp} exceeds the model's {config.num_layers} layers")
+        _check_int("block_size", block_size, 1)
+        _check_int("seed", seed, 0)
+        self.layout = ParallelDegrees(tp=tp, spp=spp, kvp=kvp)
+        dtype = dtype if isinstance(dtype, str) and dtype == "auto" else dtype_name(dtype)
+        torch_dtype = resolve_dtype(dtype, config)
+        self.dtype = dtype_name(torch_dtype)
+        device = resolve_device(device)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and self.layout.world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tp*spp*kvp={self.layout.world_size} ranks need as many GPUs; "
+                f"{torch.cuda.device_count()} are visible"
+            )
+
+        # ---- context and KV memory
+        limit = config.max_position_embeddings
+        if max_model_len is not None:
+            _check_int("max_model_len", max_model_len, 2)
+            if max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len={max_model_len} exceeds the model's "
+                    f"max_position_embeddings={limit}"
+                )
+        want = max_model_len or limit
+        if kvp_group_tokens is not None:
+            _check_int("kvp_group_tokens", kvp_group_tokens, 1)
+            if kvp_group_tokens % block_size:
+                raise ValueError(
+                    f"kvp_group_tokens={kvp_group_tokens} must be a multiple of "
+                    f"block_size={block_size}"
+                )
+            group_tokens = kvp_group_tokens
+        else:
+            group_tokens = -(-math.ceil(want / kvp) // block_size) * block_size
+        per_token = kv_bytes_per_token(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            itemsize=torch.empty((), dtype=torch_dtype).element_size(),
+            tp=tp,
+            spp=spp,
+        )
+        if kv_cache_tokens is not None:
+            _check_int("kv_cache_tokens", kv_cache_tokens, block_size)
+            pool = kv_cache_tokens
+        else:
+            budget = _kv_budget_bytes(device, config, torch_dtype, self.layout.world_size, tp * spp)
+            pool = min(budget // per_token, max(2 * group_tokens, 16384))
+            pool = max(pool, block_size)
+        num_blocks = pool // block_size
+        capacity = num_blocks * block_size
+        if group_tokens > capacity:
+            if kvp_group_tokens is not None:
+                raise ValueError(
+                    f"kvp_group_tokens={kvp_group_tokens} exceeds one KVP group's KV cache of "
+                    f"{capacity} tokens (kv_cache_tokens)"
+                )
+            group_tokens = capacity
+        context = min(want, kvp * group_tokens)
+        if max_model_len is not None and max_model_len > context:
+            raise ValueError(
+                f"max_model_len={max_model_len} does not fit: one request holds at most "
+                f"{group_tokens} tokens on each of kvp={kvp} KVP groups ({context} tokens); "
+                "raise kv_cache_tokens or kvp_group_tokens"
+            )
+        self.max_model_len = context
+        self.cache = CacheConfig(
+            block_size=block_size,
+            num_blocks_per_group=num_blocks,
+            max_tokens_per_group=group_tokens,
+        )
+        sched_kw: dict[str, Any] = {"policy": policy}
+        if target_batch_time is not None:
+            sched_kw["target_batch_time"] = target_batch_time
+        if chunk_size is not None:
+            sched_kw["chunk_size"] = chunk_size
+        if token_grid is not None:
+            sched_kw["token_grid"] = token_grid
+            sched_kw["max_chunk_tokens"] = max(SchedulerConfig().max_chunk_tokens, token_grid)
+        if max_batch_requests is not None:
+            sched_kw["max_batch_requests"] = max_batch_requests
+        self.scheduler_config = SchedulerConfig(**sched_kw)
+        from medha_sched import available_policies
+
+        if policy not in available_policies():
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(available_policies())}")
+        cost = None if cost_model is None else self._resolve_cost_model(cost_model)
+
+        self.spec = RunnerSpec(
+            model=model,
+            dtype=self.dtype,
+            device=device,
+            tp=tp,
+            spp=spp,
+            kvp=kvp,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            group_tokens=group_tokens,
+            attention_backend=attention_backend,
+            timeout_s=timeout_s,
+        )
+        self.executor = make_executor(self.spec)
+        try:
+            if cost is None:
+                from medha_runtime.profile import calibrate_affine
+
+                cost = calibrate_affine(self.executor, self.layout, vocab_size=config.vocab_size)
+            self.cost_model = cost
+            if target_batch_time is None:
+                self.scheduler_config = dataclasses.replace(
+                    self.scheduler_config, target_batch_time=self._auto_target_time(cost)
+                )
+            self.scheduler = Scheduler(self.scheduler_config, cost, cache=self.cache)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.seed = seed
+        self._serial = itertools.count()
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_free: list[str] = []
+        self._pending_finished: list[str] = []
+        self._clock0 = time.monotonic()
+        self._idle_steps = 0
+        self.eos_token_ids: frozenset[int] = frozenset(
+            self.tokenizer.stop_token_ids if self.tokenizer is not None else config.eos_token_ids
+        )
+        self.dead: str | None = None
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ setup
+    def _resolve_cost_model(self, cost_model: CostModel | str) -> CostModel:
+        if isinstance(cost_model, str):
+            return parse_cost_model_spec(cost_model, layout=self.layout)
+        layout = getattr(cost_model, "layout", None)
+        if layout is None or not hasattr(cost_model, "predict"):
+            raise ValueError(f"cost_model must be a CostModel or a spec string, got {cost_model!r}")
+        if layout != self.layout:
+            if not dataclasses.is_dataclass(cost_model):
+                raise ValueError(f"cost_model was made for {layout}, the engine runs {self.layout}")
+            cost_model = dataclasses.replace(cost_model, layout=self.layout)  # type: ignore[type-var]
+        return cost_model
+
+    def _auto_target_time(self, cost: CostModel) -> float:
+        """The default budget: 50 ms, or more if one grid chunk at the end of the
+        context needs more than half of it (slow devices, long contexts)."""
+        grid = min(self.scheduler_config.token_grid, self.max_model_len)
+        kv = self.max_model_len - grid  # the chunk's position: its tail shard is kv // g
+        g = self.cache.group_token_limit
+        tail = kv // g
+        groups: list[tuple[RequestWork, ...]] = [() for _ in range(self.layout.kvp)]
+        for shard in range(tail):  # full earlier shards only attend
+            groups[shard] = (RequestWork(grid, g, tail=False),)
+        groups[tail] = (RequestWork(grid, kv - tail * g, tail=True),)
+        chunk = cost.predict(BatchWork(tuple(groups)))
+        return max(DEFAULT_TARGET_TIME, 2.0 * chunk)
+
+    # --------------------------------------------------------------- requests
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model {self.model!r} has no tokenizer.json: pass prompts as token ids"
+            )
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError for a bad prompt or params."""
+        self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {params!r}")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
+            )
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {n} input tokens. Please reduce the length of the input messages."
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"model {self.model!r} has no tokenizer.json: stop strings need one")
+        serial = next(self._serial)
+        rid = str(serial) if request_id is None else request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_tokens = min(params.max_tokens, limit - n)
+        sched = Request.from_tokens(rid, self._now(), ids, max_output_tokens=max_tokens)
+        try:
+            self.scheduler.add_request(sched)
+        except SchedulerError as exc:
+            raise ValueError(f"request cannot be served: {exc}") from None
+        seed = params.seed if params.seed is not None else _derive_seed(self.seed, serial)
+        detok = None
+        if self.tokenizer is not None:
+            detok = self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
+        self._requests[rid] = _RequestState(
+            rid,
+            prompt,
+            ids,
+            params,
+            seed,
+            sched,
+            detok,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        return rid
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; returns its final output (``finish_reason="abort"``), or None
+        if it is unknown or already finished."""
+        st = self._requests.get(request_id)
+        if st is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        if self.scheduler.get_request(request_id) is not None:
+            return None  # its KV is freed when its in-flight batch ends (never here)
+        st.finish_reason = "abort"
+        return self._retire(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------- step
+    def _now(self) -> float:
+        return time.monotonic() - self._clock0
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise WorkerError(f"the engine is unusable after an earlier failure: {self.dead}")
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of the requests it finished."""
+        self._check_alive()
+        out = self.scheduler.schedule(self._now())
+        if out.is_empty:
+            self._idle_steps += 1
+            if self._requests and self._idle_steps > 100:
+                raise RuntimeError(
+                    f"the scheduler formed no batch for {self._idle_steps} steps with "
+                    f"{len(self._requests)} requests waiting (not enough KV memory?)"
+                )
+            return []
+        self._idle_steps = 0
+        stats = self.stats
+        stats.steps += 1
+        stats.preemptions += len(out.preempted)
+        chunks = []
+        for c in out.chunks:
+            if c.start >= self._requests[c.request_id].sched.num_prefill_tokens:
+                stats.decode_tokens += 1
+            else:
+                stats.prefill_tokens += c.num_tokens
+            if len(c.kvp_groups) > 1:
+                stats.sharded_chunks += 1
+            st = self._requests[c.request_id]
+            if len(c.token_ids) != c.num_tokens:
+                raise RuntimeError(f"scheduler chunk of {c.request_id!r} carries no token ids")
+            sample = self._sample_spec(st) if c.samples else None
+            chunks.append(
+                PlannedChunk(c.request_id, c.start, c.token_ids, c.kvp_groups, c.new_blocks, sample)
+            )
+        plan = StepPlan(
+            out.batch_id,
+            tuple(chunks),
+            free=tuple(out.preempted) + tuple(self._pending_free),
+            finished=tuple(self._pending_finished),
+        )
+        self._pending_free, self._pending_finished = [], []
+        try:
+            sampled = self.executor.execute(plan)
+        except WorkerError as exc:
+            self.dead = str(exc)
+            raise
+        rows = [c for c in out.chunks if c.samples]
+        if len(sampled) != len(rows):
+            raise RuntimeError(f"step {out.batch_id}: {len(sampled)} samples for {len(rows)} rows")
+        tokens: dict[str, int] = {}
+        stopped: set[str] = set()
+        for c, s in zip(rows, sampled, strict=True):
+            tokens[c.request_id] = s.token_id
+            if self._append(self._requests[c.request_id], s):
+                stopped.add(c.request_id)
+        done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
+        outputs = []
+        for rid in done:
+            st = self._requests[rid]
+            status = st.sched.status
+            if st.finish_reason is None:
+                if status is RequestStatus.FINISHED_LENGTH:
+                    st.finish_reason = "length"
+                elif status is RequestStatus.FINISHED_ABORTED:
+                    st.finish_reason = "abort"
+                else:
+                    st.finish_reason = "stop"
+            outputs.append(self._retire(rid))
+        return outputs
+
+    def _retire(self, rid: str) -> RequestOutput:
+        st = self._requests.pop(rid)
+        if st.detok is not None and not isinstance(st.stop_reason, str):
+            st.text += st.detok.flush()  # held-back bytes (a stop string already cut the text)
+        self._pending_free.append(rid)
+        self._pending_finished.append(rid)
+        return self.output(st)
+
+    def output(self, st: _RequestState) -> RequestOutput:
+        logprobs = st.params.logprobs is not None
+        completion = CompletionOutput(
+            index=0,
+            text=st.text,
+            token_ids=list(st.output_ids),
+            cumulative_logprob=st.cumulative_logprob if logprobs else None,
+            logprobs=[dict(e) for e in st.logprobs] if st.logprobs is not None else None,
+            finish_reason=st.finish_reason,
+            stop_reason=st.stop_reason,
+        )
+        return RequestOutput(
+            request_id=st.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=list(st.prompt_token_ids),
+            outputs=[completion],
+            finished=st.finish_reason is not None,
+            num_preemptions=st.sched.num_preemptions,
+        )
+
+    def _sample_spec(self, st: _RequestState) -> SampleSpec:
+        p = st.params
+        suppress: tuple[int, ...] = ()
+        if len(st.output_ids) < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            suppress = tuple(sorted(t for t in ids if t < self.config.vocab_size))
+        top_k = p.top_k if p.top_k > 0 else 0
+        return SampleSpec(
+            st.request_id, p.temperature, top_k, p.top_p, st.seed, p.logprobs, suppress
+        )
+
+    def _append(self, st: _RequestState, s: Sampled) -> bool:
+        """Record a sampled token; True when it stops the request."""
+        p = st.params
+        tok = s.token_id
+        st.output_ids.append(tok)
+        if st.logprobs is not None and s.logprob is not None:
+            entry = {tok: s.logprob}
+            for alt, lp in s.top:
+                entry.setdefault(alt, lp)
+            st.logprobs.append(entry)
+            st.cumulative_logprob += s.logprob
+        checks = len(st.output_ids) >= p.min_tokens
+        if checks and not p.ignore_eos and tok in self.eos_token_ids:
+            st.finish_reason, st.stop_reason = "stop", None
+            return True
+        if checks and tok in p.stop_token_ids:
+            st.finish_reason, st.stop_reason = "stop", tok
+            return True
+        if st.detok is None:
+            return False
+        new = st.detok.add([tok])
+        if not new:
+            return False
+        st.text += new
+        if checks and p.stop:
+            return self._check_stop_strings(st, len(new))
+        return False
+
+    @staticmethod
+    def _check_stop_strings(st: _RequestState, new_len: int) -> bool:
+        text = st.text
+        best: tuple[int, str] | None = None
+        for s in st.params.stop:
+            begin = max(0, len(text) - new_len - len(s) + 1)
+            at = text.find(s, begin)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return False
+        at, s = best
+        st.text = text[: at + len(s)] if st.params.include_stop_str_in_output else text[:at]
+        st.finish_reason, st.stop_reason = "stop", s
+        return True
+
+    # --------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _derive_seed(seed: int, serial: int) -> int:
+    """A per-request seed from the engine's seed and the request's serial number."""
+    x = (seed * 0x9E3779B97F4A7C15 + serial * 0xBF58476D1CE4E5B9 + 1) & 0xFFFF_FFFF_FFFF_FFFF
+    x ^= x >> 31
+    return (x * 0x94D049BB133111EB) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _kv_budget_bytes(
+    device: str, config: ModelConfig, dtype: torch.dtype, world: int, shards: int
+) -> int:
+    """Default KV bytes per rank: most of a GPU after weights, a share of host memory on CPU."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    c = config
+    per_layer = (
+        c.hidden_size * (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim
+        + c.num_q_heads * c.head_dim * c.hidden_size
+        + 3 * c.hidden_size * c.intermediate_size
+    )
+    weights = (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size) * itemsize // shards
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        return max(int(0.85 * total) - weights - 2 * _GIB, 64 << 20)
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        phys = 16 * _GIB
+    return max(min(phys // (4 * world), 8 * _GIB), 64 << 20)

@@ -1,0 +1,251 @@
+"""The offline API, shaped like vLLM's ``LLM``::
+
+    from medha_runtime import LLM, SamplingParams
+
+    with LLM("tiny") as llm:
+        outputs = llm.generate(["Hello", "The sky"], SamplingParams(temperature=0, max_tokens=8))
+        print(outputs[0].outputs[0].text, outputs[0].outputs[0].token_ids)
+
+With ``tp * spp * kvp == 1`` the model runs in the calling process; otherwise
+one worker process per rank (see :mod:`medha_runtime.executor`). Workers stop
+on :meth:`LLM.shutdown`, on leaving a ``with`` block, when the object is
+garbage-collected, and at interpreter exit. Scripts that use several ranks
+need the usual ``if __name__ == "__main__":`` guard (workers are started
+with the forkserver method).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from medha_runtime.engine import LLMEngine
+from medha_runtime.outputs import RequestOutput
+from medha_runtime.sampling import SamplingParams
+from medha_runtime.tokenizer import Tokenizer
+from medha_sched import CostModel
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+
+class LLM:
+    """Generate from a Llama-family model with Medha's scheduler.
+
+    Args:
+        model: a local Hugging Face model directory, or ``"tiny"`` (the built-in
+            model with RANDOM weights: its text is gibberish).
+        dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        tp: tensor-parallel degree (divides the KV heads).
+        spp: stream-pipeline stages (at most the number of layers).
+        kvp: KV-parallel groups; a request longer than ``kvp_group_tokens``
+            spreads its KV over several groups.
+        kvp_group_tokens: most tokens of one request one KVP group holds
+            (a multiple of ``block_size``); default: the context over ``kvp``.
+            Small values force sharding with short prompts.
+        policy: scheduling policy (``lars-mp``, ``lars``, ``edf``, ``lrs``,
+            ``srpt``, ``fcfs``).
+        target_batch_time: iteration-time budget in seconds (adaptive chunking).
+            Default: 50 ms, raised to twice the predicted time of one
+            ``token_grid`` chunk at the end of the context when that is more
+            (so the longest prompt stays schedulable on slow devices).
+        chunk_size: a fixed per-batch token budget instead of adaptive chunking
+            (``0``: whole prompts).
+        token_grid: chunk sizes are multiples of this (scheduler default 32).
+        max_batch_requests: most requests per batch.
+        max_model_len: longest prompt plus output (default: the model's
+            ``max_position_embeddings``, limited by the KV cache).
+        kv_cache_tokens: KV tokens in each KVP group's pool (default: sized
+            from device memory).
+        block_size: tokens per KV block.
+        seed: seeds requests that give no ``seed`` of their own.
+        cost_model: a ``medha_sched`` cost model or spec string
+            (``"affine:base=...,per_token=...,per_attn=..."``,
+            ``"table:PATH"`` from ``medha-runtime profile``); default: an
+            affine model calibrated with a few synthetic steps at start-up.
+        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
+        timeout_s: bound on every collective between workers.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = "tiny",
+        *,
+        dtype: str | torch.dtype = "auto",
+        tp: int = 1,
+        spp: int = 1,
+        kvp: int = 1,
+        kvp_group_tokens: int | None = None,
+        policy: str = "lars-mp",
+        target_batch_time: float | None = None,
+        chunk_size: int | None = None,
+        token_grid: int | None = None,
+        max_batch_requests: int | None = None,
+        max_model_len: int | None = None,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        seed: int = 0,
+        cost_model: CostModel | str | None = None,
+        device: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.engine = LLMEngine(
+            model,
+            dtype=dtype,
+            tp=tp,
+            spp=spp,
+            kvp=kvp,
+            kvp_group_tokens=kvp_group_tokens,
+            policy=policy,
+            target_batch_time=target_batch_time,
+            chunk_size=chunk_size,
+            token_grid=token_grid,
+            max_batch_requests=max_batch_requests,
+            max_model_len=max_model_len,
+            kv_cache_tokens=kv_cache_tokens,
+            block_size=block_size,
+            seed=seed,
+            cost_model=cost_model,
+            device=device,
+            timeout_s=timeout_s,
+        )
+        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
+
+    # --------------------------------------------------------------- lifecycle
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        e = self.engine
+        return (
+            f"LLM(model={e.model!r}, dtype={e.dtype!r}, tp={e.layout.tp}, spp={e.layout.spp}, "
+            f"kvp={e.layout.kvp}, max_model_len={e.max_model_len})"
+        )
+
+    # ------------------------------------------------------------------ queries
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; one :class:`RequestOutput` per prompt, in order.
+
+        Args:
+            prompts: a string, a list of token ids, a list of either, or
+                ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts.
+            sampling_params: one for all prompts, one per prompt, or None
+                (``SamplingParams()``: temperature 1, 16 tokens).
+        """
+        if self._finalizer.alive is False:
+            raise RuntimeError("this LLM was shut down")
+        items = _normalize_prompts(prompts)
+        if sampling_params is None:
+            params: list[SamplingParams] = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(
+                    f"got {len(params)} sampling params for {len(items)} prompts; pass one, "
+                    "or one per prompt"
+                )
+            for p in params:
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling params must be SamplingParams, got {p!r}")
+        engine = self.engine
+        encoded = []
+        for text, ids in items:
+            encoded.append((text, engine.encode(text) if ids is None else ids))
+        rids = []
+        try:
+            for (text, ids), p in zip(encoded, params, strict=True):
+                rids.append(engine.add_request(ids, p, prompt=text))
+            done: dict[str, RequestOutput] = {}
+            while len(done) < len(rids):
+                for out in engine.step():
+                    done[out.request_id] = out
+        except BaseException:
+            for rid in rids:
+                if engine.dead is None:
+                    engine.abort_request(rid)
+            raise
+        return [done[rid] for rid in rids]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the model's chat template)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"model {self.engine.model!r} has no tokenizer: chat needs one")
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            ids = tokenizer.apply_chat_template(
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+            )
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params)
+
+
+def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
+    """``[(text or None, ids or None)]`` with exactly one of the two set."""
+    single_ids = isinstance(prompts, Sequence) and bool(prompts) and _is_token(prompts[0])
+    if isinstance(prompts, (str, Mapping)) or single_ids:
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")
+    if not prompts:
+        raise ValueError("no prompts given")
+    out: list[tuple[str | None, list[int] | None]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append((p, None))
+        elif isinstance(p, Mapping):
+            if "prompt_token_ids" in p:
+                out.append((p.get("prompt"), _token_list(p["prompt_token_ids"], i)))
+            elif "prompt" in p and isinstance(p["prompt"], str):
+                out.append((p["prompt"], None))
+            else:
+                raise ValueError(f"prompt {i}: a dict needs 'prompt' or 'prompt_token_ids'")
+        else:
+            out.append((None, _token_list(p, i)))
+    return out
+
+
+def _is_token(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_list(p: object, i: int) -> list[int]:
+    if not isinstance(p, Sequence) or isinstance(p, str) or not all(_is_token(t) for t in p):
+        raise ValueError(f"prompt {i} must be a string or a list of token ids, got {p!r}")
+    return [int(t) for t in p]

@@ -1,0 +1,387 @@
+"""Measuring iteration times: the start-up affine calibration and ``medha-runtime profile``.
+
+Both time *synthetic* steps through the real executor (every rank, every
+collective, the driver round trip included): a step of requests that exist
+only for it, whose KV blocks are taken straight from the pool (the scheduler
+has allocated nothing yet) and released after the step. Their cached KV is
+garbage, which does not change the time. Every synthetic request is a tail
+request on KVP group 0 and samples one token (greedy), as real steps do.
+
+- :func:`calibrate_affine` fits ``AffineCostModel(base, per_token, per_attn)``
+  to a handful of steps; ``LLM`` uses it when no cost model is given.
+- :func:`run_profile` measures a grid (prefill chunk size x KV length for one
+  request, decode batch size x KV length), fits a
+  ``medha_sched.TableCostModel`` (``TableCostModel.fit``) and compares a
+  ``RooflineCostModel`` built from the model's actual shape and this
+  device's measured FLOP/s, memory bandwidth and per-op overhead (or a
+  named GPU preset) with the measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from medha_runtime.executor import Executor, make_executor
+from medha_runtime.plan import PlannedChunk, StepPlan
+from medha_runtime.runner import RunnerSpec, resolve_device
+from medha_runtime.sampling import SampleSpec
+from medha_sched import AffineCostModel, ParallelDegrees, TableCostModel
+from medha_sched.cost import (
+    BatchWork,
+    HardwareSpec,
+    ModelShape,
+    RooflineCostModel,
+    get_hardware,
+)
+
+Item = tuple[int, int]  # (query tokens, KV tokens already cached)
+
+
+def synthetic_plan(
+    step_id: int, items: Sequence[Item], *, block_size: int, num_blocks: int, vocab_size: int
+) -> StepPlan:
+    """A step of one synthetic request per ``(q, kv)`` item, all on KVP group 0.
+
+    Blocks are handed out in order and wrap around the pool (requests may
+    share blocks: only the timing matters).
+    """
+    chunks = []
+    next_block = 0
+    for j, (q, kv) in enumerate(items):
+        need = -(-(kv + q) // block_size)
+        blocks = tuple((next_block + i) % num_blocks for i in range(need))
+        next_block += need
+        rid = f"__synthetic{j}"
+        ids = tuple((7 * j + 13 * i + 1) % vocab_size for i in range(q))
+        sample = SampleSpec(rid, 0.0, 0, 1.0, 0, None)
+        chunks.append(PlannedChunk(rid, kv, ids, (0,), ((0, blocks),), sample))
+    rids = tuple(c.request_id for c in chunks)
+    return StepPlan(step_id, tuple(chunks), release_after=rids)
+
+
+def time_steps(
+    executor: Executor,
+    batches: Sequence[Sequence[Item]],
+    *,
+    vocab_size: int,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> list[float]:
+    """Median seconds of each synthetic step (after ``warmup`` untimed rounds)."""
+    spec = executor.spec
+    plans = [
+        synthetic_plan(
+            -1 - i, b, block_size=spec.block_size, num_blocks=spec.num_blocks, vocab_size=vocab_size
+        )
+        for i, b in enumerate(batches)
+    ]
+    for _ in range(warmup):
+        for plan in plans:
+            executor.execute(plan)
+    times: list[list[float]] = [[] for _ in plans]
+    for _ in range(repeats):
+        for i, plan in enumerate(plans):
+            t0 = time.perf_counter()
+            executor.execute(plan)
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _room(spec: RunnerSpec) -> int:
+    """Most tokens one synthetic request may span: one KVP group's shard and pool."""
+    return min(spec.group_tokens, spec.num_blocks * spec.block_size)
+
+
+def calibrate_affine(
+    executor: Executor,
+    layout: ParallelDegrees,
+    *,
+    vocab_size: int,
+    repeats: int = 3,
+    max_tokens: int = 2048,
+) -> AffineCostModel:
+    """A quick affine cost model for this executor (a few synthetic steps).
+
+    Least squares of ``seconds ~ base + per_token * tokens + per_attn * sum q*(kv+q)``
+    over single-request prefills and decode batches of at most ``max_tokens``
+    tokens, with every constant kept non-negative (``base`` strictly positive).
+    """
+    room = min(_room(executor.spec), max_tokens)
+    batches: list[list[Item]] = [[(1, 0)]]
+    for q in (32, 128, 512):
+        if q <= room:
+            batches.append([(q, 0)])
+    q = 128 if room >= 256 else max(1, room // 4)
+    for kv in (room // 2, room - q):
+        if kv > 0 and kv + q <= room:
+            batches.append([(q, kv)])
+    kv = min(256, room - 1)
+    batches.append([(1, kv)] * 16)
+    secs = time_steps(executor, batches, vocab_size=vocab_size, repeats=repeats)
+    rows = [
+        (1.0, float(sum(q for q, _ in b)), float(sum(q * (kv + q) for q, kv in b))) for b in batches
+    ]
+    coef = _nonneg_lstsq(rows, secs)
+    base = max(coef[0], 1e-6)
+    return AffineCostModel(base=base, per_token=coef[1], per_attn=coef[2], layout=layout)
+
+
+def _nonneg_lstsq(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (drop negative ones and refit)."""
+    n = len(rows[0])
+    active = list(range(n))
+    coef = [0.0] * n
+    while active:
+        a = torch.tensor([[r[j] for j in active] for r in rows], dtype=torch.float64)
+        scale = a.abs().amax(dim=0).clamp_min(1e-30)
+        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+        sol = torch.linalg.lstsq(a / scale, y).solution.squeeze(1) / scale
+        values = sol.tolist()
+        if all(v >= 0 for v in values):
+            for j, v in zip(active, values, strict=True):
+                coef[j] = v
+            return coef
+        worst = min(range(len(active)), key=lambda i: values[i])
+        del active[worst]
+    return coef
+
+
+# ---------------------------------------------------------------------- profile
+@dataclass(frozen=True)
+class Grid:
+    """What ``profile`` measures: every (q, kv) single-request prefill and
+    every (n, kv) decode batch."""
+
+    prefill_q: tuple[int, ...]
+    prefill_kv: tuple[int, ...]
+    decode_n: tuple[int, ...]
+    decode_kv: tuple[int, ...]
+
+    @property
+    def max_tokens(self) -> int:
+        return max(max(self.prefill_q) + max(self.prefill_kv), max(self.decode_kv) + 1)
+
+
+QUICK_GRID = Grid((16, 64, 256), (0, 512, 2048), (2, 8, 32), (256,))
+FULL_GRID = Grid(
+    (16, 32, 64, 128, 256, 512, 1024, 2048),
+    (0, 1024, 4096, 16384),
+    (2, 4, 8, 16, 32, 64, 128),
+    (512, 4096),
+)
+
+
+@dataclass
+class ProfileResult:
+    """A fitted table and how well the roofline model predicted the measurements."""
+
+    table: TableCostModel
+    samples: list[tuple[BatchWork, float]]
+    roofline: RooflineCostModel
+    roofline_errors: list[float]
+    table_errors: list[float]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.table.to_dict()
+        data["meta"] = self.meta
+        return data
+
+    def write(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    def summary(self) -> str:
+        hw = self.roofline.hardware
+        r, t = self.roofline_errors, self.table_errors
+        return "\n".join(
+            [
+                f"roofline ({hw.name}: {hw.flops_rate / 1e9:.1f} GFLOP/s, "
+                f"{hw.memory_rate / 1e9:.1f} GB/s, {hw.kernel_overhead * 1e6:.1f} us per kernel): "
+                f"mean relative error {100 * statistics.fmean(r):.1f}%, "
+                f"max {100 * max(r):.1f}% over {len(r)} measurements",
+                f"fitted table: mean relative error {100 * statistics.fmean(t):.1f}%, "
+                f"max {100 * max(t):.1f}%",
+            ]
+        )
+
+
+def measure_hardware(device: str, dtype: torch.dtype, *, name: str | None = None) -> HardwareSpec:
+    """This device's achievable matmul FLOP/s, copy bandwidth and per-op overhead (quick)."""
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def best(fn: Callable[[], Any], reps: int) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    n = 4096 if dev.type == "cuda" else 512
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    flops = 2 * n**3 / best(lambda: a @ b, 5)
+    numel = (256 << 20) // 4 if dev.type == "cuda" else (32 << 20) // 4
+    src = torch.empty(numel, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 4 / best(lambda: dst.copy_(src), 5)
+    x = torch.zeros(1, device=dev)
+
+    def small_ops() -> None:
+        for _ in range(100):
+            x.add_(1)
+
+    overhead = best(small_ops, 5) / 100
+    return HardwareSpec(
+        name=name or f"measured-{dev.type}",
+        peak_flops=flops,
+        hbm_bandwidth=bandwidth,
+        interconnect_bandwidth=bandwidth,
+        kernel_overhead=overhead,
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+    )
+
+
+def model_shape(config: Any, *, name: str, bytes_per_param: float) -> ModelShape:
+    """The roofline model's view of a :class:`~medha_runtime.model.ModelConfig`."""
+    return ModelShape(
+        name=name,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        bytes_per_param=bytes_per_param,
+    )
+
+
+def _rel(pred: float, actual: float) -> float:
+    return abs(pred - actual) / actual
+
+
+def run_profile(
+    model: str = "tiny",
+    *,
+    dtype: str = "auto",
+    device: str | None = None,
+    tp: int = 1,
+    spp: int = 1,
+    kvp: int = 1,
+    block_size: int = 16,
+    grid: Grid = QUICK_GRID,
+    repeats: int = 3,
+    hardware: str | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> ProfileResult:
+    """Measure ``grid`` on this device and fit a table (see the module docstring)."""
+    from medha_runtime.engine import load_model_info
+    from medha_runtime.model.config import dtype_name, resolve_dtype
+
+    config, _ = load_model_info(model)
+    torch_dtype = resolve_dtype(dtype if dtype == "auto" else dtype_name(dtype), config)
+    device = resolve_device(device)
+    room = -(-grid.max_tokens // block_size) * block_size
+    decode_blocks = max(
+        n * -(-(kv + 1) // block_size) for n in grid.decode_n for kv in grid.decode_kv
+    )
+    num_blocks = max(room // block_size, decode_blocks)
+    spec = RunnerSpec(
+        model=model,
+        dtype=dtype_name(torch_dtype),
+        device=device,
+        tp=tp,
+        spp=spp,
+        kvp=kvp,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        group_tokens=room,
+    )
+    layout = ParallelDegrees(tp=tp, spp=spp, kvp=kvp)
+    log(
+        f"profiling {model} ({spec.dtype}, {device}, tp={tp} spp={spp} kvp={kvp}): "
+        f"{len(grid.prefill_q) * len(grid.prefill_kv)} prefill and "
+        f"{len(grid.decode_n) * len(grid.decode_kv)} decode points"
+    )
+    t0 = time.perf_counter()
+    batches: list[list[Item]] = [[(q, kv)] for q in grid.prefill_q for kv in grid.prefill_kv]
+    batches += [[(1, kv)] * n for n in grid.decode_n for kv in grid.decode_kv]
+    executor = make_executor(spec)
+    try:
+        secs = time_steps(executor, batches, vocab_size=config.vocab_size, repeats=repeats)
+    finally:
+        executor.shutdown()
+    elapsed = time.perf_counter() - t0
+    samples = [(BatchWork.single_group(*b), s) for b, s in zip(batches, secs, strict=True)]
+    table = TableCostModel.fit(samples, layout=layout)
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    shape = model_shape(config, name=model, bytes_per_param=itemsize)
+    hw = get_hardware(hardware) if hardware else measure_hardware(device, torch_dtype)
+    roofline = RooflineCostModel(model=shape, hardware=hw, layout=layout)
+    r_err = [_rel(roofline.predict(b), s) for b, s in samples]
+    t_err = [_rel(table.predict(b), s) for b, s in samples]
+    meta = {
+        "model": model,
+        "dtype": spec.dtype,
+        "device": device,
+        "torch": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "block_size": block_size,
+        "repeats": repeats,
+        "measure_seconds": round(elapsed, 3),
+        "measurements": [
+            {"q_tokens": b[0][0], "kv_tokens": b[0][1], "requests": len(b), "seconds": s}
+            for b, s in zip(batches, secs, strict=True)
+        ],
+        "roofline": {
+            "hardware": {
+                "name": hw.name,
+                "flops_per_s": hw.flops_rate,
+                "bytes_per_s": hw.memory_rate,
+                "kernel_overhead_s": hw.kernel_overhead,
+            },
+            "mean_relative_error": statistics.fmean(r_err),
+            "max_relative_error": max(r_err),
+        },
+        "table_fit": {
+            "mean_relative_error": statistics.fmean(t_err),
+            "max_relative_error": max(t_err),
+        },
+    }
+    log(f"measured {len(samples)} steps in {elapsed:.1f}s")
+    return ProfileResult(table, samples, roofline, r_err, t_err, meta)
+
+
+def relative_errors(model: Any, samples: Sequence[tuple[BatchWork, float]]) -> list[float]:
+    """``|predicted - measured| / measured`` of ``model`` on each sample."""
+    return [_rel(model.predict(b), s) for b, s in samples]
+
+
+__all__ = [
+    "FULL_GRID",
+    "QUICK_GRID",
+    "Grid",
+    "ProfileResult",
+    "calibrate_affine",
+    "measure_hardware",
+    "model_shape",
+    "relative_errors",
+    "run_profile",
+    "synthetic_plan",
+    "time_steps",
+]

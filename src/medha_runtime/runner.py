@@ -1,0 +1,433 @@
+"""One rank's execution of :class:`~medha_runtime.plan.StepPlan` s: the model stage, its KV
+cache, the KV-parallel attention hook and the sampler.
+
+A rank is one (TP rank, SPP stage, KVP group) of the layout; the same
+:class:`ModelRunner` runs in the caller's process (world size 1) or in a
+worker process (:mod:`medha_runtime.worker`).
+
+- **TP**: the stage's model is loaded with this rank's shard of every layer
+  (``load_model(..., tp=TPCommunicator(state))``); its collectives run inside
+  the layers.
+- **SPP**: stage ``s`` holds layers :func:`stage_layers` ``(s)`` and the KV of
+  those layers only. Stage 0 embeds the batch's tokens; every non-last stage
+  sends its hidden states for the whole batch to the next stage
+  (``SPPCommunicator.send_chunk``), which receives them (``recv_chunk``). The
+  last stage computes the logits of the sampled rows.
+- **KVP**: every KVP group runs every token of the batch through its linear
+  layers (they are replicated across KVP groups: only attention is split).
+  Group ``g`` builds its own :class:`~medha_runtime.model.ForwardBatch`: RoPE
+  positions are absolute, but KV slots, KV lengths and block tables are
+  local to the shard ``g`` holds. New tokens' KV is written only where ``g``
+  is the chunk's tail group (slot -1 elsewhere). In every layer
+  :class:`ShardedAttention` computes each sequence's partial attention over
+  ``g``'s shard (causal on the tail, non-causal over a full earlier shard,
+  the empty state ``(0, -inf)`` where ``g`` holds nothing of it) and merges the
+  partial states across the whole KVP group
+  (``KVPCommunicator.merge(..., active=kvp)``). Every group takes part in
+  every merge, so collectives always line up.
+- **Sampling** happens on one rank: the last stage's TP rank 0 of KVP group 0
+  (every last-stage rank has the same logits); the others return None.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from medha_kernels import paged_attention
+from medha_parallel import (
+    ChunkMeta,
+    KVPCommunicator,
+    ParallelState,
+    SPPCommunicator,
+    TPCommunicator,
+)
+from medha_runtime.model import ForwardBatch, KVCache, load_model
+from medha_runtime.plan import BlockTables, StepPlan
+from medha_runtime.sampling import Sampled, Sampler
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a rank needs to build its stage (plain data, sent to workers).
+
+    Attributes:
+        model: a model directory or ``"tiny"``.
+        dtype: dtype name (``"auto"`` allowed).
+        device: ``"cpu"``, ``"cuda"`` (each rank takes ``cuda:<local rank>``) or None (auto).
+        tp, spp, kvp: the layout.
+        num_blocks: KV blocks in each KVP group's pool.
+        block_size: tokens per block.
+        group_tokens: tokens of one request one KVP group holds (``G``).
+        attention_backend: the ``medha_kernels`` backend (``"auto"``).
+        kvp_merge: the KVP merge strategy (``"ag_lse_ar"`` or ``"ag_all"``).
+        timeout_s: bound on every collective (worker processes).
+        num_threads: torch CPU threads per worker process (None: cores / ranks).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str | None = None
+    tp: int = 1
+    spp: int = 1
+    kvp: int = 1
+    num_blocks: int = 1024
+    block_size: int = 16
+    group_tokens: int = 16384
+    attention_backend: str = "auto"
+    kvp_merge: str = "ag_lse_ar"
+    timeout_s: float = 60.0
+    num_threads: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.spp * self.kvp
+
+
+def stage_layers(num_layers: int, spp: int, stage: int) -> range:
+    """The layers of pipeline stage ``stage`` of ``spp``: contiguous, earlier stages one more."""
+    if not 1 <= spp <= num_layers:
+        raise ValueError(f"spp={spp} must be between 1 and the model's {num_layers} layers")
+    per, extra = divmod(num_layers, spp)
+    start = stage * per + min(stage, extra)
+    return range(start, start + per + (1 if stage < extra else 0))
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class AttnPart(NamedTuple):
+    """Sequences of a batch attended to in one paged-attention call on this group."""
+
+    rows: torch.Tensor | None  # token rows (None: every row of the batch)
+    cu_seqlens_q: torch.Tensor
+    kv_lens: torch.Tensor
+    block_table: torch.Tensor
+    causal: bool
+
+
+class ShardedAttention:
+    """The KVP attention hook: partial attention over this group's shard, merged over the group.
+
+    :meth:`prepare` sets the step's parts (built by :func:`build_group_batch`)
+    before the forward pass; every layer then calls the hook.
+    """
+
+    def __init__(
+        self, comm: KVPCommunicator, *, backend: str = "auto", strategy: str = "ag_lse_ar"
+    ) -> None:
+        self.comm = comm
+        self.backend = backend
+        self.strategy = strategy
+        self.parts: list[AttnPart] = []
+
+    def __repr__(self) -> str:
+        return f"ShardedAttention({self.comm}, backend={self.backend!r})"
+
+    def prepare(self, parts: list[AttnPart]) -> None:
+        self.parts = parts
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        *,
+        layer_id: int,
+    ) -> torch.Tensor:
+        parts = self.parts
+        if len(parts) == 1 and parts[0].rows is None:
+            out, lse = self._attend(q, k_cache, v_cache, parts[0])
+        else:
+            out = q.new_zeros(q.shape)
+            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+            for part in parts:
+                assert part.rows is not None
+                o, part_lse = self._attend(q.index_select(0, part.rows), k_cache, v_cache, part)
+                out.index_copy_(0, part.rows, o)
+                lse.index_copy_(0, part.rows, part_lse)
+        merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=self.strategy)  # type: ignore[arg-type]
+        return merged
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: AttnPart
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=part.cu_seqlens_q,
+            kv_lens=part.kv_lens,
+            block_table=part.block_table,
+            causal=part.causal,
+            backend=self.backend,
+        )
+
+
+_TAIL, _FULL, _NONE = 0, 1, 2
+
+
+def build_group_batch(
+    plan: StepPlan,
+    tables: BlockTables,
+    *,
+    group: int,
+    kvp: int,
+    group_tokens: int,
+    block_size: int,
+    device: torch.device | str,
+) -> tuple[ForwardBatch, list[AttnPart]]:
+    """KVP group ``group``'s view of a step: its :class:`ForwardBatch` and attention parts.
+
+    Positions are absolute; slots, KV lengths and block tables are local to
+    the group's shard of each sequence (see the module docstring).
+    """
+    g_tokens = group_tokens
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    kv_lens: list[int] = []
+    table: list[list[int]] = []
+    roles: list[int] = []
+    sample_rows: list[int] = []
+    for c in plan.chunks:
+        n = len(c.token_ids)
+        if n == 0:
+            raise ValueError(f"request {c.request_id!r}: empty chunk at position {c.start}")
+        tail = len(c.kvp_groups) - 1
+        if kvp > 1 and (c.start // g_tokens != tail or (c.start + n - 1) // g_tokens != tail):
+            raise ValueError(
+                f"request {c.request_id!r}: chunk [{c.start}, {c.start + n}) is not inside "
+                f"shard {tail} of {g_tokens} tokens (groups {c.kvp_groups})"
+            )
+        ids.extend(c.token_ids)
+        positions.extend(range(c.start, c.start + n))
+        blocks: list[int] = []
+        kv, role, local = 0, _NONE, 0
+        if group in c.kvp_groups:
+            shard = c.kvp_groups.index(group)
+            blocks = tables.blocks(c.request_id, group)
+            if shard == tail:
+                local = c.start - shard * g_tokens
+                kv, role = local + n, _TAIL
+            else:
+                kv, role = g_tokens, _FULL
+        need = -(-kv // block_size)
+        if len(blocks) < need:
+            raise RuntimeError(
+                f"request {c.request_id!r} has {len(blocks)} blocks on KVP group {group}, "
+                f"its {kv} tokens there need {need}"
+            )
+        if role == _TAIL:
+            slots.extend(
+                blocks[p // block_size] * block_size + p % block_size
+                for p in range(local, local + n)
+            )
+        else:
+            slots.extend([-1] * n)
+        table.append(blocks[:need])
+        roles.append(role)
+        cu.append(len(ids))
+        kv_lens.append(kv)
+        if c.sample is not None:
+            sample_rows.append(len(ids) - 1)
+
+    def tensor(x: Sequence, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    def padded(rows: list[list[int]]) -> torch.Tensor:
+        width = max((len(r) for r in rows), default=0)
+        data = [r + [0] * (width - len(r)) for r in rows]
+        return tensor(data, torch.int32).reshape(len(rows), width)
+
+    batch = ForwardBatch(
+        input_ids=tensor(ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        cu_seqlens_q=tensor(cu, torch.int32),
+        kv_lens=tensor(kv_lens, torch.int32),
+        block_table=padded(table),
+        slots=tensor(slots, torch.int32),
+        sample_rows=tensor(sample_rows, torch.int64),
+    )
+    parts: list[AttnPart] = []
+    if kvp > 1:
+        if all(r == _TAIL for r in roles):
+            parts.append(AttnPart(None, batch.cu_seqlens_q, batch.kv_lens, batch.block_table, True))
+        else:
+            for role, causal in ((_TAIL, True), (_FULL, False)):
+                seqs = [b for b, r in enumerate(roles) if r == role]
+                if not seqs:
+                    continue
+                rows: list[int] = []
+                sub_cu = [0]
+                for b in seqs:
+                    rows.extend(range(cu[b], cu[b + 1]))
+                    sub_cu.append(len(rows))
+                parts.append(
+                    AttnPart(
+                        tensor(rows, torch.int64),
+                        tensor(sub_cu, torch.int32),
+                        tensor([kv_lens[b] for b in seqs], torch.int32),
+                        padded([table[b] for b in seqs]),
+                        causal,
+                    )
+                )
+    return batch, parts
+
+
+def allocate_kv(
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> KVCache:
+    """A zeroed paged cache.
+
+    Real steps write every slot before reading it, but synthetic (profiling)
+    steps read slots nobody wrote: zeros keep them free of NaNs and denormals,
+    which would distort the timings.
+    """
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return KVCache(k, v)
+
+
+class ModelRunner:
+    """One rank: its model stage, KV cache, block tables, and (on one rank) the sampler.
+
+    Args:
+        spec: what to build.
+        state: this rank's parallel state (None for a single process).
+    """
+
+    def __init__(self, spec: RunnerSpec, state: ParallelState | None = None) -> None:
+        self.spec = spec
+        if state is None:
+            if spec.world_size != 1:
+                raise ValueError(f"a layout of {spec.world_size} ranks needs a ParallelState")
+            tp, stage, group = 0, 0, 0
+            self.device = torch.device(resolve_device(spec.device))
+        else:
+            tp, stage, group = state.coords.tp, state.coords.spp, state.coords.kvp
+            self.device = state.device
+        self.group, self.stage = group, stage
+        from medha_runtime.model import load_config
+        from medha_runtime.model.tiny import tiny_config
+
+        config = tiny_config() if _is_tiny(spec.model) else load_config(spec.model)
+        layers = stage_layers(config.num_layers, spec.spp, stage)
+        comm = TPCommunicator(state) if state is not None else None
+        self.model, self.config = load_model(
+            spec.model, dtype=spec.dtype, device=self.device, tp=comm, layer_range=layers
+        )
+        self.model.eval()
+        self.kv = allocate_kv(
+            num_layers=len(layers),
+            num_blocks=spec.num_blocks,
+            block_size=spec.block_size,
+            num_kv_heads=self.model.num_kv_heads_local,
+            head_dim=self.config.head_dim,
+            dtype=self.model.dtype,
+            device=self.device,
+        )
+        self.attention: ShardedAttention | None = None
+        if spec.kvp > 1:
+            assert state is not None
+            self.attention = ShardedAttention(
+                KVPCommunicator(state), backend=spec.attention_backend, strategy=spec.kvp_merge
+            )
+            self.model.set_attention(self.attention)
+        self.spp: SPPCommunicator | None = None
+        if spec.spp > 1:
+            assert state is not None
+            self.spp = SPPCommunicator(state, check_order=False)
+        is_sampler = stage == spec.spp - 1 and tp == 0 and group == 0
+        self.sampler: Sampler | None = Sampler() if is_sampler else None
+        self.tables = BlockTables()
+        self._chunks_sent = 0
+
+    @property
+    def is_sampler(self) -> bool:
+        return self.sampler is not None
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> list[Sampled] | None:
+        """Run one step; the sampling rank returns one :class:`Sampled` per sampled row."""
+        self.tables.drop(plan.free)
+        self.tables.drop(plan.finished)
+        if self.sampler is not None:
+            self.sampler.forget(plan.finished)
+        for c in plan.chunks:
+            if c.new_blocks:
+                self.tables.extend(c.request_id, c.new_blocks)
+        try:
+            return self._run(plan)
+        finally:
+            if plan.release_after:
+                self.tables.drop(plan.release_after)
+                if self.sampler is not None:
+                    self.sampler.forget(plan.release_after)
+
+    def _run(self, plan: StepPlan) -> list[Sampled] | None:
+        spec = self.spec
+        batch, parts = build_group_batch(
+            plan,
+            self.tables,
+            group=self.group,
+            kvp=spec.kvp,
+            group_tokens=spec.group_tokens,
+            block_size=spec.block_size,
+            device=self.device,
+        )
+        if self.attention is not None:
+            self.attention.prepare(parts)
+        hidden = None
+        spp = self.spp
+        if spp is not None and not spp.is_first:
+            _, tensors = spp.recv_chunk(
+                expect={"hidden": (batch.num_tokens, self.config.hidden_size)}
+            )
+            hidden = tensors["hidden"]
+        out = self.model(batch, self.kv, hidden)
+        if spp is not None and not spp.is_last:
+            meta = ChunkMeta(
+                seq_id=0, chunk_idx=self._chunks_sent, start_pos=0, num_tokens=batch.num_tokens
+            )
+            self._chunks_sent += 1
+            spp.send_chunk(meta, {"hidden": out})
+            spp.drain()
+            return None
+        if self.sampler is None:
+            return None
+        specs = plan.samples
+        if not specs:
+            return []
+        return self.sampler.sample(out, specs)
+
+
+def _is_tiny(model: str) -> bool:
+    from pathlib import Path
+
+    return model == "tiny" and not Path(model).is_dir()
+
+
+def kv_bytes_per_token(
+    *, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, tp: int, spp: int
+) -> int:
+    """KV bytes one token takes on one rank (its stage's layers, its KV heads)."""
+    layers = math.ceil(num_layers / spp)
+    return 2 * layers * (num_kv_heads // tp) * head_dim * itemsize

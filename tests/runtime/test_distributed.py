@@ -1,0 +1,145 @@
+"""Workers on gloo: TP2, SPP2, KVP2 and TP2 x KVP2 give one process's greedy tokens;
+shutdown stops the workers; a dead worker is an error in the driver, not a hang.
+
+Each test is one launch (one worker process per rank) of the tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from medha_runtime import LLM, SamplingParams
+from medha_runtime.executor import MultiprocExecutor, WorkerError
+from medha_runtime.plan import BlockTables, PlannedChunk, StepPlan
+from medha_runtime.runner import build_group_batch, stage_layers
+from medha_sched import AffineCostModel
+
+COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+# KVP runs use 32-token shards: prompt + output spans two groups, and the
+# shorter prompts cross the shard boundary while decoding.
+PROMPTS = ["Medha shards the KV cache of long prompts", "Hi", "The sky over the port was"]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+COMMON = {"cost_model": COST, "policy": "fcfs", "chunk_size": 16, "kv_cache_tokens": 1024}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def single() -> list[list[int]]:
+    with LLM("tiny", max_model_len=64, **COMMON) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(pid)
+    return alive
+
+
+def _run(**kw) -> tuple[list[list[int]], LLM]:
+    with LLM("tiny", max_model_len=64, **{**COMMON, **kw}) as llm:
+        executor = llm.engine.executor
+        assert isinstance(executor, MultiprocExecutor)
+        assert len(executor.pids) == llm.engine.layout.world_size
+        assert len(_alive(executor.pids)) == len(executor.pids)
+        outs = llm.generate(PROMPTS, PARAMS)
+    assert not _alive(executor.pids), "workers outlived the with block"
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def test_tp2_matches_one_process(single) -> None:
+    got, _ = _run(tp=2)
+    assert got == single
+
+
+def test_spp2_matches_one_process_with_a_calibrated_cost_model(single) -> None:
+    kw = {k: v for k, v in COMMON.items() if k != "cost_model"}
+    with LLM("tiny", max_model_len=64, spp=2, cost_model=None, **kw) as llm:
+        pids = llm.engine.executor.pids
+        assert isinstance(llm.engine.cost_model, AffineCostModel)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        llm.shutdown()
+        assert not _alive(pids)
+        llm.shutdown()  # idempotent
+    assert got == single
+
+
+def test_kvp2_matches_one_process_and_reports_worker_exceptions(single) -> None:
+    with LLM("tiny", max_model_len=64, kvp=2, kvp_group_tokens=32, **COMMON) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert got == single
+        assert llm.engine.stats.sharded_chunks > 0  # prompts and decodes spanned both groups
+        # a worker that raises sends its traceback, and the executor stops every worker
+        executor = llm.engine.executor
+        crossing = StepPlan(99, (PlannedChunk("x", 30, (1, 2, 3, 4), (0,), ()),))
+        with pytest.raises(WorkerError, match="not inside shard"):
+            executor.execute(crossing)
+        assert not _alive(executor.pids)
+
+
+def test_tp2_kvp2_four_ranks_match_one_process(single) -> None:
+    got, llm = _run(tp=2, kvp=2, kvp_group_tokens=32)
+    assert got == single
+    assert llm.engine.stats.sharded_chunks > 0
+
+
+def test_a_killed_worker_is_a_clear_error() -> None:
+    llm = LLM("tiny", tp=2, max_model_len=64, timeout_s=20, **COMMON)
+    pids = llm.engine.executor.pids
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 died"):
+        llm.generate(PROMPTS, PARAMS)
+    assert time.monotonic() - t0 < 30
+    assert not _alive(pids)  # the survivor was stopped too
+    with pytest.raises(WorkerError, match="earlier failure"):
+        llm.generate(PROMPTS, PARAMS)
+    llm.shutdown()
+
+
+# ------------------------------------------------------------------ pure parts
+def test_stage_layers_split_evenly() -> None:
+    assert [stage_layers(5, 2, s) for s in range(2)] == [range(0, 3), range(3, 5)]
+    assert [len(stage_layers(32, 3, s)) for s in range(3)] == [11, 11, 10]
+    with pytest.raises(ValueError, match="spp=6"):
+        stage_layers(5, 6, 0)
+
+
+def test_group_batches_split_a_sequence_by_shard() -> None:
+    tables = BlockTables()
+    # request a: 40 tokens so far over groups (1, 0) with 32-token shards, block size 8;
+    # its decode at position 40 lives on group 0 (the tail), shard 0 on group 1.
+    a = PlannedChunk("a", 40, (7,), (1, 0), ((1, (4, 5, 6, 7)), (0, (9, 2))))
+    b = PlannedChunk("b", 0, (1, 2, 3), (0,), ((0, (3,)),))
+    tables.extend("a", a.new_blocks)
+    tables.extend("b", b.new_blocks)
+    plan = StepPlan(0, (a, b))
+    kw = {"kvp": 2, "group_tokens": 32, "block_size": 8, "device": "cpu"}
+    g0, parts0 = build_group_batch(plan, tables, group=0, **kw)
+    assert g0.positions.tolist() == [40, 0, 1, 2]
+    assert g0.kv_lens.tolist() == [9, 3]
+    assert g0.slots.tolist() == [2 * 8 + 0, 24, 25, 26]  # local position 8 -> block 2
+    assert len(parts0) == 1 and parts0[0].rows is None and parts0[0].causal
+    g1, parts1 = build_group_batch(plan, tables, group=1, **kw)
+    assert g1.slots.tolist() == [-1, -1, -1, -1]  # group 1 writes nothing
+    assert g1.kv_lens.tolist() == [32, 0]
+    assert [(p.causal, p.rows.tolist()) for p in parts1] == [(False, [0])]
+    crossing = StepPlan(1, (PlannedChunk("a", 30, (1, 2, 3, 4), (1,), ()),))
+    with pytest.raises(ValueError, match="not inside shard"):
+        build_group_batch(crossing, tables, group=0, **kw)

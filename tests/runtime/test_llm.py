@@ -1,0 +1,180 @@
+"""``LLM`` in one process: greedy parity with transformers whatever the chunking, errors."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from medha_runtime import LLM, SamplingParams
+from medha_runtime.model import ConfigError, MissingFileError
+from medha_runtime.model.tiny import save_tiny
+from medha_sched import AffineCostModel
+from tests.runtime.checkpoints import hf_greedy, hf_model
+
+COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 23, 41, 64)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> tuple[Path, list[list[int]], list[list[int]]]:
+    path = checkpoint("gqa-llama3-tied-sharded")
+    prompts = _prompts(97)
+    model = hf_model(path)
+    return path, prompts, [hf_greedy(model, p, NEW) for p in prompts]
+
+
+CASES = {
+    "fcfs-chunk7": {"policy": "fcfs", "chunk_size": 7},
+    "fcfs-chunk16": {"policy": "fcfs", "chunk_size": 16},
+    "fcfs-whole": {"policy": "fcfs", "chunk_size": 0},
+    "lars-chunk13": {"policy": "lars", "chunk_size": 13},
+    # adaptive chunking against a tiny budget: chunks of 8-24 tokens
+    "lars-mp-adaptive": {
+        "policy": "lars-mp",
+        "token_grid": 8,
+        "target_batch_time": 1e-3 + 24e-5,
+        "cost_model": AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-12),
+    },
+    # a KV pool too small for all four: decodes preempt (recompute) others
+    "preempting": {"policy": "fcfs", "chunk_size": 16, "kv_cache_tokens": 88, "block_size": 4},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_matches_transformers(reference, case: str) -> None:
+    path, prompts, want = reference
+    kw = {"cost_model": COST, **CASES[case]}
+    with LLM(path, dtype="float32", **kw) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        stats = llm.engine.stats
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.prompt_token_ids == p for o, p in zip(outs, prompts, strict=True))
+    assert all(o.outputs[0].text == "" for o in outs)  # no tokenizer.json in the checkpoint
+    assert stats.decode_tokens > 0
+    if case == "preempting":
+        assert stats.preemptions > 0
+        assert sum(o.num_preemptions for o in outs) == stats.preemptions
+    elif case != "fcfs-whole":
+        assert stats.prefill_tokens == sum(map(len, prompts))
+        assert stats.steps > 10  # prompts were split into chunks
+
+
+def test_legacy_checkpoint_matches_transformers(checkpoint) -> None:
+    path = checkpoint("gqa-llama3-legacy")
+    prompts = _prompts(97)[1:3]
+    want = [hf_greedy(hf_model(path), p, NEW) for p in prompts]
+    with LLM(path, dtype="float32", cost_model=COST, policy="fcfs", chunk_size=9) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
+def test_saved_tiny_directory_equals_builtin_tiny(tmp_path) -> None:
+    directory = save_tiny(tmp_path / "tiny")
+    prompts = ["Hello", "Medha runs tiny from a directory too"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with (
+        LLM(directory, cost_model=COST, max_model_len=256) as a,
+        LLM("tiny", cost_model=COST, max_model_len=256) as b,
+    ):
+        got, want = a.generate(prompts, params), b.generate(prompts, params)
+    for x, y in zip(got, want, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].text == y.outputs[0].text
+        assert x.prompt == y.prompt
+
+
+def test_prompt_forms_and_chat() -> None:
+    with LLM("tiny", cost_model=COST, max_model_len=256) as llm:
+        tok = llm.get_tokenizer()
+        ids = tok.encode("hi")
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        forms = [
+            llm.generate("hi", params),
+            llm.generate(ids, params),
+            llm.generate([ids], params),
+            llm.generate({"prompt": "hi"}, params),
+            llm.generate([{"prompt_token_ids": ids}], params),
+        ]
+        first = forms[0][0].outputs[0].token_ids
+        assert all(len(f) == 1 and f[0].outputs[0].token_ids == first for f in forms)
+        assert forms[0][0].prompt == "hi" and forms[1][0].prompt is None
+        messages = [{"role": "user", "content": "hello"}]
+        out = llm.chat(messages, params)
+        assert out[0].prompt_token_ids == tok.apply_chat_template(messages, tokenize=True)
+        assert len(llm.chat([messages, messages], params)) == 2
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("hi", params)
+
+
+def test_default_cost_model_is_calibrated_at_start() -> None:
+    with LLM("tiny", max_model_len=1024) as llm:
+        cost = llm.engine.cost_model
+        assert isinstance(cost, AffineCostModel) and cost.base > 0
+        assert llm.engine.scheduler_config.target_batch_time >= 0.05
+        out = llm.generate("calibrated", SamplingParams(temperature=0.0, max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_cost_model_spec_string() -> None:
+    with LLM("tiny", cost_model="affine:base=0.001,per_token=1e-5,per_attn=1e-9") as llm:
+        assert llm.engine.cost_model == AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+
+
+def test_bad_configurations_raise_clear_errors(tmp_path, checkpoint) -> None:
+    with pytest.raises(MissingFileError, match="no/such/model"):
+        LLM(tmp_path / "no/such/model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MissingFileError, match=r"config\.json"):
+        LLM(tmp_path / "empty")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json"):
+        LLM(tmp_path / "broken")
+    bad = {
+        "tp=3": ({"tp": 3}, "tp=3"),
+        "spp": ({"spp": 9}, "spp=9"),
+        "kvp": ({"kvp": 0}, "kvp"),
+        "group": ({"kvp": 2, "kvp_group_tokens": 30}, "kvp_group_tokens=30"),
+        "len": ({"max_model_len": 10**6}, "max_model_len=1000000"),
+        "policy": ({"policy": "nope"}, "nope"),
+        "dtype": ({"dtype": "int8"}, "int8"),
+        "device": ({"device": "tpu"}, "tpu"),
+        "fit": ({"kv_cache_tokens": 64, "max_model_len": 128}, "max_model_len=128"),
+    }
+    for name, (kw, needle) in bad.items():
+        with pytest.raises(ValueError, match=needle):
+            LLM("tiny", cost_model=COST, **kw)
+        assert name
+    with LLM(checkpoint("gqa-llama3-tied-sharded"), cost_model=COST) as llm:
+        with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+            llm.generate("text needs a tokenizer", GREEDY)
+        with pytest.raises(ValueError, match="maximum context length is 128 tokens"):
+            llm.generate([[5] * 128], GREEDY)
+
+
+def test_engine_abort_frees_the_request() -> None:
+    with LLM("tiny", cost_model=COST, max_model_len=256, policy="fcfs", chunk_size=8) as llm:
+        engine = llm.engine
+        rid = engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=5))
+        engine.step()  # the first chunk of its prefill
+        out = engine.abort_request(rid)
+        assert out is not None and out.outputs[0].finish_reason == "abort"
+        assert not engine.has_unfinished_requests() and engine.abort_request(rid) is None
+        again = llm.generate("ok", SamplingParams(temperature=0.0, max_tokens=3))
+        assert len(again[0].outputs[0].token_ids) == 3

@@ -1,0 +1,76 @@
+"""``medha-runtime profile`` writes a loadable TableCostModel and reports the roofline error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from medha_runtime.cli import build_parser, main
+from medha_runtime.executor import InProcessExecutor
+from medha_runtime.profile import calibrate_affine, synthetic_plan
+from medha_runtime.runner import RunnerSpec
+from medha_sched import AffineCostModel, ParallelDegrees, TableCostModel
+from medha_sched.cost import BatchWork
+
+
+def test_profile_quick_writes_a_table(tmp_path) -> None:
+    out = tmp_path / "tiny.json"
+    cmd = [sys.executable, "-m", "medha_runtime", "profile", "tiny", "--quick"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out), "--repeats", "2", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    table = TableCostModel.from_json(out)
+    assert table.layout == ParallelDegrees()
+    assert table.predict(BatchWork.single_group((64, 512))) > 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["model"] == "tiny" and len(meta["measurements"]) == 12
+    assert meta["roofline"]["mean_relative_error"] >= 0
+    assert "roofline" in proc.stdout and "mean relative error" in proc.stdout
+    assert f"wrote {out}" in proc.stdout
+
+
+def test_cli_lists_only_working_subcommands(capsys) -> None:
+    help_text = build_parser().format_help()
+    assert "profile" in help_text
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert sorted(sub.choices) == ["profile"]
+    with pytest.raises(SystemExit):
+        main(["profile", "--tp", "0", "--out", "x.json"])
+    assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_cli_reports_a_bad_model_clearly(tmp_path, capsys) -> None:
+    code = main(["profile", str(tmp_path / "missing"), "--quick", "--out", str(tmp_path / "p")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "error" in err and "missing" in err
+
+
+def test_calibrate_affine_and_synthetic_plans() -> None:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = RunnerSpec(
+            model="tiny", dtype="float32", device="cpu", num_blocks=64, group_tokens=512
+        )
+        executor = InProcessExecutor(spec)
+        cost = calibrate_affine(executor, ParallelDegrees(), vocab_size=259, repeats=1)
+        assert isinstance(cost, AffineCostModel) and cost.base > 0
+        assert cost.per_token >= 0 and cost.per_attn >= 0
+        plan = synthetic_plan(-1, [(5, 16), (1, 0)], block_size=16, num_blocks=64, vocab_size=259)
+        assert [c.start for c in plan.chunks] == [16, 0]
+        assert plan.chunks[0].new_blocks == ((0, (0, 1)),)
+        assert len(executor.execute(plan)) == 2
+        assert len(executor.runner.tables) == 0  # synthetic requests are released
+    finally:
+        torch.set_num_threads(n)

@@ -1,0 +1,258 @@
+"""Sampling: parameter validation, the Sampler, and sampling through ``LLM`` on tiny."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medha_runtime import LLM, SamplingParams
+from medha_runtime.model import ForwardBatch, load_model
+from medha_runtime.sampling import Sampler, SampleSpec
+from medha_sched import AffineCostModel
+
+COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+PROMPTS = ["Hello there", "The quick brown fox", "Medha schedules long prompts"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("tiny", max_model_len=512, cost_model=COST, seed=0) as llm:
+        yield llm
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"temperature": -0.5}, "-0.5"),
+        ({"temperature": float("nan")}, "nan"),
+        ({"top_p": 0.0}, "0.0"),
+        ({"top_p": 1.5}, "1.5"),
+        ({"top_k": -3}, "-3"),
+        ({"top_k": 2.5}, "2.5"),
+        ({"max_tokens": 0}, "0"),
+        ({"min_tokens": -1}, "-1"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens=9"),
+        ({"stop": [""]}, "''"),
+        ({"stop": [3]}, "3"),
+        ({"stop_token_ids": [-7]}, "-7"),
+        ({"logprobs": -2}, "-2"),
+        ({"seed": "abc"}, "'abc'"),
+        ({"ignore_eos": "yes"}, "'yes'"),
+    ],
+)
+def test_bad_params_name_the_value(kwargs, needle) -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert needle in str(err.value)
+    assert next(iter(kwargs)) in str(err.value)
+
+
+def test_params_normalize_stop() -> None:
+    p = SamplingParams(stop="END", stop_token_ids=[5, 6])
+    assert p.stop == ("END",) and p.stop_token_ids == (5, 6)
+    assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+    assert p.replace(max_tokens=3).max_tokens == 3
+    with pytest.raises(ValueError, match="max_tokens"):
+        p.replace(max_tokens=-1)
+
+
+# ---------------------------------------------------------------- Sampler
+def spec(rid: str, **kw) -> SampleSpec:
+    base = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 1, "logprobs": None}
+    base.update(kw)
+    return SampleSpec(rid, **base)
+
+
+def test_sampler_greedy_topk1_and_tiny_topp_agree() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    want = logits.argmax(-1).tolist()
+    s = Sampler()
+    for kw in (
+        {"temperature": 0.0},
+        {"top_k": 1},
+        {"top_p": 1e-6},
+        {"temperature": 0.3, "top_k": 1},
+    ):
+        got = [r.token_id for r in s.sample(logits, [spec(f"r{i}", **kw) for i in range(6)])]
+        assert got == want, kw
+
+
+def test_sampler_seeded_rows_ignore_batch_composition() -> None:
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randn(2, 40, generator=g) for _ in range(5)]
+
+    def draw(with_others: bool) -> list[int]:
+        s = Sampler()
+        out = []
+        for r in rows:
+            if with_others:  # the same request beside different neighbours, in another row
+                logits = torch.cat([torch.randn(3, 40), r[:1]])
+                specs = [spec(f"o{i}", seed=i + 100) for i in range(3)] + [spec("x", seed=7)]
+                out.append(s.sample(logits, specs)[-1].token_id)
+            else:
+                out.append(s.sample(r[:1], [spec("x", seed=7)])[0].token_id)
+        return out
+
+    assert draw(False) == draw(True)
+
+
+def test_sampler_logprobs_and_suppress() -> None:
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(2))
+    s = Sampler()
+    out = s.sample(logits, [spec(f"r{i}", temperature=0.0, logprobs=3) for i in range(3)])
+    ref = torch.log_softmax(logits, -1)
+    for i, r in enumerate(out):
+        assert r.logprob == pytest.approx(float(ref[i, r.token_id]), abs=1e-6)
+        assert len(r.top) == 3 and r.top[0][0] == r.token_id
+    top = logits[0].argmax().item()
+    out = s.sample(logits[:1], [spec("q", temperature=0.0, suppress=(top,))])
+    assert out[0].token_id != top
+    # a sampled row's logprob comes from the temperature-scaled distribution
+    r = s.sample(logits[:1], [spec("t", temperature=0.5, logprobs=0)])[0]
+    assert r.logprob == pytest.approx(float(torch.log_softmax(logits[0] / 0.5, -1)[r.token_id]))
+
+
+def test_sampler_forgets_generators() -> None:
+    s = Sampler()
+    s.sample(torch.randn(2, 10), [spec("a"), spec("b")])
+    assert s.num_generators == 2
+    s.forget(["a"])
+    assert s.num_generators == 1
+
+
+# ---------------------------------------------------------------- through LLM
+def test_seeded_generation_is_reproducible_whatever_the_batch(llm) -> None:
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], p)[0].outputs[0].token_ids
+    crowd = llm.generate([*PROMPTS, PROMPTS[0]], [SamplingParams(max_tokens=5)] * 3 + [p])
+    assert crowd[3].outputs[0].token_ids == alone
+    other = llm.generate(PROMPTS[0], p.replace(seed=99))[0].outputs[0].token_ids
+    assert other != alone
+
+    # unseeded requests draw their seeds from the LLM's seed: two fresh LLMs agree
+    def fresh() -> list[list[int]]:
+        with LLM("tiny", max_model_len=512, cost_model=COST, seed=0) as again:
+            outs = again.generate(PROMPTS, SamplingParams(max_tokens=6))
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert fresh() == fresh()
+
+
+def test_topk1_and_tiny_topp_equal_greedy(llm) -> None:
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(max_tokens=10))]
+    for p in (
+        SamplingParams(top_k=1, max_tokens=10, seed=3),
+        SamplingParams(top_p=1e-6, max_tokens=10, seed=4),
+    ):
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p)] == want
+
+
+def test_temperature_changes_the_distribution(llm) -> None:
+    want = llm.generate(PROMPTS[1], greedy(max_tokens=24))[0].outputs[0].token_ids
+    hot = llm.generate(PROMPTS[1], SamplingParams(temperature=3.0, max_tokens=24, seed=5))
+    assert hot[0].outputs[0].token_ids != want
+    cold = llm.generate(PROMPTS[1], SamplingParams(temperature=0.01, max_tokens=24, seed=5))
+    assert cold[0].outputs[0].token_ids == want
+
+
+def test_max_tokens_and_ignore_eos(llm) -> None:
+    out = llm.generate(PROMPTS, greedy(max_tokens=5, ignore_eos=True))
+    for o in out:
+        assert len(o.outputs[0].token_ids) == 5
+        assert o.outputs[0].finish_reason == "length" and o.finished
+
+
+def test_stop_strings_truncate_the_text(llm) -> None:
+    ref = llm.generate(PROMPTS[2], greedy(max_tokens=24))[0].outputs[0]
+    text = ref.text
+    i = next(
+        i
+        for i in range(3, len(text))
+        if text[i].isascii() and text[i].isprintable() and text.find(text[i]) == i
+    )
+    stop = text[i]
+    out = llm.generate(PROMPTS[2], greedy(max_tokens=24, stop=["\x00never", stop]))[0].outputs[0]
+    assert out.text == text[:i]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == ref.token_ids[: len(out.token_ids)]
+    kept = greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True)
+    assert llm.generate(PROMPTS[2], kept)[0].outputs[0].text == text[: i + 1]
+
+
+def test_stop_token_ids(llm) -> None:
+    ref = llm.generate(PROMPTS[0], greedy(max_tokens=16))[0].outputs[0].token_ids
+    k = next(k for k in range(3, len(ref)) if ref.index(ref[k]) == k)
+    out = llm.generate(PROMPTS[0], greedy(max_tokens=16, stop_token_ids=[ref[k]]))[0].outputs[0]
+    assert out.token_ids == ref[: k + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == ref[k]
+    assert out.text == llm.get_tokenizer().decode(ref[:k])  # the stop token is not text
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_suppresses_it(llm) -> None:
+    ref = llm.generate(PROMPTS[1], greedy(max_tokens=12))[0].outputs[0].token_ids
+    k = next(k for k in range(2, len(ref)) if ref.index(ref[k]) == k)
+    engine = llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({ref[k]})  # pretend the model's EOS is that token
+    try:
+        out = llm.generate(PROMPTS[1], greedy(max_tokens=12))[0].outputs[0]
+        assert out.token_ids == ref[: k + 1]
+        assert out.finish_reason == "stop" and out.stop_reason is None
+        out = llm.generate(PROMPTS[1], greedy(max_tokens=12, ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == ref and out.finish_reason == "length"
+        out = llm.generate(PROMPTS[1], greedy(max_tokens=12, min_tokens=k + 2))[0].outputs[0]
+        assert out.token_ids[:k] == ref[:k] and out.token_ids[k] != ref[k]
+        assert len(out.token_ids) >= k + 2
+    finally:
+        engine.eos_token_ids = saved
+
+
+def test_logprobs_of_chosen_tokens_equal_log_softmax(llm) -> None:
+    out = llm.generate(PROMPTS[0], greedy(max_tokens=8, logprobs=2))[0]
+    gen, prompt = out.outputs[0].token_ids, out.prompt_token_ids
+    model, _ = load_model("tiny", dtype="float32")
+    seq = prompt + gen[:-1]
+    blocks = list(range(-(-len(seq) // 16)))
+    batch = ForwardBatch.build([seq], [0], [blocks], block_size=16)
+    batch.sample_rows = torch.arange(len(seq))
+    ref = torch.log_softmax(model(batch, model.allocate_kv_cache(len(blocks), 16)), dim=-1)
+    entries = out.outputs[0].logprobs
+    assert entries is not None and len(entries) == len(gen)
+    total = 0.0
+    for i, tok in enumerate(gen):
+        want = float(ref[len(prompt) - 1 + i, tok])
+        assert entries[i][tok] == pytest.approx(want, abs=1e-4)
+        assert len(entries[i]) in (2, 3)  # the chosen token and the top-2 (it is among them)
+        total += want
+    assert out.outputs[0].cumulative_logprob == pytest.approx(total, abs=1e-3)
+    assert llm.generate(PROMPTS[0], greedy(max_tokens=2))[0].outputs[0].logprobs is None
+
+
+def test_generate_checks_its_inputs(llm) -> None:
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(PROMPTS, [greedy(), greedy()])
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens"):
+        llm.generate([[65] * 512], greedy())
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        llm.generate([[65, 9999]], greedy())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], greedy())
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate(PROMPTS[:1], [{"temperature": 0}])
+    # the context limit lowers max_tokens
+    out = llm.generate([[65] * 506], greedy(max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    assert not llm.engine.has_unfinished_requests()
