@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,15 @@ from medha_sched import (
 _GIB = 1 << 30
 #: the iteration-time budget when none is given (raised for slow devices, see LLMEngine)
 DEFAULT_TARGET_TIME = 0.05
+
+
+class RequestProgress(NamedTuple):
+    """An unfinished request's output so far, and its absolute TTFT deadline."""
+
+    output_ids: list[int]
+    text: str
+    logprobs: list | None
+    deadline: float
 
 
 def _is_tiny(model: str) -> bool:
@@ -337,8 +346,17 @@ class LLMEngine:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        ttft_slo: float | None = None,
+        tpot_slo: float | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for a bad prompt or params."""
+        """Queue a request; returns its id. Raises ValueError for a bad prompt or params.
+
+        ``ttft_slo`` and ``tpot_slo`` (seconds) and ``priority`` (lower runs
+        first) go to the scheduler: the TTFT deadline orders prefills under
+        deadline-aware policies, and a TPOT target lowers the batch budget
+        while the request decodes.
+        """
         self._check_alive()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r}")
@@ -364,7 +382,15 @@ class LLMEngine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         max_tokens = min(params.max_tokens, limit - n)
-        sched = Request.from_tokens(rid, self._now(), ids, max_output_tokens=max_tokens)
+        sched = Request.from_tokens(
+            rid,
+            self._now(),
+            ids,
+            max_output_tokens=max_tokens,
+            ttft_slo=ttft_slo,
+            tpot_slo=tpot_slo,
+            priority=priority,
+        )
         try:
             self.scheduler.add_request(sched)
         except SchedulerError as exc:
@@ -396,6 +422,22 @@ class LLMEngine:
             return None  # its KV is freed when its in-flight batch ends (never here)
         st.finish_reason = "abort"
         return self._retire(request_id)
+
+    def progress(self, request_id: str) -> RequestProgress | None:
+        """What an unfinished request has produced so far, or None if it is unknown."""
+        st = self._requests.get(request_id)
+        if st is None:
+            return None
+        return RequestProgress(st.output_ids, st.text, st.logprobs, st.sched.deadline)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0 to 1."""
+        return self.scheduler.memory.usage()
+
+    def now(self) -> float:
+        """The engine's clock (seconds), the one deadlines are measured on."""
+        return self._now()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

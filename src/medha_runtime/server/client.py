@@ -1,0 +1,184 @@
+"""The HTTP process's side of the engine: start it, feed it, route its outputs.
+
+:class:`EngineClient` starts the engine process (``spawn``), waits for
+:class:`~medha_runtime.server.engine_proc.EngineReady`, then runs one asyncio
+task that reads the engine's messages and puts each request's deltas on its
+own queue, and one task that watches the process (liveness and heartbeats).
+When the engine dies every pending request gets an error and
+:attr:`EngineClient.dead` is set (``/health`` answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from medha_runtime.server.engine_proc import (
+    AbortRequest,
+    AddFailed,
+    AddRequest,
+    EngineArgs,
+    EngineFailed,
+    EngineReady,
+    Heartbeat,
+    RequestDelta,
+    Shutdown,
+    engine_main,
+)
+
+#: the engine counts as dead when no heartbeat arrived for this long
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone."""
+
+
+@dataclass
+class Failure:
+    """Put on a request's queue when it cannot go on."""
+
+    message: str
+    bad_request: bool = False
+
+
+class EngineClient:
+    def __init__(self, args: EngineArgs, *, startup_timeout_s: float = 600.0) -> None:
+        self.args = args
+        self.startup_timeout_s = startup_timeout_s
+        self.ready: EngineReady | None = None
+        self.dead: str | None = None
+        self.stats: Heartbeat | None = None
+        self.last_beat = 0.0
+        self.queues: dict[str, tuple[asyncio.Queue[Any], int]] = {}
+        self.on_heartbeat: list[Any] = []
+        self._dir = tempfile.mkdtemp(prefix="medha-serve-")
+        self.in_addr = f"ipc://{os.path.join(self._dir, 'to_engine')}"
+        self.out_addr = f"ipc://{os.path.join(self._dir, 'from_engine')}"
+        self.proc: Any = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # --------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self.out_addr)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(self.in_addr)
+        spawn = mp.get_context("spawn")
+        # not daemonic: the engine may start its own worker processes (tp/spp/kvp > 1)
+        self.proc = spawn.Process(
+            target=engine_main,
+            args=(self.args, self.in_addr, self.out_addr, os.getpid()),
+            name="medha-engine",
+        )
+        self.proc.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while self.ready is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineDeadError("the engine did not start in time")
+            if await self._pull.poll(timeout=200):
+                msg = pickle.loads(await self._pull.recv())
+                if isinstance(msg, EngineReady):
+                    self.ready = msg
+                elif isinstance(msg, EngineFailed):
+                    raise EngineDeadError(f"the engine failed to start: {msg.message}")
+            elif not self.proc.is_alive():
+                raise EngineDeadError(f"the engine process exited with code {self.proc.exitcode}")
+        self.last_beat = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._read_loop()),
+            asyncio.create_task(self._watch_loop()),
+        ]
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if self.proc is not None and self.proc.is_alive():
+            with contextlib.suppress(Exception):
+                await self._push.send(pickle.dumps(Shutdown()))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.proc.join, timeout_s)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                await loop.run_in_executor(None, self.proc.join, 5.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+                await loop.run_in_executor(None, self.proc.join, 5.0)
+        self._fail_all("the server is shutting down")
+        with contextlib.suppress(Exception):
+            self._pull.close(linger=0)
+            self._push.close(linger=0)
+            self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _mark_dead(self, why: str) -> None:
+        if self.dead is None:
+            self.dead = why
+        self._fail_all(f"the engine died: {why}")
+
+    def _fail_all(self, message: str) -> None:
+        for q, _ in list(self.queues.values()):
+            q.put_nowait(Failure(message))
+        self.queues.clear()
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = pickle.loads(await self._pull.recv())
+            if isinstance(msg, RequestDelta):
+                entry = self.queues.get(msg.request_id)
+                if entry is not None:
+                    entry[0].put_nowait((entry[1], msg, time.monotonic()))
+                    if msg.finish_reason is not None:
+                        self.queues.pop(msg.request_id, None)
+            elif isinstance(msg, AddFailed):
+                entry = self.queues.pop(msg.request_id, None)
+                if entry is not None:
+                    entry[0].put_nowait(Failure(msg.message, msg.bad_request))
+            elif isinstance(msg, Heartbeat):
+                self.last_beat = time.monotonic()
+                self.stats = msg
+                for cb in self.on_heartbeat:
+                    cb(msg)
+                if msg.error is not None:
+                    self._mark_dead(msg.error)
+            elif isinstance(msg, EngineFailed):
+                self._mark_dead(msg.message)
+
+    async def _watch_loop(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(0.25)
+            if not self.proc.is_alive():
+                self._mark_dead(f"the engine process exited with code {self.proc.exitcode}")
+            elif time.monotonic() - self.last_beat > HEARTBEAT_TIMEOUT_S:
+                self._mark_dead(f"no heartbeat from the engine for {HEARTBEAT_TIMEOUT_S:.0f} s")
+
+    # ----------------------------------------------------------------- requests
+    async def add(self, msg: AddRequest, queue: asyncio.Queue[Any], index: int) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.queues[msg.request_id] = (queue, index)
+        await self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    async def abort(self, request_id: str) -> None:
+        if self.queues.pop(request_id, None) is None and self.dead is not None:
+            return
+        if self.dead is None:
+            with contextlib.suppress(Exception):
+                await self._push.send(pickle.dumps(AbortRequest(request_id)))

@@ -1,0 +1,332 @@
+"""The engine process: owns the :class:`~medha_runtime.engine.LLMEngine`, never serves HTTP.
+
+The HTTP process talks to it over two ZeroMQ PUSH/PULL sockets on ``ipc://``
+paths (pickled plain dataclasses):
+
+- HTTP -> engine: :class:`AddRequest`, :class:`AbortRequest`, :class:`Shutdown`;
+- engine -> HTTP: :class:`EngineReady` (or :class:`EngineFailed`) once, then
+  :class:`RequestDelta` s (new token ids and text, finish info),
+  :class:`AddFailed` for a request the engine refused, and a
+  :class:`Heartbeat` with the scheduler's gauges every ``HEARTBEAT_S``.
+
+The loop: drain incoming messages, run one ``step()`` when there is work,
+send every request's new tokens. A request's text is held back by the
+longest stop string minus one character so streamed text never has to be
+taken back when a stop string completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from medha_runtime.sampling import SamplingParams
+
+#: seconds between heartbeats
+HEARTBEAT_S = 0.25
+
+
+# ----------------------------------------------------------------- messages
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    priority: int = 0
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class EngineReady:
+    model: str
+    max_model_len: int
+    pid: int
+    dtype: str
+    layout: str
+
+
+@dataclass
+class EngineFailed:
+    message: str
+
+
+@dataclass
+class AddFailed:
+    request_id: str
+    message: str
+    bad_request: bool = True
+
+
+@dataclass
+class RequestDelta:
+    """New output of one request since its previous delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    #: per new token, ``{token_id: logprob}`` (chosen token first); None unless asked
+    logprobs: list[dict[int, float]] | None = None
+    #: on the first delta: whether the first token met the scheduler's TTFT deadline
+    deadline_met: bool | None = None
+    error: str | None = None
+
+
+@dataclass
+class Heartbeat:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    steps: int
+    error: str | None = None
+
+
+@dataclass
+class EngineArgs:
+    model: str = "tiny"
+    dtype: str = "auto"
+    tp: int = 1
+    spp: int = 1
+    kvp: int = 1
+    policy: str = "lars-mp"
+    chunk_size: int | None = None
+    target_batch_time: float | None = None
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    seed: int = 0
+    cost_model: str | None = None
+    device: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "dtype": self.dtype,
+            "tp": self.tp,
+            "spp": self.spp,
+            "kvp": self.kvp,
+            "policy": self.policy,
+            "seed": self.seed,
+        }
+        for name in (
+            "chunk_size",
+            "target_batch_time",
+            "max_model_len",
+            "kv_cache_tokens",
+            "cost_model",
+            "device",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        kw.update(self.extra)
+        return kw
+
+
+# --------------------------------------------------------------------- loop
+@dataclass
+class _Track:
+    num_prompt_tokens: int
+    holdback: int
+    tokens_sent: int = 0
+    chars_sent: int = 0
+    first_sent: bool = False
+
+
+def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """Entry point of the engine process (started with the spawn method)."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when to stop
+    stopping = False
+
+    def _on_term(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _on_term)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(out_addr)
+
+    def send(msg: object) -> None:
+        push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    engine = None
+    try:
+        from medha_runtime.engine import LLMEngine
+
+        try:
+            engine = LLMEngine(args.model, **args.engine_kwargs())
+        except BaseException as exc:
+            send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+            return
+        send(
+            EngineReady(
+                model=args.model,
+                max_model_len=engine.max_model_len,
+                pid=os.getpid(),
+                dtype=engine.dtype,
+                layout=str(engine.layout),
+            )
+        )
+        _loop(engine, pull, send, parent_pid, lambda: stopping)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            send(EngineFailed(traceback.format_exc()))
+        raise
+    finally:
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.shutdown()
+        pull.close(linger=0)
+        push.close(linger=500)
+        ctx.term()
+
+
+def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any) -> None:
+    import zmq
+
+    tracks: dict[str, _Track] = {}
+    last_beat = 0.0
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    while not stop():
+        busy = engine.has_unfinished_requests()
+        events = dict(poller.poll(0 if busy else 20))
+        if pull in events:
+            while True:
+                try:
+                    raw = pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = pickle.loads(raw)
+                if isinstance(msg, Shutdown):
+                    return
+                if isinstance(msg, AddRequest):
+                    _add(engine, msg, tracks, send)
+                elif isinstance(msg, AbortRequest):
+                    tracks.pop(msg.request_id, None)
+                    engine.abort_request(msg.request_id)
+        now = time.monotonic()
+        if now - last_beat >= HEARTBEAT_S:
+            last_beat = now
+            if os.getppid() != parent_pid:  # the HTTP process is gone
+                return
+            send(_heartbeat(engine))
+        if not engine.has_unfinished_requests():
+            continue
+        try:
+            finished = {o.request_id: o for o in engine.step()}
+        except Exception as exc:
+            message = f"engine step failed: {type(exc).__name__}: {exc}"
+            for rid, t in tracks.items():
+                send(RequestDelta(rid, [], "", t.num_prompt_tokens, 0, "abort", error=message))
+            tracks.clear()
+            send(_heartbeat(engine, error=message))
+            raise
+        _emit(engine, tracks, finished, send)
+
+
+def _add(engine: Any, msg: AddRequest, tracks: dict[str, _Track], send: Any) -> None:
+    kw: dict[str, Any] = {
+        "prompt": msg.prompt,
+        "request_id": msg.request_id,
+        "ttft_slo": msg.ttft_slo_s,
+        "tpot_slo": msg.tpot_slo_s,
+        "priority": msg.priority,
+    }
+    try:
+        engine.add_request(msg.prompt_token_ids, msg.params, **kw)
+    except ValueError as exc:
+        send(AddFailed(msg.request_id, str(exc)))
+        return
+    except Exception as exc:
+        send(AddFailed(msg.request_id, f"{type(exc).__name__}: {exc}", bad_request=False))
+        return
+    hold = max((len(s) for s in msg.params.stop), default=1) - 1
+    tracks[msg.request_id] = _Track(len(msg.prompt_token_ids), hold)
+
+
+def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send: Any) -> None:
+    for rid in list(tracks):
+        t = tracks[rid]
+        out = finished.get(rid)
+        if out is not None:
+            comp = out.outputs[0]
+            ids, text, logprobs = comp.token_ids, comp.text, comp.logprobs
+            reason, stop_reason = comp.finish_reason, comp.stop_reason
+            visible = text
+        else:
+            st = engine.progress(rid)
+            if st is None:
+                continue
+            ids, text, logprobs = st.output_ids, st.text, st.logprobs
+            reason = stop_reason = None
+            visible = text[: len(text) - t.holdback] if t.holdback else text
+        new_ids = list(ids[t.tokens_sent :])
+        new_text = visible[t.chars_sent :] if len(visible) > t.chars_sent else ""
+        if not new_ids and not new_text and reason is None:
+            continue  # a prefill chunk: nothing to say yet
+        deadline_met = None
+        if not t.first_sent and new_ids:
+            t.first_sent = True
+            progress = engine.progress(rid)
+            if progress is not None:
+                deadline_met = engine.now() <= progress.deadline
+        new_lp = None
+        if logprobs is not None:
+            new_lp = [dict(e) for e in logprobs[t.tokens_sent : len(ids)]]
+        t.tokens_sent = len(ids)
+        t.chars_sent += len(new_text)
+        send(
+            RequestDelta(
+                rid,
+                new_ids,
+                new_text,
+                t.num_prompt_tokens,
+                len(ids),
+                reason,
+                stop_reason,
+                new_lp,
+                deadline_met,
+            )
+        )
+        if reason is not None:
+            del tracks[rid]
+
+
+def _heartbeat(engine: Any, error: str | None = None) -> Heartbeat:
+    sched = engine.scheduler
+    return Heartbeat(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        kv_cache_usage=float(engine.kv_cache_usage),
+        num_preemptions=int(engine.stats.preemptions),
+        steps=int(engine.stats.steps),
+        error=error,
+    )
