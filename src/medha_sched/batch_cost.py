@@ -42,24 +42,56 @@ class BatchCost:
         self._agg = model if isinstance(model, AggregateCostModel) else None
         self._totals: list[list[float] | None] = [None] * num_groups
         self._group_times = [0.0] * num_groups
-        self._items: list[list[RequestWork]] = [[] for _ in range(num_groups)]
+        # the works themselves, kept only for models priced on the whole batch
+        self._items: list[list[RequestWork]] = (
+            [] if self._agg is not None else [[] for _ in range(num_groups)]
+        )
         self.time = 0.0
 
     def time_with(self, works: Sequence[Work]) -> float:
         """Predicted seconds if ``works`` were added (nothing changes)."""
-        if self._agg is None:
+        agg = self._agg
+        if agg is None:
             return self._model.predict(self._batch_with(works))
+        if len(works) == 1 and self._num_groups == 1:  # the hot path: one shard, one group
+            return agg.group_time(self._totals_with(works[0]))
         return max(self._priced(works).values(), default=0.0) if works else self.time
 
     def add(self, works: Sequence[Work]) -> None:
         """Add ``works`` to the batch."""
-        if self._agg is None:
+        agg = self._agg
+        if agg is None:
             for g, q, kv, tail in works:
                 self._items[g].append(RequestWork(q, kv, tail))
             self.time = self._model.predict(self._batch())
             return
+        if not works:
+            return  # nothing changes (the time is already the slowest group's)
+        if self._num_groups == 1 and len(works) == 1:
+            totals = self._totals[0] = self._totals_with(works[0])
+            self.time = self._group_times[0] = agg.group_time(totals)
+            return
+        if self._num_groups == 1:  # one group: running sums, in the order _priced adds them
+            features = agg.features
+            base = self._totals[0]
+            totals = [0] * agg.num_features if base is None else [0 + b for b in base]
+            for _, q, kv, tail in works:
+                totals = [t + f for t, f in zip(totals, features(q, kv, tail), strict=True)]
+            self._totals[0] = totals
+            self.time = self._group_times[0] = agg.group_time(totals)
+            return
         self._priced(works, commit=True)
         self.time = max(self._group_times)
+
+    def _totals_with(self, work: Work) -> list[float]:
+        """Group totals of ``work``'s group once ``work`` is added (same sums as ``_priced``)."""
+        g, q, kv, tail = work
+        assert self._agg is not None
+        feats = self._agg.features(q, kv, tail)
+        base = self._totals[g]
+        if base is None:
+            return [0 + f for f in feats]
+        return [0 + b + f for b, f in zip(base, feats, strict=True)]
 
     def _priced(self, works: Sequence[Work], *, commit: bool = False) -> dict[int, float]:
         agg = self._agg

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def largest_fitting_chunk(limit: int, grid: int, fits: Callable[[int], bool]) -> int:
+def largest_fitting_chunk(
+    limit: int, grid: int, fits: Callable[[int], bool], *, hint: int = 0
+) -> int:
     """The largest candidate chunk for which ``fits`` is true, or 0.
 
     Candidates are ``grid, 2*grid, ...`` below ``limit``, and ``limit`` itself
@@ -14,16 +16,24 @@ def largest_fitting_chunk(limit: int, grid: int, fits: Callable[[int], bool]) ->
     ever returns a chunk it has seen fit, so it never overshoots the budget.
     It tries ``limit`` first (a short prompt usually fits whole: one call),
     then bisects: at most ``log2(limit / grid) + 2`` calls.
+
+    ``hint`` (say, the request's previous chunk) only changes the order of the
+    calls, never the answer: the search starts there and gallops outwards,
+    so an exact hint costs two calls.
     """
     if limit <= 0:
         return 0
-    if fits(limit):
-        return limit
     count = -(-limit // grid)
 
     def candidate(i: int) -> int:
         return min((i + 1) * grid, limit)
 
+    if hint > 0:
+        start = min(max(hint // grid - 1, 0), count - 1)
+        best = _gallop(count - 1, start, lambda i: fits(candidate(i)))
+        return candidate(best) if best >= 0 else 0
+    if fits(limit):
+        return limit
     if not fits(candidate(0)):
         return 0
     lo, hi = 0, count - 2  # candidate(lo) fits; candidate(count - 1) == limit does not
@@ -34,3 +44,40 @@ def largest_fitting_chunk(limit: int, grid: int, fits: Callable[[int], bool]) ->
         else:
             hi = mid - 1
     return candidate(lo)
+
+
+def _gallop(top: int, start: int, fits_at: Callable[[int], bool]) -> int:
+    """Largest index in ``[0, top]`` that fits, or -1 if none does.
+
+    Doubling steps from ``start`` bracket the answer, then bisection finds it.
+    """
+    h = min(start, top)
+    step = 1
+    if fits_at(h):
+        lo, hi = h, top + 1  # lo fits; hi does not (or is past the end)
+        while lo + step < hi:
+            if not fits_at(lo + step):
+                hi = lo + step
+                break
+            lo += step
+            step *= 2
+    else:
+        if h == 0:
+            return -1
+        hi = h
+        while True:
+            probe = max(hi - step, 0)
+            if fits_at(probe):
+                lo = probe
+                break
+            hi = probe
+            if probe == 0:
+                return -1
+            step *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits_at(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

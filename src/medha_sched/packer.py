@@ -40,6 +40,9 @@ class Draft:
     # Smallest chunk size that fits on no group even at KV 0 against the
     # draft's target: no chunk at least this big can join (monotone model).
     floor: int | None = None
+    # Largest chunk size seen to fit on some group at KV 0 against the
+    # draft's target: no smaller chunk can become the floor (monotone model).
+    fits_somewhere: int = 0
 
     def known_miss(self, group: int, kv: int, tokens: int, target: float) -> bool:
         return any(
@@ -49,14 +52,18 @@ class Draft:
     def add(self, request: Request, num_tokens: int, works: list[Work]) -> None:
         self.misses.clear()
         self.floor = None
+        self.fits_somewhere = 0
         self.cost.add(works)
         self.entries.append((request, num_tokens))
         self.num_tokens += num_tokens
 
     def add_decodes(self, requests: list[Request], works: list[Work]) -> None:
         """Add one token for each of ``requests``, priced in a single pass."""
+        self.misses.clear()
+        self.floor = None
+        self.fits_somewhere = 0
         self.cost.add(works)
-        self.entries.extend((r, 1) for r in requests)
+        self.entries.extend([(r, 1) for r in requests])
         self.num_tokens += len(requests)
 
 
@@ -67,6 +74,12 @@ class ChunkSizer:
         self._cfg = config
         self._policy = policy
         self._limit = group_limit
+        # each prefilling request's latest adaptive chunk: where the next search starts
+        self._last_chunk: dict[str, int] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is remembered about a request (it finished or left)."""
+        self._last_chunk.pop(request_id, None)
 
     def room(self, request: Request) -> int:
         """Largest chunk allowed by what is left, the max chunk and the shard."""
@@ -110,10 +123,24 @@ class ChunkSizer:
         if single and draft.known_miss(groups[0], start, smallest, target):
             return 0, is_long
 
-        def fits(n: int) -> bool:
-            return cost.time_with(chunk_works(groups, start, n, self._limit)) <= target
+        if single:
+            group = groups[0]
 
-        chunk = largest_fitting_chunk(limit, self._cfg.token_grid, fits)
-        if chunk == 0 and single:
-            draft.misses.append((groups[0], start, smallest, target))
+            def fits(n: int) -> bool:
+                return cost.time_with([(group, n, start, True)]) <= target
+        else:
+
+            def fits(n: int) -> bool:
+                return cost.time_with(chunk_works(groups, start, n, self._limit)) <= target
+
+        rid = request.request_id
+        hint = self._last_chunk.get(rid, 0)
+        chunk = largest_fitting_chunk(limit, self._cfg.token_grid, fits, hint=hint)
+        if chunk == 0:
+            if single:
+                draft.misses.append((groups[0], start, smallest, target))
+        elif start + chunk < request.num_prefill_tokens:
+            self._last_chunk[rid] = chunk
+        elif hint:
+            del self._last_chunk[rid]  # the prefill is fully issued
         return chunk, is_long

@@ -26,7 +26,9 @@ import math
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.chunking import largest_fitting_chunk
-from medha_sched.cost.base import CostModel
+from medha_sched.cost.base import AggregateCostModel, CostModel
+
+_RECENT_MAX = 1 << 16
 
 
 class PrefillTimeCache:
@@ -59,6 +61,10 @@ class PrefillTimeCache:
         self._spp = model.layout.spp
         self._bounds: list[int] = [0]
         self._cum: list[float] = [0.0]
+        # C(L) of lengths between boundaries, as computed (the table never
+        # changes below its end, so they stay exact): a prompt's length is
+        # looked up again every time its prefill progresses
+        self._recent: dict[int, float] = {}
         self.max_feasible_tokens = math.inf
         self._extend_to(initial_tokens)
 
@@ -73,11 +79,18 @@ class PrefillTimeCache:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         if num_tokens > self._bounds[-1]:
             self._extend_to(max(num_tokens, 2 * self._bounds[-1]))
+        known = self._recent.get(num_tokens)
+        if known is not None:
+            return known
         k = bisect.bisect_right(self._bounds, num_tokens) - 1
         base = self._bounds[k]
         if base == num_tokens:
             return self._cum[k]
-        return self._cum[k] + self._chunk_time(base, num_tokens - base)
+        value = self._cum[k] + self._chunk_time(base, num_tokens - base)
+        if len(self._recent) >= _RECENT_MAX:
+            self._recent.clear()
+        self._recent[num_tokens] = value
+        return value
 
     def remaining_time(self, num_tokens: int, num_done: int) -> float:
         """Predicted seconds to prefill positions ``[num_done, num_tokens)``.
@@ -93,6 +106,10 @@ class PrefillTimeCache:
         return span / self._spp + (1.0 - 1.0 / self._spp) * self._target
 
     def _chunk_time(self, start: int, num_tokens: int) -> float:
+        model = self._model
+        if start < self._limit and isinstance(model, AggregateCostModel):
+            # one shard, alone in the batch: the sums BatchCost would form
+            return model.group_time([0 + f for f in model.features(num_tokens, start, True)])
         kvp = self._model.layout.kvp
         # Past kvp shards a request cannot exist; fold extra shards onto the
         # groups so that lookups there stay defined and monotone.
@@ -102,11 +119,15 @@ class PrefillTimeCache:
 
     def _extend_to(self, num_tokens: int) -> None:
         done, total = self._bounds[-1], self._cum[-1]
+        chunk = done - self._bounds[-2] if len(self._bounds) > 1 else 0
         while done < num_tokens:
             room = self._limit - done % self._limit
             limit = min(self._max_chunk, room)
             chunk = largest_fitting_chunk(
-                limit, self._grid, lambda n, d=done: self._chunk_time(d, n) <= self._target
+                limit,
+                self._grid,
+                lambda n, d=done: self._chunk_time(d, n) <= self._target,
+                hint=chunk,  # chunks shrink slowly along a prompt
             )
             if chunk == 0:
                 smallest = min(self._grid, limit)

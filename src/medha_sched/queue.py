@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import chain
 
 from medha_sched.policies.base import Policy
 from medha_sched.priority_index import KineticIndex
@@ -37,7 +38,9 @@ class PrefillQueue:
         if rid in self._where:
             self._classes[self._where[rid]].update(rid, intercept=intercept, slope=slope)
             return
-        index = self._classes.setdefault(request.priority, KineticIndex())
+        index = self._classes.get(request.priority)
+        if index is None:  # not setdefault: that would build an index on every push
+            index = self._classes[request.priority] = KineticIndex()
         self._seq += 1
         index.add(rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, self._seq))
         self._where[rid] = request.priority
@@ -50,6 +53,10 @@ class PrefillQueue:
 
     def iter_sorted(self, now: float) -> Iterator[Request]:
         """Requests in service order at time ``now``; do not mutate while iterating."""
-        for priority in sorted(self._classes):
-            for rid in self._classes[priority].iter_sorted(now):
-                yield self._requests[rid]
+        # chain and map keep the per-item work in C; each class is advanced
+        # only when the iteration reaches it, as with nested loops
+        request_of = self._requests.__getitem__
+        classes = self._classes
+        return chain.from_iterable(
+            map(request_of, classes[priority].iter_sorted(now)) for priority in sorted(classes)
+        )

@@ -56,6 +56,7 @@ class Scheduler:
             group_token_limit=self.group_limit,
         )
         self._sizer = ChunkSizer(config, self.policy, self.group_limit)
+        self._adaptive = config.adaptive
         self._queue = PrefillQueue(self.policy)
         self._requests: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
@@ -165,19 +166,23 @@ class Scheduler:
         return target
 
     def _pack_decodes(self, draft: Draft, now: float) -> list[str]:
-        ready = [
-            r
-            for r in self._running.values()
-            if r.num_scheduled_tokens >= r.num_prefill_tokens
-            and r.num_scheduled_tokens < r.num_prompt_tokens + len(r.output_token_ids)
-        ]
-        short = set(self.memory.ensure_capacity_many((r.request_id, r.num_tokens) for r in ready))
+        ready: list[Request] = []
+        wants: list[tuple[str, int]] = []  # (id, tokens its KV must hold)
+        for r in self._running.values():
+            issued, total = r.num_scheduled_tokens, r.num_prompt_tokens + len(r.output_token_ids)
+            if r.num_prefill_tokens <= issued < total:
+                ready.append(r)
+                wants.append((r.request_id, total))
+        short = set(self.memory.ensure_capacity_many(wants))
         preempted: list[str] = []
-        for r in ready:
-            if r.request_id in short and r.status is RequestStatus.RUNNING:
-                preempted.extend(self._make_room(r, now))
-        chosen = [r for r in ready if r.status is RequestStatus.RUNNING]
-        chosen = chosen[: self.config.max_batch_requests]
+        chosen = ready  # everything in _running is RUNNING until a preemption
+        if short:
+            for r in ready:
+                if r.request_id in short and r.status is RequestStatus.RUNNING:
+                    preempted.extend(self._make_room(r, now))
+            chosen = [r for r in ready if r.status is RequestStatus.RUNNING]
+        if len(chosen) > self.config.max_batch_requests:
+            chosen = chosen[: self.config.max_batch_requests]
         works: list[Work] = []
         groups_of, limit, known = self.memory.groups_of, self.group_limit, draft.groups
         for r in chosen:
@@ -228,45 +233,76 @@ class Scheduler:
         self._queue.push(request)
 
     def _pack_prefills(self, draft: Draft, now: float) -> None:
+        if not self._queue:
+            return
+        cfg = self.config
         chosen: list[Request] = []
         skips = 0
-        grid = self.config.token_grid
+        grid, max_skips = cfg.token_grid, cfg.max_consecutive_skips
+        entries, max_entries = draft.entries, cfg.max_batch_requests
+        # With adaptive chunking a long prompt cannot join once every KVP
+        # group runs a long prefill in this batch (see ChunkSizer.adaptive).
+        long_min = cfg.long_prefill_threshold if self._adaptive else None
+        long_groups, kvp = draft.long_groups, self.layout.kvp
+        spent = None  # _budget_spent(draft), evaluated again only after the draft changes
         for r in self._queue.iter_sorted(now):
-            if len(draft.entries) >= self.config.max_batch_requests or self._budget_spent(draft):
+            if len(entries) >= max_entries:
                 break
-            smallest = min(grid, r.num_remaining_prompt_tokens)
-            if draft.floor is None or smallest < draft.floor:
-                if self._try_prefill(r, draft, now):
+            if spent is None:
+                spent = self._budget_spent(draft)
+            if spent:
+                break
+            remaining = r.num_prefill_tokens - r.num_scheduled_tokens
+            smallest = grid if grid < remaining else remaining
+            floor = draft.floor
+            if floor is None or smallest < floor:
+                blocked = (
+                    long_min is not None
+                    and r.num_prefill_tokens >= long_min
+                    and len(long_groups) >= kvp
+                )
+                if not blocked and self._try_prefill(r, draft, now):
                     chosen.append(r)
                     skips = 0
+                    spent = None
                     continue
-                self._lower_floor(draft, smallest)
+                if smallest > draft.fits_somewhere:  # else it cannot become the floor
+                    self._lower_floor(draft, smallest)
+                    spent = None
             skips += 1
-            if skips >= self.config.max_consecutive_skips:
+            if skips >= max_skips:
                 break
         for r in chosen:
             self._queue.remove(r.request_id)
 
     def _budget_spent(self, draft: Draft) -> bool:
         """True when no prefill chunk at all can join the draft."""
-        if not self.config.adaptive:
+        if not self._adaptive:
             size = self.config.chunk_size
             return size is not None and size > 0 and draft.num_tokens >= size
         if draft.cost.time >= draft.target:
             return True
-        if draft.floor is None:
-            self._lower_floor(draft, 1)  # one token at KV 0 bounds any chunk's cost
+        if draft.floor is None and draft.fits_somewhere < 1:
+            # One token at KV 0 bounds any chunk's cost. A grid chunk is probed
+            # first: when it fits, so does every candidate's smallest chunk.
+            self._lower_floor(draft, self.config.token_grid)
+            if draft.floor is not None:
+                self._lower_floor(draft, 1)
         return draft.floor == 1
 
     def _lower_floor(self, draft: Draft, tokens: int) -> None:
         """Record ``tokens`` as the draft's floor if such a chunk fits on no group."""
-        if not self.config.adaptive or (draft.floor is not None and draft.floor <= tokens):
+        if not self._adaptive or (draft.floor is not None and draft.floor <= tokens):
             return
+        if tokens <= draft.fits_somewhere:
+            return  # a chunk at least this big fits on some group
         cost = draft.cost
         if all(
             cost.time_with([(g, tokens, 0, True)]) > draft.target for g in range(self.layout.kvp)
         ):
             draft.floor = tokens
+        else:
+            draft.fits_somewhere = tokens
 
     def _try_prefill(self, request: Request, draft: Draft, now: float) -> bool:
         rid = request.request_id
@@ -303,11 +339,12 @@ class Scheduler:
         chunks = []
         entries = []
         limit, pop_new_blocks = self.group_limit, self.memory.pop_new_blocks
+        groups_of = draft.groups
         for r, n in draft.entries:
             rid, start = r.request_id, r.num_scheduled_tokens
-            samples = start + n == r.num_tokens
-            groups = draft.groups[rid][: start // limit + 1]
-            ids = r.token_ids(start, start + n)
+            samples = start + n == r.num_prompt_tokens + len(r.output_token_ids)
+            groups = groups_of[rid][: start // limit + 1]
+            ids = () if r.prompt_token_ids is None else r.token_ids(start, start + n)
             chunks.append(ScheduledChunk(rid, start, n, groups, pop_new_blocks(rid), ids, samples))
             r.num_scheduled_tokens = start + n
             if r.first_scheduled_time is None:
@@ -328,10 +365,12 @@ class Scheduler:
         if stage != 0 or batch.stage0_cleared:
             return
         batch.stage0_cleared = True
+        running, aborting = RequestStatus.RUNNING, self._abort_pending
         for r, _, n, _ in batch.entries:
             r.num_stage0_tokens += n
-            live = r.status is RequestStatus.RUNNING and r.request_id not in self._abort_pending
-            if live and r.is_prefilling:
+            if r.num_scheduled_tokens >= r.num_prefill_tokens:  # not prefilling
+                continue
+            if r.status is running and r.request_id not in aborting:
                 self._refresh_work(r)
                 self._queue.push(r)
 
@@ -347,9 +386,11 @@ class Scheduler:
             raise SchedulerError(
                 f"batch {batch_id} ended before batch {oldest}: batches must end in order"
             )
-        self._check_result(self._in_flight[batch_id], result)
-        self.on_stage_end(batch_id, stage=0)
-        batch = self._in_flight.pop(batch_id)
+        batch = self._in_flight[batch_id]
+        self._check_result(batch, result)
+        if not batch.stage0_cleared:
+            self.on_stage_end(batch_id, stage=0)
+        del self._in_flight[batch_id]
         finished: list[str] = []
         for r, _, n, samples in batch.entries:
             r.num_computed_tokens += n
@@ -390,6 +431,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
         self._queue.remove(rid)
+        self._sizer.forget(rid)
         if rid in self._running:
             self.memory.free(rid)
             del self._running[rid]

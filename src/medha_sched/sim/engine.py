@@ -1,0 +1,260 @@
+"""The event loop: a trace in, the real :class:`Scheduler` deciding, metrics out.
+
+The executor is replaced by the cost model: a batch takes its
+``predicted_time`` through a FIFO pipeline of ``spp`` stages
+(:mod:`medha_sched.sim.pipeline`). The loop reports to the scheduler what a
+runtime would: ``on_stage_end`` when a batch leaves stage 0 (``spp > 1``)
+and ``on_batch_end`` when it leaves the last stage, in issue order. Every
+sampling chunk samples a token; a request runs until it has generated its
+``output_tokens``. KVP is the scheduler's and the cost model's business
+(groups, shards and merges are in the predicted time).
+
+Two shortcuts keep long simulations fast without changing any decision:
+the scheduler is not asked for a batch when every live request is waiting
+for a token from a batch in flight (the batch would be empty), and a batch
+of decodes issued in that state gets no ``StageEnd`` event (leaving stage 0
+would free nothing; ``on_batch_end`` clears stage 0 in its place, and an
+arrival or batch end in the meantime asks for a wake-up instead).
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import time as _time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from medha_sched.config import CacheConfig, SchedulerConfig
+from medha_sched.cost.base import CostModel
+from medha_sched.errors import RequestTooLongError
+from medha_sched.output import BatchResult
+from medha_sched.request import Request
+from medha_sched.scheduler import Scheduler
+from medha_sched.sim.events import Arrival, BatchEnd, Event, ScheduleWakeup, StageEnd
+from medha_sched.sim.metrics import IterationRecord, RequestRecord
+from medha_sched.sim.pipeline import Pipeline
+from medha_sched.sim.trace import TraceRequest
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot go on (a scheduler that stopped making progress)."""
+
+
+class _EveryTokenIsZero(Mapping[str, int]):
+    """``sampled_token_ids`` of a simulated batch: every sampling chunk sampled token 0."""
+
+    def __getitem__(self, key: str) -> int:
+        return 0
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_RESULT = BatchResult(sampled_token_ids=_EveryTokenIsZero())
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """A finished simulation.
+
+    Attributes:
+        records: one per trace request, in trace order.
+        iterations: one per issued (non-empty) batch, in issue order.
+        end_s: simulated time of the last event.
+        wall_s: wall-clock seconds the simulation took.
+    """
+
+    records: list[RequestRecord]
+    iterations: list[IterationRecord]
+    end_s: float
+    wall_s: float
+
+
+class Simulator:
+    """One replica: the scheduler, a pipeline of ``cost_model.layout.spp`` stages.
+
+    Args:
+        config: the scheduler's policy and budget.
+        cost_model: predicts each batch's latency; its ``layout`` gives tp/spp/kvp.
+        cache: KV memory per KVP group.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, cost_model: CostModel, *, cache: CacheConfig | None = None
+    ) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.cache = cache if cache is not None else CacheConfig()
+        self.spp = cost_model.layout.spp
+
+    def run(
+        self, trace: Sequence[TraceRequest], *, progress: Callable[[int], None] | None = None
+    ) -> SimResult:
+        """Simulate ``trace`` to the end; ``progress(n)`` hears of every n requests done."""
+        wall = _time.perf_counter()
+        self.sched = Scheduler(self.config, self.cost_model, cache=self.cache)
+        self.pipeline = Pipeline(self.spp)
+        self.now = 0.0
+        self._trace = trace
+        self._order = iter(sorted(range(len(trace)), key=lambda i: (trace[i].arrival_s, i)))
+        self.records = [RequestRecord.from_trace(r) for r in trace]
+        self._by_id = {r.id: rec for r, rec in zip(trace, self.records, strict=True)}
+        self._live: dict[str, Request] = {}
+        self._decoding: set[str] = set()  # first token sampled, not preempted since
+        # batch -> (ids whose prefill it completes, how many of its chunks sample)
+        self._in_flight: dict[int, tuple[list[str], int]] = {}
+        self._awaiting = 0  # live requests waiting for a token from a batch in flight
+        self.iterations: list[IterationRecord] = []
+        self._progress = progress or (lambda n: None)
+        self._heap: list[tuple[float, int, int, Event]] = []
+        self._seq = 0
+        self._wakeup_pending = False
+        self._stage0_unwatched = False  # the batch in stage 0 has no StageEnd event
+        self._push_next_arrival()
+        collecting = gc.isenabled()
+        gc.disable()  # the loop makes no cyclic garbage; collections only cost time
+        try:
+            heap, pop = self._heap, heapq.heappop
+            while heap:
+                self.now, _, _, event = pop(heap)
+                event.handle(self)
+        finally:
+            if collecting:
+                gc.enable()
+        if self.sched.has_unfinished_requests():
+            stuck = sorted(self._live)[:5]
+            raise SimulationError(
+                f"the scheduler stopped making progress at t={self.now:.3f}s with "
+                f"{len(self._live)} requests unfinished (e.g. {stuck})"
+            )
+        return SimResult(self.records, self.iterations, self.now, _time.perf_counter() - wall)
+
+    # ------------------------------------------------------------- plumbing
+    def push(self, event: Event) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (event.time, event.rank, self._seq, event))
+
+    def _push_next_arrival(self) -> None:
+        i = next(self._order, None)
+        if i is not None:
+            self.push(Arrival(self._trace[i].arrival_s, i))
+
+    def _wake_if_free(self) -> None:
+        """Ask for a batch at ``now``, after everything else happening at ``now``."""
+        if self._wakeup_pending:
+            return
+        if not self.pipeline.stage0_free(self.now):
+            if self._stage0_unwatched:  # no StageEnd will come: wake when stage 0 frees
+                self._stage0_unwatched = False
+                self._wakeup_pending = True
+                self.push(ScheduleWakeup(self.pipeline.stage0_free_at))
+            return
+        heap = self._heap
+        if heap and heap[0][0] <= self.now:
+            self._wakeup_pending = True
+            self.push(ScheduleWakeup(self.now))
+        else:  # nothing else happens at this instant: the wake-up is the next event
+            self.on_wakeup()
+
+    # --------------------------------------------------------------- events
+    def on_arrival(self, index: int) -> None:
+        t = self._trace[index]
+        request = Request(
+            t.id,
+            t.arrival_s,
+            t.prompt_tokens,
+            t.output_tokens,
+            ttft_slo=t.ttft_slo_s,
+            tpot_slo=t.tpot_slo_s,
+            priority=t.priority,
+        )
+        self._push_next_arrival()  # first: it may arrive at this same instant
+        try:
+            self.sched.add_request(request)
+        except RequestTooLongError as exc:
+            self.records[index].rejected = str(exc)
+            self._progress(1)
+            return
+        self.records[index].deadline_s = request.deadline
+        self._live[t.id] = request
+        self._wake_if_free()
+
+    def on_wakeup(self) -> None:
+        self._wakeup_pending = False
+        now = self.now
+        if self._awaiting == len(self._live) or not self.pipeline.stage0_free(now):
+            return  # every request waits for a token: the batch would be empty
+        out = self.sched.schedule(now)
+        chunks = out.chunks
+        if not chunks:
+            return  # blocked until a batch ends; its event wakes us again
+        decoding = self._decoding
+        for rid in out.preempted:
+            decoding.discard(rid)
+        # Decodes come first; prefill chunks are the trailing ones whose
+        # request has not sampled (since its last preemption).
+        n_prefill, prefill_tokens, completes = 0, 0, []
+        for c in reversed(chunks):
+            if c.request_id in decoding:
+                break
+            n_prefill += 1
+            prefill_tokens += c.num_tokens
+            if c.samples:
+                completes.append(c.request_id)
+        bid, predicted, n_decode = out.batch_id, out.predicted_time, len(chunks) - n_prefill
+        self.iterations.append(
+            IterationRecord(
+                bid, now, predicted, n_decode, n_prefill, prefill_tokens, len(out.preempted)
+            )
+        )
+        sampling = n_decode + len(completes)  # every decode samples
+        self._in_flight[bid] = (completes, sampling)
+        self._awaiting += sampling
+        stage0_end, end = self.pipeline.push(now, predicted / self.spp)
+        if self.spp > 1:
+            self._stage0_unwatched = n_prefill == 0 and self._awaiting == len(self._live)
+            if not self._stage0_unwatched:
+                self.push(StageEnd(stage0_end, bid))
+        self.push(BatchEnd(end, bid))
+
+    def on_stage_end(self, batch_id: int) -> None:
+        self.sched.on_stage_end(batch_id)
+        self._wake_if_free()
+
+    def on_batch_end(self, batch_id: int) -> None:
+        now = self.now
+        completes, sampling = self._in_flight.pop(batch_id)
+        self._awaiting -= sampling
+        for rid in completes:
+            rec = self._by_id[rid]
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+            self._decoding.add(rid)
+        finished = self.sched.on_batch_end(batch_id, _RESULT)
+        for rid in finished:
+            rec = self._by_id[rid]
+            rec.finish_s = now
+            rec.preemptions = self._live.pop(rid).num_preemptions
+            self._decoding.discard(rid)
+        if finished:
+            self._progress(len(finished))
+        self._wake_if_free()
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    config: SchedulerConfig,
+    cost_model: CostModel,
+    *,
+    cache: CacheConfig | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Run ``trace`` through one replica; see :class:`Simulator`."""
+    return Simulator(config, cost_model, cache=cache).run(trace, progress=progress)

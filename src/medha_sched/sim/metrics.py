@@ -1,0 +1,257 @@
+"""What a simulation measures, and the files it writes.
+
+Per request (:class:`RequestRecord`), times in seconds on the trace clock:
+
+* ``ttft_s`` = first token time - arrival. The first token is sampled by the
+  batch that completes the prompt's prefill; it exists when that batch
+  leaves the last pipeline stage.
+* ``tpot_s`` = (finish - first token) / (output tokens - 1); ``None`` for a
+  one-token output.
+* ``e2e_s`` = finish - arrival.
+* ``deadline_s``: the absolute TTFT deadline the scheduler fixed at arrival
+  (``arrival + D``); ``met_deadline`` is ``ttft_s <= D``.
+* ``preemptions``: times the request was preempted by recompute.
+
+A request the configuration can never serve (``RequestTooLongError``) is
+*rejected*: it keeps its line in ``requests.jsonl`` with ``rejected`` set
+and null times, is counted in the summary, and counts as missing its
+deadline in ``goodput``.
+
+Per iteration (:class:`IterationRecord`): the batch id, issue time,
+predicted latency, decode count, prefill chunk count and prefill tokens,
+and how many requests were preempted forming it. The summary gives their
+averages under ``batches``; ``iterations.csv`` (opt-in: a busy day is
+millions of rows) lists them all.
+
+**Short and long.** A request is *long* when its prompt has at least the
+scheduler's ``long_prefill_threshold`` tokens (32,768 by default), the same
+rule the packer uses for "at most one long prefill per KVP group".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from medha_sched.sim.trace import TraceRequest
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's fate in a simulation."""
+
+    id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    deadline_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    preemptions: int = 0
+    rejected: str | None = None  # the reason, when the request was rejected
+
+    @classmethod
+    def from_trace(cls, r: TraceRequest) -> RequestRecord:
+        return cls(r.id, r.arrival_s, r.prompt_tokens, r.output_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.finish_s is None or self.first_token_s is None or self.output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+    @property
+    def met_deadline(self) -> bool:
+        if self.first_token_s is None or self.deadline_s is None:
+            return False
+        return self.first_token_s <= self.deadline_s
+
+    def to_json(self, long_threshold: int) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "arrival_s": self.arrival_s,
+            "first_token_s": self.first_token_s,
+            "finish_s": self.finish_s,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2e_s": self.e2e_s,
+            "deadline_s": self.deadline_s,
+            "met_deadline": self.met_deadline,
+            "preemptions": self.preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "long": self.prompt_tokens >= long_threshold,
+            "rejected": self.rejected is not None,
+            "reject_reason": self.rejected,
+        }
+
+
+class IterationRecord(NamedTuple):
+    """One issued batch."""
+
+    batch_id: int
+    start_s: float
+    predicted_s: float
+    decodes: int
+    prefill_chunks: int
+    prefill_tokens: int
+    preempted: int
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.prefill_tokens
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile with linear interpolation (numpy's default); None if empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
+    """``{"n", "mean", "p50", "p90", "p99"}`` of ``values``."""
+    out: dict[str, float | int | None] = {"n": len(values)}
+    out["mean"] = sum(values) / len(values) if values else None
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(values, q)
+    return out
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    iterations: Sequence[IterationRecord],
+    *,
+    long_threshold: int,
+    num_stages: int = 1,
+) -> dict[str, object]:
+    """The ``summary.json`` content (without run configuration and wall time)."""
+    groups = {
+        "all": list(records),
+        "short": [r for r in records if r.prompt_tokens < long_threshold],
+        "long": [r for r in records if r.prompt_tokens >= long_threshold],
+    }
+    done = [r for r in records if r.finished]
+    out: dict[str, object] = {
+        "long_rule": f"prompt_tokens >= {long_threshold} (the scheduler's long_prefill_threshold)",
+        "counts": {
+            "requests": len(records),
+            "finished": len(done),
+            "rejected": sum(r.rejected is not None for r in records),
+            "short": len(groups["short"]),
+            "long": len(groups["long"]),
+            "preemptions": sum(r.preemptions for r in records),
+            "iterations": len(iterations),
+        },
+    }
+    for metric in ("ttft_s", "tpot_s", "e2e_s"):
+        out[metric] = {
+            name: distribution([v for r in rs if (v := getattr(r, metric)) is not None])
+            for name, rs in groups.items()
+        }
+    out["deadline_met"] = {
+        name: (sum(r.met_deadline for r in rs) / len(rs) if rs else None)
+        for name, rs in groups.items()
+    }
+    # goodput: fraction of all requests (rejected ones included) meeting the deadline
+    out["goodput"] = out["deadline_met"]["all"]  # type: ignore[index]
+    out["throughput"] = _throughput(records, done, iterations, num_stages)
+    out["batches"] = _batches(iterations)
+    return out
+
+
+def _batches(iterations: Sequence[IterationRecord]) -> dict[str, object]:
+    """What the batches held, on average, and how long they were predicted to take.
+
+    numpy, because a long run has millions of batches.
+    """
+    n = len(iterations)
+    if not n:
+        return {"n": 0}
+
+    def column(i: int, dtype: type) -> np.ndarray:
+        return np.fromiter(map(itemgetter(i), iterations), dtype, n)
+
+    predicted = column(2, float)
+    chunks = column(4, int)
+    p50, p90, p99 = np.percentile(predicted, PERCENTILES).tolist()
+    return {
+        "n": n,
+        "predicted_s": {"mean": float(predicted.mean()), "p50": p50, "p90": p90, "p99": p99},
+        "mean_decodes": float(column(3, int).mean()),
+        "mean_prefill_chunks": float(chunks.mean()),
+        "mean_prefill_tokens": float(column(5, int).mean()),
+        "with_prefill_fraction": float((chunks > 0).mean()),
+        "multi_prefill_fraction": float((chunks > 1).mean()),
+    }
+
+
+def _throughput(
+    records: Sequence[RequestRecord],
+    done: Sequence[RequestRecord],
+    iterations: Sequence[IterationRecord],
+    num_stages: int,
+) -> dict[str, float | None]:
+    if not done:
+        return {"makespan_s": None, "requests_per_s": None, "tokens_per_s": None}
+    start = min(r.arrival_s for r in records)
+    end = max(r.finish_s for r in done if r.finish_s is not None)
+    span = max(end - start, 1e-12)
+    out_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    busy = sum(it.predicted_s for it in iterations) / num_stages
+    return {
+        "makespan_s": span,
+        "requests_per_s": len(done) / span,
+        "tokens_per_s": (prompt_tokens + out_tokens) / span,
+        "output_tokens_per_s": out_tokens / span,
+        "stage_utilization": busy / span,
+    }
+
+
+def write_requests(path: Path, records: Iterable[RequestRecord], long_threshold: int) -> None:
+    """``requests.jsonl``: one line per input request, in input order."""
+    with path.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json(long_threshold), separators=(",", ":")))
+            f.write("\n")
+
+
+def write_iterations(path: Path, iterations: Iterable[IterationRecord]) -> None:
+    """``iterations.csv``: one row per issued batch (the fields of :class:`IterationRecord`)."""
+    with path.open("w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(IterationRecord._fields)
+        w.writerows(iterations)
+
+
+def read_requests(path: Path) -> list[dict[str, object]]:
+    """Read back ``requests.jsonl`` (for plotting)."""
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,46 @@
+"""The executor model: a FIFO pipeline of SPP stages.
+
+A replica with stream-pipeline depth ``s`` splits the layers over ``s``
+stages. A batch whose predicted latency (through every stage) is ``P``
+keeps each stage busy for ``P / s``. Batches go through the stages in the
+order they were issued: a batch enters stage ``k`` when it has left stage
+``k - 1`` and stage ``k`` is free. A new batch may be issued as soon as
+stage 0 is free, so with ``s > 1`` up to ``s`` batches are in flight.
+"""
+
+from __future__ import annotations
+
+
+class Pipeline:
+    """When each stage becomes free; batches are pushed in issue order.
+
+    Args:
+        num_stages: the SPP depth (>= 1).
+    """
+
+    __slots__ = ("_free", "num_stages")
+
+    def __init__(self, num_stages: int) -> None:
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+        self.num_stages = num_stages
+        self._free = [0.0] * num_stages
+
+    def stage0_free(self, now: float) -> bool:
+        """True when a new batch may be issued at ``now``."""
+        return self._free[0] <= now
+
+    @property
+    def stage0_free_at(self) -> float:
+        return self._free[0]
+
+    def push(self, now: float, stage_time: float) -> tuple[float, float]:
+        """Issue a batch at ``now``; returns (time it leaves stage 0, time it leaves the last)."""
+        free = self._free
+        t = (now if now > free[0] else free[0]) + stage_time
+        free[0] = first = t
+        for k in range(1, self.num_stages):
+            f = free[k]
+            t = (t if t > f else f) + stage_time
+            free[k] = t
+        return first, t
