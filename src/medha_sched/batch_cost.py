@@ -47,6 +47,8 @@ class BatchCost:
             [] if self._agg is not None else [[] for _ in range(num_groups)]
         )
         self.time = 0.0
+        # (work, totals, time) of the latest one-work probe, while still valid
+        self._probe: tuple[Work, list[float], float] | None = None
 
     def time_with(self, works: Sequence[Work]) -> float:
         """Predicted seconds if ``works`` were added (nothing changes)."""
@@ -54,7 +56,11 @@ class BatchCost:
         if agg is None:
             return self._model.predict(self._batch_with(works))
         if len(works) == 1 and self._num_groups == 1:  # the hot path: one shard, one group
-            return agg.group_time(self._totals_with(works[0]))
+            work = works[0]
+            totals = self._totals_with(work)
+            time = agg.group_time(totals)
+            self._probe = (work, totals, time)  # add() of the same work reuses it
+            return time
         return max(self._priced(works).values(), default=0.0) if works else self.time
 
     def add(self, works: Sequence[Work]) -> None:
@@ -67,7 +73,12 @@ class BatchCost:
             return
         if not works:
             return  # nothing changes (the time is already the slowest group's)
+        probe, self._probe = self._probe, None  # the totals change: a probe goes stale
         if self._num_groups == 1 and len(works) == 1:
+            if probe is not None and probe[0] == works[0]:
+                self._totals[0], self.time = probe[1], probe[2]
+                self._group_times[0] = self.time
+                return
             totals = self._totals[0] = self._totals_with(works[0])
             self.time = self._group_times[0] = agg.group_time(totals)
             return

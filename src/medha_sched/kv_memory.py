@@ -82,6 +82,19 @@ class KVBlockManager:
     def _free_counts(self) -> list[int]:
         return [pool.num_free for pool in self._pools]
 
+    def free_blocks(self) -> list[int]:
+        """Free blocks of each group, in group order."""
+        return self._free_counts()
+
+    @property
+    def group_limit(self) -> int:
+        """Most tokens of one request on one group (the shard size)."""
+        return self._g
+
+    def tail_blocks(self, request_id: Hashable) -> int:
+        """Blocks held by the request's last shard."""
+        return len(self._entry(request_id).blocks[-1])
+
     def _grant(self, rid: Hashable, entry: _Entry, shard: int, count: int) -> None:
         group = entry.groups[shard]
         new = self._pools[group].allocate(rid, count)

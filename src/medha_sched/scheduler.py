@@ -8,11 +8,13 @@ here knows about tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from medha_sched.batch_cost import BatchCost, Work, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
+from medha_sched.decode_run import commit_decode_run, decode_run_limit, plan_decode_run
 from medha_sched.errors import RequestTooLongError, SchedulerError
 from medha_sched.kv_memory import KVBlockManager
 from medha_sched.output import BatchResult, ScheduledChunk, ScheduleOutput
@@ -245,10 +247,15 @@ class Scheduler:
         long_min = cfg.long_prefill_threshold if self._adaptive else None
         long_groups, kvp = draft.long_groups, self.layout.kvp
         spent = None  # _budget_spent(draft), evaluated again only after the draft changes
+        first = True
         for r in self._queue.iter_sorted(now):
             if len(entries) >= max_entries:
                 break
-            if spent is None:
+            if first:  # the floor probes only pay off once a candidate has been passed over
+                first = False
+                if self._adaptive and draft.cost.time >= draft.target:
+                    break
+            elif spent is None:
                 spent = self._budget_spent(draft)
             if spent:
                 break
@@ -355,6 +362,55 @@ class Scheduler:
         return ScheduleOutput(
             batch_id, now, tuple(chunks), tuple(preempted), draft.cost.time, draft.target
         )
+
+    # ------------------------------------------------------------ decode runs
+    def plan_decode_run(self, max_steps: int) -> list[float]:
+        """Predicted seconds of the next decode-only iterations, if they are certain.
+
+        They are when no prompt waits, no batch is in flight and every running
+        request fits in one batch. Returns at most ``max_steps`` times, none
+        for an iteration in which a request would finish, be preempted or open
+        a KVP shard; an empty list when a run cannot start now. Changes nothing.
+        See :mod:`medha_sched.decode_run`.
+        """
+        running = self._running
+        if (
+            self._queue
+            or self._in_flight
+            or self._abort_pending
+            or not running
+            or len(running) > self.config.max_batch_requests
+        ):
+            return []
+        requests = list(running.values())
+        steps = decode_run_limit(requests, self.memory, max_steps)
+        if steps == 0:
+            return []
+        kvp = self.layout.kvp
+        return plan_decode_run(
+            requests,
+            self.memory,
+            lambda: BatchCost(self.cost_model, kvp),
+            self.group_limit,
+            steps,
+        )
+
+    def commit_decode_run(self, starts: Sequence[float]) -> range:
+        """Take the first ``len(starts)`` iterations of the planned run as done.
+
+        ``starts`` are their issue times (non-decreasing). Every running
+        request gains one token (id 0) per iteration, exactly as if each had
+        been scheduled and had ended. Returns the batch ids they used.
+        """
+        if not starts:
+            return range(0)
+        if starts[0] < self._clock:
+            raise SchedulerError(f"time went backwards: {starts[0]} < previous {self._clock}")
+        commit_decode_run(list(self._running.values()), self.memory, len(starts))
+        self._clock = starts[-1]
+        first = self._next_batch_id
+        self._next_batch_id += len(starts)
+        return range(first, self._next_batch_id)
 
     # ---------------------------------------------------------------- results
     def on_stage_end(self, batch_id: int, *, stage: int = 0) -> None:

@@ -93,19 +93,22 @@ class RooflineCostModel(AggregateCostModel):
         q, pairs, kv, qa, qm, nt = totals
         (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = self._layer
         (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = self._outer
-        layer = (
-            max(q * c_qkv, w_qkv + q * a_qkv)
-            + max(pairs * c_att, kv * b_kv + qa * b_qo)
-            + max(q * c_o, w_o + q * a_o)
-            + max(q * c_m, w_m + q * a_m)
-            + qm * merge
-            + fixed
-        )
+        # Each term is max(compute, memory); written as conditionals (the hot path).
+        a, b = q * c_qkv, w_qkv + q * a_qkv
+        layer = a if a > b else b
+        a, b = pairs * c_att, kv * b_kv + qa * b_qo
+        layer += a if a > b else b
+        a, b = q * c_o, w_o + q * a_o
+        layer += a if a > b else b
+        a, b = q * c_m, w_m + q * a_m
+        layer += a if a > b else b
+        layer = layer + qm * merge + fixed  # the same order of additions as before
         if q > 0:
             layer += ar_fixed + q * ar_tok
         time = layers * layer + pp_fixed + qa * pp_tok
         if nt > 0:
-            time += max(nt * c_h, w_h + nt * a_h)
+            a, b = nt * c_h, w_h + nt * a_h
+            time += a if a > b else b
         return time
 
     @classmethod

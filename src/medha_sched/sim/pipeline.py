@@ -34,6 +34,15 @@ class Pipeline:
     def stage0_free_at(self) -> float:
         return self._free[0]
 
+    def peek(self, now: float, stage_time: float) -> float:
+        """When a batch issued at ``now`` would leave the last stage (nothing changes)."""
+        free = self._free
+        t = (now if now > free[0] else free[0]) + stage_time
+        for k in range(1, self.num_stages):
+            f = free[k]
+            t = (t if t > f else f) + stage_time
+        return t
+
     def push(self, now: float, stage_time: float) -> tuple[float, float]:
         """Issue a batch at ``now``; returns (time it leaves stage 0, time it leaves the last)."""
         free = self._free
