@@ -9,14 +9,21 @@ Subcommands:
   report how well the roofline model predicts the measurements.
 - ``serve [MODEL]``: an OpenAI-compatible HTTP server (``/v1/completions``,
   ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``,
-  ``/tokenize``, ``/detokenize``); see :mod:`medha_runtime.server`.
+  ``/tokenize``, ``/detokenize``); see :mod:`medha_runtime.server`. Several
+  nodes: ``--nnodes N --node-rank R --master-addr A --master-port P`` on each
+  (node 0 serves HTTP and drives), or under torchrun (rank 0 serves); see
+  :mod:`medha_runtime.dist_executor`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from medha_runtime.dist_config import DistConfig
 
 
 def _positive_int(text: str) -> int:
@@ -62,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="roofline hardware preset (a100, h100, h200); default: measured on this device",
     )
     _add_serve(sub)
+    from medha_runtime.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -133,10 +143,30 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--seed", type=_non_negative_int, default=0, help="engine seed")
     s.add_argument("--log-level", default="info", help="uvicorn log level")
     for flag, kind, default, text in (
-        ("--nnodes", _positive_int, 1, "nodes (only 1 is supported in this version)"),
-        ("--node-rank", _non_negative_int, 0, "this node's rank (only 0 is supported)"),
-        ("--master-addr", str, "127.0.0.1", "torch.distributed rendezvous address"),
-        ("--master-port", _positive_int, 29501, "torch.distributed rendezvous port"),
+        (
+            "--nnodes",
+            _positive_int,
+            1,
+            "nodes the tp*spp*kvp ranks are spread over (an equal share each); node 0 serves "
+            "HTTP and drives, every other node runs 'serve MODEL --node-rank R' with the same "
+            "layout flags and --master-addr/--master-port",
+        ),
+        (
+            "--node-rank",
+            _non_negative_int,
+            0,
+            "this node's rank, 0 .. nnodes-1 (0: HTTP server and driver; R > 0: ranks "
+            "R*k .. R*k+k-1 in the foreground until the driver shuts down)",
+        ),
+        ("--master-addr", str, "127.0.0.1", "node 0's address, reachable from every node"),
+        ("--master-port", _positive_int, 29501, "a free port on node 0 for the rendezvous"),
+        (
+            "--dist-timeout",
+            _positive_float,
+            600.0,
+            "multi-node/torchrun: seconds a rank waits for the driver before giving up (a hung "
+            "driver ends its workers after this; an idle driver sends keepalives; default 600)",
+        ),
     ):
         s.add_argument(flag, type=kind, default=default, help=text)
 
@@ -146,17 +176,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from medha_runtime.server import EngineArgs, run_server
 
-    nnodes = int(os.environ.get("NNODES", args.nnodes))
-    if nnodes != 1 or args.node_rank != 0:
-        raise ValueError(
-            "multi-node serving (--nnodes > 1 or --node-rank > 0) is not supported yet; "
-            "run on one node"
-        )
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
-        raise ValueError(
-            "started by torchrun with WORLD_SIZE > 1: run 'medha-runtime serve' once and "
-            "use --tp/--spp/--kvp instead"
-        )
+    role = _serve_role(args, os.environ)
+    if role[0] == "worker":  # torchrun, RANK > 0
+        from medha_runtime.dist_worker import worker_main
+
+        return worker_main(role[1], rank=role[2], local_rank=role[3], local_world=role[4])
+    if role[0] == "node":  # --node-rank R > 0
+        from medha_runtime.dist_worker import run_node
+
+        return run_node(role[1], node_rank=args.node_rank, ranks_per_node=role[2])
     engine = EngineArgs(
         model=args.model,
         dtype=args.dtype,
@@ -171,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         cost_model=args.cost_model,
         device=args.device,
+        distributed=role[1],
     )
     run_server(
         engine,
@@ -181,6 +210,66 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     return 0
+
+
+def _serve_role(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, ...]:
+    """What this process runs: ``("server", DistConfig | None)``, ``("node", config, k)``
+    (a node R > 0 with k ranks) or ``("worker", config, rank, local_rank, local_world)``."""
+    world = args.tp * args.spp * args.kvp
+    if env.get("WORLD_SIZE", "1") not in ("", "1"):
+        return _torchrun_role(args, env, world)
+    nnodes, node = args.nnodes, args.node_rank
+    if node >= nnodes:
+        raise ValueError(f"--node-rank {node} must be below --nnodes {nnodes}")
+    if nnodes == 1:
+        return ("server", None)
+    if world % nnodes:
+        raise ValueError(
+            f"the world size tp*spp*kvp = {world} is not divisible by --nnodes {nnodes}"
+        )
+    k = world // nnodes
+    addr, port = args.master_addr, args.master_port
+    config = _dist_config(args, world=world, addr=addr, port=port, local_ranks=k)
+    return ("server", config) if node == 0 else ("node", config, k)
+
+
+def _dist_config(
+    args: argparse.Namespace, *, world: int, addr: str, port: int, local_ranks: int, **kw: Any
+) -> DistConfig:
+    from medha_runtime.dist_config import DistConfig
+
+    wait = args.dist_timeout
+    return DistConfig(
+        world_size=world,
+        master_addr=addr,
+        master_port=port,
+        local_ranks=local_ranks,
+        control_timeout_s=wait,
+        keepalive_s=min(5.0, wait / 4),
+        **kw,
+    )
+
+
+def _torchrun_role(args: argparse.Namespace, env: Mapping[str, str], world: int) -> tuple[Any, ...]:
+    if args.nnodes != 1 or args.node_rank != 0:
+        raise ValueError("under torchrun use torchrun's --nnodes/--node-rank, not serve's")
+    try:
+        size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        local, local_world = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1"))
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"torchrun's environment is incomplete or malformed: {exc}") from None
+    if size != world:
+        raise ValueError(
+            f"torchrun started WORLD_SIZE={size} processes but tp*spp*kvp = "
+            f"{args.tp}*{args.spp}*{args.kvp} = {world}; they must be equal"
+        )
+    config = _dist_config(
+        args, world=world, addr=addr, port=port, local_ranks=local_world, start_local=False
+    )
+    if rank == 0:
+        return ("server", config)
+    return ("worker", config, rank, local, local_world)
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -218,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _profile(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            from medha_runtime.bench.cli import run_bench
+
+            return run_bench(args)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"medha-runtime {args.command}: error: {exc}", file=sys.stderr)
         return 1

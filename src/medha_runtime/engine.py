@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from medha_runtime.dist_config import DistConfig
 from medha_runtime.executor import WorkerError, make_executor
 from medha_runtime.model import ModelConfig, load_config
 from medha_runtime.model.config import dtype_name, resolve_dtype
@@ -135,7 +136,9 @@ class _RequestState:
 class LLMEngine:
     """Requests in, finished :class:`~medha_runtime.outputs.RequestOutput` s out.
 
-    Arguments are those of :class:`medha_runtime.LLM`, which documents them.
+    Arguments are those of :class:`medha_runtime.LLM`, which documents them, plus
+    ``distributed``: a :class:`~medha_runtime.dist_config.DistConfig` for a
+    multi-node or torchrun run (this process becomes rank 0, the driver).
     """
 
     def __init__(
@@ -160,6 +163,7 @@ class LLMEngine:
         device: str | None = None,
         timeout_s: float = 60.0,
         attention_backend: str = "auto",
+        distributed: DistConfig | None = None,
     ) -> None:
         model = str(model)
         self.model = model
@@ -183,9 +187,10 @@ class LLMEngine:
         device = resolve_device(device)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        if device == "cuda" and self.layout.world_size > torch.cuda.device_count():
+        local = self.layout.world_size if distributed is None else distributed.local_ranks
+        if device == "cuda" and local > torch.cuda.device_count():
             raise ValueError(
-                f"tp*spp*kvp={self.layout.world_size} ranks need as many GPUs; "
+                f"{local} ranks on this node need as many GPUs; "
                 f"{torch.cuda.device_count()} are visible"
             )
 
@@ -276,7 +281,7 @@ class LLMEngine:
             attention_backend=attention_backend,
             timeout_s=timeout_s,
         )
-        self.executor = make_executor(self.spec)
+        self.executor = make_executor(self.spec, distributed=distributed)
         try:
             if cost is None:
                 from medha_runtime.profile import calibrate_affine

@@ -24,6 +24,10 @@ process per rank.
   directory. Workers are daemonic, so they also die with the driver, and a
   worker whose pipe closes exits by itself.
 
+- :class:`~medha_runtime.dist_executor.DistributedExecutor` (several nodes, or
+  torchrun): the driver is rank 0 of an ``env://`` world; see
+  :func:`make_executor`.
+
 Batches are not overlapped: a step is issued to every rank and its results
 are awaited before the next step is formed (SPP stages therefore work one
 batch at a time in this version).
@@ -41,6 +45,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, Protocol
 
+from medha_runtime.dist_config import DistConfig
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import ModelRunner, RunnerSpec
 from medha_runtime.sampling import Sampled
@@ -288,8 +293,17 @@ class MultiprocExecutor:
         self._close()
 
 
-def make_executor(spec: RunnerSpec, **kwargs: Any) -> InProcessExecutor | MultiprocExecutor:
-    """In-process for one rank, one worker process per rank otherwise."""
+def make_executor(
+    spec: RunnerSpec, *, distributed: DistConfig | None = None, **kwargs: Any
+) -> Executor:
+    """In-process for one rank; with ``distributed`` (a
+    :class:`~medha_runtime.dist_config.DistConfig`: multi-node or torchrun) a
+    :class:`~medha_runtime.dist_executor.DistributedExecutor` whose driver is
+    rank 0; otherwise one worker process per rank on this node."""
+    if distributed is not None:
+        from medha_runtime.dist_executor import DistributedExecutor
+
+        return DistributedExecutor(spec, distributed, **kwargs)
     if spec.world_size == 1:
         return InProcessExecutor(spec)
     return MultiprocExecutor(spec, **kwargs)

@@ -21,11 +21,14 @@ import contextlib
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from medha_runtime.dist_config import DistConfig
+from medha_runtime.executor import WorkerError
 from medha_runtime.sampling import SamplingParams
 
 #: seconds between heartbeats
@@ -103,8 +106,14 @@ class Heartbeat:
     error: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class EngineArgs:
+    """What the engine process builds: :class:`~medha_runtime.engine.LLMEngine`'s arguments.
+
+    ``distributed`` (multi-node or torchrun) makes the engine process rank 0 of
+    a ``torch.distributed`` world of ``tp * spp * kvp`` ranks.
+    """
+
     model: str = "tiny"
     dtype: str = "auto"
     tp: int = 1
@@ -118,7 +127,20 @@ class EngineArgs:
     seed: int = 0
     cost_model: str | None = None
     device: str | None = None
+    distributed: DistConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "spp", "kvp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        world = self.tp * self.spp * self.kvp
+        if self.distributed is not None and self.distributed.world_size != world:
+            raise ValueError(
+                f"the distributed world has {self.distributed.world_size} ranks but "
+                f"tp*spp*kvp = {self.tp}*{self.spp}*{self.kvp} = {world}"
+            )
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -136,6 +158,7 @@ class EngineArgs:
             "kv_cache_tokens",
             "cost_model",
             "device",
+            "distributed",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -177,6 +200,7 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
         push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     engine = None
+    dead = False
     try:
         from medha_runtime.engine import LLMEngine
 
@@ -195,6 +219,9 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
             )
         )
         _loop(engine, pull, send, parent_pid, lambda: stopping)
+    except _EngineDead as exc:  # the workers are gone: one line, no traceback
+        print(f"medha-runtime engine: {exc}", file=sys.stderr, flush=True)
+        dead = True
     except BaseException:
         with contextlib.suppress(Exception):
             send(EngineFailed(traceback.format_exc()))
@@ -206,6 +233,12 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
         pull.close(linger=0)
         push.close(linger=500)
         ctx.term()
+    if dead:
+        sys.exit(1)
+
+
+class _EngineDead(RuntimeError):
+    """The engine cannot go on (its workers failed); every request was ended."""
 
 
 def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any) -> None:
@@ -237,19 +270,29 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any) -> None
             last_beat = now
             if os.getppid() != parent_pid:  # the HTTP process is gone
                 return
+            failed = getattr(engine.executor, "failed", None)  # e.g. a worker died while idle
+            if failed is not None:
+                _fail_all(engine, tracks, send, f"the workers failed: {failed}")
+                raise _EngineDead(f"the workers failed: {failed}")
             send(_heartbeat(engine))
         if not engine.has_unfinished_requests():
             continue
         try:
             finished = {o.request_id: o for o in engine.step()}
         except Exception as exc:
-            message = f"engine step failed: {type(exc).__name__}: {exc}"
-            for rid, t in tracks.items():
-                send(RequestDelta(rid, [], "", t.num_prompt_tokens, 0, "abort", error=message))
-            tracks.clear()
-            send(_heartbeat(engine, error=message))
+            _fail_all(engine, tracks, send, f"engine step failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, WorkerError):
+                raise _EngineDead(f"engine step failed: {exc}") from None
             raise
         _emit(engine, tracks, finished, send)
+
+
+def _fail_all(engine: Any, tracks: dict[str, _Track], send: Any, message: str) -> None:
+    """End every request with ``message`` and tell the HTTP process the engine is dead."""
+    for rid, t in tracks.items():
+        send(RequestDelta(rid, [], "", t.num_prompt_tokens, 0, "abort", error=message))
+    tracks.clear()
+    send(_heartbeat(engine, error=message))
 
 
 def _add(engine: Any, msg: AddRequest, tracks: dict[str, _Track], send: Any) -> None:

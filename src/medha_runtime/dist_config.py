@@ -1,0 +1,155 @@
+"""Multi-node (or torchrun) runs: where ranks meet, and how long anything may wait.
+
+Every rank of a :class:`~medha_runtime.dist_executor.DistributedExecutor`
+joins one ``torch.distributed`` world through the ``env://`` rendezvous
+(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` are set in each
+process; the driver is rank 0 and hosts the store unless torchrun's agent
+does) and then one extra gloo *control* group that carries pickled messages
+from the driver (the runner spec, step plans, keepalives, shutdown) and the
+sampling rank's sampled rows back to it.
+
+Bounds (nothing waits forever):
+
+- ``start_timeout_s``: joining the world (every rank must have started) and
+  the default group's collectives.
+- ``control_timeout_s``: any one wait on the control group, e.g. a worker
+  waiting for the next message or the driver waiting for the sampling rank.
+  The driver sends a keepalive every ``keepalive_s`` while it has nothing to
+  run, so an idle server does not time out; a driver that hangs ends its
+  workers after at most ``control_timeout_s``. A driver or peer that *dies*
+  ends the others at once (gloo raises on a closed connection).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+#: control messages (the first element of each broadcast tuple)
+STEP, PING, SHUTDOWN = "step", "ping", "shutdown"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistConfig:
+    """Where the ranks of one model meet and what the driver's node runs.
+
+    Attributes:
+        world_size: ranks in all (``tp * spp * kvp``), at least 2.
+        master_addr: the rendezvous host (the driver's node).
+        master_port: the rendezvous port.
+        local_ranks: ranks on the driver's node (ranks ``0 .. local_ranks - 1``;
+            it sizes CPU threads and the GPU check).
+        start_local: whether the driver (rank 0) starts ranks ``1 .. local_ranks - 1``
+            as worker processes; False under torchrun, which starts them itself.
+        start_timeout_s: bound on joining the world (see the module docstring).
+        control_timeout_s: bound on one wait on the control group.
+        keepalive_s: the driver's keepalive period while idle (< control_timeout_s).
+    """
+
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    local_ranks: int = 1
+    start_local: bool = True
+    start_timeout_s: float = 600.0
+    control_timeout_s: float = 600.0
+    keepalive_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check_int("world_size", self.world_size, 2)
+        _check_int("local_ranks", self.local_ranks, 1)
+        _check_int("master_port", self.master_port, 1)
+        if self.master_port > 65535:
+            raise ValueError(f"master_port must be at most 65535, got {self.master_port}")
+        if self.local_ranks > self.world_size:
+            raise ValueError(f"local_ranks={self.local_ranks} exceeds world_size={self.world_size}")
+        if not isinstance(self.start_local, bool):
+            raise ValueError(f"start_local must be True or False, got {self.start_local!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"master_addr must be a host name, got {self.master_addr!r}")
+        for name in ("start_timeout_s", "control_timeout_s", "keepalive_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.keepalive_s >= self.control_timeout_s:
+            raise ValueError(
+                f"keepalive_s={self.keepalive_s} must be below "
+                f"control_timeout_s={self.control_timeout_s}"
+            )
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
+    """Join the world as ``rank`` through ``env://``; return the gloo control group.
+
+    Sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and
+    ``LOCAL_RANK`` in this process first. On a CUDA machine the default
+    group is ``cpu:gloo,cuda:nccl`` and this process takes ``cuda:<local_rank>``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(config.master_port),
+        WORLD_SIZE=str(config.world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+    )
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=config.world_size,
+        timeout=datetime.timedelta(seconds=config.start_timeout_s),
+    )
+    return dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=config.control_timeout_s)
+    )
+
+
+def build_rank(spec: Any) -> tuple[Any, Any, str | None]:
+    """This rank's parallel state and runner for ``spec`` (a ``RunnerSpec``), after
+    :func:`join_world`; returns ``(state, runner, None)`` or ``(state, None, error)``."""
+    import traceback
+
+    from medha_parallel import ParallelLayout, ParallelState
+    from medha_runtime.runner import ModelRunner
+
+    state = None
+    try:
+        layout = ParallelLayout(tp=spec.tp, spp=spec.spp, kvp=spec.kvp)
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        state = ParallelState.initialize(layout, backend=backend, timeout_s=spec.timeout_s)
+        return state, ModelRunner(spec, state), None
+    except Exception:
+        return state, None, traceback.format_exc()
+
+
+def set_threads(spec: Any, local_world: int) -> None:
+    """Torch CPU threads for one of ``local_world`` ranks on this node."""
+    import torch
+
+    threads = spec.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
+    torch.set_num_threads(threads)
+
+
+def leave_world() -> None:
+    """Destroy every process group of this process (errors ignored)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()

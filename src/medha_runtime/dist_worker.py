@@ -1,0 +1,174 @@
+"""The non-driver ranks of a :class:`~medha_runtime.dist_executor.DistributedExecutor`.
+
+- :func:`worker_main`: one rank. It joins the world (:func:`join_world`),
+  receives the :class:`~medha_runtime.runner.RunnerSpec` from the driver,
+  builds its :class:`~medha_runtime.runner.ModelRunner`, reports ready, then
+  runs each broadcast step plan (the sampling rank sends its sampled rows
+  back to rank 0) until a shutdown message (exit status 0) or until the
+  driver or a peer is gone (status 1, the reason on stderr).
+- :func:`start_workers`: worker processes for some ranks on this node
+  (forkserver start method, daemonic).
+- :func:`run_node`: a node other than the driver's (``--node-rank R > 0``):
+  start its ranks, stay in the foreground until they end; 0 if every rank
+  was shut down by the driver, 1 otherwise (the driver died, a rank failed,
+  or SIGINT/SIGTERM stopped the node).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any
+
+from medha_runtime.dist_config import (
+    PING,
+    SHUTDOWN,
+    STEP,
+    DistConfig,
+    build_rank,
+    join_world,
+    leave_world,
+    set_threads,
+)
+
+#: how long the other ranks of a node may take to end once one of them failed
+GRACE_S = 10.0
+
+
+def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: int) -> int:
+    """Run rank ``rank`` until the driver shuts it down; returns the exit status."""
+    import torch.distributed as dist
+
+    try:
+        control = join_world(config, rank=rank, local_rank=local_rank)
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        spec = box[0]
+        set_threads(spec, local_world)
+        _, runner, error = build_rank(spec)
+        info = {"rank": rank, "sampler": runner is not None and runner.is_sampler, "error": error}
+        dist.gather_object(info, None, dst=0, group=control)
+        if runner is None:
+            _say(rank, f"failed to start:\n{error}")
+            return 1
+        return _serve(runner, control, rank)
+    except Exception as exc:
+        _say(rank, f"stopping: the driver or a peer rank is gone ({type(exc).__name__}: {exc})")
+        return 1
+    finally:
+        leave_world()
+
+
+def _serve(runner: Any, control: Any, rank: int) -> int:
+    import torch.distributed as dist
+
+    sender = runner.is_sampler and rank != 0
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        msg = box[0]
+        if msg[0] == SHUTDOWN:
+            return 0
+        if msg[0] == PING:
+            continue
+        if msg[0] != STEP:
+            raise RuntimeError(f"unknown control message {msg[0]!r}")
+        try:
+            result = runner.execute(msg[1])
+        except Exception:
+            _say(rank, f"step {msg[1].step_id} failed:\n{traceback.format_exc()}")
+            return 1
+        if sender:
+            dist.send_object_list([result], dst=0, group=control)
+
+
+def _say(rank: int, text: str) -> None:
+    print(f"medha-runtime worker rank {rank}: {text}", file=sys.stderr, flush=True)
+
+
+def _process_main(config: DistConfig, rank: int, local_rank: int, local_world: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the node (or the driver) decides
+    sys.exit(worker_main(config, rank=rank, local_rank=local_rank, local_world=local_world))
+
+
+def start_workers(
+    config: DistConfig, ranks: range, *, node_first_rank: int, local_world: int
+) -> list[Any]:
+    """Start one daemonic worker process per rank of ``ranks``; this node runs
+    ``local_world`` ranks from ``node_first_rank`` on (local rank = rank - that)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    first = node_first_rank
+    procs = []
+    for rank in ranks:
+        p = ctx.Process(
+            target=_process_main,
+            args=(config, rank, rank - first, local_world),
+            name=f"medha-worker-{rank}",
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def run_node(config: DistConfig, *, node_rank: int, ranks_per_node: int) -> int:
+    """Run node ``node_rank``'s ranks in the foreground; returns the exit status."""
+    first = node_rank * ranks_per_node
+    ranks = range(first, first + ranks_per_node)
+    print(
+        f"medha-runtime serve: node {node_rank}: ranks {ranks.start}..{ranks.stop - 1} of "
+        f"{config.world_size}, rendezvous at {config.master_addr}:{config.master_port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop: list[int] = []
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        stop.append(signum)
+
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    procs = start_workers(config, ranks, node_first_rank=first, local_world=ranks_per_node)
+    try:
+        return _watch(procs, ranks, stop)
+    finally:
+        _end(procs, 0.0)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _watch(procs: list[Any], ranks: range, stop: list[int]) -> int:
+    while True:
+        if stop:
+            print(f"medha-runtime serve: stopped by signal {stop[0]}", file=sys.stderr)
+            return 1
+        wait([p.sentinel for p in procs], timeout=0.5)
+        codes = {r: p.exitcode for r, p in zip(ranks, procs, strict=True)}
+        bad = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if bad:
+            _end(procs, GRACE_S)
+            rank, code = next(iter(bad.items()))
+            print(
+                f"medha-runtime serve: rank {rank} exited with code {code} (the driver or a "
+                "peer is gone, or the rank failed: see above); stopping this node",
+                file=sys.stderr,
+            )
+            return 1
+        if all(c == 0 for c in codes.values()):
+            print("medha-runtime serve: the driver shut down; exiting", file=sys.stderr)
+            return 0
+
+
+def _end(procs: list[Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the processes, then kill the rest."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)

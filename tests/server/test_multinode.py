@@ -1,0 +1,265 @@
+"""Multi-node serving on one machine: two "nodes" on 127.0.0.1 (``--tp 2 --nnodes 2``), and
+torchrun (``--spp 2``: the sampling rank is not the driver).
+
+Each answers greedy requests with the text the in-process ``LLM`` produces; an
+idle pair outlives the ranks' wait bound (keepalives); a SIGTERM on node 0 ends
+node 1 cleanly; a dead driver ends node 1 with an error; bad set-ups are
+one-line errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from medha_runtime import LLM, SamplingParams
+from tests.server.conftest import Server, free_port, start_server, stop_server
+
+openai = pytest.importorskip("openai")
+
+COST_SPEC = "affine:base=0.01,per_token=0.0001,per_attn=0"
+#: flags every process of a run gets (start_server adds the same two limits)
+LIMITS = ("--max-model-len", "256", "--kv-cache-tokens", "2048")
+COMMON = ("--cost-model", COST_SPEC, "--tp", "2")
+#: torchrun runs two pipeline stages: the sampling rank is rank 1, not the driver
+TORCHRUN_LAYOUT = ("--cost-model", COST_SPEC, "--spp", "2")
+PROMPTS = ["hello", "The sky over the port was", "Medha shards the KV cache"]
+MAX_TOKENS = 10
+#: the ranks' bound on waiting for the driver (keepalives every quarter of it)
+DIST_TIMEOUT_S = 5.0
+#: how long node 1 may take to exit once the driver stopped or died
+EXIT_BOUND_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    """Greedy texts from one process (same cost model, hence the same schedule)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM("tiny", max_model_len=256, kv_cache_tokens=2048, cost_model=COST_SPEC) as llm:
+        return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+
+
+def greedy(url: str, prompt: str, *, stream: bool = False) -> str:
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
+    kw = {"model": "tiny", "temperature": 0, "max_tokens": MAX_TOKENS}
+    kw["extra_body"] = {"ignore_eos": True}
+    if stream:
+        return "".join(
+            ch.choices[0].text for ch in c.completions.create(prompt=prompt, stream=True, **kw)
+        )
+    r = c.completions.create(prompt=prompt, **kw)
+    assert r.usage.completion_tokens == MAX_TOKENS
+    return r.choices[0].text
+
+
+class Pair:
+    """Node 0 (HTTP server and driver) and node 1 (a worker node) of one run."""
+
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self.log = log
+        node = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(self.port))
+        node += ("--dist-timeout", str(DIST_TIMEOUT_S))
+        cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, *COMMON, *node]
+        with log.open("wb") as err:  # node 1's stderr
+            self.node1 = subprocess.Popen(
+                [*cmd, "--node-rank", "1"], stderr=err, start_new_session=True
+            )
+        try:
+            self.node0: Server = start_server(*COMMON, *node, "--node-rank", "0")
+        except BaseException as exc:
+            err = self.stderr()
+            self.close()
+            raise RuntimeError(f"the two nodes did not start: {exc}; node 1: {err}") from exc
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def close(self) -> None:
+        if getattr(self, "node0", None) is not None:
+            stop_server(self.node0)
+        if self.node1.poll() is None:
+            os.killpg(self.node1.pid, signal.SIGKILL)
+            self.node1.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = Pair(tmp_path_factory.mktemp("node1") / "stderr.log")
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_two_nodes_answer_like_one_process(pair: Pair, reference: list[str]) -> None:
+    for prompt, want in zip(PROMPTS, reference, strict=True):
+        assert greedy(pair.node0.url, prompt) == want, prompt
+    assert greedy(pair.node0.url, PROMPTS[0], stream=True) == reference[0]
+
+
+def test_two_nodes_stay_up_while_idle(pair: Pair, reference: list[str]) -> None:
+    time.sleep(DIST_TIMEOUT_S + 1.5)  # idle longer than node 1 may wait: keepalives keep it up
+    assert httpx.get(f"{pair.node0.url}/health", timeout=10).status_code == 200
+    assert pair.node1.poll() is None
+    assert greedy(pair.node0.url, PROMPTS[1]) == reference[1]
+
+
+def test_sigterm_on_node0_ends_node1(pair: Pair) -> None:
+    start = time.monotonic()
+    stop_server(pair.node0)
+    code = pair.node1.wait(timeout=EXIT_BOUND_S)
+    assert code == 0, pair.stderr()
+    assert time.monotonic() - start < EXIT_BOUND_S
+    assert "the driver shut down" in pair.stderr()
+
+
+def engine_pid(server_pid: int) -> int:
+    """The spawned engine process under the HTTP process."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == server_pid and b"spawn" in cmdline:
+            return int(d.name)
+    raise AssertionError("no engine process found")
+
+
+def test_dead_driver_ends_node1_with_an_error(tmp_path: Path) -> None:
+    p = Pair(tmp_path / "node1.log")
+    try:
+        os.kill(engine_pid(p.node0.proc.pid), signal.SIGKILL)
+        code = p.node1.wait(timeout=EXIT_BOUND_S)
+        assert code == 1
+        err = p.stderr()
+        assert "the driver or a peer rank is gone" in err and "exited with code 1" in err, err
+        assert node0_noticed(p.node0), "node 0 neither reported the dead engine nor exited"
+    finally:
+        p.close()
+
+
+def node0_noticed(server: Server, within_s: float = 10.0) -> bool:
+    """Whether the HTTP server answers 503 on /health, or exits non-zero, within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        code = server.proc.poll()
+        if code is not None:
+            return code != 0
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 503:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def session_alive(sid: int) -> list[int]:
+    """Processes of session ``sid`` that are still running (not zombies)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[4]) == sid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def test_torchrun_spp2(reference: list[str]) -> None:
+    port, master = free_port(), free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
+    cmd += ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(master)]
+    cmd += ["-m", "medha_runtime", "serve", "tiny", "--port", str(port), *LIMITS, *TORCHRUN_LAYOUT]
+    cmd += ["--log-level", "warning"]
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"torchrun exited with code {proc.returncode}"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        for prompt, want in zip(PROMPTS, reference, strict=True):
+            assert greedy(url, prompt) == want, prompt
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=EXIT_BOUND_S)
+        deadline = time.monotonic() + 10
+        while session_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not session_alive(proc.pid), "torchrun left processes behind"
+    finally:
+        if proc.poll() is None or session_alive(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+# ------------------------------------------------------------- bad set-ups
+BAD_SETUPS = [
+    (["--tp", "3", "--nnodes", "2"], {}, "tp*spp*kvp = 3 is not divisible by --nnodes 2"),
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank 2 must be below"),
+    (["--node-rank", "1"], {}, "--node-rank 1 must be below --nnodes 1"),
+    (
+        ["--tp", "2"],
+        {"WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+        "WORLD_SIZE=4 processes but tp*spp*kvp = 2*1*1 = 2",
+    ),
+    (["--tp", "2"], {"WORLD_SIZE": "2", "RANK": "1"}, "torchrun's environment is incomplete"),
+    (
+        ["--tp", "2", "--nnodes", "2"],
+        {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+        "use torchrun's --nnodes",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), BAD_SETUPS)
+def test_bad_setups_are_clear_errors(
+    argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from medha_runtime.cli import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "tiny", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("medha-runtime serve: error:") and message in err, err
+
+
+def test_dist_config_validates() -> None:
+    from medha_runtime.dist_config import DistConfig
+
+    with pytest.raises(ValueError, match="world_size must be an integer >= 2, got 1"):
+        DistConfig(world_size=1)
+    with pytest.raises(ValueError, match="local_ranks=3 exceeds world_size=2"):
+        DistConfig(world_size=2, local_ranks=3)
+    with pytest.raises(ValueError, match="keepalive_s=9 must be below control_timeout_s=5"):
+        DistConfig(world_size=2, keepalive_s=9, control_timeout_s=5)
+    with pytest.raises(ValueError, match="master_port must be at most 65535, got 70000"):
+        DistConfig(world_size=2, master_port=70000)
+    from medha_runtime.server import EngineArgs
+
+    with pytest.raises(ValueError, match=r"world has 4 ranks but tp\*spp\*kvp = 2\*1\*1 = 2"):
+        EngineArgs(tp=2, distributed=DistConfig(world_size=4))
