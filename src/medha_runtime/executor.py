@@ -251,6 +251,16 @@ class MultiprocExecutor:
                     self._fail(f"worker rank {rank} died during {what} (exit code {code})")
         return [replies[r] for r in range(len(self.conns))]
 
+    def check_workers(self) -> None:
+        """Notice a worker that died between steps: set :attr:`failed`, kill the rest."""
+        if self.failed is not None or self.closed:
+            return
+        for rank, p in enumerate(self.processes):
+            if not p.is_alive():
+                self.failed = f"worker rank {rank} died (exit code {p.exitcode})"
+                self._kill()
+                return
+
     def _exitcode(self, rank: int) -> int | None:
         p = self.processes[rank]
         p.join(timeout=1.0)

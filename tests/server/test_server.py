@@ -258,6 +258,8 @@ def test_engine_death_gives_503() -> None:
         assert status == 503
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=TIMEOUT)
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        # then it stops by itself, with code 1, so that a supervisor restarts it
+        assert server.proc.wait(timeout=30) == 1
     finally:
         stop_server(server)
     assert server.proc.returncode is not None

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medha_runtime.engine import load_model_info
 from medha_runtime.sampling import SamplingParams
+from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from medha_runtime.server.client import EngineClient, Failure
 from medha_runtime.server.engine_proc import AddRequest, EngineArgs, RequestDelta
 from medha_runtime.server.metrics import ServerMetrics
@@ -43,6 +44,7 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    413: "BadRequestError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -54,11 +56,28 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
     )
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
+    """What the HTTP side needs besides the engine.
+
+    ``max_body_bytes``: larger request bodies get a 413 before they are read.
+    ``exit_after_engine_death_s``: once the engine died, answer 503 for this
+    long, then stop the server (``run_server`` exits with code 1 so a
+    supervisor restarts it); None keeps answering 503.
+    """
+
     engine: EngineArgs
     served_model_name: str | None = None
     api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    exit_after_engine_death_s: float | None = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        wait = self.exit_after_engine_death_s
+        if wait is not None and not wait >= 0:
+            raise ValueError(f"exit_after_engine_death_s must be >= 0 or None, got {wait}")
 
 
 @dataclass
@@ -95,8 +114,17 @@ def build_app(config: ServerConfig) -> FastAPI:
             await client.stop()
 
     app = FastAPI(title="Medha OpenAI-compatible server", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.state.client = client
     app.state.metrics = metrics
+    app.state.request_exit = None  # the runner sets it: a callable that stops the server
+
+    def on_engine_dead(why: str) -> None:
+        wait, stop = config.exit_after_engine_death_s, app.state.request_exit
+        if wait is not None and stop is not None:
+            asyncio.get_running_loop().call_later(wait, stop)
+
+    client.on_dead.append(on_engine_dead)
 
     def max_model_len() -> int:
         return client.ready.max_model_len if client.ready else model_config.max_position_embeddings
@@ -105,6 +133,11 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
+        if errs and errs[0].get("type") == "json_invalid":
+            e = errs[0]
+            why = (e.get("ctx") or {}).get("error", "decode error")
+            at = e.get("loc", ("body", "?"))[-1]
+            return _error(f"the request body is not valid JSON: {why} (at character {at})", 400)
         param = None
         parts = []
         for e in errs[:5]:
@@ -120,6 +153,8 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            return _error(f"the request body is not valid UTF-8: {exc.__cause__}", 400)
         return _error(str(exc.detail), exc.status_code)
 
     @app.middleware("http")
@@ -465,6 +500,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         prompts: list[tuple[str | None, list[int]]] = []
         for x in raw:
             if isinstance(x, str):
+                if not x:
+                    raise APIError("the prompt is an empty string", 400, "prompt")
                 prompts.append((x, need_tokenizer().encode(x)))
             else:
                 prompts.append((None, list(x)))

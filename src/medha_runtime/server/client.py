@@ -25,6 +25,7 @@ from medha_runtime.server.engine_proc import (
     AbortRequest,
     AddFailed,
     AddRequest,
+    Alive,
     EngineArgs,
     EngineFailed,
     EngineReady,
@@ -34,8 +35,9 @@ from medha_runtime.server.engine_proc import (
     engine_main,
 )
 
-#: the engine counts as dead when no heartbeat arrived for this long
-HEARTBEAT_TIMEOUT_S = 5.0
+#: the engine counts as dead when no heartbeat or pulse arrived for this long
+#: (seconds; ``MEDHA_ENGINE_TIMEOUT_S`` overrides it)
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("MEDHA_ENGINE_TIMEOUT_S", "5"))
 
 
 class EngineDeadError(RuntimeError):
@@ -60,6 +62,8 @@ class EngineClient:
         self.last_beat = 0.0
         self.queues: dict[str, tuple[asyncio.Queue[Any], int]] = {}
         self.on_heartbeat: list[Any] = []
+        #: called once, with the reason, when the engine is found dead
+        self.on_dead: list[Any] = []
         self._dir = tempfile.mkdtemp(prefix="medha-serve-")
         self.in_addr = f"ipc://{os.path.join(self._dir, 'to_engine')}"
         self.out_addr = f"ipc://{os.path.join(self._dir, 'from_engine')}"
@@ -129,9 +133,13 @@ class EngineClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _mark_dead(self, why: str) -> None:
-        if self.dead is None:
+        first = self.dead is None
+        if first:
             self.dead = why
         self._fail_all(f"the engine died: {why}")
+        if first:
+            for cb in self.on_dead:
+                cb(why)
 
     def _fail_all(self, message: str) -> None:
         for q, _ in list(self.queues.values()):
@@ -151,6 +159,8 @@ class EngineClient:
                 entry = self.queues.pop(msg.request_id, None)
                 if entry is not None:
                     entry[0].put_nowait(Failure(msg.message, msg.bad_request))
+            elif isinstance(msg, Alive):
+                self.last_beat = time.monotonic()
             elif isinstance(msg, Heartbeat):
                 self.last_beat = time.monotonic()
                 self.stats = msg
@@ -167,7 +177,7 @@ class EngineClient:
             if not self.proc.is_alive():
                 self._mark_dead(f"the engine process exited with code {self.proc.exitcode}")
             elif time.monotonic() - self.last_beat > HEARTBEAT_TIMEOUT_S:
-                self._mark_dead(f"no heartbeat from the engine for {HEARTBEAT_TIMEOUT_S:.0f} s")
+                self._mark_dead(f"no heartbeat from the engine for {HEARTBEAT_TIMEOUT_S:g} s")
 
     # ----------------------------------------------------------------- requests
     async def add(self, msg: AddRequest, queue: asyncio.Queue[Any], index: int) -> None:

@@ -6,8 +6,10 @@ paths (pickled plain dataclasses):
 - HTTP -> engine: :class:`AddRequest`, :class:`AbortRequest`, :class:`Shutdown`;
 - engine -> HTTP: :class:`EngineReady` (or :class:`EngineFailed`) once, then
   :class:`RequestDelta` s (new token ids and text, finish info),
-  :class:`AddFailed` for a request the engine refused, and a
-  :class:`Heartbeat` with the scheduler's gauges every ``HEARTBEAT_S``.
+  :class:`AddFailed` for a request the engine refused, a
+  :class:`Heartbeat` with the scheduler's gauges every ``HEARTBEAT_S``
+  between steps, and an :class:`Alive` pulse every ``HEARTBEAT_S`` from a
+  thread (:mod:`medha_runtime.server.pulse`), which a long step cannot delay.
 
 The loop: drain incoming messages, run one ``step()`` when there is work,
 send every request's new tokens. A request's text is held back by the
@@ -30,6 +32,7 @@ from typing import Any
 from medha_runtime.dist_config import DistConfig
 from medha_runtime.executor import WorkerError
 from medha_runtime.sampling import SamplingParams
+from medha_runtime.server.pulse import Pulse
 
 #: seconds between heartbeats
 HEARTBEAT_S = 0.25
@@ -94,6 +97,11 @@ class RequestDelta:
     #: on the first delta: whether the first token met the scheduler's TTFT deadline
     deadline_met: bool | None = None
     error: str | None = None
+
+
+@dataclass
+class Alive:
+    """Sent every ``HEARTBEAT_S`` by the engine's pulse thread, even mid-step."""
 
 
 @dataclass
@@ -200,6 +208,7 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
         push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     engine = None
+    pulse = None
     dead = False
     try:
         from medha_runtime.engine import LLMEngine
@@ -218,6 +227,7 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
                 layout=str(engine.layout),
             )
         )
+        pulse = Pulse(ctx, out_addr, Alive(), period_s=HEARTBEAT_S)
         _loop(engine, pull, send, parent_pid, lambda: stopping)
     except _EngineDead as exc:  # the workers are gone: one line, no traceback
         print(f"medha-runtime engine: {exc}", file=sys.stderr, flush=True)
@@ -227,6 +237,8 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
             send(EngineFailed(traceback.format_exc()))
         raise
     finally:
+        if pulse is not None:
+            pulse.stop()
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.shutdown()
@@ -270,7 +282,10 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any) -> None
             last_beat = now
             if os.getppid() != parent_pid:  # the HTTP process is gone
                 return
-            failed = getattr(engine.executor, "failed", None)  # e.g. a worker died while idle
+            check = getattr(engine.executor, "check_workers", None)
+            if check is not None:
+                check()  # a worker that died while idle is seen here, not at the next step
+            failed = getattr(engine.executor, "failed", None)
             if failed is not None:
                 _fail_all(engine, tracks, send, f"the workers failed: {failed}")
                 raise _EngineDead(f"the workers failed: {failed}")
