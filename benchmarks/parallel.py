@@ -227,8 +227,10 @@ def _spp_summary(per_rank: list[list[dict]]) -> dict:
     }
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, *, prompt: int | None = None, chunk: int | None = None) -> dict:
     spec = QUICK if quick else FULL
+    spp_over = {k: v for k, v in (("prompt", prompt), ("chunk", chunk)) if v is not None}
+    spec = {**spec, "spp": {**spec["spp"], **spp_over}}
     results: dict[int, list[dict]] = {}
     launch_s = {}
     for ws in (2, 3):
@@ -333,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--prompt", type=int, default=None, help="SPP prompt tokens")
+    parser.add_argument("--chunk", type=int, default=None, help="SPP chunk tokens")
     args = parser.parse_args(argv)
-    res = run(args.quick)
+    res = run(args.quick, prompt=args.prompt, chunk=args.chunk)
     print_tables(res)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
