@@ -1,0 +1,339 @@
+"""End-to-end convoy benchmark: do long prompts stall short chats on the real server?
+
+On this machine's CPU with the built-in ``tiny`` model, one trace of
+chat-sized short requests plus a few long prompts (tens of thousands of
+tokens) arriving at a steady rate is replayed with ``medha-runtime bench``
+against three servers:
+
+- ``lars-mp``: Medha's scheduler (adaptive chunks, space sharing);
+- ``fcfs@CHUNK``: FCFS with a fixed chunk (Sarathi-style);
+- ``fcfs@0``: FCFS without chunking (non-preemptive prefill).
+
+Every server and the simulator use one cost model profiled on this machine
+(``medha-runtime profile tiny``). The same trace then goes through
+``medha-sim run`` with that profile; simulated short-request P50/P90 TTFT
+are put beside the measured ones.
+
+    python benchmarks/convoy.py --out /tmp/convoy            # about 10 minutes
+    python benchmarks/convoy.py --out /tmp/convoy --profile PROFILE.json
+
+Prints a Markdown report (also written to OUT/report.md) with the targets:
+lars-mp's short P90 TTFT >= 10x lower than fcfs@0 and >= 3x lower than
+fcfs@CHUNK, its P90 TPOT <= 1.5 x the target batch time, its throughput
+within 10% of FCFS's, and the simulator within 25% of the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PY = sys.executable
+
+
+def sh(cmd: list[str], log: Path) -> None:
+    print("$ " + shlex.join(cmd), flush=True)
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"command failed ({proc.returncode}); see {log}")
+
+
+def make_trace(args: argparse.Namespace, path: Path) -> None:
+    """Poisson short chats plus ``--long-count`` long prompts at a steady rate."""
+    rng = random.Random(args.seed)
+    rows, t, i = [], 0.0, 0
+    while True:
+        t += rng.expovariate(args.short_qps)
+        if t >= args.duration:
+            break
+        prompt = rng.randint(args.short_prompt[0], args.short_prompt[1])
+        output = rng.randint(args.short_output[0], args.short_output[1])
+        rows.append(
+            {
+                "id": f"s{i:04d}",
+                "arrival_s": round(t, 6),
+                "prompt_tokens": prompt,
+                "output_tokens": output,
+            }
+        )
+        i += 1
+    gap = args.duration / args.long_count
+    for k in range(args.long_count):
+        rows.append(
+            {
+                "id": f"L{k}",
+                "arrival_s": round(gap * (k + 0.25), 6),
+                "prompt_tokens": args.long_tokens,
+                "output_tokens": args.long_output,
+            }
+        )
+    rows.sort(key=lambda r: r["arrival_s"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    shorts = sum(1 for r in rows if r["id"].startswith("s"))
+    print(f"trace: {shorts} short + {args.long_count} long over {args.duration:.0f} s -> {path}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [PY, "-m", "medha_runtime", "serve", "tiny", "--port", str(port), *flags]
+    print("$ " + shlex.join(cmd), flush=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited with code {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    sys.exit(f"the server did not become healthy; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def pct(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def measured(result: Path) -> dict[str, float]:
+    doc = json.loads(result.read_text())
+    reqs = doc["requests"]
+    failed = [r for r in reqs if r.get("error")]
+    ok = [r for r in reqs if not r.get("error")]
+    short = [r for r in ok if r["id"].startswith("s")]
+    tpots = [r["tpot_s"] for r in ok if r.get("tpot_s") is not None]
+    start = min(r["start_s"] for r in reqs)
+    end = max(r["start_s"] + r["e2e_s"] for r in ok)
+    tokens = sum(r["prompt_tokens"] + r["output_tokens"] for r in ok)
+    return {
+        "requests": len(reqs),
+        "failed": len(failed),
+        "ttft_p50_short": pct([r["ttft_s"] for r in short], 50),
+        "ttft_p90_short": pct([r["ttft_s"] for r in short], 90),
+        "tpot_p90": pct(tpots, 90),
+        "tokens_per_s": tokens / (end - start),
+    }
+
+
+def simulated(run_dir: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    short = [r["ttft_s"] for r in rows if r["id"].startswith("s") and r["ttft_s"] is not None]
+    tpots = [r["tpot_s"] for r in rows if r["tpot_s"] is not None]
+    return {
+        "ttft_p50_short": pct(short, 50),
+        "ttft_p90_short": pct(short, 90),
+        "tpot_p90": pct(tpots, 90),
+    }
+
+
+def variants(chunk: int) -> list[tuple[str, list[str], list[str]]]:
+    """(label, serve flags, medha-sim flags)."""
+    return [
+        ("lars-mp", ["--policy", "lars-mp"], ["--policy", "lars-mp"]),
+        (
+            f"fcfs@{chunk}",
+            ["--policy", "fcfs", "--chunk-size", str(chunk)],
+            ["--policy", "fcfs", "--chunk-size", str(chunk)],
+        ),
+        (
+            "fcfs@0",
+            ["--policy", "fcfs", "--chunk-size", "0"],
+            ["--policy", "fcfs", "--chunk-size", "0"],
+        ),
+    ]
+
+
+def report(args: argparse.Namespace, rows: dict[str, dict], sims: dict[str, dict]) -> str:
+    T = args.target_batch_time
+    lines = [
+        f"Trace: {args.duration:.0f} s of short chats at {args.short_qps} QPS "
+        f"(prompts {args.short_prompt[0]}-{args.short_prompt[1]}, outputs "
+        f"{args.short_output[0]}-{args.short_output[1]} tokens) plus {args.long_count} prompts "
+        f"of {args.long_tokens} tokens; target batch time {T} s.",
+        "",
+        "| run | requests | failed | short P50 TTFT | short P90 TTFT | P90 TPOT | tokens/s |"
+        " sim short P50 | sim short P90 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, m in rows.items():
+        s = sims.get(label, {})
+        lines.append(
+            f"| {label} | {m['requests']} | {m['failed']} | {m['ttft_p50_short']:.3f} s | "
+            f"{m['ttft_p90_short']:.3f} s | {m['tpot_p90'] * 1e3:.0f} ms | "
+            f"{m['tokens_per_s']:.0f} | {s.get('ttft_p50_short', float('nan')):.3f} s | "
+            f"{s.get('ttft_p90_short', float('nan')):.3f} s |"
+        )
+    ours = rows["lars-mp"]
+    chunked = rows[f"fcfs@{args.chunk_size}"]
+    whole = rows["fcfs@0"]
+    checks = [
+        (
+            "short P90 TTFT vs fcfs@0 (>= 10x)",
+            whole["ttft_p90_short"] / ours["ttft_p90_short"],
+            10.0,
+            True,
+        ),
+        (
+            f"short P90 TTFT vs fcfs@{args.chunk_size} (>= 3x)",
+            chunked["ttft_p90_short"] / ours["ttft_p90_short"],
+            3.0,
+            True,
+        ),
+        ("P90 TPOT / target batch time (<= 1.5)", ours["tpot_p90"] / T, 1.5, False),
+        (
+            f"throughput / fcfs@{args.chunk_size} (>= 0.9)",
+            ours["tokens_per_s"] / chunked["tokens_per_s"],
+            0.9,
+            True,
+        ),
+    ]
+    for label, m in rows.items():
+        s = sims.get(label)
+        for key in ("ttft_p50_short", "ttft_p90_short"):
+            if s:
+                err = abs(s[key] - m[key]) / m[key]
+                checks.append((f"sim {label} {key} error (<= 25%)", err, 0.25, False))
+    lines += ["", "| check | value | target | met |", "|---|---:|---:|---|"]
+    for name, value, target, at_least in checks:
+        met = value >= target if at_least else value <= target
+        lines.append(f"| {name} | {value:.2f} | {target:g} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--profile", type=Path, default=None, help="reuse a tiny-model profile")
+    p.add_argument("--duration", type=float, default=90.0)
+    p.add_argument("--short-qps", type=float, default=2.0)
+    p.add_argument("--short-prompt", type=int, nargs=2, default=[64, 384])
+    p.add_argument("--short-output", type=int, nargs=2, default=[16, 32])
+    p.add_argument("--long-count", type=int, default=3)
+    p.add_argument("--long-tokens", type=int, default=24576)
+    p.add_argument("--long-output", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--target-batch-time", type=float, default=0.1)
+    p.add_argument("--kv-cache-tokens", type=int, default=262144)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", default=None, help="comma-separated run labels to do")
+    args = p.parse_args()
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.jsonl"
+    make_trace(args, trace)
+    profile = args.profile
+    if profile is None:
+        profile = out / "profile.json"
+        sh(
+            [PY, "-m", "medha_runtime", "profile", "tiny", "--out", str(profile)],
+            out / "profile.log",
+        )
+    common = [
+        "--cost-model",
+        f"table:{profile}",
+        "--target-batch-time",
+        str(args.target_batch_time),
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+    ]
+    rows, sims = {}, {}
+    only = set(args.only.split(",")) if args.only else None
+    for label, serve_flags, sim_flags in variants(args.chunk_size):
+        if only and label not in only:
+            continue
+        proc, url = start_server(
+            [*serve_flags, *common, "--max-model-len", "32768", "--log-level", "warning"],
+            out / f"{label}.server.log",
+        )
+        try:
+            result = out / f"{label}.bench.json"
+            sh(
+                [
+                    PY,
+                    "-m",
+                    "medha_runtime",
+                    "bench",
+                    "--base-url",
+                    url,
+                    "--dataset-name",
+                    "trace",
+                    "--dataset-path",
+                    str(trace),
+                    "--no-slo-fields",
+                    "--no-progress",
+                    "--request-timeout",
+                    "600",
+                    "--long-threshold",
+                    "8192",
+                    "--result-file",
+                    str(result),
+                ],
+                out / f"{label}.bench.log",
+            )
+        finally:
+            stop_server(proc)
+        rows[label] = measured(result)
+        sim_dir = out / f"{label}.sim"
+        sh(
+            [
+                PY,
+                "-m",
+                "medha_sched.sim.cli",
+                "run",
+                "--trace",
+                str(trace),
+                *sim_flags,
+                *common,
+                "--out",
+                str(sim_dir),
+                "--quiet",
+            ],
+            out / f"{label}.sim.log",
+        )
+        sims[label] = simulated(sim_dir)
+        print(label, rows[label], sims[label], flush=True)
+    if len(rows) == 3:
+        text = report(args, rows, sims)
+        (out / "report.md").write_text(text, encoding="utf-8")
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
