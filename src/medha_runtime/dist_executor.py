@@ -41,7 +41,7 @@ from medha_runtime.dist_config import (
     set_threads,
 )
 from medha_runtime.dist_worker import start_workers
-from medha_runtime.executor import WorkerError
+from medha_runtime.executor import WorkerError, join_or_kill
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import RunnerSpec
 from medha_runtime.sampling import Sampled
@@ -172,11 +172,5 @@ class DistributedExecutor:
 
     def _close(self) -> None:
         self.closed = True
-        deadline = time.monotonic() + (self.join_timeout_s if self.failed is None else 0.0)
-        for p in self.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
+        join_or_kill(self.processes, self.join_timeout_s if self.failed is None else 0.0)
         leave_world()

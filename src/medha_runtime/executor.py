@@ -293,14 +293,19 @@ class MultiprocExecutor:
         for conn in self.conns:
             with contextlib.suppress(Exception):
                 conn.send(("shutdown", None))
-        deadline = time.monotonic() + self.join_timeout_s
-        for p in self.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
+        join_or_kill(self.processes, self.join_timeout_s)
         self._close()
+
+
+def join_or_kill(processes: list[Any], timeout_s: float) -> None:
+    """Join ``processes`` within ``timeout_s`` in all, then kill whatever still runs."""
+    deadline = time.monotonic() + timeout_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
 
 
 def make_executor(

@@ -8,25 +8,13 @@ import os
 import sys
 
 from medha_runtime.bench.config import DATASETS, GOODPUT_METRICS, PROMPT_FORMATS, BenchConfig
+from medha_runtime.cli import _non_negative_int, _positive_int
 
 DESCRIPTION = (
     "Load-test an OpenAI-compatible server (medha-runtime serve, vLLM, SGLang) with streaming "
     "/v1/completions requests: TTFT, TPOT, inter-token latency, end-to-end latency, "
     "throughput and goodput, for all, short and long requests."
 )
-
-
-def _int(minimum: int) -> object:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _float(*, allow_inf: bool = False, allow_zero: bool = False) -> object:
@@ -115,22 +103,27 @@ def _dataset_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-name", choices=DATASETS, default="random", help="default random")
     g.add_argument("--dataset-path", default=None, help="trace JSONL or ShareGPT JSON file")
     g.add_argument(
-        "--num-prompts", type=_int(1), default=None, help="requests (default: 100; trace: all)"
+        "--num-prompts",
+        type=_positive_int,
+        default=None,
+        help="requests (default: 100; trace: all)",
     )
-    g.add_argument("--random-input-len", type=_int(1), default=1024)
-    g.add_argument("--random-output-len", type=_int(1), default=128)
+    g.add_argument("--random-input-len", type=_positive_int, default=1024)
+    g.add_argument("--random-output-len", type=_positive_int, default=128)
     g.add_argument("--random-range-ratio", type=_unit(closed=False), default=0.0)
     g.add_argument("--long-fraction", type=_unit(closed=True), default=0.05, help="mixed")
     g.add_argument(
         "--max-prompt-tokens",
-        type=_int(1),
+        type=_positive_int,
         default=None,
         help="mixed: compress prompt lengths to this ceiling; sharegpt: skip longer; trace: clip",
     )
-    g.add_argument("--max-output-tokens", type=_int(1), default=None, help="clip output lengths")
+    g.add_argument(
+        "--max-output-tokens", type=_positive_int, default=None, help="clip output lengths"
+    )
     g.add_argument(
         "--long-threshold",
-        type=_int(0),
+        type=_non_negative_int,
         default=None,
         help="prompts longer than this are 'long' (default 8192, compressed for mixed)",
     )
@@ -149,8 +142,8 @@ def _load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--burstiness", type=_float(), default=1.0, help="gamma shape: 1 Poisson, < 1 burstier"
     )
-    g.add_argument("--max-concurrency", type=_int(1), default=None, help="requests in flight")
-    g.add_argument("--seed", type=_int(0), default=0)
+    g.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight")
+    g.add_argument("--seed", type=_non_negative_int, default=0)
 
 
 def _output_flags(p: argparse.ArgumentParser) -> None:
