@@ -59,6 +59,20 @@ def test_chunk_position_in_the_sequence(where, causal) -> None:
     check_attention(q, k, v, q_offset=offset, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("offset", [0, 57, 250])
+def test_query_and_key_tiles(monkeypatch, causal, offset) -> None:
+    # Small tiles so that several query tiles, key tiles, and (causal) skipped
+    # key tiles are all exercised with odd sizes.
+    from medha_kernels.torch_ref import attention as ref_attention
+
+    monkeypatch.setattr(ref_attention, "Q_TILE", 23)
+    monkeypatch.setattr(ref_attention, "KV_TILE", 37)
+    num_q = 101
+    q, k, v = rand(num_q, 4, 32), rand(offset + num_q, 2, 32), rand(offset + num_q, 2, 32)
+    check_attention(q, k, v, q_offset=offset, causal=causal)
+
+
 def test_rows_that_see_no_key_are_empty_states() -> None:
     q, k, v = rand(4, 2, 16), rand(6, 2, 16), rand(6, 2, 16)
     o, lse = chunked_prefill_attention(q, k, v, q_offset=-2, backend=B)

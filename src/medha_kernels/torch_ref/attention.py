@@ -6,7 +6,8 @@ import torch
 
 from medha_kernels.torch_ref.merge import merge_states
 
-KV_TILE = 4096  # keys per tile; bounds memory at num_q * KV_TILE * num_heads floats
+KV_TILE = 4096  # keys per tile
+Q_TILE = 1024  # queries per tile: scores stay within Q_TILE * KV_TILE * num_heads floats
 
 
 def _attend_tile(
@@ -37,14 +38,40 @@ def chunked_prefill_attention(
     causal: bool,
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`medha_kernels.chunked_prefill_attention` (arguments already checked)."""
+    """See :func:`medha_kernels.chunked_prefill_attention` (arguments already checked).
+
+    Queries go in tiles of ``Q_TILE`` rows and keys in tiles of ``KV_TILE``, so
+    memory stays bounded for a whole long prompt; with ``causal`` a query
+    tile skips the key tiles that are masked for all of its rows.
+    """
+    num_q = q.shape[0]
+    if num_q <= Q_TILE:
+        return _attend_rows(q, k, v, q_offset, causal, sm_scale)
+    parts = [
+        _attend_rows(q[lo : lo + Q_TILE], k, v, q_offset + lo, causal, sm_scale)
+        for lo in range(0, num_q, Q_TILE)
+    ]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offset: int,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query tile q ``[Nq, Hq, D]`` over k/v ``[Nk, Hkv, D]``."""
     num_q, hq, _ = q.shape
     group = hq // k.shape[1]
     cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc = q.to(cdtype)
     last = torch.arange(num_q, device=q.device) + q_offset if causal else None
+    # with causal masking no row sees a key past the last row's position
+    num_keys = min(k.shape[0], q_offset + num_q) if causal else k.shape[0]
     outs, lses = [], []
-    for start in range(0, k.shape[0], KV_TILE):
+    for start in range(0, num_keys, KV_TILE):
         kt = k[start : start + KV_TILE].to(cdtype).repeat_interleave(group, dim=1)
         vt = v[start : start + KV_TILE].to(cdtype).repeat_interleave(group, dim=1)
         o, lse = _attend_tile(qc, kt, vt, None if last is None else last - start, sm_scale)
