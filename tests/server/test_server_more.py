@@ -16,11 +16,19 @@ TIMEOUT = 60.0
 GREEDY = {"model": "tiny", "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
+BODY_LIMIT = 65536
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    """conftest's server, with a fixed cost model (no start-up calibration: faster)."""
+    """conftest's server, with a fixed cost model (no start-up calibration: faster)
+    and a 64 KiB body limit."""
     s = start_server(
-        "--cost-model", "affine:base=0.01,per_token=0.0001,per_attn=0", api_key=API_KEY
+        "--cost-model",
+        "affine:base=0.01,per_token=0.0001,per_attn=0",
+        "--max-body-bytes",
+        str(BODY_LIMIT),
+        api_key=API_KEY,
     )
     try:
         yield s
@@ -171,3 +179,15 @@ def test_concurrent_requests_with_stops_and_lengths(server: Server, stop_case: t
         assert (a.text, a.finish_reason, a.stop_reason) == (full.text[:at], "stop", stop)
     for a in got_plain:
         assert a == full
+
+
+def test_max_body_bytes_flag(server: Server) -> None:
+    import httpx
+
+    url = f"{server.url}/v1/completions"
+    big = {"model": "tiny", "prompt": "a" * (BODY_LIMIT + 10), "max_tokens": 1}
+    r = httpx.post(url, json=big, headers=server.headers, timeout=30)
+    assert r.status_code == 413, r.text
+    assert "error" in r.json() and str(BODY_LIMIT) in r.json()["error"]["message"]
+    ok = {"model": "tiny", "prompt": "a" * 100, "max_tokens": 1}
+    assert httpx.post(url, json=ok, headers=server.headers, timeout=30).status_code == 200
