@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any
@@ -33,6 +32,7 @@ from medha_runtime.dist_config import (
     leave_world,
     set_threads,
 )
+from medha_runtime.executor import join_or_kill
 
 #: how long the other ranks of a node may take to end once one of them failed
 GRACE_S = 10.0
@@ -136,7 +136,7 @@ def run_node(config: DistConfig, *, node_rank: int, ranks_per_node: int) -> int:
     try:
         return _watch(procs, ranks, stop)
     finally:
-        _end(procs, 0.0)
+        join_or_kill(procs, 0.0)
         for s, handler in old.items():
             signal.signal(s, handler)
 
@@ -150,7 +150,7 @@ def _watch(procs: list[Any], ranks: range, stop: list[int]) -> int:
         codes = {r: p.exitcode for r, p in zip(ranks, procs, strict=True)}
         bad = {r: c for r, c in codes.items() if c not in (None, 0)}
         if bad:
-            _end(procs, GRACE_S)
+            join_or_kill(procs, GRACE_S)
             rank, code = next(iter(bad.items()))
             print(
                 f"medha-runtime serve: rank {rank} exited with code {code} (the driver or a "
@@ -161,14 +161,3 @@ def _watch(procs: list[Any], ranks: range, stop: list[int]) -> int:
         if all(c == 0 for c in codes.values()):
             print("medha-runtime serve: the driver shut down; exiting", file=sys.stderr)
             return 0
-
-
-def _end(procs: list[Any], grace_s: float) -> None:
-    """Wait up to ``grace_s`` for the processes, then kill the rest."""
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5.0)
