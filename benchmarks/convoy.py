@@ -39,6 +39,8 @@ from pathlib import Path
 
 import httpx
 
+from medha_sched.sim.metrics import percentile
+
 PY = sys.executable
 
 
@@ -123,13 +125,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def pct(values: list[float], q: float) -> float:
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """The q-th percentile (numpy's linear interpolation); NaN when empty."""
+    value = percentile(values, q)
+    return float("nan") if value is None else value
 
 
 def measured(result: Path) -> dict[str, float]:

@@ -144,7 +144,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument(
         "--max-body-bytes",
         type=_positive_int,
-        default=4 * 1024 * 1024,
+        default=None,
         help="larger request bodies get a 413 before they are read (default 4 MiB)",
     )
     s.add_argument("--log-level", default="info", help="uvicorn log level")
@@ -214,7 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("MEDHA_API_KEY") or None,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
-        max_body_bytes=args.max_body_bytes,
+        **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
     return 0
 
