@@ -52,6 +52,10 @@ def sh(cmd: list[str], log: Path) -> None:
         sys.exit(f"command failed ({proc.returncode}); see {log}")
 
 
+def _csv(values: set[int]) -> str:
+    return ",".join(map(str, sorted(values)))
+
+
 def make_trace(args: argparse.Namespace, path: Path) -> None:
     """Poisson short chats plus ``--long-count`` long prompts at a steady rate."""
     rng = random.Random(args.seed)
@@ -260,7 +264,22 @@ def main() -> None:
     if profile is None:
         profile = out / "profile.json"
         sh(
-            [PY, "-m", "medha_runtime", "profile", "tiny", "--out", str(profile)],
+            [
+                PY,
+                "-m",
+                "medha_runtime",
+                "profile",
+                "tiny",
+                "--out",
+                str(profile),
+                "--repeats",
+                "5",
+                # the workload's shapes: chunks up to fcfs's and lars-mp's, KV up to a long prompt
+                "--prefill-q",
+                _csv({1, 16, 32, 64, 96, 128, 192, 256, 384, 1024, args.chunk_size or 1}),
+                "--prefill-kv",
+                _csv({0, 1024, 2048, 4096, 8192, 16384, args.long_tokens}),
+            ],
             out / "profile.log",
         )
     common = [
@@ -277,7 +296,16 @@ def main() -> None:
         if only and label not in only:
             continue
         proc, url = start_server(
-            [*serve_flags, *common, "--max-model-len", "32768", "--log-level", "warning"],
+            [
+                *serve_flags,
+                *common,
+                "--max-model-len",
+                "32768",
+                "--log-level",
+                "warning",
+                "--step-log",
+                str(out / f"{label}.steps.jsonl"),
+            ],
             out / f"{label}.server.log",
         )
         try:

@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive_int, default=16, help="KV block size")
     p.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per point")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
+    for flag, what in (
+        ("--prefill-q", "prefill chunk sizes"),
+        ("--prefill-kv", "KV lengths before each prefill chunk"),
+        ("--decode-n", "decode batch sizes"),
+        ("--decode-kv", "KV lengths of the decode batches"),
+    ):
+        p.add_argument(
+            flag,
+            type=_int_list,
+            default=None,
+            metavar="N,N,...",
+            help=f"{what} to measure (replaces the grid's)",
+        )
     p.add_argument(
         "--hardware",
         default=None,
@@ -73,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     return parser
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def _positive_float(text: str) -> float:
@@ -142,6 +164,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     s.add_argument("--seed", type=_non_negative_int, default=0, help="engine seed")
     s.add_argument(
+        "--step-log",
+        default=None,
+        metavar="PATH",
+        help="write every batch's timings and work to this JSON-lines file",
+    )
+    s.add_argument(
         "--max-body-bytes",
         type=_positive_int,
         default=None,
@@ -206,6 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
         cost_model=args.cost_model,
         device=args.device,
         distributed=role[1],
+        step_log=args.step_log,
     )
     run_server(
         engine,
@@ -280,8 +309,19 @@ def _torchrun_role(args: argparse.Namespace, env: Mapping[str, str], world: int)
 
 
 def _profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from medha_runtime.profile import FULL_GRID, QUICK_GRID, run_profile
 
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    axes = ("prefill_q", "prefill_kv", "decode_n", "decode_kv")
+    try:
+        grid = dataclasses.replace(
+            grid, **{a: getattr(args, a) for a in axes if getattr(args, a) is not None}
+        )
+    except ValueError as exc:
+        print(f"medha-runtime profile: {exc}", file=sys.stderr)
+        return 2
     result = run_profile(
         args.model,
         dtype=args.dtype,
@@ -290,7 +330,7 @@ def _profile(args: argparse.Namespace) -> int:
         spp=args.spp,
         kvp=args.kvp,
         block_size=args.block_size,
-        grid=QUICK_GRID if args.quick else FULL_GRID,
+        grid=grid,
         repeats=args.repeats,
         hardware=args.hardware,
         log=lambda line: print(line, flush=True),

@@ -43,6 +43,7 @@ from medha_runtime.outputs import CompletionOutput, RequestOutput
 from medha_runtime.plan import PlannedChunk, StepPlan
 from medha_runtime.runner import RunnerSpec, kv_bytes_per_token, resolve_device
 from medha_runtime.sampling import Sampled, SampleSpec, SamplingParams
+from medha_runtime.step_log import StepLog
 from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
     BatchResult,
@@ -164,6 +165,7 @@ class LLMEngine:
         timeout_s: float = 60.0,
         attention_backend: str = "auto",
         distributed: DistConfig | None = None,
+        step_log: str | os.PathLike[str] | None = None,
     ) -> None:
         model = str(model)
         self.model = model
@@ -281,7 +283,13 @@ class LLMEngine:
             attention_backend=attention_backend,
             timeout_s=timeout_s,
         )
-        self.executor = make_executor(self.spec, distributed=distributed)
+        self._step_log = None if step_log is None else StepLog(step_log)
+        try:
+            self.executor = make_executor(self.spec, distributed=distributed)
+        except BaseException:
+            if self._step_log is not None:
+                self._step_log.close()
+            raise
         try:
             if cost is None:
                 from medha_runtime.profile import calibrate_affine
@@ -294,7 +302,7 @@ class LLMEngine:
                 )
             self.scheduler = Scheduler(self.scheduler_config, cost, cache=self.cache)
         except BaseException:
-            self.executor.shutdown()
+            self.shutdown()
             raise
         self.seed = seed
         self._serial = itertools.count()
@@ -462,7 +470,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of the requests it finished."""
         self._check_alive()
-        out = self.scheduler.schedule(self._now())
+        t0 = time.perf_counter()
+        start = self._now()
+        out = self.scheduler.schedule(start)
         if out.is_empty:
             self._idle_steps += 1
             if self._requests and self._idle_steps > 100:
@@ -497,11 +507,13 @@ class LLMEngine:
             finished=tuple(self._pending_finished),
         )
         self._pending_free, self._pending_finished = [], []
+        t1 = time.perf_counter()
         try:
             sampled = self.executor.execute(plan)
         except WorkerError as exc:
             self.dead = str(exc)
             raise
+        t2 = time.perf_counter()
         rows = [c for c in out.chunks if c.samples]
         if len(sampled) != len(rows):
             raise RuntimeError(f"step {out.batch_id}: {len(sampled)} samples for {len(rows)} rows")
@@ -512,6 +524,8 @@ class LLMEngine:
             if self._append(self._requests[c.request_id], s):
                 stopped.add(c.request_id)
         done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
+        if self._step_log is not None:
+            self._step_log.record(out, (t0, t1, t2, time.perf_counter()), start)
         outputs = []
         for rid in done:
             st = self._requests[rid]
@@ -611,6 +625,8 @@ class LLMEngine:
 
     # --------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
+        if self._step_log is not None:
+            self._step_log.close()
         self.executor.shutdown()
 
 

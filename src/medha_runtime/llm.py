@@ -68,6 +68,8 @@ class LLM:
             affine model calibrated with a few synthetic steps at start-up.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
         timeout_s: bound on every collective between workers.
+        step_log: write every batch's timings and work to this JSON-lines
+            file (see :mod:`medha_runtime.step_log`).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class LLM:
         cost_model: CostModel | str | None = None,
         device: str | None = None,
         timeout_s: float = 60.0,
+        step_log: str | os.PathLike[str] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             model,
@@ -111,6 +114,7 @@ class LLM:
             cost_model=cost_model,
             device=device,
             timeout_s=timeout_s,
+            step_log=step_log,
         )
         self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
 

@@ -24,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -74,7 +75,11 @@ def time_steps(
     repeats: int = 3,
     warmup: int = 1,
 ) -> list[float]:
-    """Median seconds of each synthetic step (after ``warmup`` untimed rounds)."""
+    """Mean seconds of each synthetic step (after ``warmup`` untimed rounds).
+
+    The mean, not the median: a simulator adds step times up, and on a busy
+    or memory-bound CPU a step's time is skewed towards slow runs.
+    """
     spec = executor.spec
     plans = [
         synthetic_plan(
@@ -91,7 +96,7 @@ def time_steps(
             t0 = time.perf_counter()
             executor.execute(plan)
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return [statistics.fmean(t) for t in times]
 
 
 def _room(spec: RunnerSpec) -> int:
@@ -164,14 +169,36 @@ class Grid:
     decode_n: tuple[int, ...]
     decode_kv: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        for name, least, count in (
+            ("prefill_q", 1, 2),
+            ("prefill_kv", 0, 2),
+            ("decode_n", 2, 0),
+            ("decode_kv", 0, 0),
+        ):
+            axis = getattr(self, name)
+            if len(axis) < count:
+                raise ValueError(f"grid {name} needs at least {count} values, got {list(axis)}")
+            if any(not isinstance(v, int) or isinstance(v, bool) for v in axis):
+                raise ValueError(f"grid {name} must hold integers, got {list(axis)}")
+            if axis and (axis[0] < least or any(b <= a for a, b in pairwise(axis))):
+                raise ValueError(
+                    f"grid {name} must be strictly increasing integers >= {least}, got {list(axis)}"
+                )
+        if bool(self.decode_n) != bool(self.decode_kv):
+            raise ValueError(
+                f"grid decode_n={list(self.decode_n)} and decode_kv={list(self.decode_kv)} "
+                "must both be given or both be empty"
+            )
+
     @property
     def max_tokens(self) -> int:
-        return max(max(self.prefill_q) + max(self.prefill_kv), max(self.decode_kv) + 1)
+        return max(max(self.prefill_q) + max(self.prefill_kv), max(self.decode_kv, default=0) + 1)
 
 
-QUICK_GRID = Grid((16, 64, 256), (0, 512, 2048), (2, 8, 32), (256,))
+QUICK_GRID = Grid((1, 16, 64, 256), (0, 512, 2048), (2, 8, 32), (256,))
 FULL_GRID = Grid(
-    (16, 32, 64, 128, 256, 512, 1024, 2048),
+    (1, 16, 32, 64, 128, 256, 512, 1024, 2048),
     (0, 1024, 4096, 16384),
     (2, 4, 8, 16, 32, 64, 128),
     (512, 4096),
@@ -298,7 +325,8 @@ def run_profile(
     device = resolve_device(device)
     room = -(-grid.max_tokens // block_size) * block_size
     decode_blocks = max(
-        n * -(-(kv + 1) // block_size) for n in grid.decode_n for kv in grid.decode_kv
+        (n * -(-(kv + 1) // block_size) for n in grid.decode_n for kv in grid.decode_kv),
+        default=0,
     )
     num_blocks = max(room // block_size, decode_blocks)
     spec = RunnerSpec(

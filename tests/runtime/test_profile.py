@@ -21,8 +21,9 @@ from medha_sched.cost import BatchWork
 def test_profile_quick_writes_a_table(tmp_path) -> None:
     out = tmp_path / "tiny.json"
     cmd = [sys.executable, "-m", "medha_runtime", "profile", "tiny", "--quick"]
+    grid = ["--prefill-q", "1,16,64", "--prefill-kv", "0,512", "--decode-n", "2,8"]
     proc = subprocess.run(
-        [*cmd, "--out", str(out), "--repeats", "2", "--device", "cpu"],
+        [*cmd, *grid, "--out", str(out), "--repeats", "2", "--device", "cpu"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -33,7 +34,9 @@ def test_profile_quick_writes_a_table(tmp_path) -> None:
     assert table.layout == ParallelDegrees()
     assert table.predict(BatchWork.single_group((64, 512))) > 0
     meta = json.loads(out.read_text())["meta"]
-    assert meta["model"] == "tiny" and len(meta["measurements"]) == 12
+    assert meta["model"] == "tiny" and len(meta["measurements"]) == 3 * 2 + 2 * 1
+    assert [m["requests"] for m in meta["measurements"]][-2:] == [2, 8]
+    assert table.attention_q == (1, 16, 64) and table.per_request_s >= 0
     assert meta["roofline"]["mean_relative_error"] >= 0
     assert "roofline" in proc.stdout and "mean relative error" in proc.stdout
     assert f"wrote {out}" in proc.stdout
@@ -47,6 +50,26 @@ def test_cli_lists_only_working_subcommands(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["profile", "--tp", "0", "--out", "x.json"])
     assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--prefill-q", "16,1"], "grid prefill_q must be strictly increasing integers >= 1"),
+        (["--prefill-kv", "0"], "grid prefill_kv needs at least 2 values, got [0]"),
+        (["--decode-n", "1,4"], "grid decode_n must be strictly increasing integers >= 2"),
+    ],
+)
+def test_cli_rejects_a_bad_grid(tmp_path, capsys, flags, needle) -> None:
+    assert main(["profile", "--out", str(tmp_path / "p.json"), *flags]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_grid_flags_need_integers(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["profile", "--out", "x.json", "--decode-kv", "1k"])
+    assert "expected comma-separated integers, got '1k'" in capsys.readouterr().err
 
 
 def test_cli_reports_a_bad_model_clearly(tmp_path, capsys) -> None:

@@ -74,6 +74,7 @@ def affine_samples(model: AffineCostModel) -> list[tuple[BatchWork, float]]:
     return samples
 
 
+AFFINE_1 = AffineCostModel(base=2e-3, per_token=3e-5, per_attn=5e-10)
 FITTED = TableCostModel.fit(affine_samples(AFFINE), layout=P(kvp=3))
 
 MODELS = {
@@ -316,6 +317,26 @@ def test_table_extrapolation_follows_the_last_segment():
     assert TABLE.attention_time(16, 10**7) == pytest.approx(3e-3 + (10**7 - 10**5) * 2.8e-3 / 9e4)
 
 
+def test_table_prices_long_queries_as_tiles():
+    # TABLE's last q_tokens is 4096: 10000 = 1808 + 2 * 4096
+    tail = TABLE.attention_time(10_000, 30_000)
+    pieces = [(1808, 21_808), (4096, 25_904), (4096, 30_000)]
+    assert tail == pytest.approx(sum(TABLE.attention_time(q, x) for q, x in pieces))
+    side = TABLE.attention_time(10_000, 30_000, causal=False)
+    assert side == pytest.approx(
+        TABLE.attention_time(1808, 30_000) + 2 * TABLE.attention_time(4096, 30_000)
+    )
+    # a whole prompt (no KV before it) is priced from kv = 0
+    assert TABLE.attention_time(10_000, 10_000) == pytest.approx(
+        sum(TABLE.attention_time(q, x) for q, x in [(1808, 1808), (4096, 5904), (4096, 10_000)])
+    )
+    batch = BatchWork(
+        groups=((RequestWork(10_000, 20_000, False),), (RequestWork(10_000, 20_000),))
+    )
+    lin = TABLE.linear_time(10_000)
+    assert TABLE.predict(batch) == pytest.approx(max(1e-3 + side, 1e-3 + lin + tail))
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     q=st.floats(0.5, 50_000),
@@ -338,7 +359,7 @@ def test_table_fit_reproduces_an_affine_model():
     for _ in range(500):
         groups = tuple(
             tuple(
-                RequestWork(rng.randint(1, 20_000), rng.randint(0, 400_000), rng.random() < 0.6)
+                RequestWork(rng.randint(1, 8192), rng.randint(0, 400_000), rng.random() < 0.6)
                 for _ in range(rng.randint(0, 8))
             )
             for _ in range(3)
@@ -358,6 +379,45 @@ def test_table_fit_with_explicit_base_and_repeated_samples():
     assert fitted.base_s == 0.002
     batch = BatchWork.single_group((300, 5000))
     assert fitted.predict(batch) == pytest.approx(AFFINE.predict(batch), rel=1e-9)
+
+
+def test_table_fit_separates_a_per_request_cost():
+    """Timings with a fixed cost per request in the batch: the fit finds it, and
+    neither decode batches nor prefills absorb it into ``linear``."""
+    per_req = 8e-4
+
+    def timed(*items: tuple[int, int]) -> tuple[BatchWork, float]:
+        batch = BatchWork.single_group(*items)
+        return batch, AFFINE_1.predict(batch) + per_req * len(items)
+
+    samples = [timed((q, kv)) for q in (1, 16, 128, 1024) for kv in (0, 2048, 16384)]
+    samples += [timed(*[(1, kv)] * n) for n in (2, 16, 64) for kv in (512, 4096)]
+    fitted = TableCostModel.fit(samples)
+    assert fitted.per_request_s == pytest.approx(per_req, rel=1e-6)
+    assert fitted.base_s == pytest.approx(AFFINE_1.base, rel=1e-6)
+    rng = random.Random(3)
+    for _ in range(200):
+        items = [(rng.choice([1, rng.randint(1, 1024)]), rng.randint(0, 30_000)) for _ in range(5)]
+        items = items[: rng.randint(1, 5)]
+        batch, want = timed(*items)
+        assert fitted.predict(batch) == pytest.approx(want, rel=1e-6)
+    # without a per-request term the same samples fit worse: decodes look far too costly
+    plain = TableCostModel.fit(samples, per_request_s=0.0)
+    batch, want = timed(*[(1, 1000)] * 32)
+    assert fitted.predict(batch) == pytest.approx(want, rel=1e-6)
+    assert abs(plain.predict(BatchWork.single_group((1024, 0))) / timed((1024, 0))[1] - 1) > 0.05
+
+
+def test_table_per_request_field_round_trips_and_is_optional(tmp_path):
+    data = table_with(per_request_s=2.5e-4)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    loaded = TableCostModel.from_json(path)
+    assert loaded.per_request_s == 2.5e-4
+    two = BatchWork.single_group((16, 984), (16, 984))
+    assert loaded.predict(two) == pytest.approx(TABLE.predict(two) + 2 * 2.5e-4)
+    assert TableCostModel.from_dict(loaded.to_dict()) == loaded
+    assert TABLE.per_request_s == 0.0  # TABLE_DATA has no such field
 
 
 # ---------------------------------------------------------------------- errors
@@ -381,6 +441,8 @@ BAD_TABLES = [
     (table_with(colour="red"), "'colour'"),
     (table_with(base_s=...), "'base_s'"),
     (table_with(base_s=0), "'base_s'"),
+    (table_with(per_request_s=-1e-3), "'per_request_s' must be >= 0, got -0.001"),
+    (table_with(per_request_s="x"), "'per_request_s'"),
     (table_with(linear__tokens=[1, 32, 32, 8192]), "'linear.tokens'"),
     (table_with(linear__tokens=[0, 32, 512, 8192]), "'linear.tokens'"),
     (table_with(linear__tokens=[1]), "'linear.tokens'"),

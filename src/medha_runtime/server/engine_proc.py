@@ -136,6 +136,7 @@ class EngineArgs:
     cost_model: str | None = None
     device: str | None = None
     distributed: DistConfig | None = None
+    step_log: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -167,6 +168,7 @@ class EngineArgs:
             "cost_model",
             "device",
             "distributed",
+            "step_log",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -3,7 +3,7 @@
 Per KVP group::
 
     time = base_s + linear(sum of tail query tokens)
-                  + sum over requests of attention(q_tokens, kv_attended)
+                  + sum over requests of (per_request_s + attention(q_tokens, kv_attended))
 
 with ``kv_attended = kv_tokens + q_tokens`` on a request's tail group and
 ``kv_tokens`` elsewhere (as in the affine model). The profile is the latency
@@ -15,6 +15,7 @@ Schema (version 1)::
       "version": 1,
       "layout": {"tp": 1, "spp": 1, "kvp": 1},      # optional, default all 1
       "base_s": 0.004,                              # > 0, once per group
+      "per_request_s": 0.0008,                      # >= 0, optional (default 0)
       "linear": {"tokens": [1, 64, ...],            # >= 1, increasing
                  "seconds": [0.0001, 0.003, ...]},  # >= 0, non-decreasing
       "attention": {"q_tokens": [1, 64, ...],       # >= 1, increasing
@@ -29,10 +30,14 @@ non-decreasing along every axis. ``linear(0) = 0``.
 Evaluation: piecewise-linear between grid points (bilinear for attention);
 flat below the first point; beyond the last point, extended with the slope
 of the last segment. For attention beyond the last ``kv_tokens`` the
-per-row slopes are raised to a running maximum over ``q_tokens``, and beyond
-the last ``q_tokens`` the per-column increments are raised to a running
-maximum over ``kv_tokens``, so the extension stays non-decreasing in both
-arguments and never negative. Monotone up to floating-point rounding.
+per-row slopes are raised to a running maximum over ``q_tokens``, so the
+extension stays non-decreasing in both arguments and never negative. A
+request with more query tokens than the last ``q_tokens`` (``Q``) is priced
+as the query tiles a tiled attention kernel runs: a first piece of
+``r = q - (k - 1) * Q`` tokens, then ``k - 1`` pieces of ``Q``, each attending
+to the KV before it plus itself on a tail group (``kv + r``, ``kv + r + Q``,
+...) and to the same ``kv`` elsewhere. Monotone up to floating-point
+rounding.
 
 :meth:`TableCostModel.fit` builds a table from measured samples; see there.
 """
@@ -55,14 +60,14 @@ from medha_sched.cost.base import AggregateCostModel, BatchWork
 from medha_sched.cost.registry import DEFAULT_LAYOUT, check_spec_keys
 
 SCHEMA_VERSION = 1
-_TOP_KEYS = ("version", "layout", "base_s", "linear", "attention", "meta")
+_TOP_KEYS = ("version", "layout", "base_s", "per_request_s", "linear", "attention", "meta")
 _REQUIRED_KEYS = ("version", "base_s", "linear", "attention")
 _Floats = tuple[float, ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TableCostModel(AggregateCostModel):
-    """Interpolated profile: ``base_s + linear(tail tokens) + sum attention``.
+    """Interpolated profile: ``base_s + linear(tail tokens) + sum (per_request_s + attention)``.
 
     Attributes mirror the JSON schema in the module docstring; ``source``
     names the profile in error messages.
@@ -75,12 +80,12 @@ class TableCostModel(AggregateCostModel):
     attention_kv: _Floats
     attention_seconds: tuple[_Floats, ...]
     layout: ParallelDegrees = field(default_factory=ParallelDegrees)
+    per_request_s: float = 0.0
     source: str = field(default="table", compare=False)
     _lin_slopes: _Floats = field(init=False, repr=False, compare=False)
     _row_slopes: tuple[_Floats, ...] = field(init=False, repr=False, compare=False)
     _row_end: _Floats = field(init=False, repr=False, compare=False)
     _q_inv: _Floats = field(init=False, repr=False, compare=False)
-    _qext: tuple[_Floats, _Floats, float] = field(init=False, repr=False, compare=False)
 
     #: features: (tail query tokens, summed attention seconds)
     num_features: ClassVar[int] = 2
@@ -88,6 +93,7 @@ class TableCostModel(AggregateCostModel):
     def __post_init__(self) -> None:
         src, put = self.source, object.__setattr__
         put(self, "base_s", _positive(src, "base_s", self.base_s))
+        put(self, "per_request_s", _non_negative(src, "per_request_s", self.per_request_s))
         put(self, "linear_tokens", _axis(src, "linear.tokens", self.linear_tokens, minimum=1))
         n = len(self.linear_tokens)
         put(self, "linear_seconds", _seconds(src, "linear.seconds", self.linear_seconds, n))
@@ -107,18 +113,16 @@ class TableCostModel(AggregateCostModel):
         put(self, "_row_slopes", row_slopes)
         put(self, "_row_end", tuple(accumulate((s[-1] for s in row_slopes), max)))
         put(self, "_q_inv", tuple(1.0 / (b - a) for a, b in pairwise(qs)))
-        dq = qs[-1] - qs[-2]
-        steps = (max(b - a, 0.0) / dq for a, b in zip(rows[-2], rows[-1], strict=True))
-        ext = tuple(accumulate(steps, max))
-        ext_slopes = _slopes(xs, ext)
-        put(self, "_qext", (ext, ext_slopes, ext_slopes[-1]))
 
     # ------------------------------------------------------------------ hot path
     def features(self, q_tokens: int, kv_tokens: int, tail: bool) -> tuple[float, ...]:
-        """``(tail query tokens, attention seconds)`` of one request."""
+        """``(tail query tokens, per-request plus attention seconds)`` of one request."""
         if tail:
-            return (q_tokens, self.attention_time(q_tokens, kv_tokens + q_tokens))
-        return (0, self.attention_time(q_tokens, kv_tokens))
+            return (
+                q_tokens,
+                self.per_request_s + self.attention_time(q_tokens, kv_tokens + q_tokens),
+            )
+        return (0, self.per_request_s + self.attention_time(q_tokens, kv_tokens, causal=False))
 
     def group_time(self, totals: Sequence[float]) -> float:
         """``base_s + linear(totals[0]) + totals[1]``."""
@@ -131,24 +135,39 @@ class TableCostModel(AggregateCostModel):
         j = bisect_right(xs, tokens) - 1
         return _pwl(xs, self.linear_seconds, slopes, slopes[-1], tokens, j)
 
-    def attention_time(self, q_tokens: float, kv_attended: float) -> float:
-        """Interpolated attention seconds of one request."""
+    def attention_time(self, q_tokens: float, kv_attended: float, *, causal: bool = True) -> float:
+        """Interpolated attention seconds of one request; beyond the last
+        ``q_tokens``, the sum over query tiles (``causal``: the request's tail
+        group, whose tiles see the KV before them; otherwise every tile sees
+        ``kv_attended``)."""
         xs, qs = self.attention_kv, self.attention_q
+        if q_tokens > qs[-1]:
+            return self._tiled(q_tokens, kv_attended, causal)
         j = bisect_right(xs, kv_attended) - 1
         i = bisect_right(qs, q_tokens) - 1
         if i < 0:
             return self._row(0, kv_attended, j)
         last = len(qs) - 1
         if i >= last:
-            v = self._row(last, kv_attended, j)
-            if q_tokens > qs[last]:
-                ext, ext_slopes, ext_end = self._qext
-                v += (q_tokens - qs[last]) * _pwl(xs, ext, ext_slopes, ext_end, kv_attended, j)
-            return v
+            return self._row(last, kv_attended, j)
         a, b = self._row(i, kv_attended, j), self._row(i + 1, kv_attended, j)
         if b <= a:
             return a
         return min(a + (q_tokens - qs[i]) * self._q_inv[i] * (b - a), b)
+
+    def _tiled(self, q: float, kv_attended: float, causal: bool) -> float:
+        big = self.attention_q[-1]
+        pieces = math.ceil(q / big)
+        first = q - (pieces - 1) * big
+        if not causal:
+            rest = (pieces - 1) * self.attention_time(big, kv_attended)
+            return self.attention_time(first, kv_attended) + rest
+        seen = max(kv_attended - q, 0.0) + first
+        total = self.attention_time(first, seen)
+        for _ in range(pieces - 1):
+            seen += big
+            total += self.attention_time(big, seen)
+        return total
 
     def _row(self, i: int, x: float, j: int) -> float:
         xs = self.attention_kv
@@ -195,6 +214,7 @@ class TableCostModel(AggregateCostModel):
             attention_kv=att["kv_tokens"],
             attention_seconds=att["seconds"],
             layout=found,
+            per_request_s=data.get("per_request_s", 0.0),
             source=source,
         )
 
@@ -205,6 +225,7 @@ class TableCostModel(AggregateCostModel):
             "version": SCHEMA_VERSION,
             "layout": {"tp": lay.tp, "spp": lay.spp, "kvp": lay.kvp},
             "base_s": self.base_s,
+            "per_request_s": self.per_request_s,
             "linear": {"tokens": _ints(self.linear_tokens), "seconds": list(self.linear_seconds)},
             "attention": {
                 "q_tokens": _ints(self.attention_q),
@@ -233,6 +254,7 @@ class TableCostModel(AggregateCostModel):
         *,
         layout: ParallelDegrees = DEFAULT_LAYOUT,
         base_s: float | None = None,
+        per_request_s: float | None = None,
     ) -> TableCostModel:
         """Build a table from measured ``(batch, seconds)`` samples.
 
@@ -247,10 +269,14 @@ class TableCostModel(AggregateCostModel):
         For each ``q`` the single-request times are taken as linear in
         ``kv_attended`` near the smallest ``kv``: the line through the two
         smallest ``kv`` is extended to ``kv_attended = 0``, and its intercept
-        is ``base_s + linear(q)``. The rest is attention, resampled onto the
-        union of every ``kv`` and ``kv + q`` (through ``attention(q, 0) = 0``)
-        and made non-decreasing by running maxima. A decode batch gives
-        ``linear(n) = seconds - base_s - n * attention(1, kv + 1)``.
+        ``I(q)`` is ``base_s + linear(q) + per_request_s``. The rest is
+        attention, resampled onto the union of every ``kv`` and ``kv + q``
+        (through ``attention(q, 0) = 0``) and made non-decreasing by running
+        maxima. A decode batch of ``n`` gives
+        ``D(n) = seconds - n * attention(1, kv + 1) = base_s + linear(n) + n * per_request_s``,
+        so ``per_request_s`` defaults to the median of ``(D(n) - I(n)) / (n - 1)``
+        over the decode batches whose ``n`` lies within the sampled ``q``
+        (``I`` interpolated; 0 without decode batches, never negative).
         ``base_s`` defaults to the linear points' line extended to 0 tokens.
         Repeated samples are averaged. Exact for affine timings.
         """
@@ -265,9 +291,15 @@ class TableCostModel(AggregateCostModel):
             attention_seconds=rows,
             source="fit",
         )
-        points = {q: [c] for q, c in intercepts.items()}
-        for (n, kv), secs in decodes.items():
-            points.setdefault(n, []).append(_mean(secs) - n * probe.attention_time(1, kv + 1))
+        spent = {
+            key: _mean(secs) - key[0] * probe.attention_time(1, key[1] + 1)
+            for key, secs in decodes.items()
+        }
+        if per_request_s is None:
+            per_request_s = _fit_per_request(intercepts, spent)
+        points = {q: [c - per_request_s] for q, c in intercepts.items()}
+        for (n, _), d in spent.items():
+            points.setdefault(n, []).append(d - n * per_request_s)
         tokens = sorted(points)
         totals = [_mean(points[t]) for t in tokens]
         base = _fit_base(tokens, totals) if base_s is None else base_s
@@ -280,6 +312,7 @@ class TableCostModel(AggregateCostModel):
             attention_kv=xs,
             attention_seconds=rows,
             layout=layout,
+            per_request_s=per_request_s,
             source="fitted table",
         )
 
@@ -321,6 +354,13 @@ def _positive(src: str, name: str, value: object) -> float:
     number = _number(src, name, value)
     if number <= 0:
         raise ValueError(f"{src}: field {name!r} must be > 0, got {value!r}")
+    return number
+
+
+def _non_negative(src: str, name: str, value: object) -> float:
+    number = _number(src, name, value)
+    if number < 0:
+        raise ValueError(f"{src}: field {name!r} must be >= 0, got {value!r}")
     return number
 
 
@@ -455,6 +495,23 @@ def _fit_attention(
     for i in range(1, len(rows)):
         rows[i] = [max(a, b) for a, b in zip(rows[i - 1], rows[i], strict=True)]
     return qs, xs, rows, intercepts
+
+
+def _fit_per_request(intercepts: dict[int, float], spent: dict[tuple[int, int], float]) -> float:
+    """Median of ``(D(n) - I(n)) / (n - 1)`` (see ``TableCostModel.fit``), at least 0."""
+    qs = sorted(intercepts)
+    ys = [intercepts[q] for q in qs]
+    estimates = [
+        (d - _extrapolate(qs, ys, n)) / (n - 1)
+        for (n, _), d in spent.items()
+        if qs[0] <= n <= qs[-1]
+    ]
+    if not estimates:
+        return 0.0
+    estimates.sort()
+    mid = len(estimates) // 2
+    median = estimates[mid] if len(estimates) % 2 else (estimates[mid - 1] + estimates[mid]) / 2
+    return max(median, 0.0)
 
 
 def _extrapolate(px: Sequence[float], py: Sequence[float], x: float) -> float:

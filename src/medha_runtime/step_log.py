@@ -1,0 +1,160 @@
+"""A per-step timing log: what each batch held, what it was predicted to cost, what it took.
+
+``LLMEngine(step_log=PATH)`` (``medha-runtime serve --step-log PATH``) writes
+one JSON object per line for every batch it runs::
+
+    {"step": 7, "start_s": 12.345678,        # engine clock when schedule() began
+     "schedule_s": 0.0004,                   # forming the batch
+     "execute_s": 0.0521,                    # the executor (forward pass and sampling)
+     "finish_s": 0.0002,                     # results back into the scheduler
+     "predicted_s": 0.0498,                  # the cost model's latency for the batch
+     "items": [[1, 300], [512, 1024]]}       # [query tokens, KV tokens cached before]
+
+The gap between two consecutive ``start_s`` is the whole iteration as a
+client sees it: the three phases above plus whatever the caller does between
+steps (the server's detokenising and streaming). :func:`read_step_log` reads
+the file back; :func:`step_overheads` measures that per-step overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import IO
+
+from medha_sched.output import ScheduleOutput
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepRecord:
+    """One batch's timings (seconds) and work; see the module docstring."""
+
+    step: int
+    start_s: float
+    schedule_s: float
+    execute_s: float
+    finish_s: float
+    predicted_s: float
+    items: tuple[tuple[int, int], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(q for q, _ in self.items)
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "start_s": round(self.start_s, 6),
+            "schedule_s": round(self.schedule_s, 6),
+            "execute_s": round(self.execute_s, 6),
+            "finish_s": round(self.finish_s, 6),
+            "predicted_s": round(self.predicted_s, 6),
+            "items": [list(i) for i in self.items],
+        }
+
+
+class StepLog:
+    """Appends :class:`StepRecord` s to a JSON-lines file (line-buffered)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._file: IO[str] | None = open(  # noqa: SIM115 (closed by close())
+                self.path, "w", encoding="utf-8", buffering=1
+            )
+        except OSError as exc:
+            raise ValueError(f"cannot write the step log {self.path!r}: {exc.strerror}") from None
+
+    def record(self, out: ScheduleOutput, marks: Sequence[float], start_s: float) -> None:
+        """Log batch ``out``; ``marks`` are four ``perf_counter`` readings: before
+        scheduling, after it, after the executor and after the results went back."""
+        if self._file is None:
+            return
+        t0, t1, t2, t3 = marks
+        rec = StepRecord(
+            step=out.batch_id,
+            start_s=start_s,
+            schedule_s=t1 - t0,
+            execute_s=t2 - t1,
+            finish_s=t3 - t2,
+            predicted_s=out.predicted_time,
+            items=tuple((c.num_tokens, c.start) for c in out.chunks),
+        )
+        self._file.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_step_log(path: str | os.PathLike[str]) -> list[StepRecord]:
+    """The records of a step log, in order; a bad line is a ``ValueError`` naming it."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                items = tuple((int(q), int(kv)) for q, kv in d["items"])
+                records.append(
+                    StepRecord(
+                        step=int(d["step"]),
+                        start_s=float(d["start_s"]),
+                        schedule_s=float(d["schedule_s"]),
+                        execute_s=float(d["execute_s"]),
+                        finish_s=float(d["finish_s"]),
+                        predicted_s=float(d["predicted_s"]),
+                        items=items,
+                    )
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{os.fspath(path)}:{n}: not a step record ({exc})") from None
+    return records
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOverhead:
+    """Per-step time outside the executor, over back-to-back steps (seconds).
+
+    Attributes:
+        steps: back-to-back steps measured.
+        median_s: median of (gap to the next step's start - ``execute_s``).
+        mean_s: the mean of the same.
+        execute_share: total ``execute_s`` over total gap time.
+    """
+
+    steps: int
+    median_s: float
+    mean_s: float
+    execute_share: float
+
+
+def step_overheads(records: Sequence[StepRecord], *, max_idle_s: float = 0.05) -> StepOverhead:
+    """Overhead of each step whose successor started within ``max_idle_s`` of it
+    ending (back-to-back steps: the engine had work in between, not idle time)."""
+    over, gaps, execs = [], 0.0, 0.0
+    for a, b in pairwise(records):
+        gap = b.start_s - a.start_s
+        busy = a.schedule_s + a.execute_s + a.finish_s
+        if gap - busy > max_idle_s:
+            continue
+        over.append(gap - a.execute_s)
+        gaps += gap
+        execs += a.execute_s
+    if not over:
+        raise ValueError("the step log has no back-to-back steps")
+    return StepOverhead(
+        steps=len(over),
+        median_s=statistics.median(over),
+        mean_s=statistics.fmean(over),
+        execute_share=execs / gaps,
+    )
+
+
+__all__ = ["StepLog", "StepOverhead", "StepRecord", "read_step_log", "step_overheads"]

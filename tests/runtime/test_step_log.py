@@ -1,0 +1,83 @@
+"""``LLM(step_log=...)``: one record per batch, consistent with the engine's counters."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+import pytest
+import torch
+
+from medha_runtime import LLM, SamplingParams
+from medha_runtime.step_log import StepRecord, read_step_log, step_overheads
+from medha_sched import AffineCostModel
+from medha_sched.cost import BatchWork
+
+COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_records_match_the_engine(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    prompts = [[5 + i for i in range(n)] for n in (7, 40, 133)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM("tiny", cost_model=COST, chunk_size=32, policy="fcfs", step_log=path) as llm:
+        llm.generate(prompts, params)
+        stats = llm.engine.stats
+    records = read_step_log(path)
+    assert len(records) == stats.steps
+    assert [r.step for r in records] == sorted({r.step for r in records})
+    assert all(b.start_s >= a.start_s + a.execute_s for a, b in pairwise(records))
+    assert all(r.execute_s > 0 and r.schedule_s >= 0 and r.finish_s >= 0 for r in records)
+    assert all(
+        r.predicted_s == pytest.approx(COST.predict(BatchWork.single_group(*r.items)))
+        for r in records
+    )
+    # every prompt token is prefilled once, in chunks of at most 32; decodes are 1 token
+    total = sum(r.num_tokens for r in records)
+    assert total == stats.prefill_tokens + stats.decode_tokens == sum(map(len, prompts)) + 3 * 5
+    assert max(q for r in records for q, _ in r.items) == 32
+    starts = sorted(kv for r in records for q, kv in r.items if q > 1)
+    assert starts[:3] == [0, 0, 0]
+
+
+def test_bad_lines_and_paths_are_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    good = StepRecord(
+        step=1, start_s=0, schedule_s=0, execute_s=0.1, finish_s=0, predicted_s=0.1, items=((1, 3),)
+    )
+    bad.write_text(json.dumps(good.to_dict()) + "\n" + '{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a step record"):
+        read_step_log(bad)
+    with pytest.raises(ValueError, match="cannot write the step log"):
+        LLM("tiny", cost_model=COST, step_log=tmp_path / "no" / "such" / "dir.jsonl")
+
+
+def _rec(step: int, start: float, execute: float) -> StepRecord:
+    return StepRecord(
+        step=step,
+        start_s=start,
+        schedule_s=0.001,
+        execute_s=execute,
+        finish_s=0.001,
+        predicted_s=execute,
+        items=((1, 10),),
+    )
+
+
+def test_overheads_skip_idle_gaps():
+    # back-to-back steps 0.1 s apart with 0.08 s in the executor, then an idle second
+    recs = [_rec(i, 0.1 * i, 0.08) for i in range(5)] + [_rec(5, 1.5, 0.08), _rec(6, 1.6, 0.08)]
+    o = step_overheads(recs)
+    assert o.steps == 5  # the step before the idle gap is left out
+    assert o.median_s == pytest.approx(0.02)
+    assert o.execute_share == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="no back-to-back steps"):
+        step_overheads(recs[4:6])
