@@ -408,6 +408,23 @@ def test_table_fit_separates_a_per_request_cost():
     assert abs(plain.predict(BatchWork.single_group((1024, 0))) / timed((1024, 0))[1] - 1) > 0.05
 
 
+def test_table_fit_keeps_base_positive_on_noisy_first_points():
+    # decode pairs 5 ms slower than the model: the first linear segment crosses 0
+    samples = [
+        (b, t + (5e-3 if len(b.groups[0]) == 2 else 0.0))
+        for b, t in [
+            (BatchWork.single_group(*items), AFFINE_1.predict(BatchWork.single_group(*items)))
+            for items in [[(q, kv)] for q in (1, 64, 512) for kv in (0, 4096)]
+            + [[(1, 1000)] * n for n in (2, 16)]
+        ]
+    ]
+    fitted = TableCostModel.fit(samples, per_request_s=0.0)
+    one = BatchWork.single_group((1, 0))
+    assert fitted.base_s == pytest.approx(AFFINE_1.predict(one))
+    assert fitted.predict(one) == pytest.approx(AFFINE_1.predict(one))
+    assert fitted.linear_time(1) == 0.0
+
+
 def test_table_per_request_field_round_trips_and_is_optional(tmp_path):
     data = table_with(per_request_s=2.5e-4)
     path = tmp_path / "t.json"

@@ -326,8 +326,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                     raise APIError(item.message, 400 if item.bad_request else 503)
                 idx, delta, now = item
                 record(subs[idx], delta, now)
-                if delta.error is not None:
-                    raise APIError(delta.error, 500)
+                if delta.error is not None:  # the engine failed the step: unavailable
+                    raise APIError(delta.error, 503)
                 if delta.finish_reason is not None:
                     left -= 1
         finally:
@@ -398,8 +398,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                 sub = subs[idx]
                 before = len(sub.tokens)
                 record(sub, delta, now)
-                if delta.error is not None:
-                    yield sse(error_body(delta.error, "InternalServerError", 500))
+                if delta.error is not None:  # the engine failed the step: unavailable
+                    yield sse(error_body(delta.error, _TYPES[503], 503))
                     break
                 if delta.finish_reason is not None:
                     left -= 1

@@ -521,9 +521,12 @@ def _extrapolate(px: Sequence[float], py: Sequence[float], x: float) -> float:
 
 
 def _fit_base(tokens: Sequence[int], totals: Sequence[float]) -> float:
-    """The first linear segment extended to 0 tokens, at most the first point."""
+    """The first linear segment extended to 0 tokens, at most the first point;
+    the first point itself when that line crosses 0 (noisy timings)."""
     (t0, t1), (c0, c1) = tokens[:2], totals[:2]
     base = min(c0 - (c1 - c0) / (t1 - t0) * t0, c0)
+    if not base > 0:
+        base = c0
     if not base > 0:
         raise ValueError(f"fit: estimated base_s={base!r} is not > 0; pass base_s explicitly")
     return base
