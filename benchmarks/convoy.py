@@ -39,6 +39,8 @@ from pathlib import Path
 
 import httpx
 
+from medha_runtime.step_log import check_predictions, read_step_log, step_overheads
+from medha_sched import TableCostModel
 from medha_sched.sim.metrics import percentile
 
 PY = sys.executable
@@ -165,6 +167,19 @@ def simulated(run_dir: Path) -> dict[str, float]:
     }
 
 
+def step_check(steps: Path, profile: Path) -> dict[str, float]:
+    """The server's step log against the profile: executor time, predicted time, overhead."""
+    records = read_step_log(steps)
+    check = check_predictions(TableCostModel.from_json(profile), records)
+    return {
+        "steps": check.steps,
+        "execute_s": check.measured_s,
+        "predicted_s": check.predicted_s,
+        "median_ratio": check.median_ratio,
+        "overhead_ms": 1e3 * step_overheads(records).median_s,
+    }
+
+
 def variants(chunk: int) -> list[tuple[str, list[str], list[str]]]:
     """(label, serve flags, medha-sim flags)."""
     return [
@@ -232,6 +247,18 @@ def report(args: argparse.Namespace, rows: dict[str, dict], sims: dict[str, dict
             if s:
                 err = abs(s[key] - m[key]) / m[key]
                 checks.append((f"sim {label} {key} error (<= 25%)", err, 0.25, False))
+    lines += [
+        "",
+        "| run | steps | executor time | profile's prediction | median step ratio |"
+        " overhead per step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, m in rows.items():
+        c = m["steps"]
+        lines.append(
+            f"| {label} | {c['steps']} | {c['execute_s']:.1f} s | {c['predicted_s']:.1f} s | "
+            f"{c['median_ratio']:.2f} | {c['overhead_ms']:.2f} ms |"
+        )
     lines += ["", "| check | value | target | met |", "|---|---:|---:|---|"]
     for name, value, target, at_least in checks:
         met = value >= target if at_least else value <= target
@@ -336,6 +363,7 @@ def main() -> None:
         finally:
             stop_server(proc)
         rows[label] = measured(result)
+        rows[label]["steps"] = step_check(out / f"{label}.steps.jsonl", profile)
         sim_dir = out / f"{label}.sim"
         sh(
             [

@@ -75,10 +75,13 @@ def time_steps(
     repeats: int = 3,
     warmup: int = 1,
 ) -> list[float]:
-    """Mean seconds of each synthetic step (after ``warmup`` untimed rounds).
+    """Trimmed mean seconds of each synthetic step (after ``warmup`` untimed
+    rounds): the fastest and slowest fifth of the runs are dropped, the rest
+    averaged.
 
-    The mean, not the median: a simulator adds step times up, and on a busy
-    or memory-bound CPU a step's time is skewed towards slow runs.
+    A mean rather than the median, because a simulator adds step times up and
+    on a busy or memory-bound CPU a step's time is skewed towards slow runs;
+    trimmed, so that one stray run does not move the fit.
     """
     spec = executor.spec
     plans = [
@@ -96,7 +99,13 @@ def time_steps(
             t0 = time.perf_counter()
             executor.execute(plan)
             times[i].append(time.perf_counter() - t0)
-    return [statistics.fmean(t) for t in times]
+    return [_trimmed_mean(t) for t in times]
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    cut = len(values) // 5
+    kept = sorted(values)[cut : len(values) - cut]
+    return statistics.fmean(kept)
 
 
 def _room(spec: RunnerSpec) -> int:

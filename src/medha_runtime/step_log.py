@@ -13,7 +13,9 @@ one JSON object per line for every batch it runs::
 The gap between two consecutive ``start_s`` is the whole iteration as a
 client sees it: the three phases above plus whatever the caller does between
 steps (the server's detokenising and streaming). :func:`read_step_log` reads
-the file back; :func:`step_overheads` measures that per-step overhead.
+the file back; :func:`step_overheads` measures that per-step overhead, and
+:func:`check_predictions` prices the logged steps with a cost model (a
+profile, say) to compare with what they took.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import IO
 
+from medha_sched.cost import BatchWork, CostModel
 from medha_sched.output import ScheduleOutput
 
 
@@ -157,4 +160,44 @@ def step_overheads(records: Sequence[StepRecord], *, max_idle_s: float = 0.05) -
     )
 
 
-__all__ = ["StepLog", "StepOverhead", "StepRecord", "read_step_log", "step_overheads"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PredictionCheck:
+    """A cost model's predictions against the executor times of logged steps.
+
+    Attributes:
+        steps: steps compared.
+        measured_s: total ``execute_s``.
+        predicted_s: total predicted seconds.
+        median_ratio: median over steps of ``execute_s / predicted``.
+    """
+
+    steps: int
+    measured_s: float
+    predicted_s: float
+    median_ratio: float
+
+
+def check_predictions(model: CostModel, records: Sequence[StepRecord]) -> PredictionCheck:
+    """Price every logged step with ``model`` (one KVP group, every item a tail
+    item, as this log records single-group layouts) and compare."""
+    if not records:
+        raise ValueError("the step log is empty")
+    predicted = [model.predict(BatchWork.single_group(*r.items)) for r in records]
+    ratios = [r.execute_s / p for r, p in zip(records, predicted, strict=True) if p > 0]
+    return PredictionCheck(
+        steps=len(records),
+        measured_s=sum(r.execute_s for r in records),
+        predicted_s=sum(predicted),
+        median_ratio=statistics.median(ratios) if ratios else float("nan"),
+    )
+
+
+__all__ = [
+    "PredictionCheck",
+    "StepLog",
+    "StepOverhead",
+    "StepRecord",
+    "check_predictions",
+    "read_step_log",
+    "step_overheads",
+]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from medha_runtime import LLM, SamplingParams
-from medha_runtime.step_log import StepRecord, read_step_log, step_overheads
+from medha_runtime.step_log import StepRecord, check_predictions, read_step_log, step_overheads
 from medha_sched import AffineCostModel
 from medha_sched.cost import BatchWork
 
@@ -46,6 +46,14 @@ def test_records_match_the_engine(tmp_path):
     assert max(q for r in records for q, _ in r.items) == 32
     starts = sorted(kv for r in records for q, kv in r.items if q > 1)
     assert starts[:3] == [0, 0, 0]
+    check = check_predictions(COST, records)
+    assert check.steps == len(records)
+    assert check.predicted_s == pytest.approx(sum(r.predicted_s for r in records))
+    assert check.measured_s == pytest.approx(sum(r.execute_s for r in records))
+    twice = AffineCostModel(base=2e-3, per_token=2e-5, per_attn=2e-9)
+    assert check_predictions(twice, records).median_ratio == pytest.approx(check.median_ratio / 2)
+    with pytest.raises(ValueError, match="empty"):
+        check_predictions(COST, [])
 
 
 def test_bad_lines_and_paths_are_named(tmp_path):

@@ -425,6 +425,26 @@ def test_table_fit_keeps_base_positive_on_noisy_first_points():
     assert fitted.linear_time(1) == 0.0
 
 
+def test_table_fit_averages_a_slow_outlier_instead_of_lifting_later_points():
+    from medha_sched.cost.table import _isotonic
+
+    assert _isotonic([1, 5, 2, 3, 10], [1, 1, 1, 1, 1]) == pytest.approx(
+        [1, 10 / 3, 10 / 3, 10 / 3, 10]
+    )
+    assert _isotonic([4, 1], [3, 1]) == pytest.approx([3.25, 3.25])
+    assert _isotonic([1, 2, 2, 7], [1, 2, 1, 1]) == [1, 2, 2, 7]
+    slow = 0.02  # one decode batch of 8 ran 20 ms slow
+    samples = []
+    for items in [[(q, kv)] for q in (1, 64, 512, 2048) for kv in (0, 4096)] + [
+        [(1, 1000)] * n for n in (2, 8, 32, 128, 256)
+    ]:
+        batch = BatchWork.single_group(*items)
+        samples.append((batch, AFFINE_1.predict(batch) + (slow if len(items) == 8 else 0.0)))
+    fitted = TableCostModel.fit(samples, per_request_s=0.0)
+    big = BatchWork.single_group(*[(1, 1000)] * 256)
+    assert fitted.predict(big) - AFFINE_1.predict(big) < slow / 2  # a running max adds all 20 ms
+
+
 def test_table_per_request_field_round_trips_and_is_optional(tmp_path):
     data = table_with(per_request_s=2.5e-4)
     path = tmp_path / "t.json"
