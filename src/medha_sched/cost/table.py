@@ -276,7 +276,8 @@ class TableCostModel(AggregateCostModel):
         ``D(n) = seconds - n * attention(1, kv + 1) = base_s + linear(n) + n * per_request_s``,
         so ``per_request_s`` defaults to the median of ``(D(n) - I(n)) / (n - 1)``
         over the decode batches whose ``n`` lies within the sampled ``q``
-        (``I`` interpolated; 0 without decode batches, never negative).
+        (``I`` interpolated; 0 without decode batches, never negative, and at
+        most half the smallest intercept, which holds a positive base too).
         The ``base_s + linear`` points are made non-decreasing by weighted
         isotonic regression. ``base_s`` defaults to their first segment
         extended to 0 tokens. Repeated samples are averaged. Exact for affine
@@ -513,7 +514,8 @@ def _fit_per_request(intercepts: dict[int, float], spent: dict[tuple[int, int], 
     estimates.sort()
     mid = len(estimates) // 2
     median = estimates[mid] if len(estimates) % 2 else (estimates[mid - 1] + estimates[mid]) / 2
-    return max(median, 0.0)
+    # a single request's intercept holds one per-request cost and a positive base
+    return min(max(median, 0.0), 0.5 * max(min(ys), 0.0))
 
 
 def _extrapolate(px: Sequence[float], py: Sequence[float], x: float) -> float:
@@ -543,6 +545,6 @@ def _fit_base(tokens: Sequence[int], totals: Sequence[float]) -> float:
     base = min(c0 - (c1 - c0) / (t1 - t0) * t0, c0)
     if not base > 0:
         base = c0
-    if not base > 0:
+    if not base > 0:  # only with per_request_s given larger than the timings allow
         raise ValueError(f"fit: estimated base_s={base!r} is not > 0; pass base_s explicitly")
     return base
