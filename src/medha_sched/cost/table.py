@@ -277,11 +277,10 @@ class TableCostModel(AggregateCostModel):
         so ``per_request_s`` defaults to the median of ``(D(n) - I(n)) / (n - 1)``
         over the decode batches whose ``n`` lies within the sampled ``q``
         (``I`` interpolated; 0 without decode batches, never negative, and at
-        most half the smallest intercept, which holds a positive base too).
-        The ``base_s + linear`` points are made non-decreasing by weighted
-        isotonic regression. ``base_s`` defaults to their first segment
-        extended to 0 tokens. Repeated samples are averaged. Exact for affine
-        timings.
+        most half the smallest ``q``'s intercept, which holds a positive base
+        too).
+        ``base_s`` defaults to the linear points' line extended to 0 tokens.
+        Repeated samples are averaged. Exact for affine timings.
         """
         singles, decodes = _split_samples(samples)
         qs, xs, rows, intercepts = _fit_attention(singles)
@@ -304,7 +303,7 @@ class TableCostModel(AggregateCostModel):
         for (n, _), d in spent.items():
             points.setdefault(n, []).append(d - n * per_request_s)
         tokens = sorted(points)
-        totals = _isotonic([_mean(points[t]) for t in tokens], [len(points[t]) for t in tokens])
+        totals = [_mean(points[t]) for t in tokens]
         base = _fit_base(tokens, totals) if base_s is None else base_s
         lin = tuple(accumulate((max(c - base, 0.0) for c in totals), max))
         return cls(
@@ -514,28 +513,14 @@ def _fit_per_request(intercepts: dict[int, float], spent: dict[tuple[int, int], 
     estimates.sort()
     mid = len(estimates) // 2
     median = estimates[mid] if len(estimates) % 2 else (estimates[mid - 1] + estimates[mid]) / 2
-    # a single request's intercept holds one per-request cost and a positive base
-    return min(max(median, 0.0), 0.5 * max(min(ys), 0.0))
+    # the smallest request's intercept holds one per-request cost and a positive base
+    return min(max(median, 0.0), 0.5 * max(ys[0], 0.0))
 
 
 def _extrapolate(px: Sequence[float], py: Sequence[float], x: float) -> float:
     """Linear through ``(px, py)``, extended by the end segments."""
     j = min(max(bisect_right(px, x) - 1, 0), len(px) - 2)
     return py[j] + (x - px[j]) * (py[j + 1] - py[j]) / (px[j + 1] - px[j])
-
-
-def _isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence nearest ``values`` in weighted least squares
-    (pool adjacent violators): one slow outlier is averaged with its neighbours
-    instead of lifting every later point, as a running maximum would."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values, weights, strict=True):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks[-1]
-            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    return [m for m, _, n in blocks for _ in range(int(n))]
 
 
 def _fit_base(tokens: Sequence[int], totals: Sequence[float]) -> float:
