@@ -75,13 +75,16 @@ def time_steps(
     repeats: int = 3,
     warmup: int = 1,
 ) -> list[float]:
-    """Trimmed mean seconds of each synthetic step (after ``warmup`` untimed
-    rounds): the fastest and slowest fifth of the runs are dropped, the rest
-    averaged.
+    """Trimmed mean seconds of each synthetic step: each step runs ``warmup``
+    times untimed, then ``repeats`` times back to back; the fastest and slowest
+    fifth of those runs are dropped and the rest averaged.
 
-    A mean rather than the median, because a simulator adds step times up and
-    on a busy or memory-bound CPU a step's time is skewed towards slow runs;
-    trimmed, so that one stray run does not move the fit.
+    Back to back, because a step timed right after a much larger one pays for
+    the caches that one emptied (a 2-request decode after a 24K-context
+    prefill ran 30-50% slow on a CPU), and a served step mostly follows one
+    like it. A mean rather than the median, because a simulator adds step
+    times up and on a busy or memory-bound CPU a step's time is skewed
+    towards slow runs; trimmed, so that one stray run does not move the fit.
     """
     spec = executor.spec
     plans = [
@@ -90,16 +93,17 @@ def time_steps(
         )
         for i, b in enumerate(batches)
     ]
-    for _ in range(warmup):
-        for plan in plans:
+    means = []
+    for plan in plans:
+        for _ in range(warmup):
             executor.execute(plan)
-    times: list[list[float]] = [[] for _ in plans]
-    for _ in range(repeats):
-        for i, plan in enumerate(plans):
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             executor.execute(plan)
-            times[i].append(time.perf_counter() - t0)
-    return [_trimmed_mean(t) for t in times]
+            times.append(time.perf_counter() - t0)
+        means.append(_trimmed_mean(times))
+    return means
 
 
 def _trimmed_mean(values: list[float]) -> float:
