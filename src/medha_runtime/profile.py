@@ -75,16 +75,18 @@ def time_steps(
     repeats: int = 3,
     warmup: int = 1,
 ) -> list[float]:
-    """Trimmed mean seconds of each synthetic step: each step runs ``warmup``
-    times untimed, then ``repeats`` times back to back; the fastest and slowest
-    fifth of those runs are dropped and the rest averaged.
+    """Trimmed mean seconds of each synthetic step, after ``warmup`` untimed
+    rounds: ``repeats`` rounds over all the steps in turn, the fastest and
+    slowest fifth of each step's runs dropped and the rest averaged.
 
-    Back to back, because a step timed right after a much larger one pays for
-    the caches that one emptied (a 2-request decode after a 24K-context
-    prefill ran 30-50% slow on a CPU), and a served step mostly follows one
-    like it. A mean rather than the median, because a simulator adds step
-    times up and on a busy or memory-bound CPU a step's time is skewed
-    towards slow runs; trimmed, so that one stray run does not move the fit.
+    In turn rather than back to back: a small step repeated back to back keeps
+    its KV in the CPU's caches, which a served step, among other requests'
+    KV, does not (a 128-request decode at 4K context cost 3.2 ms a request,
+    a lone decode 3.3 ms in all). A mean rather than the median, because a
+    simulator adds step times up and on a busy or memory-bound CPU a step's
+    time is skewed towards slow runs; trimmed, so that one stray run (a step
+    timed right after a far larger one pays for the caches that one
+    emptied) does not move the fit.
     """
     spec = executor.spec
     plans = [
@@ -93,17 +95,16 @@ def time_steps(
         )
         for i, b in enumerate(batches)
     ]
-    means = []
-    for plan in plans:
-        for _ in range(warmup):
+    for _ in range(warmup):
+        for plan in plans:
             executor.execute(plan)
-        times = []
-        for _ in range(repeats):
+    times: list[list[float]] = [[] for _ in plans]
+    for _ in range(repeats):
+        for i, plan in enumerate(plans):
             t0 = time.perf_counter()
             executor.execute(plan)
-            times.append(time.perf_counter() - t0)
-        means.append(_trimmed_mean(times))
-    return means
+            times[i].append(time.perf_counter() - t0)
+    return [_trimmed_mean(t) for t in times]
 
 
 def _trimmed_mean(values: list[float]) -> float:
