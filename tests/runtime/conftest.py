@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.runtime.checkpoints import SPECS, build_checkpoint
 
@@ -19,3 +20,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (two-core CI machines run ranks side by side)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

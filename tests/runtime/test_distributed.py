@@ -11,7 +11,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.executor import MultiprocExecutor, WorkerError
@@ -27,12 +26,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 COMMON = {"cost_model": COST, "policy": "fcfs", "chunk_size": 16, "kv_cache_tokens": 1024}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.model import ConfigError, MissingFileError
@@ -19,12 +18,7 @@ NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -14,12 +14,7 @@ COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 PROMPTS = ["Hello there", "The quick brown fox", "Medha schedules long prompts"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import json
 from itertools import pairwise
 
 import pytest
-import torch
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.step_log import StepRecord, check_predictions, read_step_log, step_overheads
@@ -16,12 +15,7 @@ from medha_sched.cost import BatchWork
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_records_match_the_engine(tmp_path):
