@@ -8,7 +8,8 @@ one JSON object per line for every batch it runs::
      "execute_s": 0.0521,                    # the executor (forward pass and sampling)
      "finish_s": 0.0002,                     # results back into the scheduler
      "predicted_s": 0.0498,                  # the cost model's latency for the batch
-     "items": [[1, 300], [512, 1024]]}       # [query tokens, KV tokens cached before]
+     "items": [[1, 300], [512, 1024]],       # [query tokens, KV tokens cached before]
+     "requests": ["a", "b"]}                 # the items' request ids
 
 The gap between two consecutive ``start_s`` is the whole iteration as a
 client sees it: the three phases above plus whatever the caller does between
@@ -43,6 +44,7 @@ class StepRecord:
     finish_s: float
     predicted_s: float
     items: tuple[tuple[int, int], ...]
+    requests: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +59,7 @@ class StepRecord:
             "finish_s": round(self.finish_s, 6),
             "predicted_s": round(self.predicted_s, 6),
             "items": [list(i) for i in self.items],
+            "requests": list(self.requests),
         }
 
 
@@ -86,6 +89,7 @@ class StepLog:
             finish_s=t3 - t2,
             predicted_s=out.predicted_time,
             items=tuple((c.num_tokens, c.start) for c in out.chunks),
+            requests=tuple(c.request_id for c in out.chunks),
         )
         self._file.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
 
@@ -114,6 +118,7 @@ def read_step_log(path: str | os.PathLike[str]) -> list[StepRecord]:
                         finish_s=float(d["finish_s"]),
                         predicted_s=float(d["predicted_s"]),
                         items=items,
+                        requests=tuple(str(r) for r in d.get("requests", ())),
                     )
                 )
             except (ValueError, KeyError, TypeError) as exc:

@@ -38,6 +38,8 @@ def test_records_match_the_engine(tmp_path):
     total = sum(r.num_tokens for r in records)
     assert total == stats.prefill_tokens + stats.decode_tokens == sum(map(len, prompts)) + 3 * 5
     assert max(r.num_tokens for r in records) == 32
+    assert all(len(r.requests) == len(r.items) for r in records)
+    assert len({rid for r in records for rid in r.requests}) == len(prompts)
     starts = sorted(kv for r in records for q, kv in r.items if q > 1)
     assert starts[:3] == [0, 0, 0]
     check = check_predictions(COST, records)

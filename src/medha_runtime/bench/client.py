@@ -1,8 +1,9 @@
 """One streaming ``POST /v1/completions`` over httpx, timed chunk by chunk.
 
-TTFT is the time from sending to the first chunk that carries generated text
-(or, if no chunk carries text, the first chunk with a choice); each later
-content chunk adds an inter-token latency. With ``stream_options.include_usage``
+TTFT is the time from sending to the first chunk with a choice, text or not
+(a token whose text is held back still arrives as a chunk with empty text),
+as vLLM's benchmark counts it; each later chunk with a choice adds an
+inter-token latency. With ``stream_options.include_usage``
 the server's final usage chunk gives exact token counts; without it the
 content chunks are counted. Every failure (HTTP status, an error event, a
 broken or unfinished stream, a timeout) is recorded with the server's message.
@@ -91,17 +92,17 @@ class _Stream:
         if not choices:
             return
         choice = choices[0]
-        if self.first_choice is None:
-            self.first_choice = now
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
-        if _text(choice):
-            if self.last is None:
-                record.ttft_s = now - self.start
-            else:
-                record.itl_s.append(now - self.last)
-            self.last = now
-            self.chunks += 1
+            if not _text(choice) and self.first_choice is not None:
+                return  # a bare finish chunk carries no token
+        if self.first_choice is None:
+            self.first_choice = now
+            record.ttft_s = now - self.start
+        else:
+            record.itl_s.append(now - self.last)
+        self.last = now
+        self.chunks += 1
 
     def finish(self, record: RequestRecord, now: float) -> None:
         if not self.done:
@@ -113,8 +114,6 @@ class _Stream:
             record.prompt_tokens = int(self.usage.get("prompt_tokens") or record.prompt_tokens)
         else:
             record.output_tokens = self.chunks
-        if record.ttft_s is None and self.first_choice is not None:
-            record.ttft_s = self.first_choice - self.start
         if record.output_tokens < 1 or record.ttft_s is None:
             record.error = "the server generated no tokens"
         elif record.output_tokens > 1:

@@ -16,10 +16,11 @@ class RequestRecord:
         max_tokens: output length asked for.
         arrival_s: scheduled send time from the start of the run.
         start_s: actual send time from the start (later under ``--max-concurrency``).
-        output_tokens: the server's ``usage.completion_tokens``, else content chunks counted.
-        ttft_s: send to the first chunk carrying generated text.
+        output_tokens: the server's ``usage.completion_tokens``, else token chunks counted.
+        ttft_s: send to the first chunk with a choice (the first token, its text
+            possibly held back).
         tpot_s: ``(e2e - ttft) / (output_tokens - 1)``; ``None`` for one token.
-        itl_s: gaps between successive content chunks.
+        itl_s: gaps between successive token chunks.
         e2e_s: send to the end of the stream.
         finish_reason: the server's, from the last choice that had one.
         ttft_slo_s, tpot_slo_s: the request's own SLOs (from a trace), if any.

@@ -403,8 +403,11 @@ def build_app(config: ServerConfig) -> FastAPI:
                     break
                 if delta.finish_reason is not None:
                     left -= 1
-                if not delta.new_text and delta.finish_reason is None:
-                    continue  # no text yet (a prefill chunk or a held-back byte)
+                if not delta.new_token_ids and not delta.new_text and delta.finish_reason is None:
+                    continue  # a prefill chunk: nothing generated yet
+                # a token whose text is held back (part of a character, or of a possible
+                # stop string) still gets a chunk, with empty text, as vLLM sends it:
+                # streaming clients see the first token when it is made
                 choice: dict[str, Any]
                 if chat:
                     d: dict[str, Any] = {}
