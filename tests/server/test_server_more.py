@@ -191,3 +191,25 @@ def test_max_body_bytes_flag(server: Server) -> None:
     assert "error" in r.json() and str(BODY_LIMIT) in r.json()["error"]["message"]
     ok = {"model": "tiny", "prompt": "a" * 100, "max_tokens": 1}
     assert httpx.post(url, json=ok, headers=server.headers, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--cost-model", "table:/no/such/profile.json"], "cannot read table file"),
+        (["--step-log", "/no/such/dir/steps.jsonl"], "cannot write the step log"),
+    ],
+)
+def test_engine_start_failure_is_one_line(tmp_path, flags: list[str], needle: str) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", "--port", "0", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("medha-runtime serve: error: the engine failed to start:")
+        and needle in last
+    )

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from medha_runtime.engine import load_model_info
 from medha_runtime.sampling import SamplingParams
 from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from medha_runtime.server.client import EngineClient, Failure
+from medha_runtime.server.client import EngineClient, EngineDeadError, Failure
 from medha_runtime.server.engine_proc import AddRequest, EngineArgs, RequestDelta
 from medha_runtime.server.metrics import ServerMetrics
 from medha_runtime.server.protocol import (
@@ -107,7 +107,16 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await client.start()
+        try:
+            await client.start()
+        except EngineDeadError as exc:
+            # no traceback from the ASGI lifespan: stop at once, and let the runner
+            # report this one line (``run_server`` raises it)
+            app.state.start_error = str(exc)
+            if app.state.request_exit is not None:
+                app.state.request_exit()
+            yield
+            return
         try:
             yield
         finally:
@@ -118,6 +127,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.state.client = client
     app.state.metrics = metrics
     app.state.request_exit = None  # the runner sets it: a callable that stops the server
+    app.state.start_error = None  # why the engine did not start, if it did not
 
     def on_engine_dead(why: str) -> None:
         wait, stop = config.exit_after_engine_death_s, app.state.request_exit

@@ -58,6 +58,8 @@ def run_server(
     # uvicorn re-raises Ctrl-C once it stopped; uvicorn.run swallows it, so do we
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+    if app.state.start_error is not None:
+        raise EngineDeadError(app.state.start_error)
     if not server.started:
         sys.exit(3)  # what uvicorn.run does when start-up fails (the log says why)
     dead = app.state.client.dead
