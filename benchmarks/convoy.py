@@ -41,7 +41,7 @@ import httpx
 
 from medha_runtime.step_log import check_predictions, read_step_log, step_overheads
 from medha_sched import TableCostModel
-from medha_sched.sim.metrics import percentile
+from medha_sched.sim.metrics import percentile, read_requests
 
 PY = sys.executable
 
@@ -157,7 +157,7 @@ def measured(result: Path) -> dict[str, float]:
 
 
 def simulated(run_dir: Path) -> dict[str, float]:
-    rows = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    rows = read_requests(run_dir / "requests.jsonl")
     short = [r["ttft_s"] for r in rows if r["id"].startswith("s") and r["ttft_s"] is not None]
     tpots = [r["tpot_s"] for r in rows if r["tpot_s"] is not None]
     return {
@@ -180,20 +180,12 @@ def step_check(steps: Path, profile: Path) -> dict[str, float]:
     }
 
 
-def variants(chunk: int) -> list[tuple[str, list[str], list[str]]]:
-    """(label, serve flags, medha-sim flags)."""
+def variants(chunk: int) -> list[tuple[str, list[str]]]:
+    """(label, policy flags), the same for ``serve`` and ``medha-sim run``."""
     return [
-        ("lars-mp", ["--policy", "lars-mp"], ["--policy", "lars-mp"]),
-        (
-            f"fcfs@{chunk}",
-            ["--policy", "fcfs", "--chunk-size", str(chunk)],
-            ["--policy", "fcfs", "--chunk-size", str(chunk)],
-        ),
-        (
-            "fcfs@0",
-            ["--policy", "fcfs", "--chunk-size", "0"],
-            ["--policy", "fcfs", "--chunk-size", "0"],
-        ),
+        ("lars-mp", ["--policy", "lars-mp"]),
+        (f"fcfs@{chunk}", ["--policy", "fcfs", "--chunk-size", str(chunk)]),
+        ("fcfs@0", ["--policy", "fcfs", "--chunk-size", "0"]),
     ]
 
 
@@ -319,12 +311,12 @@ def main() -> None:
     ]
     rows, sims = {}, {}
     only = set(args.only.split(",")) if args.only else None
-    for label, serve_flags, sim_flags in variants(args.chunk_size):
+    for label, policy_flags in variants(args.chunk_size):
         if only and label not in only:
             continue
         proc, url = start_server(
             [
-                *serve_flags,
+                *policy_flags,
                 *common,
                 "--max-model-len",
                 "32768",
@@ -373,7 +365,7 @@ def main() -> None:
                 "run",
                 "--trace",
                 str(trace),
-                *sim_flags,
+                *policy_flags,
                 *common,
                 "--out",
                 str(sim_dir),

@@ -58,9 +58,9 @@ class DistConfig:
     keepalive_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, 2)
-        _check_int("local_ranks", self.local_ranks, 1)
-        _check_int("master_port", self.master_port, 1)
+        check_int("world_size", self.world_size, 2)
+        check_int("local_ranks", self.local_ranks, 1)
+        check_int("master_port", self.master_port, 1)
         if self.master_port > 65535:
             raise ValueError(f"master_port must be at most 65535, got {self.master_port}")
         if self.local_ranks > self.world_size:
@@ -80,9 +80,11 @@ class DistConfig:
             )
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an integer >= ``minimum``; else a ``ValueError`` naming ``name``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:

@@ -140,9 +140,8 @@ class DistributedExecutor:
     def _keepalive(self) -> None:
         period = self.config.keepalive_s
         while not self._stop.wait(min(period, 0.5)):
-            dead = [p for p in self.processes if not p.is_alive()]
-            if dead:
-                self.failed = f"worker {dead[0].name} exited with code {dead[0].exitcode}"
+            self.check_workers()
+            if self.failed is not None:
                 return
             if time.monotonic() - self._last < period or not self._lock.acquire(blocking=False):
                 continue
@@ -154,6 +153,14 @@ class DistributedExecutor:
                 return
             finally:
                 self._lock.release()
+
+    def check_workers(self) -> None:
+        """Notice a worker process on this node that exited (sets :attr:`failed`)."""
+        if self.failed is not None:
+            return
+        dead = [p for p in self.processes if not p.is_alive()]
+        if dead:
+            self.failed = f"worker {dead[0].name} exited with code {dead[0].exitcode}"
 
     def shutdown(self) -> None:
         """Tell every rank to exit, wait for this node's workers, leave the world."""

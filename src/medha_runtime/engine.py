@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from medha_runtime.dist_config import DistConfig
+from medha_runtime.dist_config import DistConfig, check_int
 from medha_runtime.executor import WorkerError, make_executor
 from medha_runtime.model import ModelConfig, load_config
 from medha_runtime.model.config import dtype_name, resolve_dtype
@@ -90,12 +90,6 @@ def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer | None]:
     except MissingFileError:
         tokenizer = None
     return config, tokenizer
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 @dataclass
@@ -172,7 +166,7 @@ class LLMEngine:
         self.config, self.tokenizer = load_model_info(model)
         config = self.config
         for name, value in (("tp", tp), ("spp", spp), ("kvp", kvp)):
-            _check_int(name, value, 1)
+            check_int(name, value, 1)
         if config.num_kv_heads % tp or config.intermediate_size % tp:
             raise ValueError(
                 f"tp={tp} must divide the model's {config.num_kv_heads} KV heads and its "
@@ -180,8 +174,8 @@ class LLMEngine:
             )
         if spp > config.num_layers:
             raise ValueError(f"spp={spp} exceeds the model's {config.num_layers} layers")
-        _check_int("block_size", block_size, 1)
-        _check_int("seed", seed, 0)
+        check_int("block_size", block_size, 1)
+        check_int("seed", seed, 0)
         self.layout = ParallelDegrees(tp=tp, spp=spp, kvp=kvp)
         dtype = dtype if isinstance(dtype, str) and dtype == "auto" else dtype_name(dtype)
         torch_dtype = resolve_dtype(dtype, config)
@@ -199,7 +193,7 @@ class LLMEngine:
         # ---- context and KV memory
         limit = config.max_position_embeddings
         if max_model_len is not None:
-            _check_int("max_model_len", max_model_len, 2)
+            check_int("max_model_len", max_model_len, 2)
             if max_model_len > limit:
                 raise ValueError(
                     f"max_model_len={max_model_len} exceeds the model's "
@@ -207,7 +201,7 @@ class LLMEngine:
                 )
         want = max_model_len or limit
         if kvp_group_tokens is not None:
-            _check_int("kvp_group_tokens", kvp_group_tokens, 1)
+            check_int("kvp_group_tokens", kvp_group_tokens, 1)
             if kvp_group_tokens % block_size:
                 raise ValueError(
                     f"kvp_group_tokens={kvp_group_tokens} must be a multiple of "
@@ -225,7 +219,7 @@ class LLMEngine:
             spp=spp,
         )
         if kv_cache_tokens is not None:
-            _check_int("kv_cache_tokens", kv_cache_tokens, block_size)
+            check_int("kv_cache_tokens", kv_cache_tokens, block_size)
             pool = kv_cache_tokens
         else:
             budget = _kv_budget_bytes(device, config, torch_dtype, self.layout.world_size, tp * spp)
@@ -462,6 +456,11 @@ class LLMEngine:
     # ------------------------------------------------------------------- step
     def _now(self) -> float:
         return time.monotonic() - self._clock0
+
+    def worker_failure(self) -> str | None:
+        """Why the workers can run no more steps (a dead worker is looked for now), or None."""
+        self.executor.check_workers()
+        return self.executor.failed
 
     def _check_alive(self) -> None:
         if self.dead is not None:

@@ -45,7 +45,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, Protocol
 
-from medha_runtime.dist_config import DistConfig
+from medha_runtime.dist_config import DistConfig, set_threads
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import ModelRunner, RunnerSpec
 from medha_runtime.sampling import Sampled
@@ -57,9 +57,15 @@ class WorkerError(RuntimeError):
 
 class Executor(Protocol):
     spec: RunnerSpec
+    #: why the workers can run no more steps, or None
+    failed: str | None
 
     def execute(self, plan: StepPlan) -> list[Sampled]:
         """Run one step on every rank; return the sampled rows in plan order."""
+        ...
+
+    def check_workers(self) -> None:
+        """Between steps: notice a worker that died (sets :attr:`failed`)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -74,6 +80,10 @@ class InProcessExecutor:
         self.spec = spec
         self.runner = ModelRunner(spec)
         self.closed = False
+        self.failed: str | None = None  # no workers to lose
+
+    def check_workers(self) -> None:
+        """Nothing to check: the model runs in this process."""
 
     def execute(self, plan: StepPlan) -> list[Sampled]:
         if self.closed:
@@ -91,8 +101,7 @@ def _worker_main(rank: int, spec: RunnerSpec, init_method: str, conn: Connection
 
     state = None
     try:
-        threads = spec.num_threads or max(1, (os.cpu_count() or 1) // spec.world_size)
-        torch.set_num_threads(threads)
+        set_threads(spec, spec.world_size)
         from medha_parallel import ParallelLayout, ParallelState
         from medha_runtime.runner import resolve_device
 

@@ -38,6 +38,8 @@ class BenchRequest:
         output_tokens: tokens to generate (``max_tokens``).
         arrival_s: the dataset's own arrival time, or ``None``.
         text: the prompt text, when the dataset has one (ShareGPT).
+        text_ids: ``text`` encoded (special tokens included), when the loader
+            already had to encode it; saves encoding it again.
         ttft_slo_s, tpot_slo_s, priority: per-request SLOs and priority (traces).
     """
 
@@ -46,6 +48,7 @@ class BenchRequest:
     output_tokens: int
     arrival_s: float | None = None
     text: str | None = None
+    text_ids: tuple[int, ...] | None = None
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     priority: int = 0

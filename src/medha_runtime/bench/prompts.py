@@ -57,9 +57,10 @@ def prepare(
         )
     rng = np.random.default_rng([seed, 1])
     pool = np.asarray(token_pool(source), dtype=np.int64)
+    special = len(source.encode("", special=True)) if prompt_format == "text" else 0
     out = []
     for r in requests:
-        prompt, n = _prompt(r, prompt_format, source, rng, pool)
+        prompt, n = _prompt(r, prompt_format, source, rng, pool, special)
         out.append(
             PreparedRequest(
                 id=r.id,
@@ -81,24 +82,36 @@ def _prompt(
     source: TokenSource | None,
     rng: np.random.Generator,
     pool: np.ndarray,
+    special: int,
 ) -> tuple[list[int] | str, int]:
     if r.text is not None:
         if fmt == "text":
             return r.text, r.prompt_tokens
+        if r.text_ids is not None:
+            return list(r.text_ids), len(r.text_ids)
         assert source is not None  # the ShareGPT loader needs one too
         ids = source.encode(r.text, special=True)
         return ids, len(ids)
     if fmt == "tokens":
         return _draw(rng, pool, r.prompt_tokens), r.prompt_tokens
     assert source is not None
-    return text_of_length(source, rng, pool, r.prompt_tokens)
+    return text_of_length(source, rng, pool, r.prompt_tokens, special=special)
 
 
 def text_of_length(
-    source: TokenSource, rng: np.random.Generator, pool: np.ndarray, n: int
+    source: TokenSource,
+    rng: np.random.Generator,
+    pool: np.ndarray,
+    n: int,
+    *,
+    special: int | None = None,
 ) -> tuple[str, int]:
-    """Text that encodes (special tokens included) to about ``n`` tokens, and its length."""
-    special = len(source.encode("", special=True))
+    """Text that encodes (special tokens included) to about ``n`` tokens, and its length.
+
+    ``special``: how many tokens ``source`` adds to any text (computed when None).
+    """
+    if special is None:
+        special = len(source.encode("", special=True))
     body = max(1, n - special)
     text = source.decode(_draw(rng, pool, body))
     ids = source.encode(text, special=False)

@@ -45,7 +45,8 @@ def load_sharegpt(
         pair = pairs[i]
         if pair is None:
             continue
-        prompt_len = len(source.encode(pair[0], special=True))
+        prompt_ids = source.encode(pair[0], special=True)
+        prompt_len = len(prompt_ids)
         output_len = len(source.encode(pair[1], special=False))
         if output_len < 1 or (max_prompt_tokens is not None and prompt_len > max_prompt_tokens):
             continue
@@ -53,7 +54,11 @@ def load_sharegpt(
             output_len = min(output_len, max_output_tokens)
         out.append(
             BenchRequest(
-                id=f"sharegpt-{i}", prompt_tokens=prompt_len, output_tokens=output_len, text=pair[0]
+                id=f"sharegpt-{i}",
+                prompt_tokens=prompt_len,
+                output_tokens=output_len,
+                text=pair[0],
+                text_ids=tuple(prompt_ids),
             )
         )
         if len(out) == num_prompts:

@@ -284,10 +284,7 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any) -> None
             last_beat = now
             if os.getppid() != parent_pid:  # the HTTP process is gone
                 return
-            check = getattr(engine.executor, "check_workers", None)
-            if check is not None:
-                check()  # a worker that died while idle is seen here, not at the next step
-            failed = getattr(engine.executor, "failed", None)
+            failed = engine.worker_failure()  # one that died while idle is seen here
             if failed is not None:
                 _fail_all(engine, tracks, send, f"the workers failed: {failed}")
                 raise _EngineDead(f"the workers failed: {failed}")

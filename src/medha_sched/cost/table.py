@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+import statistics
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -156,17 +157,21 @@ class TableCostModel(AggregateCostModel):
         return min(a + (q_tokens - qs[i]) * self._q_inv[i] * (b - a), b)
 
     def _tiled(self, q: float, kv_attended: float, causal: bool) -> float:
-        big = self.attention_q[-1]
+        xs, last = self.attention_kv, len(self.attention_q) - 1
+        big = self.attention_q[last]
         pieces = math.ceil(q / big)
         first = q - (pieces - 1) * big
         if not causal:
-            rest = (pieces - 1) * self.attention_time(big, kv_attended)
+            rest = (pieces - 1) * self._row(last, kv_attended, bisect_right(xs, kv_attended) - 1)
             return self.attention_time(first, kv_attended) + rest
         seen = max(kv_attended - q, 0.0) + first
         total = self.attention_time(first, seen)
-        for _ in range(pieces - 1):
+        j = 0
+        for _ in range(pieces - 1):  # full tiles: the last row, at a growing KV
             seen += big
-            total += self.attention_time(big, seen)
+            j = bisect_right(xs, seen, j) - 1
+            total += self._row(last, seen, j)
+            j = max(j, 0)
         return total
 
     def _row(self, i: int, x: float, j: int) -> float:
@@ -510,9 +515,7 @@ def _fit_per_request(intercepts: dict[int, float], spent: dict[tuple[int, int], 
     ]
     if not estimates:
         return 0.0
-    estimates.sort()
-    mid = len(estimates) // 2
-    median = estimates[mid] if len(estimates) % 2 else (estimates[mid - 1] + estimates[mid]) / 2
+    median = statistics.median(estimates)
     # the smallest request's intercept holds one per-request cost and a positive base
     return min(max(median, 0.0), 0.5 * max(ys[0], 0.0))
 
