@@ -73,6 +73,29 @@ def test_query_and_key_tiles(monkeypatch, causal, offset) -> None:
     check_attention(q, k, v, q_offset=offset, causal=causal)
 
 
+def test_key_tiles_shrink_as_queries_grow() -> None:
+    from medha_kernels.torch_ref.attention import KV_TILE, MIN_KV_TILE, SCORE_TILE, kv_tile
+
+    assert kv_tile(1, 4) == KV_TILE  # a decode row takes the widest tile
+    assert kv_tile(512, 4) == SCORE_TILE // (512 * 4)
+    assert kv_tile(1 << 20, 64) == MIN_KV_TILE  # never below the floor
+    sizes = [kv_tile(n, 8) for n in (1, 7, 64, 300, 1024)]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_adaptive_key_tiles_match_the_reference(monkeypatch, causal) -> None:
+    # A small score budget: 101 queries x 4 heads get 19-key tiles (odd sizes,
+    # some tiles wholly visible and unmasked, some cut by the causal edge).
+    from medha_kernels.torch_ref import attention as ref_attention
+
+    monkeypatch.setattr(ref_attention, "SCORE_TILE", 101 * 4 * 19)
+    monkeypatch.setattr(ref_attention, "MIN_KV_TILE", 5)
+    assert ref_attention.kv_tile(101, 4) == 19
+    q, k, v = rand(101, 4, 32), rand(190, 2, 32), rand(190, 2, 32)
+    check_attention(q, k, v, q_offset=89, causal=causal)
+
+
 def test_rows_that_see_no_key_are_empty_states() -> None:
     q, k, v = rand(4, 2, 16), rand(6, 2, 16), rand(6, 2, 16)
     o, lse = chunked_prefill_attention(q, k, v, q_offset=-2, backend=B)

@@ -6,8 +6,20 @@ import torch
 
 from medha_kernels.torch_ref.merge import merge_states
 
-KV_TILE = 4096  # keys per tile
-Q_TILE = 1024  # queries per tile: scores stay within Q_TILE * KV_TILE * num_heads floats
+KV_TILE = 4096  # keys per tile, at most
+MIN_KV_TILE = 256  # keys per tile, at least (unless KV_TILE is smaller)
+Q_TILE = 1024  # queries per tile
+# Scores per tile (num_q * num_heads * keys), about 2 MiB in fp32: a tile's
+# temporaries stay in cache instead of streaming through memory. On a 2-core
+# VM a 512-token chunk over 23K keys ran 2-3x faster, and steadier, with
+# 512-key tiles than with 4096-key ones.
+SCORE_TILE = 1 << 19
+
+
+def kv_tile(num_q: int, num_heads: int) -> int:
+    """Keys per tile for ``num_q`` query rows of ``num_heads`` heads."""
+    fit = SCORE_TILE // max(1, num_q * num_heads)
+    return min(KV_TILE, max(MIN_KV_TILE, fit))
 
 
 def _attend_tile(
@@ -62,7 +74,10 @@ def _attend_rows(
     causal: bool,
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query tile q ``[Nq, Hq, D]`` over k/v ``[Nk, Hkv, D]``."""
+    """Attention of one query tile q ``[Nq, Hq, D]`` over k/v ``[Nk, Hkv, D]``.
+
+    Key tiles that every row sees whole skip the causal mask.
+    """
     num_q, hq, _ = q.shape
     group = hq // k.shape[1]
     cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -70,11 +85,14 @@ def _attend_rows(
     last = torch.arange(num_q, device=q.device) + q_offset if causal else None
     # with causal masking no row sees a key past the last row's position
     num_keys = min(k.shape[0], q_offset + num_q) if causal else k.shape[0]
+    tile = kv_tile(num_q, hq)
     outs, lses = [], []
-    for start in range(0, num_keys, KV_TILE):
-        kt = k[start : start + KV_TILE].to(cdtype).repeat_interleave(group, dim=1)
-        vt = v[start : start + KV_TILE].to(cdtype).repeat_interleave(group, dim=1)
-        o, lse = _attend_tile(qc, kt, vt, None if last is None else last - start, sm_scale)
+    for start in range(0, num_keys, tile):
+        kt = k[start : start + tile].to(cdtype).repeat_interleave(group, dim=1)
+        vt = v[start : start + tile].to(cdtype).repeat_interleave(group, dim=1)
+        # the first row (the most restricted) sees keys up to q_offset
+        masked = causal and start + kt.shape[0] - 1 > q_offset
+        o, lse = _attend_tile(qc, kt, vt, last - start if masked else None, sm_scale)
         outs.append(o)
         lses.append(lse)
     if not outs:  # no keys at all: every row is empty
