@@ -9,6 +9,11 @@ against three servers:
 - ``fcfs@CHUNK``: FCFS with a fixed chunk (Sarathi-style);
 - ``fcfs@0``: FCFS without chunking (non-preemptive prefill).
 
+Before the trace, each server gets a probe: a dozen short requests, one at
+a time. Their client TTFT minus their steps' executor time is the time the
+simulator does not see (HTTP, tokenisation, IPC, streaming back); its
+median goes to ``medha-sim run --admission-delay``.
+
 Every server and the simulator use one cost model profiled on this machine
 (``medha-runtime profile tiny``). The same trace then goes through
 ``medha-sim run`` with that profile; simulated short-request P50/P90 TTFT
@@ -32,6 +37,7 @@ import random
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -93,6 +99,35 @@ def make_trace(args: argparse.Namespace, path: Path) -> None:
     print(f"trace: {shorts} short + {args.long_count} long over {args.duration:.0f} s -> {path}")
 
 
+PROBE_REQUESTS = 12
+
+
+def make_probe(path: Path) -> None:
+    """Short prompts one at a time (0.5 s apart), one output token each."""
+    rows = [
+        {"id": f"p{i:02d}", "arrival_s": 0.5 * i, "prompt_tokens": 64 + 29 * i, "output_tokens": 1}
+        for i in range(PROBE_REQUESTS)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def admission_delay(probe_result: Path, steps: Path) -> float:
+    """Median of (client TTFT - executor time) over the probe's requests.
+
+    The probe ran first on an idle server, one request at a time, so the step
+    log's first records are its prefills, in order.
+    """
+    reqs = sorted(json.loads(probe_result.read_text())["requests"], key=lambda r: r["id"])
+    records = read_step_log(steps)[: len(reqs)]
+    if any(r.get("error") for r in reqs) or len(records) < len(reqs):
+        sys.exit(f"the probe failed; see {probe_result}")
+    for req, rec in zip(reqs, records, strict=True):
+        if len(rec.items) != 1 or rec.items[0][1] != 0:
+            sys.exit(f"probe step {rec.step} is {rec.items}, not {req['id']}'s prefill alone")
+    gaps = sorted(req["ttft_s"] - rec.execute_s for req, rec in zip(reqs, records, strict=True))
+    return statistics.median(gaps)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,6 +163,33 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def bench(url: str, trace: Path, result: Path, log: Path) -> None:
+    """Replay ``trace`` against the server at ``url`` with ``medha-runtime bench``."""
+    sh(
+        [
+            PY,
+            "-m",
+            "medha_runtime",
+            "bench",
+            "--base-url",
+            url,
+            "--dataset-name",
+            "trace",
+            "--dataset-path",
+            str(trace),
+            "--no-slo-fields",
+            "--no-progress",
+            "--request-timeout",
+            "600",
+            "--long-threshold",
+            "8192",
+            "--result-file",
+            str(result),
+        ],
+        log,
+    )
 
 
 def pct(values: list[float], q: float) -> float:
@@ -242,14 +304,15 @@ def report(args: argparse.Namespace, rows: dict[str, dict], sims: dict[str, dict
     lines += [
         "",
         "| run | steps | executor time | profile's prediction | median step ratio |"
-        " overhead per step |",
-        "|---|---:|---:|---:|---:|---:|",
+        " overhead per step | admission delay (probe) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, m in rows.items():
         c = m["steps"]
         lines.append(
             f"| {label} | {c['steps']} | {c['execute_s']:.1f} s | {c['predicted_s']:.1f} s | "
-            f"{c['median_ratio']:.2f} | {c['overhead_ms']:.2f} ms |"
+            f"{c['median_ratio']:.2f} | {c['overhead_ms']:.2f} ms | "
+            f"{m['admission_delay_s'] * 1e3:.1f} ms |"
         )
     lines += ["", "| check | value | target | met |", "|---|---:|---:|---|"]
     for name, value, target, at_least in checks:
@@ -279,6 +342,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.jsonl"
     make_trace(args, trace)
+    probe = out / "probe.jsonl"
+    make_probe(probe)
     profile = args.profile
     if profile is None:
         profile = out / "profile.json"
@@ -328,34 +393,15 @@ def main() -> None:
             out / f"{label}.server.log",
         )
         try:
+            bench(url, probe, out / f"{label}.probe.json", out / f"{label}.probe.log")
             result = out / f"{label}.bench.json"
-            sh(
-                [
-                    PY,
-                    "-m",
-                    "medha_runtime",
-                    "bench",
-                    "--base-url",
-                    url,
-                    "--dataset-name",
-                    "trace",
-                    "--dataset-path",
-                    str(trace),
-                    "--no-slo-fields",
-                    "--no-progress",
-                    "--request-timeout",
-                    "600",
-                    "--long-threshold",
-                    "8192",
-                    "--result-file",
-                    str(result),
-                ],
-                out / f"{label}.bench.log",
-            )
+            bench(url, trace, result, out / f"{label}.bench.log")
         finally:
             stop_server(proc)
         rows[label] = measured(result)
         rows[label]["steps"] = step_check(out / f"{label}.steps.jsonl", profile)
+        delay = admission_delay(out / f"{label}.probe.json", out / f"{label}.steps.jsonl")
+        rows[label]["admission_delay_s"] = delay
         sim_dir = out / f"{label}.sim"
         sh(
             [
@@ -367,6 +413,8 @@ def main() -> None:
                 str(trace),
                 *policy_flags,
                 *common,
+                "--admission-delay",
+                f"{delay:.6f}",
                 "--out",
                 str(sim_dir),
                 "--quiet",

@@ -154,6 +154,10 @@ def test_compare_writes_table_and_figure(tmp_path: Path) -> None:
         ),
         (["run", "--trace", "trace.jsonl", "--out", "x", "--tp", "0"], "--tp"),
         (["run", "--trace", "trace.jsonl", "--out", "x", "--chunk-size", "-3"], "--chunk-size"),
+        (
+            ["run", "--trace", "trace.jsonl", "--out", "x", "--admission-delay", "-0.1"],
+            "--admission-delay",
+        ),
         (["run", "--trace", "missing.jsonl", "--out", "x"], "--trace"),
         (["gen", "--qps", "1", "--out", "t.jsonl"], "--duration"),
         (["gen", "--qps", "abc", "--duration", "1", "--out", "t.jsonl"], "--qps"),

@@ -49,6 +49,60 @@ def test_tiny_scenario_by_hand_without_pipelining() -> None:
     assert got == [pytest.approx(w) for w in want]
 
 
+def test_admission_delay_by_hand() -> None:
+    # Each request reaches the scheduler 20 ms after it arrives; latencies still
+    # count from the arrival. A at 0.02 runs alone (40 ms): its first token at
+    # 0.06. B reaches the scheduler at 0.025, mid-batch, so the batches are those
+    # of the run without the delay, 20 ms later.
+    config = SchedulerConfig(policy="fcfs", target_batch_time=0.05)
+    plain = simulate(TINY, config, affine())
+    res = simulate(TINY, config, affine(), admission_delay_s=0.02)
+    a, b = res.records
+    assert a.arrival_s == 0.0 and b.arrival_s == 0.005  # the trace's arrivals
+    assert a.ttft_s == pytest.approx(0.06)
+    assert b.ttft_s == pytest.approx(0.0901 - 0.005)
+    assert a.deadline_s == pytest.approx(0.52)  # fixed when the scheduler sees it
+    for delayed, undelayed in zip(res.records, plain.records, strict=True):
+        assert delayed.ttft_s == pytest.approx(undelayed.ttft_s + 0.02)
+        assert delayed.tpot_s == pytest.approx(undelayed.tpot_s)
+    assert [it.start_s for it in res.iterations] == pytest.approx(
+        [it.start_s + 0.02 for it in plain.iterations]
+    )
+
+
+def test_admission_delay_shifts_a_busy_trace_by_exactly_the_delay() -> None:
+    # Delaying every arrival by d is the same run as the trace shifted by d.
+    spec = WorkloadSpec(
+        qps=4.0,
+        duration_s=10.0,
+        long_fraction=0.05,
+        seed=3,
+        max_context=32768,
+        long_min_prompt=8192,
+    )
+    trace = generate(spec)
+    shifted = [
+        TraceRequest(t.id, t.arrival_s + 0.25, t.prompt_tokens, t.output_tokens) for t in trace
+    ]
+    config = SchedulerConfig(policy="lars-mp", target_batch_time=0.05)
+    model = affine(per_attn=1e-9)
+    res = simulate(trace, config, model, cache=BIG_CACHE, admission_delay_s=0.25)
+    ref = simulate(shifted, config, model, cache=BIG_CACHE)
+    assert len(res.iterations) == len(ref.iterations) > 0
+    for got, want in zip(res.records, ref.records, strict=True):
+        assert got.first_token_s == pytest.approx(want.first_token_s)
+        assert got.ttft_s == pytest.approx(want.ttft_s + 0.25)
+
+
+@pytest.mark.parametrize("bad", [-0.001, float("nan"), float("inf")])
+def test_admission_delay_must_be_finite_and_non_negative(bad: float) -> None:
+    config = SchedulerConfig(policy="fcfs")
+    with pytest.raises(ValueError, match="admission_delay_s"):
+        simulate(TINY, config, affine(), admission_delay_s=bad)
+    with pytest.raises(ValueError, match="--admission-delay"):
+        RunSpec(admission_delay_s=bad).build()
+
+
 def test_tiny_scenario_by_hand_with_two_stages() -> None:
     # Same batches' latencies, each stage busy for half of it, FIFO through 2 stages.
     # batch 0 (A prefill, 40 ms):   stage 0 [0, .02],        stage 1 [.02, .04]

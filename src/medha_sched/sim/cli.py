@@ -47,6 +47,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -118,6 +128,14 @@ def _add_replica_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="prompts this long are long: one per KVP group per batch, and 'long' in the "
         "summary (default 32768)",
+    )
+    g.add_argument(
+        "--admission-delay",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="time from a request's arrival until the scheduler sees it (a real server's "
+        "HTTP, tokenisation and IPC); latencies still count from the arrival (default 0)",
     )
 
 
@@ -243,6 +261,7 @@ def _replica_spec(args: argparse.Namespace, **extra: Any) -> Any:
         kv_cache_tokens=args.kv_cache_tokens,
         max_tokens_per_group=args.max_tokens_per_group,
         long_threshold=args.long_threshold,
+        admission_delay_s=args.admission_delay,
         **extra,
     )
     spec.build()  # validate every option before any work

@@ -91,6 +91,9 @@ class Simulator:
         cache: KV memory per KVP group.
         decode_runs: take certain runs of decode-only batches in one step
             (:mod:`medha_sched.decode_run`); same results, fewer calls.
+        admission_delay_s: seconds from a request's arrival until the scheduler
+            sees it: on a real server, HTTP, tokenisation, IPC and streaming the
+            token back. TTFT and end-to-end latency still count from the arrival.
     """
 
     def __init__(
@@ -100,8 +103,14 @@ class Simulator:
         *,
         cache: CacheConfig | None = None,
         decode_runs: bool = True,
+        admission_delay_s: float = 0.0,
     ) -> None:
+        if not admission_delay_s >= 0.0 or admission_delay_s == float("inf"):
+            raise ValueError(
+                f"admission_delay_s must be a finite number >= 0, got {admission_delay_s!r}"
+            )
         self.config = config
+        self.admission_delay_s = admission_delay_s
         self.cost_model = cost_model
         self.cache = cache if cache is not None else CacheConfig()
         self.spp = cost_model.layout.spp
@@ -158,7 +167,7 @@ class Simulator:
     def _push_next_arrival(self) -> None:
         i = next(self._order, None)
         if i is not None:
-            self.push(Arrival(self._trace[i].arrival_s, i))
+            self.push(Arrival(self._trace[i].arrival_s + self.admission_delay_s, i))
 
     def _wake_if_free(self) -> None:
         """Ask for a batch at ``now``, after everything else happening at ``now``."""
@@ -182,7 +191,7 @@ class Simulator:
         t = self._trace[index]
         request = Request(
             t.id,
-            t.arrival_s,
+            self.now,  # the scheduler's arrival: the trace's plus the admission delay
             t.prompt_tokens,
             t.output_tokens,
             ttft_slo=t.ttft_slo_s,
@@ -304,7 +313,14 @@ def simulate(
     cache: CacheConfig | None = None,
     progress: Callable[[int], None] | None = None,
     decode_runs: bool = True,
+    admission_delay_s: float = 0.0,
 ) -> SimResult:
     """Run ``trace`` through one replica; see :class:`Simulator`."""
-    sim = Simulator(config, cost_model, cache=cache, decode_runs=decode_runs)
+    sim = Simulator(
+        config,
+        cost_model,
+        cache=cache,
+        decode_runs=decode_runs,
+        admission_delay_s=admission_delay_s,
+    )
     return sim.run(trace, progress=progress)

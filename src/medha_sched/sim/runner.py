@@ -70,6 +70,8 @@ class RunSpec:
             ``None`` for a whole group.
         long_threshold: prompts this long are "long" (scheduler and metrics).
         block_size: tokens per KV block.
+        admission_delay_s: seconds from a request's arrival until the scheduler
+            sees it (see :class:`~medha_sched.sim.engine.Simulator`).
     """
 
     policy: str = "lars-mp"
@@ -83,12 +85,16 @@ class RunSpec:
     max_tokens_per_group: int | None = None
     long_threshold: int = 32768
     block_size: int = 16
+    admission_delay_s: float = 0.0
 
     def build(self) -> tuple[SchedulerConfig, CostModel, CacheConfig]:
         """The scheduler config, cost model and cache; raises :class:`OptionError`."""
         if self.policy not in available_policies():
             known = ", ".join(available_policies())
             raise OptionError(f"--policy {self.policy!r} is not a policy; known: {known}")
+        delay = self.admission_delay_s
+        if not isinstance(delay, int | float) or not 0.0 <= delay < float("inf"):
+            raise OptionError(f"--admission-delay must be a finite number >= 0, got {delay!r}")
         layout = _checked(ParallelDegrees, tp=self.tp, spp=self.spp, kvp=self.kvp)
         try:
             model = parse_cost_model_spec(self.cost_model, layout=layout)
@@ -149,7 +155,14 @@ def run_to_dir(
     config, model, cache = spec.build()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = simulate(trace, config, model, cache=cache, progress=progress)
+    result = simulate(
+        trace,
+        config,
+        model,
+        cache=cache,
+        progress=progress,
+        admission_delay_s=spec.admission_delay_s,
+    )
     summary = summary_of(result, spec, trace_path=trace_path)
     t0 = time.perf_counter()
     write_requests(out / "requests.jsonl", result.records, spec.long_threshold)
