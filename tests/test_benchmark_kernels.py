@@ -43,3 +43,15 @@ def test_figure_chunking_explains_itself_on_cpu() -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "needs a GPU" in proc.stdout
+
+
+def test_cpu_attention_tiles_quick_compares_both_tilings() -> None:
+    cmd = [sys.executable, "benchmarks/cpu_attention_tiles.py", "--quick", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 3")]
+    assert len(rows) == 2  # the 37-row chunk, both tilings
+    tiles = {cells[2].strip(): int(cells[3]) for cells in rows}
+    assert tiles["fixed 4096-key tiles"] == 4096
+    assert tiles["sized to the query"] < 4096
+    assert all(cells[4].strip().endswith(" ms") for cells in rows)

@@ -46,6 +46,7 @@ from medha_parallel import (
     SPPCommunicator,
     TPCommunicator,
 )
+from medha_runtime.cpu_memory import keep_freed_memory
 from medha_runtime.model import ForwardBatch, KVCache, load_model
 from medha_runtime.plan import BlockTables, StepPlan
 from medha_runtime.sampling import Sampled, Sampler
@@ -324,6 +325,8 @@ class ModelRunner:
         else:
             tp, stage, group = state.coords.tp, state.coords.spp, state.coords.kvp
             self.device = state.device
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults for each step's activations
         self.group, self.stage = group, stage
         from medha_runtime.model import load_config
         from medha_runtime.model.tiny import tiny_config

@@ -1,0 +1,76 @@
+"""glibc malloc settings for CPU steps: large buffers come from the heap and stay there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import ctypes, sys
+import torch
+from medha_runtime.cpu_memory import keep_freed_memory
+
+FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in FIELDS.split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+applied = keep_freed_memory()
+before = libc.mallinfo2().hblkhd
+t = torch.empty(16 << 20, dtype=torch.uint8)
+t.fill_(1)
+grew = libc.mallinfo2().hblkhd - before
+print(applied, grew >= 16 << 20)
+"""
+
+
+def run_probe(choice: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MEDHA_CPU_MALLOC"}
+    if choice is not None:
+        env["MEDHA_CPU_MALLOC"] = choice
+    return subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
+def test_a_16_mib_buffer_comes_from_the_heap_not_mmap() -> None:
+    proc = run_probe(None)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False"]  # applied; no new mmap for 16 MiB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
+def test_default_leaves_glibc_alone() -> None:
+    proc = run_probe("default")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]  # not applied; glibc mmaps 16 MiB
+
+
+def test_a_bad_setting_is_named() -> None:
+    proc = run_probe("fast")
+    assert proc.returncode != 0
+    assert "MEDHA_CPU_MALLOC must be 'keep' or 'default', got 'fast'" in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
+def test_a_cpu_model_runner_applies_the_settings() -> None:
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from medha_runtime import cpu_memory\n"
+        "from medha_runtime.runner import ModelRunner, RunnerSpec\n"
+        "assert cpu_memory._done is None\n"
+        "ModelRunner(RunnerSpec(model='tiny', dtype='float32', device='cpu', num_blocks=8,"
+        " group_tokens=128))\n"
+        "print(cpu_memory._done)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MEDHA_CPU_MALLOC"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]
