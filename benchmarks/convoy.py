@@ -14,6 +14,11 @@ a time. Their client TTFT minus their steps' executor time is the time the
 simulator does not see (HTTP, tokenisation, IPC, streaming back); its
 median goes to ``medha-sim run --admission-delay``.
 
+The profile and the servers run torch on ``--engine-threads`` threads
+(default 1). On two cores a two-thread engine stalls whenever the HTTP
+front end or the load generator takes a core, so served steps ran 1.1-1.3x
+the profile; with one thread they keep the other core.
+
 Every server and the simulator use one cost model profiled on this machine
 (``medha-runtime profile tiny``). The same trace then goes through
 ``medha-sim run`` with that profile; simulated short-request P50/P90 TTFT
@@ -52,10 +57,10 @@ from medha_sched.sim.metrics import percentile, read_requests
 PY = sys.executable
 
 
-def sh(cmd: list[str], log: Path) -> None:
+def sh(cmd: list[str], log: Path, *, env: dict[str, str] | None = None) -> None:
     print("$ " + shlex.join(cmd), flush=True)
     with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
         sys.exit(f"command failed ({proc.returncode}); see {log}")
 
@@ -134,12 +139,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def engine_env(threads: int) -> dict[str, str]:
+    """The environment of the profile and the servers: ``threads`` torch threads."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+
+def start_server(flags: list[str], log: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [PY, "-m", "medha_runtime", "serve", "tiny", "--port", str(port), *flags]
     print("$ " + shlex.join(cmd), flush=True)
     proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -257,7 +267,8 @@ def report(args: argparse.Namespace, rows: dict[str, dict], sims: dict[str, dict
         f"Trace: {args.duration:.0f} s of short chats at {args.short_qps} QPS "
         f"(prompts {args.short_prompt[0]}-{args.short_prompt[1]}, outputs "
         f"{args.short_output[0]}-{args.short_output[1]} tokens) plus {args.long_count} prompts "
-        f"of {args.long_tokens} tokens; target batch time {T} s.",
+        f"of {args.long_tokens} tokens; target batch time {T} s; {args.engine_threads} "
+        "engine thread(s).",
         "",
         "| run | requests | failed | short P50 TTFT | short P90 TTFT | P90 TPOT | tokens/s |"
         " sim short P50 | sim short P90 |",
@@ -336,6 +347,13 @@ def main() -> None:
     p.add_argument("--target-batch-time", type=float, default=0.1)
     p.add_argument("--kv-cache-tokens", type=int, default=262144)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=1,
+        help="torch threads of the profile and the servers (OMP_NUM_THREADS; default 1: on "
+        "2 cores the other is left to the HTTP front end and the load generator)",
+    )
     p.add_argument("--only", default=None, help="comma-separated run labels to do")
     args = p.parse_args()
     out = args.out
@@ -365,6 +383,7 @@ def main() -> None:
                 _csv({0, 1024, 2048, 4096, 8192, 16384, args.long_tokens}),
             ],
             out / "profile.log",
+            env=engine_env(args.engine_threads),
         )
     common = [
         "--cost-model",
@@ -391,6 +410,7 @@ def main() -> None:
                 str(out / f"{label}.steps.jsonl"),
             ],
             out / f"{label}.server.log",
+            engine_env(args.engine_threads),
         )
         try:
             bench(url, probe, out / f"{label}.probe.json", out / f"{label}.probe.log")
