@@ -24,7 +24,7 @@ Every server and the simulator use one cost model profiled on this machine
 ``medha-sim run`` with that profile; simulated short-request P50/P90 TTFT
 are put beside the measured ones.
 
-    python benchmarks/convoy.py --out /tmp/convoy            # about 17 minutes
+    python benchmarks/convoy.py --out /tmp/convoy            # about 7 minutes
     python benchmarks/convoy.py --out /tmp/convoy --profile PROFILE.json
 
 Prints a Markdown report (also written to OUT/report.md) with the targets:
