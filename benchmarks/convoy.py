@@ -127,7 +127,7 @@ def admission_delay(probe_result: Path, steps: Path) -> float:
     if any(r.get("error") for r in reqs) or len(records) < len(reqs):
         sys.exit(f"the probe failed; see {probe_result}")
     for req, rec in zip(reqs, records, strict=True):
-        if len(rec.items) != 1 or rec.items[0][1] != 0:
+        if list(rec.items) != [(req["prompt_tokens"], 0)]:
             sys.exit(f"probe step {rec.step} is {rec.items}, not {req['id']}'s prefill alone")
     gaps = sorted(req["ttft_s"] - rec.execute_s for req, rec in zip(reqs, records, strict=True))
     return statistics.median(gaps)
@@ -240,7 +240,10 @@ def simulated(run_dir: Path) -> dict[str, float]:
 
 
 def step_check(steps: Path, profile: Path) -> dict[str, float]:
-    """The server's step log against the profile: executor time, predicted time, overhead."""
+    """The server's step log against the profile: executor time, predicted time, overhead.
+
+    The whole log: the probe's steps (a dozen short prefills) are counted too.
+    """
     records = read_step_log(steps)
     check = check_predictions(TableCostModel.from_json(profile), records)
     return {

@@ -11,9 +11,10 @@ took 1.77 s against 1.03 s, and a 2-request decode after it 52 ms against 6 ms.
 
 :func:`keep_freed_memory` raises the ``mmap`` threshold to glibc's maximum
 (32 MiB), turns off trimming below 1 GiB of free heap, and pads each heap
-growth by 64 MiB, as ``MALLOC_MMAP_THRESHOLD_`` and friends would. The price:
-the process keeps its peak heap instead of returning it. Set
-``MEDHA_CPU_MALLOC=default`` to leave glibc's defaults alone.
+growth by 64 MiB, as ``MALLOC_MMAP_THRESHOLD_`` and friends would (and over
+any of those the user set). The price: the process keeps its peak heap
+instead of returning it. Set ``MEDHA_CPU_MALLOC=default`` to leave glibc's
+settings alone; it is read on CPU ranks only.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def keep_freed_memory() -> bool:
 
 
 def _apply() -> bool:
-    choice = os.environ.get(ENV, "keep")
+    choice = os.environ.get(ENV) or "keep"
     if choice not in ("keep", "default"):
         raise ValueError(f"{ENV} must be 'keep' or 'default', got {choice!r}")
     if choice == "default" or not sys.platform.startswith("linux"):
@@ -60,7 +61,8 @@ def _apply() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    taken = [mallopt(param, value) == 1 for param, value in SETTINGS]  # try every one
+    ok = all(taken)
     if not ok:
         logger.warning("glibc refused a malloc setting; CPU steps may pay page faults")
     return ok

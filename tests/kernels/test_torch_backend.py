@@ -84,16 +84,19 @@ def test_key_tiles_shrink_as_queries_grow() -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_adaptive_key_tiles_match_the_reference(monkeypatch, causal) -> None:
+@pytest.mark.parametrize("offset", [74, 89])
+def test_adaptive_key_tiles_match_the_reference(monkeypatch, causal, offset) -> None:
     # A small score budget: 101 queries x 4 heads get 19-key tiles (odd sizes,
     # some tiles wholly visible and unmasked, some cut by the causal edge).
+    # With offset 74 the tile [57, 75] ends one key past what row 0 may see,
+    # so it alone must be masked.
     from medha_kernels.torch_ref import attention as ref_attention
 
     monkeypatch.setattr(ref_attention, "SCORE_TILE", 101 * 4 * 19)
     monkeypatch.setattr(ref_attention, "MIN_KV_TILE", 5)
     assert ref_attention.kv_tile(101, 4) == 19
-    q, k, v = rand(101, 4, 32), rand(190, 2, 32), rand(190, 2, 32)
-    check_attention(q, k, v, q_offset=89, causal=causal)
+    q, k, v = rand(101, 4, 32), rand(offset + 101, 2, 32), rand(offset + 101, 2, 32)
+    check_attention(q, k, v, q_offset=offset, causal=causal)
 
 
 def test_rows_that_see_no_key_are_empty_states() -> None:

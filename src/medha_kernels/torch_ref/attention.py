@@ -52,9 +52,10 @@ def chunked_prefill_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`medha_kernels.chunked_prefill_attention` (arguments already checked).
 
-    Queries go in tiles of ``Q_TILE`` rows and keys in tiles of ``KV_TILE``, so
-    memory stays bounded for a whole long prompt; with ``causal`` a query
-    tile skips the key tiles that are masked for all of its rows.
+    Queries go in tiles of ``Q_TILE`` rows and keys in tiles of
+    :func:`kv_tile` keys (at most ``KV_TILE``), so memory stays bounded for a
+    whole long prompt; with ``causal`` a query tile skips the key tiles that
+    are masked for all of its rows.
     """
     num_q = q.shape[0]
     if num_q <= Q_TILE:

@@ -8,8 +8,10 @@ Per request (:class:`RequestRecord`), times in seconds on the trace clock:
 * ``tpot_s`` = (finish - first token) / (output tokens - 1); ``None`` for a
   one-token output.
 * ``e2e_s`` = finish - arrival.
-* ``deadline_s``: the absolute TTFT deadline the scheduler fixed at arrival
-  (``arrival + D``); ``met_deadline`` is ``ttft_s <= D``.
+* ``deadline_s``: the absolute TTFT deadline the scheduler fixed when it saw
+  the request (``arrival + admission delay + D``, as a server's scheduler fixes
+  it on admission); ``met_deadline`` is ``first token time <= deadline_s``,
+  that is ``ttft_s <= D`` plus the admission delay (0 by default).
 * ``preemptions``: times the request was preempted by recompute.
 
 A request the configuration can never serve (``RequestTooLongError``) is
