@@ -126,10 +126,11 @@ def admission_delay(probe_result: Path, steps: Path) -> float:
     records = read_step_log(steps)[: len(reqs)]
     if any(r.get("error") for r in reqs) or len(records) < len(reqs):
         sys.exit(f"the probe failed; see {probe_result}")
+    gaps = []
     for req, rec in zip(reqs, records, strict=True):
         if list(rec.items) != [(req["prompt_tokens"], 0)]:
             sys.exit(f"probe step {rec.step} is {rec.items}, not {req['id']}'s prefill alone")
-    gaps = sorted(req["ttft_s"] - rec.execute_s for req, rec in zip(reqs, records, strict=True))
+        gaps.append(req["ttft_s"] - rec.execute_s)
     return statistics.median(gaps)
 
 

@@ -50,6 +50,20 @@ class StepRecord:
     def num_tokens(self) -> int:
         return sum(q for q, _ in self.items)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> StepRecord:
+        """The inverse of :meth:`to_dict`; raises ``KeyError``/``TypeError``/``ValueError``."""
+        return cls(
+            step=int(d["step"]),
+            start_s=float(d["start_s"]),
+            schedule_s=float(d["schedule_s"]),
+            execute_s=float(d["execute_s"]),
+            finish_s=float(d["finish_s"]),
+            predicted_s=float(d["predicted_s"]),
+            items=tuple((int(q), int(kv)) for q, kv in d["items"]),
+            requests=tuple(str(r) for r in d.get("requests", ())),
+        )
+
     def to_dict(self) -> dict:
         return {
             "step": self.step,
@@ -107,20 +121,7 @@ def read_step_log(path: str | os.PathLike[str]) -> list[StepRecord]:
             if not line.strip():
                 continue
             try:
-                d = json.loads(line)
-                items = tuple((int(q), int(kv)) for q, kv in d["items"])
-                records.append(
-                    StepRecord(
-                        step=int(d["step"]),
-                        start_s=float(d["start_s"]),
-                        schedule_s=float(d["schedule_s"]),
-                        execute_s=float(d["execute_s"]),
-                        finish_s=float(d["finish_s"]),
-                        predicted_s=float(d["predicted_s"]),
-                        items=items,
-                        requests=tuple(str(r) for r in d.get("requests", ())),
-                    )
-                )
+                records.append(StepRecord.from_dict(json.loads(line)))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{os.fspath(path)}:{n}: not a step record ({exc})") from None
     return records

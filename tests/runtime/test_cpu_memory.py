@@ -40,25 +40,26 @@ print(applied, grew >= 16 << 20)
 """
 
 
-def run_probe(choice: str | None) -> subprocess.CompletedProcess:
+def run_python(code: str, choice: str | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, with ``MEDHA_CPU_MALLOC=choice`` (unset: None)."""
     env = {k: v for k, v in os.environ.items() if k != "MEDHA_CPU_MALLOC"}
     if choice is not None:
         env["MEDHA_CPU_MALLOC"] = choice
     return subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
 
 
 @GLIBC
 def test_a_16_mib_buffer_comes_from_the_heap_not_mmap() -> None:
-    proc = run_probe(None)
+    proc = run_python(PROBE)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "False"]  # applied; no new mmap for 16 MiB
 
 
 @GLIBC
 def test_default_leaves_glibc_alone() -> None:
-    proc = run_probe("default")
+    proc = run_python(PROBE, "default")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "True"]  # not applied; glibc mmaps 16 MiB
 
@@ -85,9 +86,6 @@ def test_a_cpu_model_runner_applies_the_settings() -> None:
         " group_tokens=128))\n"
         "print(cpu_memory._done)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "MEDHA_CPU_MALLOC"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True"]

@@ -105,7 +105,7 @@ class Simulator:
         decode_runs: bool = True,
         admission_delay_s: float = 0.0,
     ) -> None:
-        if not admission_delay_s >= 0.0 or admission_delay_s == float("inf"):
+        if not 0.0 <= admission_delay_s < float("inf"):
             raise ValueError(
                 f"admission_delay_s must be a finite number >= 0, got {admission_delay_s!r}"
             )
