@@ -140,6 +140,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _threads(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def engine_env(threads: int) -> dict[str, str]:
     """The environment of the profile and the servers: ``threads`` torch threads."""
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -353,7 +359,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--engine-threads",
-        type=int,
+        type=_threads,
         default=1,
         help="torch threads of the profile and the servers (OMP_NUM_THREADS; default 1: on "
         "2 cores the other is left to the HTTP front end and the load generator)",
