@@ -13,11 +13,39 @@ model), :mod:`medha_runtime.tokenizer`, :mod:`medha_runtime.sampling`,
 :mod:`medha_runtime.engine` (scheduler loop), :mod:`medha_runtime.executor`
 and :mod:`medha_runtime.runner` (workers: TP, SPP, KVP),
 :mod:`medha_runtime.profile` (``medha-runtime profile``).
+
+The names below load on first use, so that importing a torch-free part of
+the package (the command line, the HTTP front end, ``bench``) does not import
+torch.
 """
 
-from medha_runtime.llm import LLM as LLM
-from medha_runtime.outputs import CompletionOutput as CompletionOutput
-from medha_runtime.outputs import RequestOutput as RequestOutput
-from medha_runtime.sampling import SamplingParams as SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from medha_runtime.llm import LLM as LLM
+    from medha_runtime.outputs import CompletionOutput as CompletionOutput
+    from medha_runtime.outputs import RequestOutput as RequestOutput
+    from medha_runtime.sampling import SamplingParams as SamplingParams
+
+_LAZY = {
+    "LLM": "medha_runtime.llm",
+    "CompletionOutput": "medha_runtime.outputs",
+    "RequestOutput": "medha_runtime.outputs",
+    "SamplingParams": "medha_runtime.sampling",
+}
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'medha_runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

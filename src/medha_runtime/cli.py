@@ -346,9 +346,35 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the third-party modules each command needs, and the extra that installs them
+_MODEL_STACK = ("torch", "safetensors", "tokenizers", "jinja2")
+_SERVER = ("fastapi", "uvicorn", "zmq", "prometheus_client", "httpx")
+NEEDS: Mapping[str, tuple[str, ...]] = {
+    "profile": _MODEL_STACK,
+    "serve": _MODEL_STACK + _SERVER,
+    "bench": ("httpx", "tqdm"),
+}
+
+
+def check_extras(args: argparse.Namespace) -> None:
+    """Raise ``MissingExtra`` (one line naming the extra) before a command starts work."""
+    from medha_sched.extras import require
+
+    require(NEEDS.get(args.command, ()), extra="runtime")
+    if getattr(args, "plot", None):
+        require(("matplotlib",), extra="sim", what="--plot")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (2: bad usage or a missing extra)."""
+    from medha_sched.extras import MissingExtra
+
     args = build_parser().parse_args(argv)
+    try:
+        check_extras(args)
+    except MissingExtra as exc:
+        print(f"medha-runtime {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "profile":
             return _profile(args)

@@ -21,18 +21,41 @@ length distributions), :mod:`.events`, :mod:`.pipeline` and :mod:`.engine`
 (the event loop), :mod:`.metrics` (per-request and per-iteration records,
 summary), :mod:`.runner` (one run from CLI-style options, outputs on disk),
 :mod:`.compare` (sweeps), :mod:`.plot` and :mod:`.cli` (``medha-sim``).
+
+The names below load on first use, so that ``medha-sim --help`` and the
+command line's checks for missing extras need no numpy.
 """
 
-from medha_sched.sim.engine import SimResult as SimResult
-from medha_sched.sim.engine import SimulationError as SimulationError
-from medha_sched.sim.engine import Simulator as Simulator
-from medha_sched.sim.engine import simulate as simulate
-from medha_sched.sim.metrics import IterationRecord as IterationRecord
-from medha_sched.sim.metrics import RequestRecord as RequestRecord
-from medha_sched.sim.metrics import summarize as summarize
-from medha_sched.sim.trace import TraceError as TraceError
-from medha_sched.sim.trace import TraceRequest as TraceRequest
-from medha_sched.sim.trace import read_trace as read_trace
-from medha_sched.sim.trace import write_trace as write_trace
-from medha_sched.sim.workload import WorkloadSpec as WorkloadSpec
-from medha_sched.sim.workload import generate as generate
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "SimResult": "medha_sched.sim.engine",
+    "SimulationError": "medha_sched.sim.engine",
+    "Simulator": "medha_sched.sim.engine",
+    "simulate": "medha_sched.sim.engine",
+    "IterationRecord": "medha_sched.sim.metrics",
+    "RequestRecord": "medha_sched.sim.metrics",
+    "summarize": "medha_sched.sim.metrics",
+    "TraceError": "medha_sched.sim.trace",
+    "TraceRequest": "medha_sched.sim.trace",
+    "read_trace": "medha_sched.sim.trace",
+    "write_trace": "medha_sched.sim.trace",
+    "WorkloadSpec": "medha_sched.sim.workload",
+    "generate": "medha_sched.sim.workload",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'medha_sched.sim' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from medha_sched.extras import MissingExtra, require
 from medha_sched.policies import available_policies
 
 EXIT_USAGE = 2
@@ -81,7 +82,7 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 # ------------------------------------------------------------------ parsers
 def _add_replica_options(p: argparse.ArgumentParser) -> None:
-    from medha_sched.sim.runner import (
+    from medha_sched.sim.defaults import (
         DEFAULT_COST_MODEL,
         DEFAULT_KV_CACHE_TOKENS,
         DEFAULT_TARGET_BATCH_TIME,
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep policies x loads",
         description="Run every policy variant at every load; write a table and a figure.",
     )
-    from medha_sched.sim.compare import DEFAULT_QPS, DEFAULT_VARIANTS
+    from medha_sched.sim.defaults import DEFAULT_QPS, DEFAULT_VARIANTS
 
     cmp.add_argument(
         "--policies",
@@ -410,6 +411,13 @@ def _check_variant(base: Any, policy: str, chunk: int | None) -> None:
 
 
 COMMANDS = {"run": cmd_run, "gen": cmd_gen, "plot": cmd_plot, "compare": cmd_compare}
+#: the third-party modules each command needs, all from the ``sim`` extra
+NEEDS = {
+    "run": ("numpy", "tqdm"),
+    "gen": ("numpy",),
+    "plot": ("numpy", "matplotlib"),
+    "compare": ("numpy", "matplotlib", "tqdm"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -417,6 +425,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     prog = f"medha-sim {args.command}"
+    try:
+        require(NEEDS[args.command], extra="sim")
+    except MissingExtra as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     from medha_sched.sim.engine import SimulationError
     from medha_sched.sim.runner import OptionError
     from medha_sched.sim.trace import TraceError

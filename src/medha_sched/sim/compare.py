@@ -21,9 +21,6 @@ from medha_sched.sim.runner import OptionError, RunSpec, run_to_dir
 from medha_sched.sim.trace import read_trace, write_trace
 from medha_sched.sim.workload import WorkloadSpec, generate
 
-DEFAULT_VARIANTS = "fcfs@0,fcfs@512,fcfs@2048,edf,lrs,lars,lars-mp"
-DEFAULT_QPS = "0.25,0.75,1.25,1.75"
-
 #: columns of compare.csv / compare.md, in order
 COLUMNS = (
     "policy",

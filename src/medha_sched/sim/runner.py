@@ -26,15 +26,14 @@ from medha_sched.config import CacheConfig, ParallelDegrees, SchedulerConfig
 from medha_sched.cost.base import CostModel
 from medha_sched.cost.registry import parse_cost_model_spec
 from medha_sched.policies import available_policies
+from medha_sched.sim.defaults import DEFAULT_COST_MODEL as DEFAULT_COST_MODEL
+from medha_sched.sim.defaults import DEFAULT_KV_CACHE_TOKENS as DEFAULT_KV_CACHE_TOKENS
+from medha_sched.sim.defaults import DEFAULT_TARGET_BATCH_TIME as DEFAULT_TARGET_BATCH_TIME
 from medha_sched.sim.engine import SimResult, simulate
 from medha_sched.sim.metrics import summarize, write_iterations, write_requests
 from medha_sched.sim.trace import TraceRequest
 
 T = TypeVar("T")
-
-DEFAULT_COST_MODEL = "roofline:model=llama3-8b,gpu=a100"
-DEFAULT_KV_CACHE_TOKENS = 1 << 23
-DEFAULT_TARGET_BATCH_TIME = 0.05
 
 # SchedulerConfig / CacheConfig / ParallelDegrees field -> the flag that sets it
 _FLAGS = {
