@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from tests.numerics import assert_twice_torch as assert_twice_torch
+from tests.numerics import max_err as max_err
+
 NEG_INF = float("-inf")
 
 
@@ -69,25 +72,3 @@ def paged_to_dense(cache: torch.Tensor, table_row: torch.Tensor, length: int) ->
     """Gather a sequence's first ``length`` tokens from ``[num_blocks, block, H, D]``."""
     blocks = table_row[: -(-length // cache.shape[1])].long()
     return cache[blocks].flatten(0, 1)[:length]
-
-
-def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest absolute difference over entries where ``ref`` is finite; inf must match."""
-    finite = torch.isfinite(ref)
-    assert torch.equal(torch.isinf(a.double()) & ~finite, ~finite), "non-finite entries differ"
-    if not finite.any():
-        return 0.0
-    return (a.double()[finite] - ref.double()[finite]).abs().max().item()
-
-
-def assert_twice_torch(
-    out: torch.Tensor, truth: torch.Tensor, baseline: torch.Tensor, *, what: str = "output"
-) -> None:
-    """``out``'s error vs ``truth`` is at most twice ``baseline``'s (plus a tiny floor)."""
-    assert not torch.isnan(out).any(), f"{what}: NaN in result"
-    err, err_pt = max_err(out, truth), max_err(baseline, truth)
-    scale = truth[torch.isfinite(truth)].abs().max().item() if torch.isfinite(truth).any() else 1.0
-    floor = 4 * torch.finfo(torch.float32).eps * max(1.0, scale)
-    assert err <= 2 * err_pt + floor, (
-        f"{what}: error {err:.3e} > 2 x torch's {err_pt:.3e} (+{floor:.1e})"
-    )
