@@ -39,6 +39,7 @@ from medha_runtime.executor import WorkerError, make_executor
 from medha_runtime.model import ModelConfig, load_config
 from medha_runtime.model.config import dtype_name, resolve_dtype
 from medha_runtime.model.errors import MissingFileError
+from medha_runtime.model.random_weights import random_config_path
 from medha_runtime.outputs import CompletionOutput, RequestOutput
 from medha_runtime.plan import PlannedChunk, StepPlan
 from medha_runtime.runner import RunnerSpec, kv_bytes_per_token, resolve_device
@@ -85,8 +86,9 @@ def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer | None]:
 
         return tiny_config(), tiny_tokenizer()
     config = load_config(model)
+    spec_config = random_config_path(model)  # a random: model's tokenizer sits beside its config
     try:
-        tokenizer = Tokenizer.from_pretrained_dir(model)
+        tokenizer = Tokenizer.from_pretrained_dir(spec_config.parent if spec_config else model)
     except MissingFileError:
         tokenizer = None
     return config, tokenizer

@@ -1,5 +1,8 @@
 """Loading a local Hugging Face Llama directory (or the built-in ``tiny`` model).
 
+``random:CONFIG`` builds a model of CONFIG's shape with random weights drawn
+on the device (:mod:`medha_runtime.model.random_weights`): no weight files.
+
 A directory holds ``config.json`` and safetensors weights: one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
 Each rank reads only the tensors of its SPP stage and only its TP slice of
@@ -264,12 +267,15 @@ def _read_piece(
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read and validate ``config.json`` of a model directory."""
-    directory = _model_dir(path)
-    file = directory / CONFIG_FILE
+    """Read and validate ``config.json`` of a model directory (or of a ``random:`` spec)."""
+    from medha_runtime.model.random_weights import random_config_path
+
+    file = random_config_path(path)
+    if file is None:
+        file = _model_dir(path) / CONFIG_FILE
     if not file.is_file():
         raise MissingFileError(
-            f"{file} not found: {directory} is not a Hugging Face model directory"
+            f"{file} not found: {file.parent} is not a Hugging Face model directory"
         )
     try:
         raw = json.loads(file.read_text())
@@ -293,7 +299,8 @@ def load_model(
     Args:
         path: a local Hugging Face directory, or ``"tiny"`` for the built-in
             model (:mod:`medha_runtime.model.tiny`: random weights, gibberish
-            output) when no such directory exists.
+            output) when no such directory exists, or ``"random:CONFIG"``
+            (CONFIG's shape, random weights drawn on ``device``).
         dtype: ``"auto"`` (the config's dtype), a name, or a torch dtype.
         device: where the weights go.
         tp: this rank's TP communicator (default: one rank).
@@ -306,9 +313,20 @@ def load_model(
         from medha_runtime.model.tiny import build_tiny
 
         return build_tiny(dtype=dtype, device=device, tp=tp, layer_range=layer_range)
+    from medha_runtime.model.random_weights import (
+        RandomSource,
+        checkpoint_shapes,
+        random_config_path,
+    )
+
     config = load_config(path)
-    source = SafetensorsSource(_model_dir(path))
     model = LlamaModel(config, dtype=dtype, device="meta", tp=tp, layer_range=layer_range)
+    source: TensorSource
+    if random_config_path(path) is not None:
+        shapes = checkpoint_shapes(config)
+        source = RandomSource(shapes, device=device, dtype=model.dtype, label=str(path))
+    else:
+        source = SafetensorsSource(_model_dir(path))
     load_weights(model, source, device=device)
     return model, config
 
