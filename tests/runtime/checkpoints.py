@@ -153,14 +153,21 @@ def build_checkpoint(spec: Spec, directory: Path) -> Path:
     return directory
 
 
-def hf_model(directory: Path):
+def hf_model(directory: Path, dtype: torch.dtype = torch.float32):
     """The reference: transformers' own model loaded from the directory."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0
     return model
+
+
+def hf_logits(directory: Path, prompt: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """transformers' logits ``[len(prompt), vocab]`` for every prompt position, in ``dtype``."""
+    model = hf_model(directory, dtype)
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
 
 
 def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:

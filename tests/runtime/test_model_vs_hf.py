@@ -9,7 +9,15 @@ import torch
 
 from medha_kernels import chunked_prefill_attention, merge_state
 from medha_runtime.model import ForwardBatch, load_model
-from tests.runtime.checkpoints import SPECS, greedy, hf_greedy, hf_model, shuffled_blocks
+from tests.numerics import assert_twice_torch
+from tests.runtime.checkpoints import (
+    SPECS,
+    greedy,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+    shuffled_blocks,
+)
 
 PROMPT = [1, 17, 42, 5, 88, 23, 61, 9, 70, 33, 14, 50, 3]
 MAX_NEW = 12
@@ -18,16 +26,15 @@ MAX_NEW = 12
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_prompt_logits_match_transformers(checkpoint, name: str) -> None:
     path = checkpoint(name)
-    ref = hf_model(path)
-    with torch.no_grad():
-        expected = ref(torch.tensor([PROMPT])).logits[0].float()
+    truth = hf_logits(path, PROMPT, torch.float64)
+    baseline = hf_logits(path, PROMPT, torch.float32)  # transformers in the same precision
     model, config = load_model(path, dtype="float32")
     kv = model.allocate_kv_cache(8, 4)
     batch = ForwardBatch.build([PROMPT], [0], [[3, 0, 7, 1]], block_size=4)
     batch.sample_rows = torch.arange(len(PROMPT))  # logits for every row
     got = model(batch, kv)
     assert got.dtype == torch.float32 and got.shape == (len(PROMPT), config.vocab_size)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_twice_torch(got, truth, baseline, what=f"{name} logits")
 
 
 GREEDY_SPECS = ["gqa-llama3-tied-sharded", "gqa-llama3-legacy", "mha-default-legacy"]
@@ -92,7 +99,8 @@ def test_pipeline_stages_compose_to_the_whole_model(checkpoint) -> None:
     with pytest.raises(ValueError, match="hidden states"):
         last(batch, last.allocate_kv_cache(4, 4))
     got = last(batch, last.allocate_kv_cache(4, 4), hidden)
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    truth = hf_logits(path, PROMPT, torch.float64)[-1:]  # the batch samples the last row
+    assert_twice_torch(got, truth, expected, what="staged logits")
 
 
 class SplitKVAttention:

@@ -10,6 +10,7 @@ import torch
 import medha_runtime.model.tiny as tiny
 from medha_runtime.model import ForwardBatch, load_model
 from medha_runtime.model.tiny import build_tiny, save_tiny, tiny_config, tiny_tokenizer
+from tests.numerics import assert_twice_torch
 
 PROMPT = tiny_tokenizer().encode("Medha serves long prompts.")
 
@@ -77,15 +78,18 @@ def test_save_then_load_gives_identical_logits(tmp_path) -> None:
 def test_transformers_reads_the_saved_tiny_model(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     path = save_tiny(tmp_path / "tiny")
-    ref = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = ref(torch.tensor([PROMPT])).logits[0]
     model, config = build_tiny()
-    torch.testing.assert_close(_logits(model), expected, atol=1e-4, rtol=1e-4)
-    # The same tokens placed at the very end of the 64K context.
+    # The prompt at the start, then the same tokens at the very end of the 64K context.
     offset = config.max_position_embeddings - len(PROMPT)
-    positions = torch.arange(offset, offset + len(PROMPT))[None]
-    with torch.no_grad():
-        far = ref(torch.tensor([PROMPT]), position_ids=positions).logits[0]
-    assert not torch.allclose(far, expected, atol=1e-2)
-    torch.testing.assert_close(_logits(model, offset=offset), far, atol=1e-4, rtol=1e-4)
+    refs = {}
+    for dtype in (torch.float64, torch.float32):  # the truth, and transformers' fp32 baseline
+        ref = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        positions = torch.arange(offset, offset + len(PROMPT))[None]
+        with torch.no_grad():
+            near = ref(torch.tensor([PROMPT])).logits[0]
+            far = ref(torch.tensor([PROMPT]), position_ids=positions).logits[0]
+        refs[dtype] = near, far
+    (near64, far64), (near32, far32) = refs[torch.float64], refs[torch.float32]
+    assert not torch.allclose(far64, near64, atol=1e-2)
+    assert_twice_torch(_logits(model), near64, near32, what="logits at position 0")
+    assert_twice_torch(_logits(model, offset=offset), far64, far32, what="logits at 64K")
