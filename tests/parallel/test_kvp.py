@@ -17,6 +17,7 @@ from medha_kernels import merge_states
 from medha_parallel import CommunicationError, ParallelLayout, ParallelState
 from medha_parallel.kvp import STRATEGIES, KVPCommunicator, kvp_attention
 from medha_parallel.merge import merge_partials
+from tests.numerics import assert_twice_torch
 
 from .dist import launch
 
@@ -41,12 +42,16 @@ def _attention(
     q_pos: int,
     k_pos: int = 0,
     causal: bool = True,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention in fp64; query i sits at ``q_pos + i``, key j at ``k_pos + j``."""
+    """Softmax attention in ``dtype`` (fp64: the truth; fp32: plain torch's baseline).
+
+    Query i sits at ``q_pos + i``, key j at ``k_pos + j``.
+    """
     group = q.shape[1] // k.shape[1]
-    kk = k.double().repeat_interleave(group, dim=1)
-    vv = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) / HEAD_DIM**0.5
+    kk = k.to(dtype).repeat_interleave(group, dim=1)
+    vv = v.to(dtype).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), kk) / HEAD_DIM**0.5
     if causal:
         qp = torch.arange(q.shape[0]) + q_pos
         kp = torch.arange(k.shape[0]) + k_pos
@@ -77,13 +82,24 @@ def _sharded_partials(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return torch.stack(outs), torch.stack(lses), *full
 
 
+def _baseline(q, k, v, *, q_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain fp32 torch attention over the whole context: the 2x rule's baseline."""
+    return _attention(q, k, v, q_pos=q_pos, dtype=torch.float32)
+
+
+def _sharded_baseline() -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _qkv(19, seed=0)
+    return _baseline(q[14:], k, v, q_pos=14)
+
+
 def test_merge_partials_of_contiguous_shards_equals_full_attention_fp32() -> None:
     outs, lses, ref_out, ref_lse = _sharded_partials(torch.float32)
     assert torch.isnan(outs[1]).all() and (lses[1] == NEG_INF).all()  # the empty shard
     out, lse = merge_partials(outs, lses)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+    base_out, base_lse = _sharded_baseline()
+    assert_twice_torch(out, ref_out, base_out, what="merged output")
+    assert_twice_torch(lse, ref_lse, base_lse, what="merged LSE")
     # The same contract as medha_kernels.merge_states (state axis second there).
     k_out, k_lse = merge_states(outs.transpose(0, 1), lses.transpose(0, 1), backend="torch")
     torch.testing.assert_close(out, k_out, rtol=0, atol=1e-6)
@@ -97,7 +113,7 @@ def test_merge_partials_bf16_partials_merge_in_fp32() -> None:
     # bf16 rounding of the partials and the result only: 2x a bf16 cast of the answer.
     cast_err = (ref_out.bfloat16().double() - ref_out).abs().max().item()
     assert (out.double() - ref_out).abs().max().item() <= 2 * cast_err + 1e-3
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+    assert_twice_torch(lse, ref_lse, _sharded_baseline()[1], what="merged LSE")
 
 
 def test_merge_partials_ignores_nan_and_inf_states_and_empties_to_zero() -> None:
@@ -107,8 +123,9 @@ def test_merge_partials_ignores_nan_and_inf_states_and_empties_to_zero() -> None
         extra_outs = torch.cat([outs, garbage[None]])
         extra_lses = torch.cat([lses, torch.full_like(lses[:1], bad)])
         out, lse = merge_partials(extra_outs, extra_lses)
-        torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
-        torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+        base_out, base_lse = _sharded_baseline()
+        assert_twice_torch(out, ref_out, base_out, what=f"output with a {bad} state")
+        assert_twice_torch(lse, ref_lse, base_lse, what=f"LSE with a {bad} state")
     out, lse = merge_partials(
         garbage[None].expand(3, -1, -1, -1), torch.full_like(lses[:3], NEG_INF)
     )
@@ -220,13 +237,14 @@ def test_kvp2_merge_equals_full_attention(kvp2, case, strategy) -> None:
     q_all, k, v = _qkv(KVP2_CONTEXT, seed=1)
     start, end = _kvp2_cases()[case]
     ref_out, ref_lse = _attention(q_all[start:end], k[:end], v[:end], q_pos=start)
+    base_out, base_lse = _baseline(q_all[start:end], k[:end], v[:end], q_pos=start)
     qb, kb, vb = (t.bfloat16() for t in (q_all[start:end], k[:end], v[:end]))
     ref_bf16, _ = _attention(qb, kb, vb, q_pos=start)  # bf16 inputs, exact math
     for res in kvp2:
         out, lse = res[case, torch.float32, strategy]
         assert out.shape == (end - start, 4, 8) and lse.dtype == torch.float32
-        torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
-        torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+        assert_twice_torch(out, ref_out, base_out, what=f"{case} {strategy} output")
+        assert_twice_torch(lse, ref_lse, base_lse, what=f"{case} {strategy} LSE")
         out, lse = res[case, torch.bfloat16, strategy]
         assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
         cast_err = (ref_bf16.bfloat16().double() - ref_bf16).abs().max().item()
@@ -240,12 +258,13 @@ def test_kvp2_merge_equals_full_attention(kvp2, case, strategy) -> None:
 def test_kvp2_empty_shard_contributes_nothing(kvp2) -> None:
     q_all, k, v = _qkv(KVP2_CONTEXT, seed=1)
     ref_out, ref_lse = _attention(q_all[8:12], k[:12], v[:12], q_pos=8)
+    base_out, base_lse = _baseline(q_all[8:12], k[:12], v[:12], q_pos=8)
     for res in kvp2:
         for strategy in STRATEGIES:
             out, lse = res["empty_tail", strategy]
             assert not torch.isnan(out).any()
-            torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
-            torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+            assert_twice_torch(out, ref_out, base_out, what=f"{strategy} output")
+            assert_twice_torch(lse, ref_lse, base_lse, what=f"{strategy} LSE")
 
 
 def test_kvp2_single_active_group_is_a_no_op_and_others_are_refused(kvp2) -> None:
