@@ -17,8 +17,6 @@ Conventions (FlashInfer-compatible layouts, natural-log LSE):
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from medha_kernels._checks import (
@@ -29,11 +27,10 @@ from medha_kernels._checks import (
     default_sm_scale,
 )
 from medha_kernels.backends import resolve
+from medha_kernels.plan import _plan, check_q_and_cache
 
 _Q = "[num_q, num_qo_heads, head_dim]"
 _KV = "[num_kv, num_kv_heads, head_dim]"
-_CACHE = "[num_blocks, block_size, num_kv_heads, head_dim]"
-_I32 = (torch.int32,)
 
 
 def chunked_prefill_attention(
@@ -57,7 +54,7 @@ def chunked_prefill_attention(
         causal: query ``i`` sees keys ``j <= q_offset + i``; without it every
             key (how a KV shard lying before the chunk is computed).
         sm_scale: default ``1 / sqrt(head_dim)``.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"flashinfer"``.
+        backend: ``"auto"``, ``"torch"``, ``"native"`` (CPU), ``"triton"`` or ``"flashinfer"``.
 
     Returns:
         ``(o, lse)``: ``[num_q, num_qo_heads, head_dim]`` in ``q``'s dtype, and
@@ -104,56 +101,18 @@ def paged_attention(
         block_table: ``[batch, max_blocks]`` int32.
         causal: see :func:`chunked_prefill_attention`.
         sm_scale: default ``1 / sqrt(head_dim)``.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"flashinfer"``.
+        backend: ``"auto"``, ``"torch"``, ``"native"`` (CPU), ``"triton"`` or ``"flashinfer"``.
 
     Returns:
         ``(o, lse)`` as for :func:`chunked_prefill_attention`.
+
+    Layers of one step share their metadata: plan it once with
+    :func:`medha_kernels.plan_paged_attention` and ``run`` the plan per layer
+    instead (this function plans and runs in one call).
     """
-    check_tensor("q", q, layout=_Q)
-    check_tensor("k_cache", k_cache, layout=_CACHE, dtypes=(q.dtype,), device=q.device)
-    check_tensor("v_cache", v_cache, layout=_CACHE, dtypes=(q.dtype,), device=q.device)
-    check_shape("v_cache", v_cache, tuple(k_cache.shape), _CACHE)
-    if k_cache.shape[3] != q.shape[2]:
-        raise KernelInputError(
-            f"k_cache: head_dim {k_cache.shape[3]} differs from q's {q.shape[2]}"
-        )
-    check_gqa(q.shape[1], k_cache.shape[2])
-    _check_batch_index(q, k_cache, cu_seqlens_q, kv_lens, block_table)
-    scale = default_sm_scale(q.shape[2], sm_scale)
-    args = (q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_table, bool(causal), scale)
-    return resolve("paged_attention", backend, q.device, args)(*args)
-
-
-def _check_batch_index(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    block_table: torch.Tensor,
-) -> None:
-    check_tensor("cu_seqlens_q", cu_seqlens_q, layout="[batch + 1]", dtypes=_I32, device=q.device)
-    batch = cu_seqlens_q.shape[0] - 1
-    check_tensor("kv_lens", kv_lens, layout="[batch]", dtypes=_I32, device=q.device)
-    check_shape("kv_lens", kv_lens, (batch,), "[batch]")
-    check_tensor(
-        "block_table", block_table, layout="[batch, max_blocks]", dtypes=_I32, device=q.device
+    check_q_and_cache(q, k_cache, v_cache)
+    plan = _plan(
+        cu_seqlens_q, kv_lens, block_table, q.shape[1], k_cache.shape[2], q.shape[2],
+        k_cache.shape[1], q.dtype, causal, sm_scale, backend, num_q=q.shape[0],
     )
-    if block_table.shape[0] != batch:
-        raise KernelInputError(
-            f"block_table: expected {batch} rows [batch, max_blocks], got {block_table.shape[0]}"
-        )
-    cu = cu_seqlens_q.tolist()
-    lens = kv_lens.tolist()
-    rising = all(a <= b for a, b in itertools.pairwise(cu))
-    if batch < 0 or cu[0] != 0 or cu[-1] != q.shape[0] or not rising:
-        raise KernelInputError(f"cu_seqlens_q must rise from 0 to num_q={q.shape[0]}, got {cu}")
-    block_size = k_cache.shape[1]
-    for b in range(batch):
-        nq = cu[b + 1] - cu[b]
-        if lens[b] < nq:
-            raise KernelInputError(f"kv_lens[{b}]={lens[b]} is below its {nq} queries")
-        if -(-lens[b] // block_size) > block_table.shape[1]:
-            raise KernelInputError(
-                f"kv_lens[{b}]={lens[b]} needs more blocks than block_table's "
-                f"{block_table.shape[1]}"
-            )
+    return plan.run(q, k_cache, v_cache)

@@ -72,22 +72,32 @@ def resolve(op: str, backend: str, device: torch.device, args: tuple = ()):
     With "auto", a backend that declares ``can_run(op, *args)`` is skipped for
     inputs outside its limits (FlashInfer's head dims and dtypes, say).
     """
+    name = resolve_name(op, backend, device, args)
+    return _lookup(op, name, device)
+
+
+def resolve_name(op: str, backend: str, device: torch.device, args: tuple = ()) -> str:
+    """The backend that :func:`resolve` picks for ``op`` (its name)."""
     if backend == "auto":
         for name in _AUTO_ORDER.get(device.type, ("torch",)):
             fn = _lookup(op, name, device)
             if fn is not None and _accepts(name, op, args):
                 logger.debug("auto backend for %s on %s: %s", op, device, name)
-                return fn
+                return name
         raise ValueError(f"no backend implements {op} on {device}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    fn = _lookup(op, backend, device)
-    if fn is None:
+    if _lookup(op, backend, device) is None:
         usable = ", ".join(b for b in available_backends(device) if _lookup(op, b, device))
         raise ValueError(
             f"backend {backend!r} cannot run {op} on {device}; usable here: {usable or 'none'}"
         )
-    return fn
+    return backend
+
+
+def planner(op: str, backend: str):
+    """Backend ``backend``'s ``plan_<op>`` (see :mod:`medha_kernels.plan`), or None."""
+    return getattr(_module(backend), f"plan_{op}", None)
 
 
 def _lookup(op: str, backend: str, device: torch.device):

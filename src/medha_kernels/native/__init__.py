@@ -1,4 +1,4 @@
-"""The ``native`` backend: merge kernels in C++ (CPU) and CUDA, built on first use.
+"""The ``native`` backend: merge kernels in C++ (CPU) and CUDA, CPU attention, built on first use.
 
 The sources in ``csrc/`` are compiled by :func:`medha_kernels.native.jit.get_module`
 the first time an op runs on a device type, then reused from the on-disk cache
@@ -10,6 +10,9 @@ the inputs (a copy only when needed). For ``merge_state_in_place`` on a
 non-contiguous ``v`` or ``s``, the merge runs on contiguous copies and only the
 selected rows are copied back, so rows with ``mask`` False are never written.
 ``v_other``/``s_other`` must not overlap ``v``/``s``.
+
+Attention (:mod:`medha_kernels.native.attention`) runs on the CPU only:
+:func:`can_run` declines it for other devices.
 
 Semantics are those of the ``torch`` backend: natural-log LSE, an LSE of -inf,
 +inf or NaN marks an empty state whose ``v`` is ignored, all-empty rows give
@@ -24,9 +27,23 @@ from pathlib import Path
 
 import torch
 
+from medha_kernels.native.attention import chunked_prefill_attention as chunked_prefill_attention
+from medha_kernels.native.attention import paged_attention as paged_attention
+from medha_kernels.native.attention import plan_paged_attention as plan_paged_attention
 from medha_kernels.native.jit import SOURCES, cxx_available, get_module, ninja_available
 
-__all__ = ["merge_state", "merge_state_in_place", "merge_states", "supports_device"]
+__all__ = [
+    "can_run",
+    "chunked_prefill_attention",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "paged_attention",
+    "plan_paged_attention",
+    "supports_device",
+]
+
+_CPU_ONLY = ("chunked_prefill_attention", "paged_attention")
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
@@ -54,6 +71,14 @@ def supports_device(device: torch.device) -> bool:
     GPU and a CUDA toolkit (``torch.utils.cpp_extension.CUDA_HOME``).
     """
     return _toolchain(torch.device(device).type, os.environ.get("CXX"), os.environ.get("PATH"))
+
+
+def can_run(op: str, *args: object) -> bool:
+    """Attention only on CPU tensors (its first argument is ``q``); merges anywhere."""
+    if op not in _CPU_ONLY:
+        return True
+    q = args[0] if args else None
+    return isinstance(q, torch.Tensor) and q.device.type == "cpu"
 
 
 def _ext(t: torch.Tensor):

@@ -1,4 +1,4 @@
-"""Build the native merge extension on first use and keep it on disk.
+"""Build the native extension (merges, CPU attention) on first use and keep it on disk.
 
 ``get_module(device_type)`` compiles ``csrc/`` with ``torch.utils.cpp_extension.load``
 (ninja) the first time a process needs it and caches the module for the
@@ -36,7 +36,7 @@ import torch
 logger = logging.getLogger("medha_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_CPU_FILES = ("merge.h", "bindings.cpp", "merge_cpu.cpp")
+_CPU_FILES = ("merge.h", "attention.h", "bindings.cpp", "merge_cpu.cpp", "attention_cpu.cpp")
 SOURCES = {"cpu": _CPU_FILES, "cuda": (*_CPU_FILES, "merge_cuda.cu")}
 _MARKER = ".medha_built"
 _LIB_EXT = ".pyd" if sys.platform == "win32" else ".so"
@@ -125,9 +125,21 @@ def _openmp_wanted() -> bool:
     )
 
 
+def _simd_flags() -> list[str]:
+    """``-mavx2 -mfma`` where this CPU has them (x86-64, as torch detects it), else none.
+
+    The attention kernel has AVX2 paths and portable fallbacks; the build is
+    cached per machine, and the flags are part of the cache key.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    capability = torch.backends.cpu.get_cpu_capability()
+    return ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+
+
 def _flags(device_type: str, openmp: bool) -> dict[str, list[str]]:
     omp = ["-fopenmp"] if openmp else []
-    cflags = ["-O3", *omp]
+    cflags = ["-O3", *_simd_flags(), *omp]
     cuda_cflags: list[str] = []
     if device_type == "cuda":
         cflags.append("-DMEDHA_WITH_CUDA")
@@ -178,7 +190,7 @@ def _build(device_type: str, name: str, build_dir: Path) -> ModuleType:
         os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(CSRC / f) for f in SOURCES[device_type] if not f.endswith(".h")]
-    logger.info("medha native: building %s merge kernels in %s (first use)", device_type, build_dir)
+    logger.info("medha native: building %s kernels in %s (first use)", device_type, build_dir)
     try:
         module = cpp_extension.load(
             name=name,
@@ -190,7 +202,7 @@ def _build(device_type: str, name: str, build_dir: Path) -> ModuleType:
         )
     except Exception as exc:
         raise RuntimeError(
-            f"building the native {device_type} merge kernels in {build_dir} failed "
+            f"building the native {device_type} kernels in {build_dir} failed "
             f"(set MEDHA_NATIVE_VERBOSE=1 for the compiler output, or use backend='torch'): {exc}"
         ) from exc
     tmp = build_dir / f"{_MARKER}.{os.getpid()}"

@@ -11,6 +11,7 @@ import torch
 
 from medha_kernels.torch_ref.attention import chunked_prefill_attention as chunked_prefill_attention
 from medha_kernels.torch_ref.attention import paged_attention as paged_attention
+from medha_kernels.torch_ref.attention import plan_paged_attention as plan_paged_attention
 from medha_kernels.torch_ref.merge import merge_state as merge_state
 from medha_kernels.torch_ref.merge import merge_state_in_place as merge_state_in_place
 from medha_kernels.torch_ref.merge import merge_states as merge_states

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from medha_kernels.torch_ref.merge import merge_states
+
+if TYPE_CHECKING:
+    from medha_kernels.plan import PagedMeta
 
 KV_TILE = 4096  # keys per tile, at most
 MIN_KV_TILE = 256  # keys per tile, at least (unless KV_TILE is smaller)
@@ -116,17 +121,46 @@ def paged_attention(
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`medha_kernels.paged_attention` (arguments already checked)."""
-    block_size = k_cache.shape[1]
-    cu = cu_seqlens_q.tolist()
-    lens = kv_lens.tolist()
+    blocks = _sequence_blocks(block_table, kv_lens.tolist(), k_cache.shape[1])
+    return _run_paged(q, k_cache, v_cache, cu_seqlens_q.tolist(), blocks, causal, sm_scale)
+
+
+def plan_paged_attention(meta: PagedMeta):
+    """The plan/run form: each sequence's block ids are sliced once per step."""
+    blocks = _sequence_blocks(meta.block_table, meta.lens, meta.block_size)
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        return _run_paged(q, k_cache, v_cache, meta.cu, blocks, meta.causal, meta.sm_scale)
+
+    return run
+
+
+def _sequence_blocks(
+    block_table: torch.Tensor, lens: list[int], block_size: int
+) -> list[tuple[int, torch.Tensor]]:
+    """``(kv_len, int64 block ids)`` per sequence."""
+    return [
+        (n, block_table[b, : -(-n // block_size)].long()) for b, n in enumerate(lens)
+    ]
+
+
+def _run_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu: list[int],
+    blocks: list[tuple[int, torch.Tensor]],
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk at a time over each sequence's gathered K/V (the reference loop)."""
     out = torch.empty_like(q)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty(q.shape[:2], dtype=lse_dtype, device=q.device)
-    for b, kv_len in enumerate(lens):
+    for b, (kv_len, ids) in enumerate(blocks):
         lo, hi = cu[b], cu[b + 1]
-        blocks = block_table[b, : -(-kv_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:kv_len]
-        v = v_cache[blocks].flatten(0, 1)[:kv_len]
+        k = k_cache[ids].flatten(0, 1)[:kv_len]
+        v = v_cache[ids].flatten(0, 1)[:kv_len]
         o_b, lse_b = chunked_prefill_attention(q[lo:hi], k, v, kv_len - (hi - lo), causal, sm_scale)
         out[lo:hi] = o_b
         lse[lo:hi] = lse_b

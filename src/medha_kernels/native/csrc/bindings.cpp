@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "attention.h"
 #include "merge.h"
 
 namespace medha {
@@ -92,6 +93,47 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& v, const at::T
   return merge_states_cpu(v, s);
 }
 
+void check_cpu_i32(const std::string& name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kInt && t.dim() == dim && t.is_contiguous(),
+              name, ": expected a contiguous int32 CPU tensor of rank ", dim);
+}
+
+at::Tensor plan_paged_attention(const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+                                const at::Tensor& q_start, int64_t num_kv_heads, int64_t group,
+                                bool causal) {
+  check_cpu_i32("cu_seqlens_q", cu_seqlens_q, 1);
+  check_cpu_i32("kv_lens", kv_lens, 1);
+  check_cpu_i32("q_start", q_start, 1);
+  TORCH_CHECK(cu_seqlens_q.size(0) == kv_lens.size(0) + 1 && q_start.size(0) == kv_lens.size(0),
+              "cu_seqlens_q, kv_lens and q_start disagree on the batch size");
+  TORCH_CHECK(num_kv_heads >= 1 && group >= 1, "num_kv_heads and group must be >= 1");
+  return plan_paged_attention_cpu(cu_seqlens_q, kv_lens, q_start, num_kv_heads, group, causal);
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens, const at::Tensor& q_start,
+    const at::Tensor& block_table, const at::Tensor& tasks, bool causal, double sm_scale) {
+  TORCH_CHECK(q.is_cpu() && q.dim() == 3 && float_dtype(q) && q.is_contiguous(),
+              "q: expected a contiguous CPU [num_q, num_qo_heads, head_dim] float tensor");
+  for (const auto* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->is_cpu() && c->dim() == 4 && c->scalar_type() == q.scalar_type() &&
+                    c->is_contiguous() && c->size(3) == q.size(2),
+                "k_cache/v_cache: expected contiguous [num_blocks, block_size, num_kv_heads, ",
+                q.size(2), "] tensors of q's dtype on the CPU");
+  }
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache's shape differs from k_cache's");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_qo_heads must be a multiple of num_kv_heads");
+  check_cpu_i32("cu_seqlens_q", cu_seqlens_q, 1);
+  check_cpu_i32("kv_lens", kv_lens, 1);
+  check_cpu_i32("q_start", q_start, 1);
+  check_cpu_i32("block_table", block_table, 2);
+  check_cpu_i32("tasks", tasks, 2);
+  TORCH_CHECK(tasks.size(1) == 5, "tasks: expected [num_tasks, 5] from plan_paged_attention");
+  return paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, kv_lens, q_start, block_table,
+                             tasks, causal, sm_scale);
+}
+
 }  // namespace medha
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -106,6 +148,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask") = py::none(), nogil);
   m.def("merge_states", &medha::merge_states, "Merge N states [T, N, H, D] / [T, N, H].",
         py::arg("v"), py::arg("s"), nogil);
+  m.def("plan_paged_attention", &medha::plan_paged_attention,
+        "CPU paged attention: the step's task list [T, 5] int32 (plan once per step).",
+        py::arg("cu_seqlens_q"), py::arg("kv_lens"), py::arg("q_start"), py::arg("num_kv_heads"),
+        py::arg("group"), py::arg("causal"), nogil);
+  m.def("paged_attention", &medha::paged_attention,
+        "CPU paged attention with natural-log LSE over a planned task list.", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("kv_lens"),
+        py::arg("q_start"), py::arg("block_table"), py::arg("tasks"), py::arg("causal"),
+        py::arg("sm_scale"), nogil);
 #ifdef MEDHA_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -1,0 +1,354 @@
+// CPU paged attention with LSE: chunked prefill and decode in one batched call.
+//
+// The work of a step is split into tasks (sequence, KV head, query-row tile),
+// planned once per step by plan_paged_attention_cpu and run by every layer.
+// A task holds the query rows of all heads of one GQA group, so each key and
+// value row is read once per group, straight from the paged cache (no gather,
+// no copy per group for fp32 caches). Softmax is online over tiles of keys, in
+// base 2 internally; the LSE is stored in natural log. A row that sees no key
+// gets (0, -inf).
+//
+// Tasks run on at::parallel_for threads, largest first, taken from a shared
+// counter (the causal triangle makes tiles of one chunk unequal).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MEDHA_AVX2 1
+#endif
+
+#include "attention.h"
+
+namespace medha {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896340736f;
+constexpr float kLn2 = 0.69314718055994530942f;
+constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
+constexpr int64_t kRowsPerTask = 64;  // query rows (tokens x group heads) per task, about
+constexpr int64_t kSerialWork = int64_t{1} << 16;  // below this many row-keys, one thread
+
+// out[i] = <q, k_i> for 4 key rows of length D.
+inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
+  int64_t d = 0;
+#ifdef MEDHA_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
+  }
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = 0.0f;
+#endif
+  for (; d < D; ++d) {
+    for (int i = 0; i < 4; ++i) out[i] += q[d] * k[i][d];
+  }
+}
+
+inline float dot1(const float* q, const float* k, int64_t D) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * k[d];
+  return s;
+}
+
+#ifdef MEDHA_AVX2
+// 2^x for x <= 0 (x = -inf gives 0); relative error about 1e-7.
+inline __m256 exp2_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);  // [-0.5, 0.5]
+  // Taylor series of exp(f ln 2) to degree 7 (truncation below 1e-8).
+  __m256 p = _mm256_set1_ps(1.5252733804059841e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381609e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// s[j] = 2^(s[j] - m) for j < n; returns their sum.
+inline float exp2_shift_sum(float* s, int64_t n, float m) {
+  int64_t j = 0;
+  float total = 0.0f;
+#ifdef MEDHA_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float x : lanes) total += x;
+#endif
+  for (; j < n; ++j) {
+    s[j] = std::exp2(s[j] - m);
+    total += s[j];
+  }
+  return total;
+}
+
+// o[:D] += sum_j p[j] * v_j[:D] over n value rows.
+inline void accumulate_pv(float* o, const float* p, const float* const* v, int64_t n, int64_t D) {
+  int64_t d = 0;
+#ifdef MEDHA_AVX2
+  for (; d + 32 <= D; d += 32) {
+    __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
+    __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 w = _mm256_set1_ps(p[j]);
+      const float* vj = v[j] + d;
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 24), a3);
+    }
+    _mm256_storeu_ps(o + d, a0);
+    _mm256_storeu_ps(o + d + 8, a1);
+    _mm256_storeu_ps(o + d + 16, a2);
+    _mm256_storeu_ps(o + d + 24, a3);
+  }
+  for (; d + 8 <= D; d += 8) {
+    __m256 a = _mm256_loadu_ps(o + d);
+    for (int64_t j = 0; j < n; ++j) {
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), a);
+    }
+    _mm256_storeu_ps(o + d, a);
+  }
+#endif
+  for (; d < D; ++d) {
+    float a = o[d];
+    for (int64_t j = 0; j < n; ++j) a += p[j] * v[j][d];
+    o[d] = a;
+  }
+}
+
+struct Shape {
+  int64_t num_q_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  bool causal;
+  float scale_log2;  // sm_scale * log2(e)
+};
+
+// Per-thread scratch, reused across tasks.
+struct Scratch {
+  std::vector<float> q, o, s, m, l, kbuf, vbuf;
+  std::vector<const float*> krow, vrow;
+};
+
+template <typename scalar_t>
+void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
+              const scalar_t* v_cache, const int32_t* cu, const int32_t* kv_lens,
+              const int32_t* q_start, const int32_t* block_table, const Shape& sh, scalar_t* out,
+              float* lse, Scratch& w) {
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  const int64_t seq = task[0], kvh = task[1], t_lo = task[2], t_hi = task[3];
+  const int64_t G = sh.group, D = sh.head_dim, Hq = sh.num_q_heads, Hkv = sh.num_kv_heads;
+  const int64_t M = (t_hi - t_lo) * G;  // rows: token-major, then the group's heads
+  const int64_t row0 = cu[seq] + t_lo;  // first token row in q
+  const int64_t start = q_start[seq];   // absolute position of the sequence's token 0
+  const int64_t kv_len = kv_lens[seq];
+  const int64_t num_keys =
+      sh.causal ? std::min<int64_t>(kv_len, std::max<int64_t>(0, start + t_hi)) : kv_len;
+  w.q.resize(M * D);
+  w.o.assign(M * D, 0.0f);
+  w.s.resize(M * kKeyTile);
+  w.m.assign(M, kNegInf);
+  w.l.assign(M, 0.0f);
+  w.krow.resize(kKeyTile);
+  w.vrow.resize(kKeyTile);
+  if (!kFloat) {
+    w.kbuf.resize(kKeyTile * D);
+    w.vbuf.resize(kKeyTile * D);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const scalar_t* src = q + ((row0 + r / G) * Hq + kvh * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = static_cast<float>(src[d]) * sh.scale_log2;
+  }
+  const int32_t* blocks = block_table + seq * sh.max_blocks;
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, num_keys - j0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = j0 + j;
+      const int64_t slot = int64_t{blocks[pos / sh.block_size]} * sh.block_size + pos % sh.block_size;
+      const int64_t off = (slot * Hkv + kvh) * D;
+      if constexpr (kFloat) {
+        w.krow[j] = k_cache + off;
+        w.vrow[j] = v_cache + off;
+      } else {
+        float* kb = w.kbuf.data() + j * D;
+        float* vb = w.vbuf.data() + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kb[d] = static_cast<float>(k_cache[off + d]);
+          vb[d] = static_cast<float>(v_cache[off + d]);
+        }
+        w.krow[j] = kb;
+        w.vrow[j] = vb;
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      // keys this row sees in the tile: all, or up to its own position (causal)
+      const int64_t visible =
+          sh.causal ? std::min(nk, start + t_lo + r / G - j0 + 1) : nk;
+      if (visible <= 0) continue;  // and in every later tile too
+      const float* qr = w.q.data() + r * D;
+      float* s = w.s.data() + r * kKeyTile;
+      int64_t j = 0;
+      for (; j + 4 <= visible; j += 4) dot4(qr, w.krow.data() + j, D, s + j);
+      for (; j < visible; ++j) s[j] = dot1(qr, w.krow[j], D);
+      float mx = w.m[r];
+      for (j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
+      const float alpha = std::exp2(w.m[r] - mx);  // 0 when the row was empty
+      const float sum = exp2_shift_sum(s, visible, mx);
+      float* o = w.o.data() + r * D;
+      if (alpha != 1.0f) {
+        for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+      }
+      w.l[r] = w.l[r] * alpha + sum;
+      w.m[r] = mx;
+      accumulate_pv(o, s, w.vrow.data(), visible, D);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t idx = (row0 + r / G) * Hq + kvh * G + r % G;
+    scalar_t* dst = out + idx * D;
+    const float total = w.l[r];
+    if (!(total > 0.0f)) {
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
+      lse[idx] = kNegInf;
+      continue;
+    }
+    const float inv = 1.0f / total;
+    const float* o = w.o.data() + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
+    lse[idx] = (w.m[r] + std::log2(total)) * kLn2;
+  }
+}
+
+// Runs every task; threads take the next task (largest first) from a shared counter.
+template <typename scalar_t>
+void run_tasks(const int32_t* tasks, int64_t T, bool serial, const scalar_t* q,
+               const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* cu,
+               const int32_t* kv_lens, const int32_t* q_start, const int32_t* block_table,
+               const Shape& sh, scalar_t* out, float* lse) {
+  if (serial || T == 1 || at::get_num_threads() == 1) {
+    Scratch w;
+    for (int64_t i = 0; i < T; ++i) {
+      run_task(tasks + 5 * i, q, k_cache, v_cache, cu, kv_lens, q_start, block_table, sh, out,
+               lse, w);
+    }
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(T, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next.fetch_add(1); i < T; i = next.fetch_add(1)) {
+        run_task(tasks + 5 * i, q, k_cache, v_cache, cu, kv_lens, q_start, block_table, sh, out,
+                 lse, w);
+      }
+    }
+  });
+}
+
+#define MEDHA_ATTN_DISPATCH(TYPE, NAME, ...)                                    \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)      \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+int64_t task_cost(const int32_t* t, const int32_t* kv_lens, const int32_t* q_start, int64_t group,
+                  bool causal) {
+  const int64_t keys = causal ? std::min<int64_t>(kv_lens[t[0]], std::max(0, q_start[t[0]] + t[3]))
+                              : kv_lens[t[0]];
+  return (t[3] - t[2]) * group * std::max<int64_t>(keys, 1);
+}
+
+}  // namespace
+
+at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+                                    const at::Tensor& q_start, int64_t num_kv_heads,
+                                    int64_t group, bool causal) {
+  const int64_t B = kv_lens.size(0);
+  const int32_t* cu = cu_seqlens_q.const_data_ptr<int32_t>();
+  const int32_t* lens = kv_lens.const_data_ptr<int32_t>();
+  const int32_t* starts = q_start.const_data_ptr<int32_t>();
+  const int64_t tokens_per_task = std::max<int64_t>(1, kRowsPerTask / group);
+  std::vector<int32_t> flat;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = cu[b + 1] - cu[b];
+    for (int64_t lo = 0; lo < nq; lo += tokens_per_task) {
+      const int64_t hi = std::min(nq, lo + tokens_per_task);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        flat.insert(flat.end(), {static_cast<int32_t>(b), static_cast<int32_t>(h),
+                                 static_cast<int32_t>(lo), static_cast<int32_t>(hi)});
+      }
+    }
+  }
+  const int64_t T = static_cast<int64_t>(flat.size()) / 4;
+  std::vector<int64_t> order(T), cost(T);
+  for (int64_t i = 0; i < T; ++i) cost[i] = task_cost(&flat[4 * i], lens, starts, group, causal);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  at::Tensor tasks = at::empty({T, 5}, cu_seqlens_q.options().dtype(at::kInt));
+  int32_t* dst = tasks.data_ptr<int32_t>();
+  int64_t total = 0;
+  for (int64_t i = 0; i < T; ++i) {
+    std::copy_n(&flat[4 * order[i]], 4, dst + 5 * i);
+    total += cost[order[i]];
+    // column 4: 1 when the tasks from here on are too small to share out
+    dst[5 * i + 4] = 0;
+  }
+  if (T > 0) dst[4] = total < kSerialWork ? 1 : 0;  // whole plan runs on one thread
+  return tasks;
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens, const at::Tensor& q_start,
+    const at::Tensor& block_table, const at::Tensor& tasks, bool causal, double sm_scale) {
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(2);
+  at::Tensor out = at::empty({N, Hq, D}, q.options());
+  at::Tensor lse = at::empty({N, Hq}, q.options().dtype(at::kFloat));
+  const int64_t T = tasks.size(0);
+  if (T == 0) return {out, lse};
+  const Shape sh{Hq, Hkv, Hq / Hkv, D, k_cache.size(1), block_table.size(1), causal,
+                 static_cast<float>(sm_scale) * kLog2e};
+  const int32_t* task = tasks.const_data_ptr<int32_t>();
+  const bool serial = task[4] != 0;
+  MEDHA_ATTN_DISPATCH(q.scalar_type(), "paged_attention_cpu", [&] {
+    run_tasks<scalar_t>(task, T, serial, q.const_data_ptr<scalar_t>(),
+                        k_cache.const_data_ptr<scalar_t>(), v_cache.const_data_ptr<scalar_t>(),
+                        cu_seqlens_q.const_data_ptr<int32_t>(), kv_lens.const_data_ptr<int32_t>(),
+                        q_start.const_data_ptr<int32_t>(), block_table.const_data_ptr<int32_t>(),
+                        sh, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+  });
+  return {out, lse};
+}
+
+}  // namespace medha

@@ -1,0 +1,314 @@
+"""Paged attention planned once per step, run by every layer (FlashInfer's plan/run).
+
+A step's batch metadata (query row offsets, KV lengths, block table) is the
+same for every layer. :func:`plan_paged_attention` validates it once (the only
+host reads), resolves the backend once, and lets the backend precompute its
+work list; :meth:`PagedAttentionPlan.run` then only checks the layer's tensor
+shapes (no host sync) and runs::
+
+    plan = plan_paged_attention(cu_seqlens_q=cu, kv_lens=lens, block_table=table,
+                                num_qo_heads=9, num_kv_heads=3, head_dim=64,
+                                block_size=16, dtype=torch.float32)
+    for layer in layers:
+        o, lse = plan.run(q, k_cache[layer], v_cache[layer])
+
+A backend module may expose ``plan_paged_attention(meta: PagedMeta)`` returning
+a ``run(q, k_cache, v_cache) -> (o, lse)`` callable; otherwise its
+``paged_attention`` op is called with the plan's tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from medha_kernels._checks import (
+    FLOAT_DTYPES,
+    KernelInputError,
+    check_gqa,
+    check_shape,
+    check_tensor,
+    default_sm_scale,
+)
+from medha_kernels.backends import planner, resolve, resolve_name
+
+_Q = "[num_q, num_qo_heads, head_dim]"
+_CACHE = "[num_blocks, block_size, num_kv_heads, head_dim]"
+_I32 = (torch.int32,)
+
+RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PagedMeta:
+    """One step's validated batch metadata, as tensors and as host lists.
+
+    Attributes:
+        cu_seqlens_q: ``[batch + 1]`` int32 query row offsets.
+        kv_lens: ``[batch]`` int32 keys per sequence (the chunk's included).
+        block_table: ``[batch, max_blocks]`` int32.
+        cu, lens: the same offsets and lengths as Python lists (read once).
+        max_block: the largest block id any sequence uses (-1 if none).
+        num_qo_heads, num_kv_heads, head_dim, block_size: the shapes every layer has.
+        dtype: q's and the caches' dtype.
+        causal, sm_scale: as in :func:`medha_kernels.paged_attention`.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    kv_lens: torch.Tensor
+    block_table: torch.Tensor
+    cu: list[int]
+    lens: list[int]
+    max_block: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    causal: bool
+    sm_scale: float
+
+    @property
+    def num_q(self) -> int:
+        return self.cu[-1]
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens_q.device
+
+
+@dataclass(frozen=True, kw_only=True)
+class PagedAttentionPlan:
+    """A validated step plan; :meth:`run` it once per layer.
+
+    Attributes:
+        meta: the step's metadata (see :class:`PagedMeta`).
+        backend: the backend that runs it (``"auto"`` already resolved).
+    """
+
+    meta: PagedMeta
+    backend: str
+    _run: RunFn
+
+    def run(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of one layer.
+
+        Args:
+            q: ``[num_q, num_qo_heads, head_dim]`` in the planned dtype.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+                this layer's cache with the step's K/V already written.
+
+        Returns:
+            ``(o [num_q, num_qo_heads, head_dim]`` in q's dtype, ``lse [num_q,
+            num_qo_heads]`` fp32 natural log); a row that sees no key is ``(0, -inf)``.
+        """
+        m = self.meta
+        want_q = (m.num_q, m.num_qo_heads, m.head_dim)
+        if tuple(q.shape) != want_q or q.dtype != m.dtype or q.device != m.device:
+            raise KernelInputError(
+                f"q: the plan expects {want_q} {_Q} {m.dtype} on {m.device}, "
+                f"got {tuple(q.shape)} {q.dtype} on {q.device}"
+            )
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if (
+                c.dim() != 4
+                or tuple(c.shape[1:]) != (m.block_size, m.num_kv_heads, m.head_dim)
+                or c.shape[0] <= m.max_block
+                or c.dtype != m.dtype
+                or c.device != m.device
+            ):
+                raise KernelInputError(
+                    f"{name}: the plan expects [> {m.max_block}, {m.block_size}, "
+                    f"{m.num_kv_heads}, {m.head_dim}] {_CACHE} {m.dtype} on {m.device}, "
+                    f"got {tuple(c.shape)} {c.dtype} on {c.device}"
+                )
+        return self._run(q, k_cache, v_cache)
+
+
+def plan_paged_attention(
+    *,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+) -> PagedAttentionPlan:
+    """Validate a step's metadata once and plan its attention for every layer.
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the
+    newest of its ``kv_lens[b]`` keys, which live in blocks
+    ``block_table[b, :ceil(kv_lens[b] / block_size)]``.
+
+    Args:
+        cu_seqlens_q: ``[batch + 1]`` int32, rising from 0 to ``num_q``.
+        kv_lens: ``[batch]`` int32, each ``>=`` its number of queries.
+        block_table: ``[batch, max_blocks]`` int32, on the same device.
+        num_qo_heads, num_kv_heads, head_dim, block_size: the layers' shapes.
+        dtype: q's and the caches' dtype (fp16, bf16 or fp32).
+        causal: query ``i`` of a chunk sees keys up to its own position;
+            without it every key.
+        sm_scale: default ``1 / sqrt(head_dim)``.
+        backend: ``"auto"``, ``"torch"``, ``"native"``, ``"triton"`` or ``"flashinfer"``.
+
+    Returns:
+        A :class:`PagedAttentionPlan`.
+    """
+    return _plan(
+        cu_seqlens_q, kv_lens, block_table, num_qo_heads, num_kv_heads, head_dim, block_size,
+        dtype, causal, sm_scale, backend, num_q=None,
+    )
+
+
+def _plan(
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    causal: bool,
+    sm_scale: float | None,
+    backend: str,
+    *,
+    num_q: int | None,
+) -> PagedAttentionPlan:
+    meta = _validate(
+        cu_seqlens_q, kv_lens, block_table, num_qo_heads, num_kv_heads, head_dim, block_size,
+        dtype, bool(causal), default_sm_scale(head_dim, sm_scale), num_q,
+    )
+    # Shaped stand-ins (no memory) for backends whose "auto" limits look at the tensors.
+    like_q = torch.empty((), dtype=dtype, device=meta.device).expand(
+        meta.num_q, num_qo_heads, head_dim
+    )
+    like_cache = torch.empty((), dtype=dtype, device=meta.device).expand(
+        meta.max_block + 1, block_size, num_kv_heads, head_dim
+    )
+    args = (like_q, like_cache, like_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_table,
+            meta.causal, meta.sm_scale)
+    name = resolve_name("paged_attention", backend, meta.device, args)
+    plan_fn = planner("paged_attention", name)
+    if plan_fn is not None:
+        run = plan_fn(meta)
+    else:
+        run = _unplanned(resolve("paged_attention", name, meta.device, args), meta)
+    return PagedAttentionPlan(meta=meta, backend=name, _run=run)
+
+
+def _unplanned(fn: Callable, meta: PagedMeta) -> RunFn:
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        return fn(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_table,
+                  meta.causal, meta.sm_scale)
+
+    return run
+
+
+def _validate(
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    causal: bool,
+    sm_scale: float,
+    num_q: int | None,
+) -> PagedMeta:
+    if dtype not in FLOAT_DTYPES:
+        raise KernelInputError(f"dtype: expected fp16, bf16 or fp32, got {dtype}")
+    for name, value in (("head_dim", head_dim), ("block_size", block_size)):
+        if int(value) < 1:
+            raise KernelInputError(f"{name} must be >= 1, got {value}")
+    check_gqa(int(num_qo_heads), int(num_kv_heads))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, layout="[batch + 1]", dtypes=_I32)
+    device = cu_seqlens_q.device
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0:
+        raise KernelInputError("cu_seqlens_q must rise from 0 to num_q, got []")
+    check_tensor("kv_lens", kv_lens, layout="[batch]", dtypes=_I32, device=device)
+    check_shape("kv_lens", kv_lens, (batch,), "[batch]")
+    check_tensor(
+        "block_table", block_table, layout="[batch, max_blocks]", dtypes=_I32, device=device
+    )
+    if block_table.shape[0] != batch:
+        raise KernelInputError(
+            f"block_table: expected {batch} rows [batch, max_blocks], got {block_table.shape[0]}"
+        )
+    cu = cu_seqlens_q.tolist()
+    lens = kv_lens.tolist()
+    rising = all(a <= b for a, b in itertools.pairwise(cu))
+    if cu[0] != 0 or not rising or (num_q is not None and cu[-1] != num_q):
+        to = "num_q" if num_q is None else f"num_q={num_q}"
+        raise KernelInputError(f"cu_seqlens_q must rise from 0 to {to}, got {cu}")
+    width = block_table.shape[1]
+    for b in range(batch):
+        nq = cu[b + 1] - cu[b]
+        if lens[b] < nq:
+            raise KernelInputError(f"kv_lens[{b}]={lens[b]} is below its {nq} queries")
+        if -(-lens[b] // block_size) > width:
+            raise KernelInputError(
+                f"kv_lens[{b}]={lens[b]} needs more blocks than block_table's {width}"
+            )
+    max_block = _max_block(block_table, kv_lens, block_size)
+    return PagedMeta(
+        cu_seqlens_q=cu_seqlens_q.contiguous(),
+        kv_lens=kv_lens.contiguous(),
+        block_table=block_table.contiguous(),
+        cu=cu,
+        lens=lens,
+        max_block=max_block,
+        num_qo_heads=int(num_qo_heads),
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(head_dim),
+        block_size=int(block_size),
+        dtype=dtype,
+        causal=causal,
+        sm_scale=sm_scale,
+    )
+
+
+def _max_block(block_table: torch.Tensor, kv_lens: torch.Tensor, block_size: int) -> int:
+    """The largest block id in use; raises on a negative one."""
+    if block_table.numel() == 0:
+        return -1
+    used_blocks = (kv_lens.long() + block_size - 1) // block_size  # [batch]
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols.view(1, -1) < used_blocks.view(-1, 1)
+    if not bool(used.any()):
+        return -1
+    ids = block_table[used]
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        raise KernelInputError(f"block_table: block id {lo} is negative")
+    return hi
+
+
+def check_q_and_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The per-call checks of :func:`medha_kernels.paged_attention` (before planning)."""
+    check_tensor("q", q, layout=_Q)
+    check_tensor("k_cache", k_cache, layout=_CACHE, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v_cache", v_cache, layout=_CACHE, dtypes=(q.dtype,), device=q.device)
+    check_shape("v_cache", v_cache, tuple(k_cache.shape), _CACHE)
+    if k_cache.shape[3] != q.shape[2]:
+        raise KernelInputError(
+            f"k_cache: head_dim {k_cache.shape[3]} differs from q's {q.shape[2]}"
+        )
+    check_gqa(q.shape[1], k_cache.shape[2])

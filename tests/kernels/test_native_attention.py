@@ -1,0 +1,189 @@
+"""The native CPU attention kernel and the plan-once, run-per-layer API.
+
+Accuracy follows flash-attention's rule: the error against a float64 truth is
+at most twice plain torch's in the same precision, for outputs and LSEs, at odd
+sizes (block sizes, head counts, head dims, lengths), with GQA, decode,
+chunked prefill, non-causal shards and empty KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import medha_kernels as mk
+from medha_kernels import KernelInputError, plan_paged_attention
+
+from .reference import assert_twice_torch, attention_ref, paged_to_dense
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INF = float("inf")
+
+pytestmark = pytest.mark.skipif(
+    "native" not in mk.available_backends("cpu"), reason="no C++ toolchain for the native backend"
+)
+
+
+def _check(o, lse, q, k, v, *, q_offset, causal, what="") -> None:
+    truth_o, truth_lse = attention_ref(q, k, v, q_offset=q_offset, causal=causal)
+    base_o, base_lse = attention_ref(q, k, v, q_offset=q_offset, causal=causal, upcast=False)
+    assert o.dtype == q.dtype and lse.dtype == torch.float32
+    assert o.shape == q.shape and lse.shape == q.shape[:2]
+    assert_twice_torch(o, truth_o, base_o, what=f"{what} o")
+    assert_twice_torch(lse, truth_lse, base_lse, what=f"{what} lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("num_q", "num_kv", "hq", "hkv", "d"),
+    [(1, 1, 1, 1, 8), (7, 13, 6, 2, 24), (37, 100, 9, 3, 64), (5, 5, 5, 5, 17), (130, 300, 3, 1, 40)],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_prefill_vs_float64(dtype, num_q, num_kv, hq, hkv, d, causal) -> None:
+    q = torch.randn(num_q, hq, d).to(dtype)
+    k = torch.randn(num_kv, hkv, d).to(dtype)
+    v = torch.randn(num_kv, hkv, d).to(dtype)
+    o, lse = mk.chunked_prefill_attention(q, k, v, causal=causal, backend="native")
+    _check(o, lse, q, k, v, q_offset=num_kv - num_q, causal=causal)
+
+
+@pytest.mark.parametrize("q_offset", [-3, 0, 11, 40])
+def test_chunk_anywhere_rows_before_every_key_are_empty(q_offset) -> None:
+    """Queries at positions < 0 see no key: exactly (0, -inf), never NaN."""
+    q, k, v = torch.randn(9, 4, 16), torch.randn(41, 2, 16), torch.randn(41, 2, 16)
+    o, lse = mk.chunked_prefill_attention(q, k, v, q_offset=q_offset, backend="native")
+    _check(o, lse, q, k, v, q_offset=q_offset, causal=True)
+    empty = max(0, -q_offset)
+    assert torch.equal(o[:empty], torch.zeros_like(o[:empty]))
+    assert torch.equal(lse[:empty], torch.full_like(lse[:empty], -INF))
+
+
+def test_empty_kv_is_the_empty_state() -> None:
+    q = torch.randn(3, 6, 8)
+    o, lse = mk.chunked_prefill_attention(
+        q, torch.randn(0, 3, 8), torch.randn(0, 3, 8), causal=False, backend="native"
+    )
+    assert torch.equal(o, torch.zeros_like(q))
+    assert torch.equal(lse, torch.full((3, 6), -INF))
+
+
+def _paged_batch(chunks, kv_lens, hq, hkv, d, block_size, dtype, spare_blocks=3):
+    """A batch whose blocks are shuffled through a cache with unused (garbage) blocks."""
+    need = [-(-n // block_size) for n in kv_lens]
+    total = sum(need) + spare_blocks
+    perm = torch.randperm(total).to(torch.int32)
+    table = torch.full((len(kv_lens), max(need + [1])), 10**6, dtype=torch.int32)  # unused: junk
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at : at + n]
+        at += n
+    k_cache = torch.randn(total, block_size, hkv, d).to(dtype)
+    v_cache = torch.randn(total, block_size, hkv, d).to(dtype)
+    q = torch.randn(sum(chunks), hq, d).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), table
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("block_size", "hq", "hkv", "d"), [(1, 3, 1, 8), (3, 6, 2, 24), (7, 9, 3, 64), (16, 5, 5, 33)]
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_mixed_batch_vs_float64(dtype, block_size, hq, hkv, d, causal) -> None:
+    """Decodes, chunks, a zero-query sequence and an empty one, in one call."""
+    chunks = [1, 17, 0, 1, 5, 0, 64]
+    kv_lens = [1, 40, 9, 77, 5, 0, 129]
+    q, kc, vc, cu, lens, table = _paged_batch(chunks, kv_lens, hq, hkv, d, block_size, dtype)
+    o, lse = mk.paged_attention(
+        q, kc, vc, cu_seqlens_q=cu, kv_lens=lens, block_table=table, causal=causal,
+        backend="native",
+    )
+    for b, n in enumerate(kv_lens):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        k, v = paged_to_dense(kc, table[b], n), paged_to_dense(vc, table[b], n)
+        _check(o[lo:hi], lse[lo:hi], q[lo:hi], k, v, q_offset=n - (hi - lo), causal=causal,
+               what=f"seq {b}")
+
+
+def _plan(cu, lens, table, kc, hq, backend="native", **kw):
+    return plan_paged_attention(
+        cu_seqlens_q=cu, kv_lens=lens, block_table=table, num_qo_heads=hq,
+        num_kv_heads=kc.shape[2], head_dim=kc.shape[3], block_size=kc.shape[1],
+        dtype=kc.dtype, backend=backend, **kw,
+    )
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_plan_once_run_per_layer_without_host_reads(monkeypatch, backend) -> None:
+    """Every layer reuses one plan; ``run`` reads nothing back to the host."""
+    q, kc, vc, cu, lens, table = _paged_batch([1, 1, 30, 1], [50, 3, 60, 17], 6, 2, 16, 5,
+                                              torch.float32)
+    layers = [(torch.randn_like(kc), torch.randn_like(vc)) for _ in range(3)]
+    plan = _plan(cu, lens, table, kc, 6, backend=backend)
+    assert plan.backend == backend
+    expected = [
+        mk.paged_attention(q, k, v, cu_seqlens_q=cu, kv_lens=lens, block_table=table,
+                           backend=backend)
+        for k, v in layers
+    ]
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host read during a planned run")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.Tensor, "__int__", no_sync)
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
+    for (k, v), (o_ref, lse_ref) in zip(layers, expected, strict=True):
+        o, lse = plan.run(q, k, v)
+        assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+
+
+def test_auto_plans_native_on_cpu() -> None:
+    q, kc, vc, cu, lens, table = _paged_batch([2], [9], 4, 2, 8, 4, torch.float32)
+    assert _plan(cu, lens, table, kc, 4, backend="auto").backend == "native"
+
+
+def test_plan_validates_once_and_run_checks_shapes() -> None:
+    q, kc, vc, cu, lens, table = _paged_batch([1, 4], [6, 9], 4, 2, 8, 4, torch.float32)
+    with pytest.raises(KernelInputError, match=r"kv_lens\[1\]=3 is below its 4 queries"):
+        _plan(cu, torch.tensor([6, 3], dtype=torch.int32), table, kc, 4)
+    with pytest.raises(KernelInputError, match="needs more blocks than block_table's"):
+        _plan(cu, torch.tensor([6, 99], dtype=torch.int32), table, kc, 4)
+    bad = table.clone()
+    bad[0, 0] = -2
+    with pytest.raises(KernelInputError, match="block id -2 is negative"):
+        _plan(cu, lens, bad, kc, 4)
+    plan = _plan(cu, lens, table, kc, 4)
+    with pytest.raises(KernelInputError, match=r"q: the plan expects \(5, 4, 8\)"):
+        plan.run(q[:4], kc, vc)
+    with pytest.raises(KernelInputError, match="v_cache: the plan expects"):
+        plan.run(q, kc, vc[..., :4])
+    with pytest.raises(KernelInputError, match="k_cache: the plan expects"):
+        plan.run(q, kc[: plan.meta.max_block], vc)  # one block short of the table
+
+
+def test_thread_count_does_not_change_a_bit() -> None:
+    """Each row is one task's work: results are identical on 1 and 2 threads."""
+    q, kc, vc, cu, lens, table = _paged_batch([1] * 6 + [200], [300] * 6 + [700], 9, 3, 64, 16,
+                                              torch.float32)
+    plan = _plan(cu, lens, table, kc, 9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = plan.run(q, kc, vc)
+        torch.set_num_threads(2)
+        two = plan.run(q, kc, vc)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_large_scores_do_not_overflow() -> None:
+    """Scores around 1e4 (a far-off max) stay finite and exact to the rule."""
+    q = torch.randn(3, 2, 32) * 40
+    k = torch.randn(50, 1, 32) * 40
+    v = torch.randn(50, 1, 32)
+    o, lse = mk.chunked_prefill_attention(q, k, v, backend="native")
+    assert torch.isfinite(lse).all() and lse.abs().max() > 1e3
+    _check(o, lse, q, k, v, q_offset=47, causal=True)
