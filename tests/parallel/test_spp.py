@@ -19,6 +19,7 @@ from medha_parallel.spp_header import (
     decode_header,
     encode_header,
 )
+from tests.numerics import assert_twice_torch
 
 from .dist import launch
 from .toy import ToyConfig, ToyModel, make_tokens
@@ -92,7 +93,8 @@ def test_toy_model_chunked_equals_full(one_thread) -> None:
     model = ToyModel(ToyConfig(compute_weight=2, burn_dim=32))
     tokens = make_tokens(40)
     full = model.forward_full(tokens)
-    torch.testing.assert_close(model.forward_chunked(tokens, 10), full, atol=1e-5, rtol=1e-5)
+    truth = model.forward_reference(tokens)
+    assert_twice_torch(model.forward_chunked(tokens, 10), truth, full, what="chunked hidden")
     assert torch.equal(ToyModel(ToyConfig()).forward_full(tokens), full)  # extra work only
 
 
@@ -183,9 +185,11 @@ def test_spp2_matches_oracle_overlaps_and_bounds_inflight(one_thread) -> None:
     # Every chunk (prompt and decode) leaves the last stage equal to the oracle.
     chunks = _chunks()
     assert s1["metas"] == [m for m, _ in chunks]
-    ref = ToyModel(ToyConfig()).forward_full(make_tokens(PROMPT + DECODES))
+    tokens = make_tokens(PROMPT + DECODES)
+    ref = ToyModel(ToyConfig()).forward_full(tokens)
+    truth = ToyModel(ToyConfig()).forward_reference(tokens)
     got = torch.cat(s1["hidden"])
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert_twice_torch(got, truth, ref, what="SPP2 hidden states")
     assert [m.kind for m in s1["metas"]].count(1) == DECODES
 
     # Stream pipelining: stage 0 starts chunk i+1 before stage 1 finishes chunk i.

@@ -133,12 +133,20 @@ class ToyModel:
         # Drawn last, so compute_weight and burn_dim leave the model's weights unchanged.
         self._burn = w(cfg.burn_dim, cfg.burn_dim) if cfg.compute_weight else None
 
+    def to(self, dtype: torch.dtype) -> ToyModel:
+        """The same model with every weight cast to ``dtype`` (float64: a reference)."""
+        out = ToyModel.__new__(ToyModel)
+        out.cfg, out._burn = self.cfg, self._burn
+        out.tok_emb = self.tok_emb.to(dtype)
+        out.layers = [LayerWeights(*(w.to(dtype) for w in vars(p).values())) for p in self.layers]
+        return out
+
     # -- pieces -------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         """``[n]`` int64 token ids at absolute positions ``start_pos..`` -> ``[n, d_model]``."""
-        d = self.cfg.d_model
-        pos = torch.arange(start_pos, start_pos + tokens.shape[0], dtype=torch.float32)
-        freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(1e4) / d))
+        d, dtype = self.cfg.d_model, self.tok_emb.dtype
+        pos = torch.arange(start_pos, start_pos + tokens.shape[0], dtype=dtype)
+        freq = torch.exp(torch.arange(0, d, 2, dtype=dtype) * (-math.log(1e4) / d))
         angles = pos[:, None] * freq[None, :]
         pe = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)
         return self.tok_emb[tokens] + pe
@@ -197,6 +205,12 @@ class ToyModel:
         x = self.embed(tokens, 0)
         return self.forward_layers(x, range(self.cfg.n_layers), 0, cache=KVCache())
 
+    def forward_reference(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The truth: :meth:`forward_full` in float64 with dense attention, ``[n, d_model]``."""
+        model = self.to(torch.float64)
+        x = model.embed(tokens, 0)
+        return model.forward_layers(x, range(self.cfg.n_layers), 0, attend=_dense_causal)
+
     def forward_chunked(self, tokens: torch.Tensor, chunk_size: int) -> torch.Tensor:
         """Single process, one stage, chunk by chunk (the SPP baseline); same result."""
         stage, outs = ToyStage(0, range(self.cfg.n_layers)), []
@@ -204,6 +218,17 @@ class ToyModel:
             part = tokens[lo : lo + chunk_size]
             outs.append(self.forward_stage(stage, self.embed(part, lo), lo))
         return torch.cat(outs)
+
+
+def _dense_causal(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int
+) -> torch.Tensor:
+    """Causal softmax attention of a whole sequence (``start_pos`` 0), in the inputs' dtype."""
+    n, _, d = q.shape
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def make_tokens(n: int, vocab: int = 64, seed: int = 1) -> torch.Tensor:
