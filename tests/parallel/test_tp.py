@@ -18,6 +18,7 @@ from torch import nn
 from medha_parallel import CommunicationError, ParallelLayout, ParallelState
 from medha_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from medha_parallel.tp import TPCommunicator
+from tests.numerics import assert_twice_torch
 
 from .dist import launch
 
@@ -128,16 +129,18 @@ def test_tp2_collectives_equal_the_single_process_computation(tp2, dtype) -> Non
 
 def test_tp2_column_row_mlp_matches_single_process_mlp(tp2) -> None:
     fc1, fc2, x = _mlp()
-    ref = _mlp_ref(fc1, fc2, x)
+    ref = _mlp_ref(fc1, fc2, x)  # one process, fp32: the baseline
+    fc1_64, fc2_64, x_64 = (m.double() for m in _mlp())  # the same seeded MLP, in float64
+    truth = _mlp_ref(fc1_64, fc2_64, x_64)
     with torch.no_grad():
-        h = fc1(x)
+        h, h_truth = fc1(x), fc1_64(x_64)
     ref_bf16 = _mlp_ref(*(m.to(torch.bfloat16) for m in _mlp()))
     baseline_err = (ref_bf16.float() - ref).abs().max().item()
     for res in tp2:
         assert res[torch.float32, "shards"] == ((16, 16), (16, 16))
-        torch.testing.assert_close(res[torch.float32, "mlp"], ref, rtol=0, atol=1e-5)
-        torch.testing.assert_close(res["column_gathered"], h, rtol=0, atol=1e-5)
-        torch.testing.assert_close(res["row_full_input"], ref, rtol=0, atol=1e-5)
+        assert_twice_torch(res[torch.float32, "mlp"], truth, ref, what="TP2 MLP")
+        assert_twice_torch(res["column_gathered"], h_truth, h, what="gathered column output")
+        assert_twice_torch(res["row_full_input"], truth, ref, what="row-parallel on full input")
         out_bf16 = res[torch.bfloat16, "mlp"]
         assert out_bf16.dtype == torch.bfloat16
         assert (out_bf16.float() - ref).abs().max().item() <= 2 * baseline_err + 1e-3
