@@ -61,5 +61,14 @@ def test_readme_python_snippets_run() -> None:
 
 
 def test_ci_runs_exactly_the_readme_test_command() -> None:
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci in (ROOT / "README.md").read_text(), f"README lacks the CI command: {ci}"
+    """.ci/run runs the README's marked block in a fresh venv; the block is the test command."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "readme-test-command")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.strip()
+    assert command.splitlines() == [command], "the README's test command is one line"
+    assert "pip install -q torch==2.13.0" in command and command.endswith("pytest -q"), command
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "command=$(bash .ci/readme-test-command)" in ci
+    assert "python3 -m venv .venv-ci" in ci and "source .venv-ci/bin/activate" in ci
