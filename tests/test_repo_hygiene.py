@@ -72,3 +72,17 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "command=$(bash .ci/readme-test-command)" in ci
     assert "python3 -m venv .venv-ci" in ci and "source .venv-ci/bin/activate" in ci
+
+
+def test_dependencies_have_lower_bounds_and_only_torch_is_pinned_by_the_readme() -> None:
+    """Every third-party dependency names the lowest version it needs; none is pinned."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        requirements += [r for r in extra if not r.startswith("medha[")]
+    assert requirements
+    for req in requirements:
+        assert "==" not in req, f"{req}: pin nothing exactly (torch is pinned by the README only)"
+        assert ">=" in req, f"{req}: give the lowest version it really needs"
+    assert "pip install -q torch==2.13.0" in (ROOT / "README.md").read_text()
