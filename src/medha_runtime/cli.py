@@ -13,6 +13,11 @@ Subcommands:
   nodes: ``--nnodes N --node-rank R --master-addr A --master-port P`` on each
   (node 0 serves HTTP and drives), or under torchrun (rank 0 serves); see
   :mod:`medha_runtime.dist_executor`.
+- ``download MODEL``: fetch ``smollm2`` (or a hub id) now, so that serving
+  it later needs no network.
+
+MODEL is a Hugging Face directory, a ``.gguf`` file, ``tiny``, ``smollm2``
+or a hub id in the local cache (see :mod:`medha_runtime.model.names`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from medha_runtime.dist_config import DistConfig
+
+
+MODEL_HELP = (
+    "a Hugging Face model directory, a .gguf file, 'tiny' (default: random weights), "
+    "'smollm2' (SmolLM2-135M-Instruct, fetched once), or a hub id in the local Hugging Face "
+    "cache (e.g. meta-llama/Llama-3.2-1B-Instruct)"
+)
 
 
 def _positive_int(text: str) -> int:
@@ -51,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
             "the roofline model's prediction error."
         ),
     )
-    p.add_argument("model", nargs="?", default="tiny", help="model directory, or 'tiny' (default)")
+    p.add_argument("model", nargs="?", default="tiny", help=MODEL_HELP)
     p.add_argument(
         "--out", required=True, metavar="PROFILE.json", help="where to write the profile"
     )
@@ -82,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="roofline hardware preset (a100, h100, h200); default: measured on this device",
     )
     _add_serve(sub)
+    d = sub.add_parser(
+        "download",
+        help="fetch a model ahead of time (smollm2, or a hub id into the Hugging Face cache)",
+        description=(
+            "Fetch MODEL now so that serving it later needs no network: 'smollm2' goes to "
+            "the Medha cache ($MEDHA_CACHE_DIR, else ~/.cache/medha), a hub id to the "
+            "Hugging Face cache. Prints the local path."
+        ),
+    )
+    d.add_argument("model", help="'smollm2' or a hub id such as HuggingFaceTB/SmolLM2-135M")
     from medha_runtime.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -126,7 +148,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
             "engine process (and its workers); the HTTP process talks to it over ZeroMQ."
         ),
     )
-    s.add_argument("model", nargs="?", default="tiny", help="model directory, or 'tiny' (default)")
+    s.add_argument("model", nargs="?", default="tiny", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -365,6 +387,16 @@ def check_extras(args: argparse.Namespace) -> None:
         require(("matplotlib",), extra="sim", what="--plot")
 
 
+def _download(args: argparse.Namespace) -> int:
+    from medha_runtime.model.names import resolve_model
+
+    if args.model == "tiny":
+        print("tiny is built in: nothing to download", file=sys.stderr)
+        return 0
+    print(resolve_model(args.model).path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2: bad usage or a missing extra)."""
     from medha_sched.extras import MissingExtra
@@ -380,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _profile(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "download":
+            return _download(args)
         if args.command == "bench":
             from medha_runtime.bench.cli import run_bench
 

@@ -29,7 +29,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +38,7 @@ from medha_runtime.executor import WorkerError, make_executor
 from medha_runtime.model import ModelConfig, load_config
 from medha_runtime.model.config import dtype_name, resolve_dtype
 from medha_runtime.model.errors import MissingFileError
+from medha_runtime.model.names import resolve_model
 from medha_runtime.model.random_weights import random_config_path
 from medha_runtime.outputs import CompletionOutput, RequestOutput
 from medha_runtime.plan import PlannedChunk, StepPlan
@@ -75,20 +75,28 @@ class RequestProgress(NamedTuple):
     deadline: float
 
 
-def _is_tiny(model: str) -> bool:
-    return model == "tiny" and not Path(model).is_dir()
-
-
 def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer | None]:
-    """The model's config and tokenizer (None if the directory has no ``tokenizer.json``)."""
-    if _is_tiny(model):
+    """The model's config and tokenizer (None if a directory has no ``tokenizer.json``).
+
+    ``model`` is any name :func:`~medha_runtime.model.names.resolve_model` accepts.
+    """
+    resolved = resolve_model(model)
+    if resolved.kind == "tiny":
         from medha_runtime.model.tiny import tiny_config, tiny_tokenizer
 
         return tiny_config(), tiny_tokenizer()
-    config = load_config(model)
-    spec_config = random_config_path(model)  # a random: model's tokenizer sits beside its config
+    if resolved.kind == "gguf":
+        from medha_runtime.model.gguf import open_gguf
+        from medha_runtime.model.gguf_tokenizer import build_gguf_tokenizer
+
+        checkpoint = open_gguf(resolved.path)
+        return checkpoint.config(), build_gguf_tokenizer(checkpoint)
+    config = load_config(resolved.path)
+    spec_config = random_config_path(resolved.path)  # a random: model's tokenizer sits beside
     try:
-        tokenizer = Tokenizer.from_pretrained_dir(spec_config.parent if spec_config else model)
+        tokenizer = Tokenizer.from_pretrained_dir(
+            spec_config.parent if spec_config else resolved.path
+        )
     except MissingFileError:
         tokenizer = None
     return config, tokenizer
@@ -163,8 +171,9 @@ class LLMEngine:
         distributed: DistConfig | None = None,
         step_log: str | os.PathLike[str] | None = None,
     ) -> None:
-        model = str(model)
-        self.model = model
+        self.model = str(model)
+        # resolved once (a smollm2 fetch, a hub cache lookup); ranks get the path
+        model = resolve_model(self.model).path
         self.config, self.tokenizer = load_model_info(model)
         config = self.config
         for name, value in (("tp", tp), ("spp", spp), ("kvp", kvp)):

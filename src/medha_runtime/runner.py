@@ -57,7 +57,8 @@ class RunnerSpec:
     """Everything a rank needs to build its stage (plain data, sent to workers).
 
     Attributes:
-        model: a model directory or ``"tiny"``.
+        model: a model name or path (the engine passes the resolved path, see
+            :func:`~medha_runtime.model.names.resolve_model`).
         dtype: dtype name (``"auto"`` allowed).
         device: ``"cpu"``, ``"cuda"`` (each rank takes ``cuda:<local rank>``) or None (auto).
         tp, spp, kvp: the layout.
@@ -329,9 +330,8 @@ class ModelRunner:
             keep_freed_memory()  # no page faults for each step's activations
         self.group, self.stage = group, stage
         from medha_runtime.model import load_config
-        from medha_runtime.model.tiny import tiny_config
 
-        config = tiny_config() if _is_tiny(spec.model) else load_config(spec.model)
+        config = load_config(spec.model)
         layers = stage_layers(config.num_layers, spec.spp, stage)
         comm = TPCommunicator(state) if state is not None else None
         self.model, self.config = load_model(
@@ -420,12 +420,6 @@ class ModelRunner:
         if not specs:
             return []
         return self.sampler.sample(out, specs)
-
-
-def _is_tiny(model: str) -> bool:
-    from pathlib import Path
-
-    return model == "tiny" and not Path(model).is_dir()
 
 
 def kv_bytes_per_token(

@@ -25,3 +25,11 @@ class MissingTensorError(ModelLoadError, LookupError):
 
 class ShapeMismatchError(ModelLoadError, ValueError):
     """A tensor's shape differs from what the config implies."""
+
+
+class CorruptFileError(ModelLoadError, ValueError):
+    """A weights file is damaged: wrong magic, truncated, unreadable metadata."""
+
+
+class ModelNotAvailableError(ModelLoadError, FileNotFoundError):
+    """A model name that cannot be resolved here: not cached and not downloadable now."""

@@ -1,4 +1,7 @@
-"""Loading a local Hugging Face Llama directory (or the built-in ``tiny`` model).
+"""Loading a Llama model: a Hugging Face directory, a GGUF file, or the built-in ``tiny``.
+
+Model names are resolved by :mod:`medha_runtime.model.names`; GGUF files are
+read by :mod:`medha_runtime.model.gguf` into the same weight plan.
 
 ``random:CONFIG`` builds a model of CONFIG's shape with random weights drawn
 on the device (:mod:`medha_runtime.model.random_weights`): no weight files.
@@ -38,6 +41,7 @@ from medha_runtime.model.errors import (
     ShapeMismatchError,
 )
 from medha_runtime.model.llama import LlamaModel
+from medha_runtime.model.names import resolve_model
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -267,12 +271,25 @@ def _read_piece(
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read and validate ``config.json`` of a model directory (or of a ``random:`` spec)."""
+    """The config of a model: ``config.json`` of a directory, or a GGUF file's metadata.
+
+    ``path`` is any model name :func:`~medha_runtime.model.names.resolve_model`
+    accepts (``"tiny"``, ``"smollm2"``, a hub id...).
+    """
     from medha_runtime.model.random_weights import random_config_path
 
-    file = random_config_path(path)
+    model = resolve_model(path)
+    if model.kind == "tiny":
+        from medha_runtime.model.tiny import tiny_config
+
+        return tiny_config()
+    if model.kind == "gguf":
+        from medha_runtime.model.gguf import open_gguf
+
+        return open_gguf(model.path).config()
+    file = random_config_path(model.path)
     if file is None:
-        file = _model_dir(path) / CONFIG_FILE
+        file = _model_dir(model.path) / CONFIG_FILE
     if not file.is_file():
         raise MissingFileError(
             f"{file} not found: {file.parent} is not a Hugging Face model directory"
@@ -294,14 +311,16 @@ def load_model(
     tp: TPCommunicator | None = None,
     layer_range: range | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Build this rank's stage of a model from a directory (or ``"tiny"``).
+    """Build this rank's stage of a model.
 
     Args:
-        path: a local Hugging Face directory, or ``"tiny"`` for the built-in
-            model (:mod:`medha_runtime.model.tiny`: random weights, gibberish
-            output) when no such directory exists, or ``"random:CONFIG"``
-            (CONFIG's shape, random weights drawn on ``device``).
-        dtype: ``"auto"`` (the config's dtype), a name, or a torch dtype.
+        path: a model name (:func:`~medha_runtime.model.names.resolve_model`):
+            a local Hugging Face directory, a ``.gguf`` file (dequantized to
+            ``dtype`` at load), ``"tiny"`` (the built-in model: random weights,
+            gibberish output), ``"smollm2"``, a hub id in the local cache, or
+            ``"random:CONFIG"`` (CONFIG's shape, random weights drawn on ``device``).
+        dtype: ``"auto"`` (the config's dtype; float32 for quantized GGUF
+            files), a name, or a torch dtype.
         device: where the weights go.
         tp: this rank's TP communicator (default: one rank).
         layer_range: this SPP stage's layers (default all).
@@ -309,24 +328,29 @@ def load_model(
     Returns:
         ``(model, config)``.
     """
-    if str(path) == "tiny" and not Path(path).is_dir():
+    model_name = resolve_model(path)
+    if model_name.kind == "tiny":
         from medha_runtime.model.tiny import build_tiny
 
         return build_tiny(dtype=dtype, device=device, tp=tp, layer_range=layer_range)
-    from medha_runtime.model.random_weights import (
-        RandomSource,
-        checkpoint_shapes,
-        random_config_path,
-    )
+    from medha_runtime.model.random_weights import RandomSource, checkpoint_shapes
 
-    config = load_config(path)
-    model = LlamaModel(config, dtype=dtype, device="meta", tp=tp, layer_range=layer_range)
     source: TensorSource
-    if random_config_path(path) is not None:
-        shapes = checkpoint_shapes(config)
-        source = RandomSource(shapes, device=device, dtype=model.dtype, label=str(path))
+    if model_name.kind == "gguf":
+        from medha_runtime.model.gguf import GGUFSource, open_gguf
+
+        checkpoint = open_gguf(model_name.path)
+        config = checkpoint.config()
+        source = GGUFSource(checkpoint, config)
+        model = LlamaModel(config, dtype=dtype, device="meta", tp=tp, layer_range=layer_range)
     else:
-        source = SafetensorsSource(_model_dir(path))
+        config = load_config(model_name.path)
+        model = LlamaModel(config, dtype=dtype, device="meta", tp=tp, layer_range=layer_range)
+        if model_name.kind == "random":
+            shapes = checkpoint_shapes(config)
+            source = RandomSource(shapes, device=device, dtype=model.dtype, label=str(path))
+        else:
+            source = SafetensorsSource(_model_dir(model_name.path))
     load_weights(model, source, device=device)
     return model, config
 
