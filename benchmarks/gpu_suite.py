@@ -69,6 +69,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 PY = sys.executable
 STAGES = ("env", "correctness", "kernels", "chunking", "runtime")
+#: seconds per stage unless --budget-s: env + correctness, kernels + chunking and runtime
+#: each fit one 10-minute device call
+BUDGETS = {"env": 90.0, "correctness": 420.0, "kernels": 300.0, "chunking": 200.0, "runtime": 500.0}
 PACKAGES = ("medha_sched", "medha_kernels", "medha_parallel", "medha_runtime")
 LLAMA3_8B = "random:benchmarks/models/llama3-8b-1m"
 K, M = 1024, 1024 * 1024
@@ -171,7 +174,8 @@ def stage_env(st: Stage, args: argparse.Namespace) -> None:
             "--format=csv,noheader",
         ]
     )
-    if torch.cuda.is_available():
+    dev = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    if dev == "cuda":
         p = torch.cuda.get_device_properties(0)
         doc["device"] = {
             "name": p.name,
@@ -193,7 +197,6 @@ def stage_env(st: Stage, args: argparse.Namespace) -> None:
     st.save()
     from medha_kernels import available_backends
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     doc["medha_backends"] = available_backends(dev)
     st.log(f"medha_kernels backends on {dev}: {doc['medha_backends']}")
     doc["ceilings"] = measure_ceilings(dev, small=args.dry_run)
@@ -412,7 +415,7 @@ def _kernels_module():
     return kernels
 
 
-def _bench(args: argparse.Namespace, backends: str | None = None):
+def _bench(args: argparse.Namespace, backends: str | None = None, iters: int | None = None):
     import torch
 
     kb = _kernels_module()
@@ -422,7 +425,7 @@ def _bench(args: argparse.Namespace, backends: str | None = None):
         quick=args.dry_run,
         dtype="bfloat16",
         block_size=16,
-        iters=3 if args.dry_run else args.iters,
+        iters=3 if args.dry_run else iters or args.iters,
         warmup=1 if args.dry_run else 5,
         mem_gb=None,
         backends=backends,
@@ -444,41 +447,58 @@ def kernel_plan(dry: bool) -> list[tuple[str, tuple[int, ...]]]:
             *(("decode", (b, 256, 4, 2, 32)) for b in (1, 4)),
             *(("prefill", (c, 256, 4, 2, 32)) for c in (16, 64)),
         ]
+    return [  # chunking's stage covers chunks 32-4096 at 128K-1M keys
+        *(("merge", (t, 32, 128)) for t in (16 * K, 64 * K, 256 * K, 4 * K)),
+        *(("decode", (b, n, 32, 8, 128)) for b in (1, 16) for n in (4 * K, 32 * K, 128 * K, M)),
+        *(("prefill", (c, n, 32, 8, 128)) for n in (4 * K, 32 * K, 128 * K) for c in (512, 2048)),
+    ]
+
+
+def flex_plan(dry: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The shapes flex attention gets (it compiles once per shape: a few, after the rest)."""
+    if dry:
+        return []
     return [
-        *(("merge", (t, 32, 128)) for t in (4 * K, 16 * K, 64 * K, 256 * K)),
-        *(("decode", (b, n, 32, 8, 128)) for b in (1, 8, 64) for n in (4 * K, 32 * K, 128 * K, M)),
-        *(
-            ("prefill", (c, n, 32, 8, 128))
-            for n in (4 * K, 32 * K, 128 * K)
-            for c in (32, 128, 512, 2048, 4096)
-            if c <= n
-        ),
+        *(("decode", (8, n, 32, 8, 128)) for n in (4 * K, 32 * K, 128 * K)),
+        *(("prefill", (c, 32 * K, 32, 8, 128)) for c in (128, 512, 2048)),
     ]
 
 
 def stage_kernels(st: Stage, args: argparse.Namespace) -> None:
     import torch
 
-    kb, bench = _bench(args)
+    kb, bench = _bench(args, args.backends)
+    if bench.cuda and not args.backends:  # the torch reference is no contender, and slow
+        bench.backends = [b for b in bench.backends if b != "medha/torch"]
     st.doc["device_name"] = kb._device_name(bench.dev)
     st.doc["ceilings"] = bench.ceilings
-    st.doc["backends"] = bench.backends
+    st.doc["backends"] = list(bench.backends)
     st.log(f"{st.doc['device_name']}: ceilings {bench.ceilings}; backends {bench.backends}")
     st.save()
-    for op, shape in kernel_plan(args.dry_run):
-        if st.left() < 20:
-            bench.skipped.append(f"{op} {shape}: out of time")
-            continue
-        before = len(bench.rows)
-        getattr(bench, op)(*shape)
-        for r in bench.rows[before:]:
-            st.log(kb._fmt(r))
-        if bench.cuda:
-            torch.cuda.empty_cache()
-        _kernel_doc(st, bench)
+    ops = set(args.kernel_ops.split(","))
+    with_flex = "flex" in bench.backends
+    passes = [([b for b in bench.backends if b != "flex"], kernel_plan(args.dry_run))]
+    if with_flex:
+        passes.append((["flex"], flex_plan(args.dry_run)))
+    for backends, plan in passes:
+        bench.backends = backends
+        for op, shape in plan:
+            if op not in ops:
+                continue
+            if st.left() < 20:
+                bench.skipped.append(f"{op} {shape} {','.join(backends)}: out of time")
+                continue
+            before, t0 = len(bench.rows), time.monotonic()
+            getattr(bench, op)(*shape)
+            for r in bench.rows[before:]:
+                st.log(kb._fmt(r))
+            st.log(f"{op} {shape}: {time.monotonic() - t0:.1f}s (JIT compiles included)")
+            if bench.cuda:
+                torch.cuda.empty_cache()
+            _kernel_doc(st, bench)
     for line in bench.skipped:
         st.log(f"skipped: {line}")
-    st.doc["report"] = kernel_report(st.doc["rows"], bench.ceilings, dry=args.dry_run)
+    st.doc["report"] = kernel_report(st.doc.get("rows", []), bench.ceilings, dry=args.dry_run)
     for line in st.doc["report"]["lines"]:
         st.log(line)
     st.save()
@@ -572,25 +592,17 @@ def _check(
 def stage_chunking(st: Stage, args: argparse.Namespace) -> None:
     import torch
 
-    kb, bench = _bench(args)
-    if bench.cuda:  # the torch reference is far too slow at 1M keys; flex compiles per shape
+    kb, bench = _bench(args, args.backends, iters=min(args.iters, 10))
+    if bench.cuda and not args.backends:  # torch's reference is too slow at 1M; flex compiles
         drop = {"medha/torch"} | (set() if args.chunking_flex else {"flex"})
         bench.backends = [b for b in bench.backends if b not in drop]
     st.doc["device_name"] = kb._device_name(bench.dev)
     st.doc["ceilings"] = bench.ceilings
     st.doc["backends"] = bench.backends
-    if args.dry_run:
-        ctxs, chunks, heads = (256, 512), (16, 32, 64), (4, 2, 32)
-    else:
-        ctxs, chunks, heads = (
-            (128 * K, 512 * K, M),
-            (32, 64, 128, 256, 512, 1024, 2048, 4096),
-            (
-                32,
-                8,
-                128,
-            ),
-        )
+    # the longest context first: its chunk-32 overhead is the target
+    ctxs = (512, 256) if args.dry_run else (M, 512 * K, 128 * K)
+    chunks = (16, 32, 64) if args.dry_run else (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    heads = (4, 2, 32) if args.dry_run else (32, 8, 128)
     st.doc["plan"] = {"contexts": ctxs, "chunks": chunks, "heads_q_kv_dim": heads}
     st.log(f"{st.doc['device_name']}: backends {bench.backends}; contexts {ctxs}, chunks {chunks}")
     st.save()
@@ -654,7 +666,11 @@ def stage_runtime(st: Stage, args: argparse.Namespace) -> None:
     model = args.model or (LLAMA3_8B if cuda else _dry_model(work))
     plan = runtime_plan(args, model, cuda)
     st.doc["plan"] = plan
-    st.log(f"model {model}: {json.dumps(plan)}")
+    from medha_kernels import available_backends
+
+    # "auto" takes the first of these that runs: flashinfer if importable, else triton
+    st.doc["attention_backends"] = available_backends("cuda" if cuda else "cpu")
+    st.log(f"model {model}: {json.dumps(plan)}; kernels {st.doc['attention_backends']}")
     st.save()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if not cuda:
@@ -1040,8 +1056,12 @@ RUNNERS: dict[str, Callable[[Stage, argparse.Namespace], None]] = {
 }
 
 
+def _budget(args: argparse.Namespace, stage: str) -> float:
+    return args.budget_s if args.budget_s is not None else BUDGETS[stage]
+
+
 def run_in_process(stage: str, args: argparse.Namespace) -> int:
-    st = Stage(stage, args.out, args.budget_s, args.dry_run)
+    st = Stage(stage, args.out, _budget(args, stage), args.dry_run)
     st.save()
     try:
         RUNNERS[stage](st, args)
@@ -1056,9 +1076,12 @@ def run_in_process(stage: str, args: argparse.Namespace) -> int:
 
 def child_argv(args: argparse.Namespace, stage: str) -> list[str]:
     argv = [PY, str(Path(__file__).resolve()), "--in-process", "--stage", stage]
-    argv += ["--out", str(args.out), "--budget-s", str(args.budget_s), "--jobs", str(args.jobs)]
+    argv += ["--out", str(args.out), "--budget-s", str(_budget(args, stage))]
+    argv += ["--jobs", str(args.jobs)]
     argv += ["--iters", str(args.iters), "--runtime-parts", args.runtime_parts]
-    for flag in ("pytest_args", "model", "profile", "long_tokens", "duration", "short_qps"):
+    argv += ["--kernel-ops", args.kernel_ops]
+    names = ("pytest_args", "model", "profile", "long_tokens", "duration", "short_qps", "backends")
+    for flag in names:
         value = getattr(args, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}={value}"]
@@ -1098,11 +1121,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", action="append", choices=STAGES, default=None)
     p.add_argument("--all", action="store_true", help="every stage, each in its own process")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, a test subset")
-    p.add_argument("--budget-s", type=float, default=510.0, help="seconds per stage")
+    p.add_argument("--budget-s", type=float, default=None, help=f"seconds per stage ({BUDGETS})")
     p.add_argument("--jobs", type=int, default=8, help="pytest-xdist workers (correctness)")
     p.add_argument("--pytest-args", default=None, help="extra pytest arguments (correctness)")
     p.add_argument("--iters", type=int, default=20, help="timed runs per kernel row (median)")
     p.add_argument("--chunking-flex", action="store_true", help="flex attention in chunking")
+    p.add_argument("--kernel-ops", default="merge,decode,prefill", help="kernels stage ops")
+    p.add_argument("--backends", default=None, help="kernels: comma list, e.g. medha/triton,sdpa")
     p.add_argument("--model", default=None, help=f"runtime model (default {LLAMA3_8B})")
     p.add_argument("--profile", default=None, help="reuse this profile JSON (runtime)")
     p.add_argument("--runtime-parts", default="profile,lars-mp,fcfs")
@@ -1125,7 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = child_argv(args, stage)
         print(f"=== {stage}: $ {shlex.join(cmd)}", flush=True)
         try:
-            codes[stage] = subprocess.run(cmd, cwd=ROOT, timeout=args.budget_s + 60).returncode
+            limit = _budget(args, stage) + 60
+            codes[stage] = subprocess.run(cmd, cwd=ROOT, timeout=limit).returncode
         except subprocess.TimeoutExpired:
             codes[stage] = 124
         print(f"=== {stage}: exit {codes[stage]} after {time.monotonic() - t0:.0f}s", flush=True)
