@@ -12,8 +12,8 @@ counts as bare when it has no ``=`` or does not start with an identifier
 followed by ``=``, so most file paths need no ``path=``.
 
 Names resolve in this order: models registered with
-:func:`register_cost_model`; the built-ins ``affine``, ``roofline`` and
-``table`` (imported on first use); then the entry-point group
+:func:`register_cost_model`; the built-ins ``affine``, ``roofline``,
+``table`` and ``online`` (imported on first use); then the entry-point group
 ``medha.cost_models``, read through :mod:`importlib.metadata` only for a name
 not found earlier. An entry point's object is a class with a classmethod
 ``from_spec(params: Mapping[str, str], *, layout: ParallelDegrees)``.
@@ -43,6 +43,7 @@ _BUILTINS = {
     "affine": "medha_sched.cost.affine:AffineCostModel",
     "roofline": "medha_sched.cost.roofline:RooflineCostModel",
     "table": "medha_sched.cost.table:TableCostModel",
+    "online": "medha_sched.cost.online:OnlineCostModel",
 }
 _registry: dict[str, CostModelFactory] = {}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")

@@ -1,0 +1,416 @@
+"""An online cost model: affine features whose coefficients learn from every executed step.
+
+Per KVP group, with the sums taken over the requests the group holds::
+
+    time = step + per_request * requests + per_token * (query tokens of tail items)
+                + per_kv * (KV tokens read) + per_attn * sum(q_tokens * kv_attended)
+
+``kv_attended`` (and the KV read) is ``kv_tokens + q_tokens`` on a request's
+tail group and ``kv_tokens`` on groups that only attend, so a decode reads
+``kv + 1`` entries and a prefill chunk attends ``q * (kv + q)`` pairs. A batch
+costs its slowest group. Every coefficient is kept >= 0 (``step`` > 0), so a
+prediction is finite, positive for a non-empty batch and non-decreasing in
+query and KV tokens.
+
+:meth:`OnlineCostModel.observe` takes an executed batch and its measured
+seconds and updates the coefficients by weighted recursive least squares on the
+*relative* residual ``(measured - predicted) / measured`` (weight
+``1 / measured**2``), with exponential forgetting. The update is O(features^2)
+(a 5 x 5 matrix, pure Python, a few tens of microseconds) and holds no history
+beyond the last 100 errors. It is robust:
+
+* residuals beyond ``huber`` robust scales are down-weighted (Huber), and a
+  lone residual beyond ``reject`` scales (a pause, a page fault) is ignored;
+* ``drift_steps`` consecutive large residuals of one sign are a change of
+  regime (another process took cores, contexts past the calibrated range): the
+  covariance is reset around the current coefficients so they re-converge in
+  a few steps;
+* the covariance trace is capped, so unexcited directions cannot wind up.
+
+The model is mutable: the scheduler prices batches with the current
+coefficients (``group_time`` reads them), while the features stay integers
+and affine in the KV length for one-token work, as the decode lanes need.
+State saves to JSON (:meth:`save`) and loads with the spec ``online:FILE``,
+so ``medha-sim`` predicts with what a server learned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from medha_sched.config import ParallelDegrees
+from medha_sched.cost.base import AggregateCostModel, BatchWork, CostModel
+from medha_sched.cost.registry import DEFAULT_LAYOUT, check_spec_keys, parse_cost_model_spec
+
+#: names of the coefficients, in state order (``step`` is the per-group constant)
+COEFFICIENTS = ("step", "per_request", "per_token", "per_kv", "per_attn")
+#: feature units the coefficients are kept in (conditioning): seconds per unit
+_UNITS = (1.0, 1.0, 256.0, 8192.0, 256.0 * 8192.0)
+_KIND = "medha-online-cost-model"
+_VERSION = 1
+_MIN_STEP = 1e-6
+_MAX_COEF = 1e6  # seconds per unit: far beyond any real device, keeps state finite
+_ERROR_WINDOW = 100
+
+
+class OnlineCostModel(AggregateCostModel):
+    """Affine cost per group whose coefficients follow measured step times.
+
+    Args:
+        coefficients: initial ``(step, per_request, per_token, per_kv, per_attn)``
+            in seconds per raw unit (per group, request, token, KV token, pair).
+        layout: the parallel layout the model describes.
+        forget: RLS forgetting factor in (0, 1]; memory is about ``1/(1-forget)`` steps.
+        prior_strength: how many steps' worth of evidence the initial
+            coefficients count for (smaller learns faster).
+        huber: residuals beyond this many robust scales are down-weighted.
+        reject: a lone residual beyond this many robust scales is ignored.
+        drift_steps: this many large same-sign residuals in a row reset the covariance.
+    """
+
+    num_features: ClassVar[int] = 4
+    affine_decode_features: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        coefficients: Sequence[float],
+        *,
+        layout: ParallelDegrees = DEFAULT_LAYOUT,
+        forget: float = 0.98,
+        prior_strength: float = 1.0,
+        huber: float = 3.0,
+        reject: float = 8.0,
+        drift_steps: int = 3,
+    ) -> None:
+        if not isinstance(layout, ParallelDegrees):
+            raise ValueError(f"layout must be a ParallelDegrees, got {layout!r}")
+        if len(coefficients) != len(COEFFICIENTS):
+            raise ValueError(
+                f"coefficients must be {len(COEFFICIENTS)} numbers {COEFFICIENTS}, "
+                f"got {coefficients!r}"
+            )
+        for name, value in zip(COEFFICIENTS, coefficients, strict=True):
+            if not _finite_number(value) or value < 0:
+                raise ValueError(f"coefficient {name} must be a finite number >= 0, got {value!r}")
+        if not _finite_number(forget) or not 0.5 <= forget <= 1.0:
+            raise ValueError(f"forget must be in [0.5, 1], got {forget!r}")
+        if not _finite_number(prior_strength) or prior_strength <= 0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength!r}")
+        if not _finite_number(huber) or huber <= 0:
+            raise ValueError(f"huber must be > 0, got {huber!r}")
+        if not _finite_number(reject) or reject < huber:
+            raise ValueError(f"reject must be >= huber ({huber}), got {reject!r}")
+        if not isinstance(drift_steps, int) or drift_steps < 1:
+            raise ValueError(f"drift_steps must be an integer >= 1, got {drift_steps!r}")
+        self.layout = layout
+        self.forget = float(forget)
+        self.prior_strength = float(prior_strength)
+        self.huber = float(huber)
+        self.reject = float(reject)
+        self.drift_steps = drift_steps
+        # theta: coefficients in units of _UNITS (all of order the step time)
+        theta = [float(c) * u for c, u in zip(coefficients, _UNITS, strict=True)]
+        theta[0] = max(theta[0], _MIN_STEP)
+        self._theta = theta
+        self._p: list[list[float]] = []
+        self._p_cap = 0.0
+        self._reset_covariance()
+        self._scale = 0.05  # robust scale of relative residuals (EWMA of clipped |r|)
+        self._streak = 0  # consecutive large residuals of one sign (signed count)
+        self._streak_residuals: list[float] = []
+        self.steps = 0  # observations accepted into the fit
+        self.drifts = 0  # covariance resets on a change of regime
+        self.errors: deque[float] = deque(maxlen=_ERROR_WINDOW)
+        self._sync()
+
+    # ------------------------------------------------------------ prediction
+    @property
+    def coefficients(self) -> dict[str, float]:
+        """Current coefficients in seconds per raw unit."""
+        return dict(zip(COEFFICIENTS, self._coef, strict=True))
+
+    def features(self, q_tokens: int, kv_tokens: int, tail: bool) -> tuple[float, ...]:
+        """``(1, tail tokens, KV read, q * kv_attended)`` of one request on one group."""
+        if tail:
+            kv = kv_tokens + q_tokens
+            return (1, q_tokens, kv, q_tokens * kv)
+        return (1, 0, kv_tokens, q_tokens * kv_tokens)
+
+    def group_time(self, totals: Sequence[float]) -> float:
+        """``step + per_request*n + per_token*tokens + per_kv*kv + per_attn*pairs``."""
+        c = self._coef
+        return c[0] + c[1] * totals[0] + c[2] * totals[1] + c[3] * totals[2] + c[4] * totals[3]
+
+    def frozen(self) -> OnlineCostModel:
+        """A copy that later observations of this model do not change."""
+        return OnlineCostModel.from_state(self.state())
+
+    # -------------------------------------------------------------- learning
+    def observe(self, batch: BatchWork, seconds: float) -> float | None:
+        """Learn from one executed batch that took ``seconds``.
+
+        Returns the relative error ``|predicted - seconds| / seconds`` of the
+        prediction made before this update (None, and nothing learned, for an
+        empty batch or a time that is not a positive finite number).
+        """
+        if not _finite_number(seconds) or seconds <= 0:
+            return None
+        x = self._slowest_group(batch)
+        if x is None:
+            return None
+        theta = self._theta
+        predicted = sum(t * f for t, f in zip(theta, x, strict=True))
+        error = abs(predicted - seconds) / seconds
+        self.errors.append(error)
+        self._update([f / seconds for f in x], 1.0 - predicted / seconds)
+        return error
+
+    @property
+    def median_error(self) -> float | None:
+        """Median relative error of the last (up to) 100 observed steps."""
+        return statistics.median(self.errors) if self.errors else None
+
+    def _slowest_group(self, batch: BatchWork) -> list[float] | None:
+        """``[1, *totals]`` in units of ``_UNITS`` of the group predicted slowest."""
+        best: list[float] | None = None
+        best_time = -1.0
+        for items in batch.groups:
+            if not items:
+                continue
+            totals = [0, 0, 0, 0]
+            for w in items:
+                for i, f in enumerate(self.features(w.q_tokens, w.kv_tokens, w.tail)):
+                    totals[i] += f
+            t = self.group_time(totals)
+            if t > best_time:
+                best_time = t
+                best = [1.0] + [tot / u for tot, u in zip(totals, _UNITS[1:], strict=True)]
+        return best
+
+    def _update(self, x: list[float], residual: float) -> None:
+        """One weighted RLS step on ``1 ~ theta . x`` with robust weighting."""
+        a = abs(residual)
+        big = a > self.huber * self._scale
+        sign = 1 if residual > 0 else -1
+        if big:
+            if self._streak * sign > 0:
+                self._streak += sign
+                self._streak_residuals.append(residual)
+            else:
+                self._streak, self._streak_residuals = sign, [residual]
+        else:
+            self._streak, self._streak_residuals = 0, []
+        weight = 1.0
+        if abs(self._streak) >= self.drift_steps:
+            # A change of regime, not an outlier. Most are a uniform speed
+            # change (cores taken or freed): rescale by the streak's median
+            # measured/predicted ratio, then relearn around it.
+            ratio = 1.0 / max(1.0 - statistics.median(self._streak_residuals), 1e-3)
+            self._theta = [min(t * ratio, _MAX_COEF) for t in self._theta]
+            self._sync()
+            residual = 1.0 - (1.0 - residual) * ratio
+            self.drifts += 1
+            self._streak, self._streak_residuals = 0, []
+            self._reset_covariance()
+        elif a > self.reject * self._scale:
+            return  # a lone outlier: ignored (counted in the streak only)
+        elif big:
+            weight = self.huber * self._scale / a
+        self._scale = 0.97 * self._scale + 0.03 * min(a, self.huber * self._scale)
+        self._scale = min(max(self._scale, 0.01), 1.0)
+        self._rls(x, residual, weight)
+        self.steps += 1
+
+    def _rls(self, x: list[float], residual: float, weight: float) -> None:
+        n = len(x)
+        p, lam = self._p, self.forget
+        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = lam / weight + sum(x[i] * px[i] for i in range(n))
+        if not (math.isfinite(denom) and denom > 0):
+            return
+        gain = [v / denom for v in px]
+        theta = [t + g * residual for t, g in zip(self._theta, gain, strict=True)]
+        theta = [min(max(t, 0.0), _MAX_COEF) for t in theta]
+        theta[0] = max(theta[0], _MIN_STEP)
+        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        trace = sum(new_p[i][i] for i in range(n))
+        if not all(math.isfinite(t) for t in theta) or not math.isfinite(trace) or trace <= 0:
+            self._reset_covariance()
+            return
+        if trace > self._p_cap:  # no wind-up in directions the data does not excite
+            shrink = self._p_cap / trace
+            new_p = [[v * shrink for v in row] for row in new_p]
+        self._theta, self._p = theta, new_p
+        self._sync()
+
+    def _reset_covariance(self) -> None:
+        """A diagonal covariance around the current coefficients."""
+        floor = 0.1 * max(self._theta)
+        diag = [max(t, floor) ** 2 / self.prior_strength for t in self._theta]
+        n = len(diag)
+        self._p = [[diag[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self._p_cap = 10.0 * sum(diag)
+
+    def _sync(self) -> None:
+        self._coef = tuple(t / u for t, u in zip(self._theta, _UNITS, strict=True))
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_model(
+        cls, prior: CostModel, *, layout: ParallelDegrees | None = None, **kw: float
+    ) -> OnlineCostModel:
+        """Start from another model: an affine one maps exactly; any other is
+        fitted to its predictions over a spread of prefill and decode batches."""
+        from medha_sched.cost.affine import AffineCostModel
+
+        layout = prior.layout if layout is None else layout
+        if isinstance(prior, OnlineCostModel):
+            return cls(tuple(prior._coef), layout=layout, **kw)  # type: ignore[arg-type]
+        if isinstance(prior, AffineCostModel):
+            coef = (prior.base, 0.0, prior.per_token, 0.0, prior.per_attn)
+            return cls(coef, layout=layout, **kw)  # type: ignore[arg-type]
+        return _fit_to(prior, layout, kw)
+
+    @classmethod
+    def from_spec(
+        cls, params: Mapping[str, str], *, layout: ParallelDegrees = DEFAULT_LAYOUT
+    ) -> OnlineCostModel:
+        """``online:FILE`` (saved state) or ``online:prior=SPEC`` (start from a model,
+        e.g. ``online:prior=table:profile.json``)."""
+        check_spec_keys("online", params, optional=("path", "prior"))
+        if ("path" in params) == ("prior" in params):
+            raise ValueError(
+                "cost model 'online' needs a saved state (online:FILE) or a prior "
+                "(online:prior=table:PROFILE.json); the server's bare 'online' starts "
+                "from its start-up calibration"
+            )
+        if "prior" in params:
+            return cls.from_model(parse_cost_model_spec(params["prior"], layout=layout))
+        model = cls.load(params["path"])
+        if model.layout != layout:
+            model.layout = layout
+        return model
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict:
+        """Everything needed to resume learning (JSON-serialisable)."""
+        lay = self.layout
+        return {
+            "kind": _KIND,
+            "version": _VERSION,
+            "layout": {"tp": lay.tp, "spp": lay.spp, "kvp": lay.kvp},
+            "coefficients": self.coefficients,
+            "settings": {
+                "forget": self.forget,
+                "prior_strength": self.prior_strength,
+                "huber": self.huber,
+                "reject": self.reject,
+                "drift_steps": self.drift_steps,
+            },
+            "covariance": [list(row) for row in self._p],
+            "robust_scale": self._scale,
+            "steps": self.steps,
+            "drifts": self.drifts,
+            "median_error": self.median_error,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping) -> OnlineCostModel:
+        """Rebuild a model from :meth:`state`; a bad state is a ``ValueError`` naming the field."""
+        if not isinstance(state, Mapping) or state.get("kind") != _KIND:
+            raise ValueError(f"not an online cost model state (want kind={_KIND!r})")
+        if state.get("version") != _VERSION:
+            raise ValueError(
+                f"online cost model state version {state.get('version')!r}; "
+                f"this Medha reads version {_VERSION}"
+            )
+        try:
+            coef = state["coefficients"]
+            coefficients = [float(coef[name]) for name in COEFFICIENTS]
+            layout = ParallelDegrees(**{k: int(v) for k, v in state["layout"].items()})
+            settings = dict(state.get("settings", {}))
+            model = cls(coefficients, layout=layout, **settings)
+            cov = state.get("covariance")
+            if cov is not None:
+                n = len(COEFFICIENTS)
+                p = [[float(v) for v in row] for row in cov]
+                if len(p) != n or any(len(row) != n for row in p):
+                    raise ValueError(f"covariance must be {n} x {n}")
+                if not all(math.isfinite(v) for row in p for v in row):
+                    raise ValueError("covariance has a non-finite entry")
+                model._p = p
+            scale = float(state.get("robust_scale", model._scale))
+            if not math.isfinite(scale) or scale <= 0:
+                raise ValueError(f"robust_scale must be > 0, got {scale!r}")
+            model._scale = scale
+            model.steps = int(state.get("steps", 0))
+            model.drifts = int(state.get("drifts", 0))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"online cost model state: missing or bad field {exc}") from None
+        return model
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`state` as JSON (atomically: a temporary file, then a rename)."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.state(), f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> OnlineCostModel:
+        """Read a file :meth:`save` wrote; errors name the file."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                state = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read online cost model {path!r}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path!r} is not JSON: {exc}") from None
+        try:
+            return cls.from_state(state)
+        except ValueError as exc:
+            raise ValueError(f"{path!r}: {exc}") from None
+
+    def __repr__(self) -> str:
+        coef = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients.items())
+        return f"OnlineCostModel({coef}, steps={self.steps}, layout={self.layout})"
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fit_to(prior: CostModel, layout: ParallelDegrees, kw: Mapping[str, float]) -> OnlineCostModel:
+    """Fit the online form to ``prior``'s predictions (a profile table, a roofline)."""
+    batches = []
+    for q in (32, 128, 512, 2048):
+        for kv in (0, 2048, 8192, 32768):
+            batches.append(BatchWork.single_group((q, kv)))
+    for n in (1, 8, 32):
+        for kv in (256, 4096, 32768):
+            batches.append(BatchWork.single_group(*[(1, kv)] * n))
+    timed = [(b, prior.predict(b)) for b in batches]
+    timed = [(b, t) for b, t in timed if _finite_number(t) and t > 0]
+    if not timed:
+        raise ValueError(f"prior cost model {prior!r} predicts no positive times")
+    step = min(t for _, t in timed)
+    model = OnlineCostModel((step, 0.0, 0.0, 0.0, 0.0), layout=layout, prior_strength=1e-3)
+    for _ in range(20):  # plain RLS passes (no robust weights: the prior is noise-free)
+        for b, t in timed:
+            x = model._slowest_group(b)
+            assert x is not None
+            pred = sum(a * f for a, f in zip(model._theta, x, strict=True))
+            model._rls([f / t for f in x], 1.0 - pred / t, 1.0)
+    return OnlineCostModel(tuple(model._coef), layout=layout, **kw)  # type: ignore[arg-type]
+
+
+__all__ = ["COEFFICIENTS", "OnlineCostModel"]

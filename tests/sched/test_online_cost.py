@@ -1,0 +1,216 @@
+"""The online cost model: it learns known coefficients, shrugs off outliers,
+follows a step change, and its predictions stay finite, non-negative and monotone."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from medha_sched.config import ParallelDegrees
+from medha_sched.cost import AffineCostModel, BatchWork, RequestWork, parse_cost_model_spec
+from medha_sched.cost.online import COEFFICIENTS, OnlineCostModel
+
+TRUE = (4e-3, 2e-4, 3e-5, 2e-8, 6e-10)  # step, per_request, per_token, per_kv, per_attn
+
+
+def _truth(batch: BatchWork, coef=TRUE) -> float:
+    """Ground-truth seconds of a one-group batch under ``coef``."""
+    (items,) = batch.groups
+    t = coef[0]
+    for w in items:
+        kv = w.kv_tokens + w.q_tokens
+        t += coef[1] + coef[2] * w.q_tokens + coef[3] * kv + coef[4] * w.q_tokens * kv
+    return t
+
+
+def _batch(rng: random.Random) -> BatchWork:
+    """A served-like batch: some decodes, maybe one prefill chunk."""
+    items = [(1, rng.randrange(0, 40_000)) for _ in range(rng.randrange(0, 24))]
+    if rng.random() < 0.6 or not items:
+        items.append((rng.choice((32, 128, 256, 512, 1024, 2048)), rng.randrange(0, 40_000)))
+    return BatchWork.single_group(*items)
+
+
+def _start() -> OnlineCostModel:
+    """A prior that is wrong by 2x-10x in every coefficient, as a short calibration is."""
+    return OnlineCostModel((1e-3, 0.0, 6e-5, 0.0, 1e-10))
+
+
+def _median_error(model: OnlineCostModel, rng: random.Random, coef=TRUE, n: int = 200) -> float:
+    errs = []
+    for _ in range(n):
+        b = _batch(rng)
+        errs.append(abs(model.predict(b) - _truth(b, coef)) / _truth(b, coef))
+    errs.sort()
+    return errs[len(errs) // 2]
+
+
+def _feed(model, rng, steps, coef=TRUE, noise=0.02, outlier=None):
+    for i in range(steps):
+        b = _batch(rng)
+        y = _truth(b, coef) * (1 + rng.gauss(0, noise))
+        if outlier is not None and outlier(i):
+            y *= rng.choice((5.0, 20.0, 0.2))
+        model.observe(b, y)
+
+
+def test_converges_to_known_coefficients():
+    rng = random.Random(0)
+    model = _start()
+    assert _median_error(model, random.Random(1)) > 0.3  # the prior is far off
+    _feed(model, rng, 600, noise=0.0)
+    learned = model.coefficients
+    for name, want in zip(COEFFICIENTS, TRUE, strict=True):
+        assert learned[name] == pytest.approx(want, rel=0.05), name
+    assert _median_error(model, random.Random(1)) < 0.01
+
+
+def test_noisy_timings_give_small_prediction_error():
+    rng = random.Random(2)
+    model = _start()
+    _feed(model, rng, 800, noise=0.03)
+    assert _median_error(model, random.Random(3)) < 0.03
+
+
+def test_ignores_injected_outliers():
+    rng = random.Random(4)
+    clean, dirty = _start(), _start()
+    _feed(clean, random.Random(5), 800, noise=0.02)
+    # one step in 15 is a pause or page fault: 0.2x to 20x the true time
+    _feed(dirty, random.Random(5), 800, noise=0.02, outlier=lambda i: i > 100 and i % 15 == 7)
+    assert _median_error(dirty, random.Random(6)) < 0.04
+    assert (
+        _median_error(dirty, random.Random(6)) < 2 * _median_error(clean, random.Random(6)) + 0.01
+    )
+    del rng
+
+
+def test_tracks_a_step_change():
+    """Another process takes the cores: every step becomes 1.8x slower."""
+    rng = random.Random(7)
+    model = _start()
+    _feed(model, rng, 500, noise=0.02)
+    slow = tuple(1.8 * c for c in TRUE)
+    assert _median_error(model, random.Random(8), slow) > 0.4
+    _feed(model, rng, 30, coef=slow, noise=0.02)
+    assert model.drifts >= 1
+    assert _median_error(model, random.Random(8), slow) < 0.06
+    _feed(model, rng, 300, coef=slow, noise=0.02)
+    assert _median_error(model, random.Random(8), slow) < 0.03
+
+
+def test_observe_reports_the_error_before_learning():
+    model = OnlineCostModel((0.01, 0.0, 0.0, 0.0, 0.0))
+    b = BatchWork.single_group((1, 0))
+    assert model.observe(b, 0.02) == pytest.approx(0.5)
+    assert model.errors[-1] == pytest.approx(0.5)
+    assert model.observe(BatchWork(groups=((),)), 0.02) is None
+    assert model.observe(b, float("nan")) is None
+    assert model.observe(b, 0.0) is None
+    assert len(model.errors) == 1
+
+
+def test_kvp_batch_learns_from_its_slowest_group():
+    model = OnlineCostModel((1e-3, 0.0, 1e-5, 0.0, 1e-9), layout=ParallelDegrees(kvp=2))
+    batch = BatchWork(
+        groups=(
+            (RequestWork(512, 65536, tail=False),),
+            (RequestWork(512, 100, tail=True),),
+        )
+    )
+    assert model.predict(batch) == pytest.approx(1e-3 + 1e-9 * 512 * 65536)
+    for _ in range(50):
+        model.observe(batch, 0.05)
+    assert model.predict(batch) == pytest.approx(0.05, rel=0.02)
+
+
+def test_affine_prior_maps_exactly_and_other_priors_are_fitted(tmp_path):
+    affine = AffineCostModel(base=0.004, per_token=3e-5, per_attn=7e-10)
+    online = OnlineCostModel.from_model(affine)
+    rng = random.Random(9)
+    for _ in range(50):
+        b = _batch(rng)
+        assert online.predict(b) == pytest.approx(affine.predict(b), rel=1e-12)
+    roof = parse_cost_model_spec("roofline:model=llama3-8b,gpu=h100")
+    fitted = OnlineCostModel.from_model(roof)
+    errs = sorted(
+        abs(fitted.predict(b) - roof.predict(b)) / roof.predict(b)
+        for b in (_batch(rng) for _ in range(100))
+    )
+    assert errs[50] < 0.25
+
+
+def test_save_load_roundtrip_and_spec(tmp_path):
+    rng = random.Random(10)
+    model = _start()
+    _feed(model, rng, 200)
+    path = tmp_path / "online.json"
+    model.save(path)
+    loaded = parse_cost_model_spec(f"online:{path}")
+    assert isinstance(loaded, OnlineCostModel)
+    assert loaded.coefficients == model.coefficients
+    assert loaded.steps == model.steps
+    # both keep learning identically from the saved state
+    for _ in range(20):
+        b = _batch(rng)
+        y = _truth(b)
+        assert model.observe(b, y) == pytest.approx(loaded.observe(b, y))
+    assert loaded.coefficients == pytest.approx(model.coefficients)
+    # a prior given as a spec starts a fresh fit (no covariance, no counts) from it
+    fresh = parse_cost_model_spec(f"online:prior=online:{path}")
+    assert isinstance(fresh, OnlineCostModel) and fresh.steps == 0
+    assert fresh.coefficients == pytest.approx(OnlineCostModel.load(path).coefficients)
+
+
+def test_bad_specs_and_states_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="needs a saved state"):
+        parse_cost_model_spec("online")
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_cost_model_spec(f"online:{tmp_path / 'missing.json'}")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "something else"}))
+    with pytest.raises(ValueError, match="not an online cost model"):
+        OnlineCostModel.load(bad)
+    state = _start().state()
+    state["coefficients"]["per_attn"] = -1.0
+    bad.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="per_attn"):
+        OnlineCostModel.load(bad)
+    with pytest.raises(ValueError, match="forget"):
+        OnlineCostModel(TRUE, forget=1.5)
+
+
+# ------------------------------------------------------------------ properties
+_seconds = st.one_of(
+    st.floats(min_value=1e-7, max_value=1e4),
+    st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 1e300, 1e-300]),
+)
+_work = st.tuples(st.integers(1, 4096), st.integers(0, 1 << 20))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    history=st.lists(st.tuples(st.lists(_work, min_size=1, max_size=5), _seconds), max_size=30),
+    q=st.integers(1, 4096),
+    kv=st.integers(0, 1 << 20),
+    dq=st.integers(0, 4096),
+    dkv=st.integers(0, 1 << 20),
+    others=st.lists(_work, max_size=4),
+)
+def test_predictions_finite_nonnegative_monotone(history, q, kv, dq, dkv, others):
+    model = _start()
+    for items, seconds in history:
+        model.observe(BatchWork.single_group(*items), seconds)
+    base = model.predict(BatchWork.single_group(*others, (q, kv)))
+    more_q = model.predict(BatchWork.single_group(*others, (q + dq, kv)))
+    more_kv = model.predict(BatchWork.single_group(*others, (q, kv + dkv)))
+    for t in (base, more_q, more_kv):
+        assert math.isfinite(t) and t > 0
+    assert more_q >= base
+    assert more_kv >= base
+    assert all(v >= 0 and math.isfinite(v) for v in model.coefficients.values())
