@@ -112,7 +112,17 @@ def paged_attention(
     """
     check_q_and_cache(q, k_cache, v_cache)
     plan = _plan(
-        cu_seqlens_q, kv_lens, block_table, q.shape[1], k_cache.shape[2], q.shape[2],
-        k_cache.shape[1], q.dtype, causal, sm_scale, backend, num_q=q.shape[0],
+        cu_seqlens_q,
+        kv_lens,
+        block_table,
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        q.dtype,
+        causal,
+        sm_scale,
+        backend,
+        num_q=q.shape[0],
     )
     return plan.run(q, k_cache, v_cache)

@@ -169,8 +169,18 @@ def plan_paged_attention(
         A :class:`PagedAttentionPlan`.
     """
     return _plan(
-        cu_seqlens_q, kv_lens, block_table, num_qo_heads, num_kv_heads, head_dim, block_size,
-        dtype, causal, sm_scale, backend, num_q=None,
+        cu_seqlens_q,
+        kv_lens,
+        block_table,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        causal,
+        sm_scale,
+        backend,
+        num_q=None,
     )
 
 
@@ -190,8 +200,17 @@ def _plan(
     num_q: int | None,
 ) -> PagedAttentionPlan:
     meta = _validate(
-        cu_seqlens_q, kv_lens, block_table, num_qo_heads, num_kv_heads, head_dim, block_size,
-        dtype, bool(causal), default_sm_scale(head_dim, sm_scale), num_q,
+        cu_seqlens_q,
+        kv_lens,
+        block_table,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        bool(causal),
+        default_sm_scale(head_dim, sm_scale),
+        num_q,
     )
     # Shaped stand-ins (no memory) for backends whose "auto" limits look at the tensors.
     like_q = torch.empty((), dtype=dtype, device=meta.device).expand(
@@ -200,8 +219,16 @@ def _plan(
     like_cache = torch.empty((), dtype=dtype, device=meta.device).expand(
         meta.max_block + 1, block_size, num_kv_heads, head_dim
     )
-    args = (like_q, like_cache, like_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_table,
-            meta.causal, meta.sm_scale)
+    args = (
+        like_q,
+        like_cache,
+        like_cache,
+        meta.cu_seqlens_q,
+        meta.kv_lens,
+        meta.block_table,
+        meta.causal,
+        meta.sm_scale,
+    )
     name = resolve_name("paged_attention", backend, meta.device, args)
     plan_fn = planner("paged_attention", name)
     if plan_fn is not None:
@@ -213,8 +240,16 @@ def _plan(
 
 def _unplanned(fn: Callable, meta: PagedMeta) -> RunFn:
     def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        return fn(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_table,
-                  meta.causal, meta.sm_scale)
+        return fn(
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.kv_lens,
+            meta.block_table,
+            meta.causal,
+            meta.sm_scale,
+        )
 
     return run
 

@@ -36,7 +36,13 @@ def _check(o, lse, q, k, v, *, q_offset, causal, what="") -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("num_q", "num_kv", "hq", "hkv", "d"),
-    [(1, 1, 1, 1, 8), (7, 13, 6, 2, 24), (37, 100, 9, 3, 64), (5, 5, 5, 5, 17), (130, 300, 3, 1, 40)],
+    [
+        (1, 1, 1, 1, 8),
+        (7, 13, 6, 2, 24),
+        (37, 100, 9, 3, 64),
+        (5, 5, 5, 5, 17),
+        (130, 300, 3, 1, 40),
+    ],
 )
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_prefill_vs_float64(dtype, num_q, num_kv, hq, hkv, d, causal) -> None:
@@ -72,7 +78,7 @@ def _paged_batch(chunks, kv_lens, hq, hkv, d, block_size, dtype, spare_blocks=3)
     need = [-(-n // block_size) for n in kv_lens]
     total = sum(need) + spare_blocks
     perm = torch.randperm(total).to(torch.int32)
-    table = torch.full((len(kv_lens), max(need + [1])), 10**6, dtype=torch.int32)  # unused: junk
+    table = torch.full((len(kv_lens), max([*need, 1])), 10**6, dtype=torch.int32)  # unused: junk
     at = 0
     for b, n in enumerate(need):
         table[b, :n] = perm[at : at + n]
@@ -95,35 +101,58 @@ def test_paged_mixed_batch_vs_float64(dtype, block_size, hq, hkv, d, causal) -> 
     kv_lens = [1, 40, 9, 77, 5, 0, 129]
     q, kc, vc, cu, lens, table = _paged_batch(chunks, kv_lens, hq, hkv, d, block_size, dtype)
     o, lse = mk.paged_attention(
-        q, kc, vc, cu_seqlens_q=cu, kv_lens=lens, block_table=table, causal=causal,
+        q,
+        kc,
+        vc,
+        cu_seqlens_q=cu,
+        kv_lens=lens,
+        block_table=table,
+        causal=causal,
         backend="native",
     )
     for b, n in enumerate(kv_lens):
         lo, hi = int(cu[b]), int(cu[b + 1])
         k, v = paged_to_dense(kc, table[b], n), paged_to_dense(vc, table[b], n)
-        _check(o[lo:hi], lse[lo:hi], q[lo:hi], k, v, q_offset=n - (hi - lo), causal=causal,
-               what=f"seq {b}")
+        _check(
+            o[lo:hi],
+            lse[lo:hi],
+            q[lo:hi],
+            k,
+            v,
+            q_offset=n - (hi - lo),
+            causal=causal,
+            what=f"seq {b}",
+        )
 
 
 def _plan(cu, lens, table, kc, hq, backend="native", **kw):
     return plan_paged_attention(
-        cu_seqlens_q=cu, kv_lens=lens, block_table=table, num_qo_heads=hq,
-        num_kv_heads=kc.shape[2], head_dim=kc.shape[3], block_size=kc.shape[1],
-        dtype=kc.dtype, backend=backend, **kw,
+        cu_seqlens_q=cu,
+        kv_lens=lens,
+        block_table=table,
+        num_qo_heads=hq,
+        num_kv_heads=kc.shape[2],
+        head_dim=kc.shape[3],
+        block_size=kc.shape[1],
+        dtype=kc.dtype,
+        backend=backend,
+        **kw,
     )
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_plan_once_run_per_layer_without_host_reads(monkeypatch, backend) -> None:
     """Every layer reuses one plan; ``run`` reads nothing back to the host."""
-    q, kc, vc, cu, lens, table = _paged_batch([1, 1, 30, 1], [50, 3, 60, 17], 6, 2, 16, 5,
-                                              torch.float32)
+    q, kc, vc, cu, lens, table = _paged_batch(
+        [1, 1, 30, 1], [50, 3, 60, 17], 6, 2, 16, 5, torch.float32
+    )
     layers = [(torch.randn_like(kc), torch.randn_like(vc)) for _ in range(3)]
     plan = _plan(cu, lens, table, kc, 6, backend=backend)
     assert plan.backend == backend
     expected = [
-        mk.paged_attention(q, k, v, cu_seqlens_q=cu, kv_lens=lens, block_table=table,
-                           backend=backend)
+        mk.paged_attention(
+            q, k, v, cu_seqlens_q=cu, kv_lens=lens, block_table=table, backend=backend
+        )
         for k, v in layers
     ]
 
@@ -140,7 +169,7 @@ def test_plan_once_run_per_layer_without_host_reads(monkeypatch, backend) -> Non
 
 
 def test_auto_plans_native_on_cpu() -> None:
-    q, kc, vc, cu, lens, table = _paged_batch([2], [9], 4, 2, 8, 4, torch.float32)
+    _, kc, _, cu, lens, table = _paged_batch([2], [9], 4, 2, 8, 4, torch.float32)
     assert _plan(cu, lens, table, kc, 4, backend="auto").backend == "native"
 
 
@@ -165,8 +194,9 @@ def test_plan_validates_once_and_run_checks_shapes() -> None:
 
 def test_thread_count_does_not_change_a_bit() -> None:
     """Each row is one task's work: results are identical on 1 and 2 threads."""
-    q, kc, vc, cu, lens, table = _paged_batch([1] * 6 + [200], [300] * 6 + [700], 9, 3, 64, 16,
-                                              torch.float32)
+    q, kc, vc, cu, lens, table = _paged_batch(
+        [1] * 6 + [200], [300] * 6 + [700], 9, 3, 64, 16, torch.float32
+    )
     plan = _plan(cu, lens, table, kc, 9)
     threads = torch.get_num_threads()
     try:

@@ -90,6 +90,14 @@ def chunked_prefill_attention(
     group = hq // k.shape[1]
     tasks = ext.plan_paged_attention(cu, lens, start, k.shape[1], group, causal)
     return ext.paged_attention(
-        q.contiguous(), k.contiguous().unsqueeze(0), v.contiguous().unsqueeze(0),
-        cu, lens, start, table, tasks, causal, sm_scale,
+        q.contiguous(),
+        k.contiguous().unsqueeze(0),
+        v.contiguous().unsqueeze(0),
+        cu,
+        lens,
+        start,
+        table,
+        tasks,
+        causal,
+        sm_scale,
     )

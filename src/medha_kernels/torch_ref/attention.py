@@ -139,9 +139,7 @@ def _sequence_blocks(
     block_table: torch.Tensor, lens: list[int], block_size: int
 ) -> list[tuple[int, torch.Tensor]]:
     """``(kv_len, int64 block ids)`` per sequence."""
-    return [
-        (n, block_table[b, : -(-n // block_size)].long()) for b, n in enumerate(lens)
-    ]
+    return [(n, block_table[b, : -(-n // block_size)].long()) for b, n in enumerate(lens)]
 
 
 def _run_paged(

@@ -9,9 +9,11 @@ the cache is offset ``s % block_size`` of block ``s // block_size``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from medha_kernels import PagedAttentionPlan, plan_paged_attention
 
 
 @dataclass
@@ -27,6 +29,10 @@ class ForwardBatch:
         slots: ``[N]`` int32 cache slot where each new token's K/V is written;
             a negative slot writes nothing (a token whose KV lives elsewhere).
         sample_rows: ``[S]`` int64 rows whose logits the last stage returns.
+
+    The step's attention plan (:meth:`attention_plan`) is built by the first
+    layer that asks and reused by the others: the metadata is validated and
+    read to the host once per step, not once per layer.
     """
 
     input_ids: torch.Tensor
@@ -36,6 +42,40 @@ class ForwardBatch:
     block_table: torch.Tensor
     slots: torch.Tensor
     sample_rows: torch.Tensor
+    _plans: dict[tuple, PagedAttentionPlan] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def attention_plan(
+        self,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        backend: str = "auto",
+    ) -> PagedAttentionPlan:
+        """The step's causal paged-attention plan (see :func:`medha_kernels.plan_paged_attention`).
+
+        Built on the first call for these shapes and backend, then returned as is.
+        """
+        key = (num_qo_heads, num_kv_heads, head_dim, block_size, dtype, backend)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_paged_attention(
+                cu_seqlens_q=self.cu_seqlens_q,
+                kv_lens=self.kv_lens,
+                block_table=self.block_table,
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=dtype,
+                backend=backend,
+            )
+            self._plans[key] = plan
+        return plan
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +86,9 @@ class ForwardBatch:
         return int(self.kv_lens.shape[0])
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        return ForwardBatch(**{k: getattr(self, k).to(device) for k in self.__dataclass_fields__})
+        return ForwardBatch(
+            **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.init}
+        )
 
     @classmethod
     def build(

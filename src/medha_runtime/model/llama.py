@@ -10,8 +10,8 @@ every stage loads its own slice of a checkpoint; see
 :mod:`medha_runtime.model.loader`.
 
 Attention goes through :meth:`LlamaModel.set_attention`: the default
-:class:`PagedAttention` calls :func:`medha_kernels.paged_attention`; a KV-parallel
-worker installs one that attends to its KV shard and merges partial states.
+:class:`PagedAttention` runs the step's plan (:func:`medha_kernels.plan_paged_attention`);
+a KV-parallel worker installs one that attends to its KV shard and merges partial states.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medha_kernels import append_paged_kv, paged_attention
+from medha_kernels import append_paged_kv
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
@@ -59,9 +59,12 @@ class AttentionFn(Protocol):
 class PagedAttention:
     """The default :class:`AttentionFn`: causal paged attention over the local cache.
 
+    The first layer of a step plans the step's attention
+    (:meth:`ForwardBatch.attention_plan`); every layer runs that plan.
+
     Args:
-        backend: passed to :func:`medha_kernels.paged_attention` (``"auto"``:
-            torch on the CPU, Triton or FlashInfer on GPUs).
+        backend: passed to :func:`medha_kernels.plan_paged_attention` (``"auto"``:
+            the native C++ kernel on the CPU, else torch; Triton or FlashInfer on GPUs).
     """
 
     def __init__(self, backend: str = "auto") -> None:
@@ -79,15 +82,15 @@ class PagedAttention:
         *,
         layer_id: int,
     ) -> torch.Tensor:
-        out, _ = paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q=batch.cu_seqlens_q,
-            kv_lens=batch.kv_lens,
-            block_table=batch.block_table,
+        plan = batch.attention_plan(
+            num_qo_heads=q.shape[1],
+            num_kv_heads=k_cache.shape[2],
+            head_dim=q.shape[2],
+            block_size=k_cache.shape[1],
+            dtype=q.dtype,
             backend=self.backend,
         )
+        out, _ = plan.run(q, k_cache, v_cache)
         return out
 
 
