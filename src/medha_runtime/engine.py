@@ -14,6 +14,12 @@ One :meth:`LLMEngine.step`:
 
 Batches are not overlapped (one in flight at a time, also with SPP).
 
+The cost model learns: by default (``cost_model=None`` or ``"online"``) the
+start-up calibration seeds an :class:`~medha_sched.cost.online.OnlineCostModel`
+that every executed step updates (:mod:`medha_runtime.cost_feedback`, which
+also keeps each step's prediction error); ``cost_model_out`` saves it at
+shutdown.
+
 KV memory: every KVP group has a pool of ``kv_cache_tokens`` tokens
 (``num_blocks_per_group`` blocks of ``block_size``); one request holds at most
 ``G`` tokens on one group (``kvp_group_tokens``; by default the context
@@ -33,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from medha_runtime.cost_feedback import CostFeedback
 from medha_runtime.dist_config import DistConfig, check_int
 from medha_runtime.executor import WorkerError, make_executor
 from medha_runtime.model import ModelConfig, load_config
@@ -60,6 +67,7 @@ from medha_sched import (
     SchedulerError,
     parse_cost_model_spec,
 )
+from medha_sched.cost.online import OnlineCostModel
 
 _GIB = 1 << 30
 #: the iteration-time budget when none is given (raised for slow devices, see LLMEngine)
@@ -170,6 +178,7 @@ class LLMEngine:
         attention_backend: str = "auto",
         distributed: DistConfig | None = None,
         step_log: str | os.PathLike[str] | None = None,
+        cost_model_out: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model = str(model)
         # resolved once (a smollm2 fetch, a hub cache lookup); ranks get the path
@@ -273,7 +282,8 @@ class LLMEngine:
 
         if policy not in available_policies():
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(available_policies())}")
-        cost = None if cost_model is None else self._resolve_cost_model(cost_model)
+        online = cost_model is None or cost_model == "online"  # learn from the calibration
+        cost = None if online else self._resolve_cost_model(cost_model)  # type: ignore[arg-type]
 
         self.spec = RunnerSpec(
             model=model,
@@ -300,7 +310,12 @@ class LLMEngine:
                 from medha_runtime.profile import calibrate_affine
 
                 cost = calibrate_affine(self.executor, self.layout, vocab_size=config.vocab_size)
+                if online:
+                    cost = OnlineCostModel.from_model(cost)
             self.cost_model = cost
+            self.cost_feedback = CostFeedback(
+                cost, group_limit=self.cache.group_token_limit, save_to=cost_model_out
+            )
             if target_batch_time is None:
                 self.scheduler_config = dataclasses.replace(
                     self.scheduler_config, target_batch_time=self._auto_target_time(cost)
@@ -524,6 +539,7 @@ class LLMEngine:
             self.dead = str(exc)
             raise
         t2 = time.perf_counter()
+        self.cost_feedback.record(out, t2 - t1)
         rows = [c for c in out.chunks if c.samples]
         if len(sampled) != len(rows):
             raise RuntimeError(f"step {out.batch_id}: {len(sampled)} samples for {len(rows)} rows")
@@ -637,6 +653,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self._step_log is not None:
             self._step_log.close()
+        feedback = getattr(self, "cost_feedback", None)
+        if feedback is not None:
+            feedback.save()
         self.executor.shutdown()
 
 

@@ -1,0 +1,98 @@
+"""Every executed step teaches the cost model, and its prediction error is kept.
+
+:class:`CostFeedback` sits beside the engine's step loop. After the executor
+returns, :meth:`CostFeedback.record` gets the batch the scheduler formed and
+the executor's measured seconds. It
+
+* computes the relative prediction error ``|predicted - measured| / measured``
+  of the scheduler's own prediction (``ScheduleOutput.predicted_time``), for
+  any cost model;
+* feeds an :class:`~medha_sched.cost.online.OnlineCostModel` the batch as a
+  :class:`~medha_sched.cost.BatchWork` (one item per chunk and KVP shard, as
+  the scheduler priced it) and the measured time, so the next batches are
+  packed with the corrected coefficients.
+
+Errors are kept in two bounded buffers: the last 100 (for a median) and the
+ones not yet taken by :meth:`drain` (the server's metrics). With SPP > 1 the
+executor overlaps stages, so its wall time is not one batch's latency: the
+errors are still reported but the model does not learn.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import deque
+
+from medha_sched.batch_cost import chunk_works
+from medha_sched.cost import BatchWork, CostModel, RequestWork
+from medha_sched.cost.online import OnlineCostModel
+from medha_sched.output import ScheduleOutput
+
+_WINDOW = 100
+_PENDING = 4096
+
+
+class CostFeedback:
+    """Prediction errors of executed steps; online learning when the model can.
+
+    Args:
+        model: the scheduler's cost model (the very object it prices with).
+        group_limit: KV tokens per KVP shard (to split chunks as the scheduler did).
+        save_to: where :meth:`save` writes an online model's state (None: nowhere).
+    """
+
+    def __init__(
+        self, model: CostModel, *, group_limit: int, save_to: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.model = model
+        online = isinstance(model, OnlineCostModel)
+        self.learning = online and model.layout.spp == 1
+        self._group_limit = group_limit
+        self._kvp = model.layout.kvp
+        self.save_to = None if save_to is None else os.fspath(save_to)
+        if self.save_to is not None and not online:
+            raise ValueError(
+                f"cost_model_out={self.save_to!r} saves an online cost model, but the engine "
+                f"runs {type(model).__name__}; use cost_model='online' (the default)"
+            )
+        self.recent: deque[float] = deque(maxlen=_WINDOW)
+        self._pending: deque[float] = deque(maxlen=_PENDING)
+        self.steps = 0
+
+    def record(self, out: ScheduleOutput, seconds: float) -> float | None:
+        """Account one executed batch; returns its relative prediction error."""
+        if not seconds > 0:
+            return None
+        error = abs(out.predicted_time - seconds) / seconds
+        self.recent.append(error)
+        self._pending.append(error)
+        self.steps += 1
+        if self.learning:
+            self.model.observe(self.batch_work(out), seconds)  # type: ignore[attr-defined]
+        return error
+
+    def batch_work(self, out: ScheduleOutput) -> BatchWork:
+        """``out`` as the scheduler priced it: each chunk split over its KVP shards."""
+        groups: list[list[RequestWork]] = [[] for _ in range(self._kvp)]
+        limit = self._group_limit
+        for c in out.chunks:
+            for g, q, kv, tail in chunk_works(c.kvp_groups, c.start, c.num_tokens, limit):
+                groups[g].append(RequestWork(q, kv, tail))
+        return BatchWork(groups=tuple(tuple(items) for items in groups))
+
+    @property
+    def median_error(self) -> float | None:
+        """Median relative error of the last (up to) 100 steps."""
+        return statistics.median(self.recent) if self.recent else None
+
+    def drain(self) -> list[float]:
+        """Errors recorded since the previous call (at most the latest 4096)."""
+        errors = list(self._pending)
+        self._pending.clear()
+        return errors
+
+    def save(self) -> None:
+        """Write the online model's state to ``save_to`` (if set)."""
+        if self.save_to is not None:
+            self.model.save(self.save_to)  # type: ignore[attr-defined]
