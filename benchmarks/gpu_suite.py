@@ -664,7 +664,7 @@ def stage_runtime(st: Stage, args: argparse.Namespace) -> None:
     st.doc["work_dir"] = str(work)
     cuda = torch.cuda.is_available() and not args.dry_run
     model = args.model or (LLAMA3_8B if cuda else _dry_model(work))
-    plan = runtime_plan(args, model, cuda)
+    plan = runtime_plan(args, model, cuda) | {"server_cost_model": args.server_cost_model}
     st.doc["plan"] = plan
     from medha_kernels import available_backends
 
@@ -878,11 +878,13 @@ def serve_and_replay(st, label, model, plan, profile, trace, work, env) -> dict[
     cmd += ["--kv-cache-tokens", str(plan["kv_cache_tokens"])]
     cmd += ["--max-model-len", str(plan["max_model_len"]), "--step-log", str(steps)]
     cmd += ["--log-level", "warning"]
-    if profile is not None:
-        cmd += ["--cost-model", f"table:{profile}"]
+    spec = plan["server_cost_model"]
+    if spec != "default" and ("{profile}" not in spec or profile is not None):
+        cmd += ["--cost-model", spec.format(profile=profile)]
     if plan.get("target_batch_time"):
         cmd += ["--target-batch-time", str(plan["target_batch_time"])]
     out: dict[str, Any] = {"command": shlex.join(cmd)}
+    out["cost_model"] = cmd[cmd.index("--cost-model") + 1] if "--cost-model" in cmd else "default"
     st.log("$ " + out["command"])
     log = work / f"{label}.server.log"
     proc = subprocess.Popen(
@@ -1081,6 +1083,7 @@ def child_argv(args: argparse.Namespace, stage: str) -> list[str]:
     argv += ["--iters", str(args.iters), "--runtime-parts", args.runtime_parts]
     argv += ["--kernel-ops", args.kernel_ops]
     names = ("pytest_args", "model", "profile", "long_tokens", "duration", "short_qps", "backends")
+    names += ("server_cost_model",)
     for flag in names:
         value = getattr(args, flag)
         if value is not None:
@@ -1131,6 +1134,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help=f"runtime model (default {LLAMA3_8B})")
     p.add_argument("--profile", default=None, help="reuse this profile JSON (runtime)")
     p.add_argument("--runtime-parts", default="profile,lars-mp,fcfs")
+    p.add_argument(
+        "--server-cost-model",
+        default="online:prior=table:{profile}",
+        help="the servers' --cost-model ({profile}: the profile's path; 'default': none, "
+        "the server's own: an online model seeded by a start-up calibration); default: the "
+        "online model seeded with the profile. Each step log gives its prediction error",
+    )
     p.add_argument("--long-tokens", default=None, help="long prompts, e.g. 131072,262144")
     p.add_argument("--duration", type=float, default=None, help="seconds of short arrivals")
     p.add_argument("--short-qps", type=float, default=None)
