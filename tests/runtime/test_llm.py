@@ -11,6 +11,7 @@ from medha_runtime import LLM, SamplingParams
 from medha_runtime.model import ConfigError, MissingFileError
 from medha_runtime.model.tiny import save_tiny
 from medha_sched import AffineCostModel
+from medha_sched.cost.online import OnlineCostModel
 from tests.runtime.checkpoints import hf_greedy, hf_model
 
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
@@ -116,13 +117,17 @@ def test_prompt_forms_and_chat() -> None:
         llm.generate("hi", params)
 
 
-def test_default_cost_model_is_calibrated_at_start() -> None:
+def test_default_cost_model_is_calibrated_at_start_and_learns() -> None:
     with LLM("tiny", max_model_len=1024) as llm:
         cost = llm.engine.cost_model
-        assert isinstance(cost, AffineCostModel) and cost.base > 0
+        assert isinstance(cost, OnlineCostModel) and cost.coefficients["step"] > 0
+        assert cost.steps == 0
         assert llm.engine.scheduler_config.target_batch_time >= 0.05
         out = llm.generate("calibrated", SamplingParams(temperature=0.0, max_tokens=3))
         assert len(out[0].outputs[0].token_ids) == 3
+        feedback = llm.engine.cost_feedback
+        assert feedback.steps >= 3 and len(feedback.recent) == feedback.steps
+        assert cost.steps + len(cost.errors) > 0  # every step reached the model
 
 
 def test_cost_model_spec_string() -> None:
