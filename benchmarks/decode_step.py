@@ -6,7 +6,8 @@ embeddings) with random fp32 weights, prefills ``--batch`` prompts of
 ``--context`` tokens into a paged KV cache (shuffled blocks of 16), then times
 ``--steps`` decode steps of all of them. A step is what the runner pays: build
 the :class:`~medha_runtime.model.ForwardBatch` from Python lists, then run the
-forward pass to the logits. Prints the median step time.
+forward pass to the logits. Prints the median step time and the time spent in
+the layers' attention hook (summed over the 30 layers).
 
 The attention goes through :class:`medha_runtime.model.llama.PagedAttention`
 with ``--backend`` (default ``auto``). To compare with an older tree, run this
@@ -44,6 +45,20 @@ SMOLLM2_135M = {
 BLOCK = 16
 
 
+class TimedAttention:
+    """Wraps the layers' attention hook and adds up the seconds spent in it."""
+
+    def __init__(self, inner: PagedAttention) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
 def build_model(seed: int) -> LlamaModel:
     torch.manual_seed(seed)
     model = LlamaModel(ModelConfig(**SMOLLM2_135M), dtype=torch.float32, device="cpu")
@@ -66,7 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(0)
-    model.set_attention(PagedAttention(args.backend))
+    attention = TimedAttention(PagedAttention(args.backend))
+    model.set_attention(attention)
     total = args.context + args.steps + 1
     per_seq = -(-total // BLOCK)
     ids = list(range(args.batch * per_seq))
@@ -79,21 +95,25 @@ def main() -> None:
         batch = ForwardBatch.build([prompts[b]], [0], [blocks[b]], block_size=BLOCK)
         logits = model(batch, kv)
         prompts[b].append(int(logits[-1].argmax()))
-    times = []
+    times, attn = [], []
     for step in range(args.steps):
         start = [args.context + step] * args.batch
+        attention.seconds = 0.0
         t0 = time.perf_counter()
         batch = ForwardBatch.build([[p[-1]] for p in prompts], start, blocks, block_size=BLOCK)
         logits = model(batch, kv)
         times.append(time.perf_counter() - t0)
+        attn.append(attention.seconds)
         for b in range(args.batch):
             prompts[b].append(int(logits[b].argmax()))
     steady = times[2:] if len(times) > 4 else times
+    steady_attn = attn[2:] if len(attn) > 4 else attn
     print(
         f"medha_kernels from {medha_kernels.__file__}\n"
         f"decode step, batch {args.batch}, context {args.context}, {args.threads} threads, "
         f"backend {args.backend}: median {statistics.median(steady) * 1e3:.1f} ms, "
-        f"min {min(steady) * 1e3:.1f} ms over {len(steady)} steps"
+        f"min {min(steady) * 1e3:.1f} ms over {len(steady)} steps; attention (all layers) "
+        f"median {statistics.median(steady_attn) * 1e3:.1f} ms, min {min(steady_attn) * 1e3:.1f} ms"
     )
     print("tokens:", [p[args.context : args.context + 4] for p in prompts[:2]])
 

@@ -1,0 +1,173 @@
+"""``medha_runtime.LLM`` against ``transformers``' ``generate`` on one checkpoint, side by side.
+
+Both run the same checkpoint in the same dtype (fp32) with the same torch
+thread count, the same prompts (random token ids, equal lengths, no padding),
+greedy, EOS ignored. For each batch size:
+
+- decode: the time of ``max_tokens=N`` minus the time of ``max_tokens=1``
+  (prefill and the first token cancel), over ``B x (N - 1)`` tokens, as
+  tokens/s and ms per step;
+- beside it, the machine's bound for one decode step measured in the same run:
+  the weights' bytes over the measured read bandwidth, or the step's FLOPs
+  over the measured fp32 matmul rate, whichever is larger.
+
+Then the prefill of one ``--prefill``-token prompt (``max_tokens=1``).
+
+The checkpoint defaults to a random one of SmolLM2-135M's shape written by
+``transformers`` (``save_pretrained``) into a temporary directory; pass
+``--model DIR`` for a real Hugging Face directory.
+
+    python benchmarks/engine_vs_transformers.py                       # batches 1, 8, 32
+    python benchmarks/engine_vs_transformers.py --batches 8 --new 16  # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SMOLLM2_135M = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_checkpoint(directory: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(directory)
+    return directory
+
+
+def machine_rates(threads: int) -> tuple[float, float]:
+    """(read bytes/s, fp32 matmul FLOP/s) measured now, with ``threads`` threads."""
+    torch.set_num_threads(threads)
+    x = torch.ones(64 * 2**20 // 4 * 8)  # 512 MiB
+    best_bw = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best_bw = max(best_bw, x.numel() * 4 / (time.perf_counter() - t0))
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best_mm = 0.0
+    for _ in range(10):
+        t0 = time.perf_counter()
+        a @ b
+        best_mm = max(best_mm, 2 * 1024**3 / (time.perf_counter() - t0))
+    return best_bw, best_mm
+
+
+def step_bound(model_dir: Path, batch: int, context: int, bw: float, mm: float) -> float:
+    """Seconds one decode step of ``batch`` needs at least on this machine."""
+    import json
+
+    c = json.loads((model_dir / "config.json").read_text())
+    h, ffn, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * ffn
+    params = layers * per_layer + c["vocab_size"] * h
+    flops = 2 * params * batch + 4 * layers * q * context * batch
+    kv_bytes = 2 * layers * kv * context * batch * 4
+    return max((params * 4 + kv_bytes) / bw, flops / mm)
+
+
+def time_hf(model, prompts: list[list[int]], new: int) -> float:
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+        )
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new
+    return elapsed
+
+
+def time_llm(llm, prompts: list[list[int]], new: int) -> float:
+    from medha_runtime import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == new for o in outs)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="a Hugging Face directory")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--new", type=int, default=32, help="new tokens per request")
+    parser.add_argument("--prefill", type=int, default=2048, help="prefill prompt length")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    from transformers import LlamaForCausalLM
+
+    from medha_runtime import LLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or write_checkpoint(Path(tmp) / "ckpt")
+        torch.set_num_threads(args.threads)
+        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=args.prefill + 64)
+        torch.set_num_threads(args.threads)
+        bw, mm = machine_rates(args.threads)
+        print(
+            f"threads {torch.get_num_threads()}, read {bw / 1e9:.1f} GB/s, "
+            f"fp32 matmul {mm / 1e9:.0f} GFLOP/s"
+        )
+        rng = random.Random(0)
+        vocab = hf.config.vocab_size
+        for batch in args.batches:
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(batch)]
+            time_llm(llm, prompts, 2)  # warm-up
+            time_hf(hf, prompts, 2)
+            ours = time_llm(llm, prompts, args.new) - time_llm(llm, prompts, 1)
+            peer = time_hf(hf, prompts, args.new) - time_hf(hf, prompts, 1)
+            steps = args.new - 1
+            bound = step_bound(model_dir, batch, args.prompt + args.new // 2, bw, mm)
+            print(
+                f"decode batch {batch:3d}: medha {batch * steps / ours:7.1f} tok/s "
+                f"({ours / steps * 1e3:6.1f} ms/step), transformers {batch * steps / peer:7.1f} "
+                f"tok/s ({peer / steps * 1e3:6.1f} ms/step), ratio {peer / ours:.2f}x; "
+                f"bound {bound * 1e3:.1f} ms/step (medha at {bound / (ours / steps):.0%})",
+                flush=True,
+            )
+        prompt = [[rng.randrange(3, vocab) for _ in range(args.prefill)]]
+        ours = time_llm(llm, prompt, 1)
+        peer = time_hf(hf, prompt, 1)
+        print(
+            f"prefill {args.prefill}: medha {ours:.2f} s, transformers {peer:.2f} s, "
+            f"ratio {peer / ours:.2f}x"
+        )
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
