@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device call of the GPU session (docs/gpu.md), run on the device in the repo root:
+#
+#   bash benchmarks/gpu_call.sh 1    # env + correctness       (about 8.5 minutes)
+#   bash benchmarks/gpu_call.sh 2    # kernels + chunking      (about 8.5 minutes)
+#   bash benchmarks/gpu_call.sh 3    # runtime                 (about 8.5 minutes)
+#
+# Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
+# --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
+# /tmp/site, .whl/fi into /tmp/fi) and Medha (editable), then writes into $OUT.
+# MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3 [gpu_suite.py arguments]}
+shift
+case "$call" in
+    1 | 2 | 3) ;;
+    *)
+        echo "gpu_call: the call is 1, 2 or 3, not $call" >&2
+        exit 2
+        ;;
+esac
+out=${OUT:-/tmp/gpu-out}
+export PYTHONUNBUFFERED=1
+src=""
+if [ -z "${MEDHA_GPU_SKIP_INSTALL:-}" ]; then
+    pip_install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir"
+    $pip_install --target /tmp/site .whl/serve/*.whl && $pip_install --target /tmp/fi .whl/fi/*.whl \
+        || { echo "gpu_call: installing the carried wheels failed" >&2; exit 1; }
+    if ! $pip_install --no-build-isolation -e .; then
+        echo "gpu_call: the editable install failed; using PYTHONPATH=src" >&2
+        src="$PWD/src:"
+    fi
+    export PATH="/tmp/site/bin:$PATH"
+fi
+suite() { python3 benchmarks/gpu_suite.py --out "$out" "$@"; }
+case "$call" in
+    1)
+        export PYTHONPATH="${src}/tmp/site:/tmp/fi"
+        suite --stage env "$@"
+        suite --stage correctness "$@"
+        ;;
+    2)
+        export PYTHONPATH="${src}/tmp/site:/tmp/fi"
+        suite --stage kernels --stage chunking "$@"
+        ;;
+    3)  # no FlashInfer: the runtime's "auto" attention is Medha's Triton, and nothing JIT-compiles
+        export PYTHONPATH="${src}/tmp/site"
+        suite --stage runtime "$@"
+        ;;
+esac
