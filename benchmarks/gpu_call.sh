@@ -8,6 +8,8 @@
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
 # /tmp/site, .whl/fi into /tmp/fi) and Medha (editable), then writes into $OUT.
+# MEDHA_GPU_STAGES="chunking" (say) runs those stages instead of the call's own, with the
+# call's path (to re-run one stage, or split a call that ran out of time).
 # MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,16 @@ if [ -z "${MEDHA_GPU_SKIP_INSTALL:-}" ]; then
     export PATH="/tmp/site/bin:$PATH"
 fi
 suite() { python3 benchmarks/gpu_suite.py --out "$out" "$@"; }
+if [ -n "${MEDHA_GPU_STAGES:-}" ]; then
+    path="${src}/tmp/site:/tmp/fi"
+    [ "$call" = 3 ] && path="${src}/tmp/site"
+    export PYTHONPATH="$path"
+    status=0
+    for stage in $MEDHA_GPU_STAGES; do
+        suite --stage "$stage" "$@" || status=$?
+    done
+    exit "$status"
+fi
 case "$call" in
     1)
         export PYTHONPATH="${src}/tmp/site:/tmp/fi"
