@@ -182,7 +182,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument(
         "--cost-model",
         default=None,
-        help="cost model spec (e.g. table:PROFILE.json); default: a quick profile at start-up",
+        help="cost model spec (e.g. table:PROFILE.json, or online:STATE.json to resume "
+        "learning); default 'online': a quick profile at start-up, then learned from every step",
+    )
+    s.add_argument(
+        "--cost-model-out",
+        default=None,
+        metavar="FILE",
+        help="save the online cost model's state here on exit (load it with "
+        "--cost-model online:FILE, or in medha-sim)",
+    )
+    s.add_argument(
+        "--admission",
+        choices=["accept", "reject"],
+        default="accept",
+        help="'reject': answer 429 (with the predicted TTFT and Retry-After) to a request "
+        "whose ttft_slo_ms the current queue cannot meet; default 'accept'",
     )
     s.add_argument("--seed", type=_non_negative_int, default=0, help="engine seed")
     s.add_argument(
@@ -257,6 +272,8 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         distributed=role[1],
         step_log=args.step_log,
+        cost_model_out=args.cost_model_out,
+        admission=args.admission,
     )
     run_server(
         engine,

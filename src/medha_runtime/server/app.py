@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medha_runtime.engine import load_model_info
 from medha_runtime.sampling import SamplingParams
+from medha_runtime.server.admission import AdmissionGate
 from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from medha_runtime.server.client import EngineClient, EngineDeadError, Failure
 from medha_runtime.server.engine_proc import AddRequest, EngineArgs, RequestDelta
@@ -103,6 +104,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(model_name)
     client = EngineClient(config.engine)
     client.on_heartbeat.append(metrics.on_heartbeat)
+    admission = AdmissionGate(reject=config.engine.admission == "reject")
     created = int(time.time())
 
     @asynccontextmanager
@@ -126,6 +128,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.state.client = client
     app.state.metrics = metrics
+    admission.install(app, client, metrics)  # 429 for requests that cannot meet their TTFT SLO
     app.state.request_exit = None  # the runner sets it: a callable that stops the server
     app.state.start_error = None  # why the engine did not start, if it did not
 
@@ -289,6 +292,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         body: Any, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
     ) -> tuple[list[_Sub], asyncio.Queue[Any]]:
         check_alive()
+        admission.check(body.ttft_slo_ms, [len(ids) for _, ids in prompts])
         queue: asyncio.Queue[Any] = asyncio.Queue()
         base = uuid.uuid4().hex
         subs = []

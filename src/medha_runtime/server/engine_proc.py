@@ -112,6 +112,12 @@ class Heartbeat:
     num_preemptions: int
     steps: int
     error: str | None = None
+    #: relative step-time prediction errors of the steps since the last heartbeat
+    prediction_errors: list[float] = field(default_factory=list)
+    #: median relative prediction error of the last 100 steps
+    median_prediction_error: float | None = None
+    #: the prefill queue for predictive admission (``admission="reject"`` only)
+    queue: Any = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +143,9 @@ class EngineArgs:
     device: str | None = None
     distributed: DistConfig | None = None
     step_log: str | None = None
+    cost_model_out: str | None = None
+    #: "accept" runs every request; "reject" refuses requests predicted to miss their TTFT SLO
+    admission: str = "accept"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,6 +153,8 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.admission not in ("accept", "reject"):
+            raise ValueError(f"admission must be 'accept' or 'reject', got {self.admission!r}")
         world = self.tp * self.spp * self.kvp
         if self.distributed is not None and self.distributed.world_size != world:
             raise ValueError(
@@ -169,6 +180,7 @@ class EngineArgs:
             "device",
             "distributed",
             "step_log",
+            "cost_model_out",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -230,7 +242,8 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
             )
         )
         pulse = Pulse(ctx, out_addr, Alive(), period_s=HEARTBEAT_S)
-        _loop(engine, pull, send, parent_pid, lambda: stopping)
+        taker = _snapshot_taker(engine) if args.admission == "reject" else None
+        _loop(engine, pull, send, parent_pid, lambda: stopping, taker)
     except _EngineDead as exc:  # the workers are gone: one line, no traceback
         print(f"medha-runtime engine: {exc}", file=sys.stderr, flush=True)
         dead = True
@@ -255,7 +268,7 @@ class _EngineDead(RuntimeError):
     """The engine cannot go on (its workers failed); every request was ended."""
 
 
-def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any) -> None:
+def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any, taker: Any = None) -> None:
     import zmq
 
     tracks: dict[str, _Track] = {}
@@ -288,7 +301,7 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any) -> None
             if failed is not None:
                 _fail_all(engine, tracks, send, f"the workers failed: {failed}")
                 raise _EngineDead(f"the workers failed: {failed}")
-            send(_heartbeat(engine))
+            send(_heartbeat(engine, taker=taker, tracks=tracks))
         if not engine.has_unfinished_requests():
             continue
         try:
@@ -377,8 +390,15 @@ def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send
             del tracks[rid]
 
 
-def _heartbeat(engine: Any, error: str | None = None) -> Heartbeat:
+def _heartbeat(
+    engine: Any, error: str | None = None, *, taker: Any = None, tracks: Any = None
+) -> Heartbeat:
     sched = engine.scheduler
+    feedback = engine.cost_feedback
+    queue = None
+    if taker is not None and tracks is not None:
+        requests = [r for r in map(sched.get_request, tracks) if r is not None]
+        queue = taker.take(requests, now=time.monotonic(), engine_now=engine.now())
     return Heartbeat(
         num_running=sched.num_running,
         num_waiting=sched.num_waiting,
@@ -386,4 +406,23 @@ def _heartbeat(engine: Any, error: str | None = None) -> Heartbeat:
         num_preemptions=int(engine.stats.preemptions),
         steps=int(engine.stats.steps),
         error=error,
+        prediction_errors=feedback.drain(),
+        median_prediction_error=feedback.median_error,
+        queue=queue,
+    )
+
+
+def _snapshot_taker(engine: Any) -> Any:
+    """What predictive admission needs from the engine (see :mod:`medha_sched.admission`)."""
+    from medha_sched.admission import SnapshotTaker
+
+    cfg = engine.scheduler_config
+    return SnapshotTaker(
+        engine.cost_model,
+        engine.scheduler.prefill_times,
+        target_time=cfg.target_batch_time,
+        token_grid=cfg.token_grid,
+        max_chunk_tokens=cfg.max_chunk_tokens,
+        group_token_limit=engine.cache.group_token_limit,
+        max_tokens=engine.max_model_len,
     )

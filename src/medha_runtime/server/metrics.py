@@ -21,6 +21,9 @@ _ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
 )  # fmt: skip
+_ERROR_BUCKETS = (
+    0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
+)  # fmt: skip
 _E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -88,6 +91,25 @@ class ServerMetrics:
         )
         self.deadline_met = deadline.labels(model_name, "met")
         self.deadline_missed = deadline.labels(model_name, "missed")
+        self.prediction_error = Histogram(
+            "medha:step_time_prediction_relative_error",
+            "Per step, |predicted - measured| / measured executor time.",
+            labels,
+            buckets=_ERROR_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.prediction_error_median = Gauge(
+            "medha:step_time_prediction_relative_error_median",
+            "Median relative step-time prediction error over the last 100 steps.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.admission_rejected = Counter(
+            "medha:admission_rejected",
+            "Requests refused with 429: predicted to miss their TTFT SLO (--admission reject).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self._preemptions_seen = 0
 
     def on_heartbeat(self, beat: Heartbeat) -> None:
@@ -97,3 +119,7 @@ class ServerMetrics:
         if beat.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(beat.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = beat.num_preemptions
+        for error in beat.prediction_errors:
+            self.prediction_error.observe(error)
+        if beat.median_prediction_error is not None:
+            self.prediction_error_median.set(beat.median_prediction_error)
