@@ -8,6 +8,9 @@ one JSON object per line for every batch it runs::
      "execute_s": 0.0521,                    # the executor (forward pass and sampling)
      "finish_s": 0.0002,                     # results back into the scheduler
      "predicted_s": 0.0498,                  # the cost model's latency for the batch
+     "error": 0.044,                         # |predicted_s - execute_s| / execute_s
+     "target_s": 0.05,                       # the budget T the batch was packed against
+     "monotonic_s": 81234.567,               # time.monotonic() when schedule() began
      "items": [[1, 300], [512, 1024]],       # [query tokens, KV tokens cached before]
      "requests": ["a", "b"]}                 # the items' request ids
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -45,6 +49,13 @@ class StepRecord:
     predicted_s: float
     items: tuple[tuple[int, int], ...]
     requests: tuple[str, ...] = ()
+    target_s: float = 0.0
+    monotonic_s: float = 0.0
+
+    @property
+    def error(self) -> float:
+        """Relative prediction error ``|predicted_s - execute_s| / execute_s``."""
+        return abs(self.predicted_s - self.execute_s) / self.execute_s if self.execute_s else 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +73,8 @@ class StepRecord:
             predicted_s=float(d["predicted_s"]),
             items=tuple((int(q), int(kv)) for q, kv in d["items"]),
             requests=tuple(str(r) for r in d.get("requests", ())),
+            target_s=float(d.get("target_s", 0.0)),
+            monotonic_s=float(d.get("monotonic_s", 0.0)),
         )
 
     def to_dict(self) -> dict:
@@ -74,6 +87,9 @@ class StepRecord:
             "predicted_s": round(self.predicted_s, 6),
             "items": [list(i) for i in self.items],
             "requests": list(self.requests),
+            "error": round(self.error, 6),
+            "target_s": round(self.target_s, 6),
+            "monotonic_s": round(self.monotonic_s, 6),
         }
 
 
@@ -104,6 +120,8 @@ class StepLog:
             predicted_s=out.predicted_time,
             items=tuple((c.num_tokens, c.start) for c in out.chunks),
             requests=tuple(c.request_id for c in out.chunks),
+            target_s=out.target_time,
+            monotonic_s=time.monotonic() - (time.perf_counter() - t0),
         )
         self._file.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
 
