@@ -324,7 +324,7 @@ def stage_correctness(st: Stage, args: argparse.Namespace) -> None:
     outcomes = st.out / ".correctness.outcomes.jsonl"
     outcomes.unlink(missing_ok=True)
     junit = st.out / "correctness.junit.xml"
-    cmd = [PY, "-m", "pytest", "-q", "-p", "_outcomes_plugin", f"--junitxml={junit}"]
+    cmd = [PY, "-m", "pytest", "-q", "-p", "medha_outcomes", f"--junitxml={junit}"]
     cmd += ["-p", "no:cacheprovider"]
     if not args.dry_run and args.jobs > 1 and _importable("xdist"):
         cmd += ["-n", str(args.jobs), "--dist", "loadfile"]
@@ -333,7 +333,9 @@ def stage_correctness(st: Stage, args: argparse.Namespace) -> None:
     cmd += shlex.split(args.pytest_args or "")
     cmd += list(DRY_TESTS) if args.dry_run else ["tests"]
     env = {**os.environ, "MEDHA_OUTCOMES": str(outcomes), "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), env.get("PYTHONPATH")]))
+    # the plugin's own folder only: benchmarks/ would shadow packages named like its scripts
+    plugin_dir = str(BENCH / "pytest_outcomes")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [plugin_dir, env.get("PYTHONPATH")]))
     st.doc["command"] = shlex.join(cmd)
     st.save()
     pytest_log = st.out / ".correctness.pytest.log"
@@ -409,10 +411,16 @@ def _importable(module: str) -> bool:
 
 # ---------------------------------------------------------------------- kernels
 def _kernels_module():
-    sys.path.insert(0, str(BENCH))
-    import kernels  # benchmarks/kernels.py
+    """``benchmarks/kernels.py``, loaded by path (benchmarks/ stays off ``sys.path``)."""
+    import importlib.util
 
-    return kernels
+    name = "medha_benchmarks_kernels"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / "kernels.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec: its dataclasses look themselves up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def _bench(args: argparse.Namespace, backends: str | None = None, iters: int | None = None):

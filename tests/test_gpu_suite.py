@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -12,8 +13,11 @@ import pytest
 
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_suite as gs  # noqa: E402
+# loaded by path: putting benchmarks/ on sys.path would shadow packages named like its
+# scripts (transformers probes for a `kernels` package)
+_spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+gs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gs)
 
 
 def test_dry_run_env_and_kernels(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """A pytest plugin for ``benchmarks/gpu_suite.py``: one JSON line per test outcome, as it comes.
 
-Loaded with ``-p _outcomes_plugin`` (``benchmarks/`` on ``PYTHONPATH``); writes to
+Loaded with ``-p medha_outcomes`` (this folder on ``PYTHONPATH``); writes to
 ``$MEDHA_OUTCOMES``. The lines survive a run that is killed at its time limit,
 unlike a JUnit XML file, which pytest writes only at the end. Under xdist only
 the controller writes (the workers' reports reach it too).
