@@ -181,3 +181,35 @@ def test_errors_are_model_load_errors(tmp_path) -> None:
     bad.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError):
         load_model(bad)
+
+
+PROMPT = [1, 17, 42, 5, 88, 23, 61, 9, 70, 33, 14, 50, 3]
+
+
+def _tp_worker(rank: int, world_size: int, init: str, path: str) -> dict:
+    from medha_parallel import ParallelLayout, ParallelState, TPCommunicator
+    from tests.runtime.checkpoints import greedy
+
+    state = ParallelState.initialize(
+        ParallelLayout(tp=world_size), init_method=init, rank=rank, world_size=world_size
+    )
+    model, _ = load_model(path, dtype="float32", tp=TPCommunicator(state))
+    return {
+        "greedy": greedy(model, PROMPT, 8, chunk=5),
+        "qkv_rows": model.layers["0"].self_attn.qkv_proj.weight.shape[0],
+        "embed_rows": model.embed_tokens.weight.shape[0],
+    }
+
+
+def test_tp2_quantized_gguf_matches_one_process(checkpoint, tmp_path) -> None:
+    """Each of two gloo ranks dequantizes only its rows of a Q4_1 file: the same greedy tokens."""
+    from tests.parallel.dist import launch
+    from tests.runtime.checkpoints import greedy
+
+    file = _good_file(checkpoint, tmp_path, qtype="Q4_1")
+    single, _ = load_model(file, dtype="float32")
+    want = greedy(single, PROMPT, 8, chunk=5)
+    for res in launch(_tp_worker, 2, str(file), timeout=120):
+        assert res["greedy"] == want
+        assert res["qkv_rows"] * 2 == single.layers["0"].self_attn.qkv_proj.weight.shape[0]
+        assert res["embed_rows"] * 2 == single.embed_tokens.weight.shape[0] + 1  # 97 → 2 x 49

@@ -39,14 +39,20 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def start_server(*extra: str, api_key: str | None = None, timeout_s: float = 60.0) -> Server:
+def start_server(
+    *extra: str,
+    api_key: str | None = None,
+    timeout_s: float = 60.0,
+    model: str = "tiny",
+    env: dict[str, str] | None = None,
+) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", "--port", str(port)]
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", model, "--port", str(port)]
     cmd += ["--max-model-len", "256", "--kv-cache-tokens", "2048", "--log-level", "warning"]
     if api_key:
         cmd += ["--api-key", api_key]
     cmd += list(extra)
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,0 +1,154 @@
+"""``smollm2`` (a real trained model from a GGUF) against transformers' own GGUF loader.
+
+transformers reads the same file (``from_pretrained(dir, gguf_file=...)``,
+dequantized to fp32): greedy tokens, tokenizer ids, chat template text and
+decoding must all agree; tensor parallelism must give the same greedy tokens.
+
+SmolLM2-135M has 9 query and 3 KV heads, so its TP degree must divide 3: the
+TP run uses 3 ranks (TP2 cannot split 3 KV heads; TP2 over a quantized GGUF is
+covered with a 4-head model in ``test_gguf.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+
+from medha_runtime import LLM, SamplingParams
+from medha_runtime.engine import load_model_info
+from medha_runtime.model import load_model
+from medha_sched import AffineCostModel
+from tests.runtime.checkpoints import greedy, hf_greedy
+
+MAX_NEW = 24
+COMPLETIONS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+]
+TRICKY = [
+    "2024 is 12345 and 3.14159, not 1,000,000",
+    " 42  leading space and  double  spaces   and    four",
+    "héllo wörld — naïve café, Straße, 日本語のテキスト, Привет",
+    "emoji 😀🎉👩‍👩‍👧 and flags 🇫🇷 and ZWJ",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "tabs\tand\nnew\n\n\nlines\r\n and trailing   ",
+    "code: for (i = 0; i < n; i++) { x += a[i] * 2; } // done",
+    "",
+]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf: Path):
+    """transformers' model and tokenizer from the same GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": smollm2_gguf.name}
+    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, dtype=torch.float32, **kw
+    ).eval()
+    model.generation_config.eos_token_id = None  # exactly MAX_NEW tokens
+    model.generation_config.pad_token_id = 0
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_gguf: Path):
+    config, tokenizer = load_model_info(str(smollm2_gguf))
+    return tokenizer, config
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=True)
+        for c in CHATS
+    ]
+    return [tokenizer.encode(p) for p in COMPLETIONS] + chats
+
+
+@pytest.fixture(scope="module")
+def expected(reference, ours) -> list[list[int]]:
+    model, _ = reference
+    return [hf_greedy(model, p, MAX_NEW) for p in _prompts(ours[0])]
+
+
+def test_config_from_metadata(ours) -> None:
+    _, c = ours
+    assert (c.num_layers, c.hidden_size, c.num_q_heads, c.num_kv_heads) == (30, 576, 9, 3)
+    assert (c.intermediate_size, c.vocab_size, c.head_dim) == (1536, 49152, 64)
+    assert c.tie_word_embeddings and c.rope.theta == 100000.0 and c.eos_token_ids == (2,)
+
+
+def test_tokenizer_ids_match_transformers(reference, ours) -> None:
+    _, hf_tok = reference
+    tok = ours[0]
+    for text in TRICKY:
+        for special in (False, True):
+            want = hf_tok.encode(text, add_special_tokens=special)
+            assert tok.encode(text, add_special_tokens=special) == want, (text, special)
+    assert tok.stop_token_ids == (2,) and tok.eos_token == hf_tok.eos_token == "<|im_end|>"
+
+
+def test_decode_round_trips(reference, ours) -> None:
+    _, hf_tok = reference
+    tok = ours[0]
+    for text in TRICKY:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+        stream = tok.detokenizer()
+        pieces = [stream.add([i]) for i in ids] + [stream.flush()]
+        assert "".join(pieces) == tok.decode(ids)
+
+
+def test_chat_template_matches_transformers(reference, ours) -> None:
+    _, hf_tok = reference
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    for messages in (chat, chat[1:2]):
+        want = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ours[0].apply_chat_template(messages) == want
+
+
+def test_greedy_matches_transformers(smollm2_gguf, ours, expected) -> None:
+    """fp32, 3 completions and 3 chats x 24 tokens: the same tokens as transformers."""
+    model, _ = load_model(smollm2_gguf, dtype="float32")
+    for prompt, want in zip(_prompts(ours[0]), expected, strict=True):
+        assert greedy(model, prompt, MAX_NEW, chunk=16) == want
+
+
+def test_chat_answers_paris(ours, expected) -> None:
+    tok = ours[0]
+    answer = tok.decode(expected[len(COMPLETIONS)])
+    assert "Paris" in answer, answer
+
+
+def test_tp3_greedy_matches(smollm2_gguf, ours, expected) -> None:
+    """Three gloo worker ranks, each loading only its rows of the GGUF: the same tokens."""
+    cost = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(ours[0])]
+    with LLM(
+        str(smollm2_gguf), tp=3, dtype="float32", cost_model=cost, max_model_len=256,
+        kv_cache_tokens=1024, policy="fcfs", chunk_size=64,
+    ) as llm:  # fmt: skip
+        outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
