@@ -18,7 +18,6 @@ import torch
 
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.engine import load_model_info
