@@ -93,7 +93,8 @@ def _add_replica_options(p: argparse.ArgumentParser) -> None:
         "--cost-model",
         default=DEFAULT_COST_MODEL,
         metavar="SPEC",
-        help="affine:base=S,per_token=S,per_attn=S | roofline:model=M,gpu=G | table:PATH "
+        help="affine:base=S,per_token=S,per_attn=S | roofline:model=M,gpu=G | table:PATH | "
+        "online:STATE.json (what a server learned: serve --cost-model-out) "
         f"(default {DEFAULT_COST_MODEL}; parallelism comes from --tp/--spp/--kvp)",
     )
     g.add_argument(
