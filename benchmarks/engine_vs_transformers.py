@@ -135,7 +135,13 @@ def main() -> None:
         hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
-        llm = LLM(str(model_dir), dtype="float32", max_model_len=args.prefill + 64)
+        most = max(args.batches) * (args.prompt + args.new)
+        llm = LLM(
+            str(model_dir),
+            dtype="float32",
+            max_model_len=max(args.prefill, args.prompt + args.new) + 16,
+            kv_cache_tokens=max(most, args.prefill) + 1024,
+        )
         torch.set_num_threads(args.threads)
         bw, mm = machine_rates(args.threads)
         print(
