@@ -36,8 +36,11 @@ class LLM:
     """Generate from a Llama-family model with Medha's scheduler.
 
     Args:
-        model: a local Hugging Face model directory, or ``"tiny"`` (the built-in
-            model with RANDOM weights: its text is gibberish).
+        model: a local Hugging Face model directory, a ``.gguf`` file,
+            ``"smollm2"`` (SmolLM2-135M-Instruct, fetched once into the Medha
+            cache), a hub id in the local Hugging Face cache, or ``"tiny"``
+            (the built-in model with RANDOM weights: its text is gibberish).
+            See :mod:`medha_runtime.model.names`.
         dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         tp: tensor-parallel degree (divides the KV heads).
         spp: stream-pipeline stages (at most the number of layers).
