@@ -1,11 +1,28 @@
-"""Time one ``Scheduler.schedule()`` call: 256 running decodes plus N waiting prefills.
+"""Time one ``schedule()`` call: D running decodes plus N waiting prefills, three ways.
 
 The replica is Llama-3-8B on one H100 (roofline cost model), T = 50 ms, KV
-big enough that memory never binds. Each measured iteration: schedule, then
-report the batch's results; new prefills arrive so that the queue stays at N.
-Only the ``schedule()`` call is timed.
+big enough that memory never binds. Three schedulers run side by side, in
+lockstep, on the same work:
 
-    python benchmarks/scheduler.py --waiting 100 1000 10000 --policies lars lars-mp
+- ``new``: ``medha_sched.Scheduler`` (issue 20: decodes in lanes, priced in
+  O(1), capacity checked only for block crossers, handed out compactly);
+- ``reference``: the algorithm before issue 20, kept verbatim in
+  ``tests/sched/reference`` (every decode checked, priced and emitted at
+  every step; prefills from the kinetic index);
+- ``vidur``: the reference with the prefill queue fully re-sorted at every
+  step, as vidur's Mnemosyne schedulers do.
+
+Each measured iteration: every scheduler forms a batch (only that call is
+timed; the order rotates), the batches are checked equal for the first
+``--check`` steps, every batch's results are reported, and new prefills
+arrive so that the queue stays at N. ``new`` hands its decodes out
+compactly; the ``+chunks`` column adds spelling every chunk out
+(``out.chunks``), which an executor that wants them all pays, and ``end``
+is the mean ``on_batch_end`` call. The batch cap is raised to twice the
+decodes when that exceeds the default 512 (else decodes past 512 would wait).
+
+    python benchmarks/scheduler.py --waiting 1000 10000 --policies lars lars-mp
+    python benchmarks/scheduler.py --decodes 256 1024 --waiting 1000 --policies lars
 """
 
 from __future__ import annotations
@@ -13,7 +30,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from medha_sched import (
     BatchResult,
@@ -24,77 +43,143 @@ from medha_sched import (
     parse_cost_model_spec,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.sched.reference import ReferenceScheduler, ResortQueue
 
-def build(
-    policy: str, waiting: int, decodes: int, seed: int
-) -> tuple[Scheduler, random.Random, float]:
+IMPLS = ("new", "reference", "vidur")
+
+
+def build(impl: str, policy: str, decodes: int, seed: int):
+    """A scheduler with ``decodes`` requests past their prefill; (scheduler, clock)."""
     rng = random.Random(seed)
     model = parse_cost_model_spec("roofline:model=llama3-8b,gpu=h100")
     cache = CacheConfig(block_size=16, num_blocks_per_group=1 << 20)
-    sched = Scheduler(SchedulerConfig(policy=policy, target_batch_time=0.05), model, cache=cache)
+    cap = max(SchedulerConfig().max_batch_requests, 2 * decodes)
+    config = SchedulerConfig(policy=policy, target_batch_time=0.05, max_batch_requests=cap)
+    if impl == "new":
+        sched = Scheduler(config, model, cache=cache)
+    elif impl == "reference":
+        sched = ReferenceScheduler(config, model, cache=cache)
+    else:
+        sched = ReferenceScheduler(config, model, cache=cache, queue=ResortQueue)
     for i in range(decodes):  # prefill these to completion first
         sched.add_request(Request(f"d{i}", 0.0, rng.randint(100, 4000), 1 << 20))
     now = 0.0
-    while any(r.is_prefilling for r in sched._running.values()) or sched.num_waiting:
-        now = step(sched, now)
-    for i in range(waiting):
-        sched.add_request(new_prefill(rng, f"w{i}", now))
-    return sched, rng, now
+    while sched.num_waiting or any(r.is_prefilling for r in sched._running.values()):
+        out = sched.schedule(now)
+        sampled = {c.request_id: 1 for c in out.chunks if c.samples}
+        sched.on_batch_end(out.batch_id, BatchResult(sampled_token_ids=sampled))
+        now += max(out.predicted_time, 1e-3)
+    return sched, now
 
 
-def new_prefill(rng: random.Random, rid: str, now: float) -> Request:
+def new_prefill(rng: random.Random, rid: str, now: float) -> tuple[str, float, int]:
     long = rng.random() < 0.05
     prompt = rng.randint(20_000, 100_000) if long else rng.randint(50, 4000)
     # One output token: the request finishes with its prefill, so the number
     # of running decodes stays at exactly --decodes.
-    return Request(rid, now - rng.random(), prompt, 1)
+    return rid, now - rng.random(), prompt
 
 
-def step(sched: Scheduler, now: float) -> float:
-    out = sched.schedule(now)
-    sampled = {c.request_id: 1 for c in out.chunks if c.samples}
-    sched.on_batch_end(out.batch_id, BatchResult(sampled_token_ids=sampled))
-    return now + max(out.predicted_time, 1e-3)
+def same(a, b, step: int, name: str) -> None:
+    if (a.chunks, a.preempted, a.predicted_time, a.target_time) != (
+        b.chunks,
+        b.preempted,
+        b.predicted_time,
+        b.target_time,
+    ):
+        sys.exit(f"step {step}: {name} formed a different batch than new")
 
 
-def measure(policy: str, waiting: int, args: argparse.Namespace) -> dict[str, float]:
-    sched, rng, now = build(policy, waiting, args.decodes, args.seed)
-    samples, next_id = [], 0
-    for _ in range(args.iters):
+def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -> dict:
+    scheds, clocks = {}, []
+    for impl in IMPLS:
+        scheds[impl], t = build(impl, policy, decodes, args.seed)
+        clocks.append(t)
+    assert len(set(clocks)) == 1, "the three set-ups differ"
+    now = clocks[0]
+    rng = random.Random(args.seed + 1)
+    specs = [new_prefill(rng, f"w{i}", now) for i in range(waiting)]
+    for s in scheds.values():
+        for rid, arrival, prompt in specs:
+            s.add_request(Request(rid, arrival, prompt, 1))
+    times = {impl: [] for impl in IMPLS}
+    spell, end = [], {impl: [] for impl in IMPLS}
+    next_id = 0
+    for step in range(args.iters):
+        order = IMPLS[step % 3 :] + IMPLS[: step % 3]
+        outs = {}
+        for impl in order:
+            s = scheds[impl]
+            t0 = time.perf_counter()
+            outs[impl] = s.schedule(now)
+            times[impl].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = sched.schedule(now)
-        samples.append(time.perf_counter() - t0)
-        sampled = {c.request_id: 1 for c in out.chunks if c.samples}
-        finished = sched.on_batch_end(out.batch_id, BatchResult(sampled_token_ids=sampled))
-        now += max(out.predicted_time, 1e-3)
-        for _ in range(waiting - sched.num_waiting):  # keep the queue at N
+        chunks = outs["new"].chunks
+        spell.append(time.perf_counter() - t0)
+        if step < args.check:
+            for impl in IMPLS[1:]:
+                same(outs["new"], outs[impl], step, impl)
+        sampled = {c.request_id: 1 for c in chunks if c.samples}
+        result = BatchResult(sampled_token_ids=sampled)
+        for impl in order:
+            t0 = time.perf_counter()
+            scheds[impl].on_batch_end(outs[impl].batch_id, result)
+            end[impl].append(time.perf_counter() - t0)
+        now += max(outs["new"].predicted_time, 1e-3)
+        arrivals = []
+        for _ in range(waiting - scheds["new"].num_waiting):  # keep the queue at N
             next_id += 1
-            sched.add_request(new_prefill(rng, f"n{next_id}", now))
-        del finished
-    samples.sort()
+            arrivals.append(new_prefill(rng, f"n{next_id}", now))
+        for s in scheds.values():
+            for rid, arrival, prompt in arrivals:
+                s.add_request(Request(rid, arrival, prompt, 1))
+    rows = {impl: stats(times[impl], end[impl]) for impl in IMPLS}
+    rows["new"]["plus_chunks_p50_us"] = 1e6 * statistics.median(
+        [a + b for a, b in zip(times["new"], spell, strict=True)]
+    )
+    return rows
+
+
+def stats(samples: list[float], ends: list[float]) -> dict:
+    ordered = sorted(samples)
     return {
-        "p50_us": 1e6 * statistics.median(samples),
-        "p99_us": 1e6 * samples[int(0.99 * (len(samples) - 1))],
-        "mean_us": 1e6 * statistics.fmean(samples),
+        "p50_us": 1e6 * statistics.median(ordered),
+        "p99_us": 1e6 * ordered[int(0.99 * (len(ordered) - 1))],
+        "mean_us": 1e6 * statistics.fmean(ordered),
+        "end_us": 1e6 * statistics.fmean(ends),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--waiting", type=int, nargs="+", default=[100, 1000, 10000])
+    parser.add_argument("--waiting", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--policies", nargs="+", default=["lars", "lars-mp"])
-    parser.add_argument("--decodes", type=int, default=256)
+    parser.add_argument("--decodes", type=int, nargs="+", default=[256])
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--check", type=int, default=200, help="steps checked equal")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(f"{'policy':8} {'waiting':>8} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
+    head = (
+        f"{'policy':8} {'decodes':>7} {'waiting':>7} {'impl':10} {'p50 us':>8} {'p99 us':>8} "
+        f"{'mean us':>8} {'+chunks':>8} {'end us':>7} {'p50 x new':>9}"
+    )
+    print(head)
     for policy in args.policies:
-        for waiting in args.waiting:
-            r = measure(policy, waiting, args)
-            print(
-                f"{policy:8} {waiting:>8} {r['p50_us']:>9.0f} {r['p99_us']:>9.0f} "
-                f"{r['mean_us']:>9.0f}"
-            )
+        for decodes in args.decodes:
+            for waiting in args.waiting:
+                rows = measure(policy, waiting, decodes, args)
+                base = rows["new"]["p50_us"]
+                for impl in IMPLS:
+                    r = rows[impl]
+                    plus = f"{r['plus_chunks_p50_us']:8.0f}" if impl == "new" else f"{'':8}"
+                    print(
+                        f"{policy:8} {decodes:>7} {waiting:>7} {impl:10} {r['p50_us']:>8.0f} "
+                        f"{r['p99_us']:>8.0f} {r['mean_us']:>8.0f} {plus} {r['end_us']:>7.0f} "
+                        f"{r['p50_us'] / base:>9.2f}",
+                        flush=True,
+                    )
+    print(f"all three formed the same batches in the first {args.check} steps of every run")
 
 
 if __name__ == "__main__":

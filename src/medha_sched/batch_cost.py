@@ -50,6 +50,20 @@ class BatchCost:
         # (work, totals, time) of the latest one-work probe, while still valid
         self._probe: tuple[Work, list[float], float] | None = None
 
+    def seed(self, totals: Sequence[list[int] | None]) -> None:
+        """Start an empty batch from summed features per group (None: an idle group).
+
+        Gives the state ``add`` of works with those sums leaves behind.
+        Aggregate models only.
+        """
+        agg = self._agg
+        assert agg is not None and self.time == 0.0, "seed an empty aggregate batch"
+        for g, t in enumerate(totals):
+            if t is not None:
+                self._totals[g] = t
+                self._group_times[g] = agg.group_time(t)
+        self.time = max(self._group_times)
+
     def time_with(self, works: Sequence[Work]) -> float:
         """Predicted seconds if ``works`` were added (nothing changes)."""
         agg = self._agg

@@ -8,7 +8,7 @@ impossible rather than merely unlikely.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 
 class BlockPool:
@@ -45,6 +45,22 @@ class BlockPool:
         blocks = tuple(reversed(self._free[-count:]))
         del self._free[-count:]
         self._owner.update(dict.fromkeys(blocks, owner))
+        self.num_allocs += count
+        return blocks
+
+    def allocate_each(self, owners: Sequence[Hashable]) -> tuple[int, ...]:
+        """One free block for each of ``owners``, in order: the blocks that
+        ``allocate(owner, 1)`` called for each owner in turn would give."""
+        count = len(owners)
+        if count > len(self._free):
+            raise AssertionError(
+                f"group {self.group}: {count} blocks asked, only {len(self._free)} free"
+            )
+        if count == 0:
+            return ()
+        blocks = tuple(reversed(self._free[-count:]))
+        del self._free[-count:]
+        self._owner.update(zip(blocks, owners, strict=True))
         self.num_allocs += count
         return blocks
 

@@ -191,6 +191,25 @@ class KVBlockManager:
                 failed.append(request_id)
         return failed
 
+    def grow_tails(self, group: int, request_ids: Sequence[Hashable]) -> tuple[int, ...] | None:
+        """One more block on ``group`` for each request, in order; the block ids.
+
+        For decodes crossing a block boundary inside a tail shard that lives
+        on ``group`` (the caller knows; the shard must have room for a
+        block). Gives the blocks ``ensure_capacity`` would give called for
+        each request in turn, but in one pass, and does not record them as
+        new (the caller reports them). Returns None, changing nothing, when
+        the group has fewer free blocks than requests.
+        """
+        pool = self._pools[group]
+        if pool.num_free < len(request_ids):
+            return None
+        blocks = pool.allocate_each(request_ids)
+        entries = self._entries
+        for rid, block in zip(request_ids, blocks, strict=True):
+            entries[rid].blocks[-1].append(block)
+        return blocks
+
     def _grow_tail(self, rid: Hashable, entry: _Entry, count: int) -> bool:
         """Give the tail shard ``count`` more blocks from its own group, if free."""
         if self._pools[entry.groups[-1]].num_free < count:

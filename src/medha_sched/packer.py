@@ -24,11 +24,12 @@ from medha_sched.request import Request
 
 @dataclass
 class Draft:
-    """A batch being formed."""
+    """A batch being formed: its decodes (a count, priced first), then prefill chunks."""
 
     cost: BatchCost
     target: float
-    entries: list[tuple[Request, int]] = field(default_factory=list)
+    entries: list[tuple[Request, int]] = field(default_factory=list)  # prefill chunks
+    num_decodes: int = 0
     long_groups: set[int] = field(default_factory=set)
     groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_tokens: int = 0
@@ -44,6 +45,10 @@ class Draft:
     # draft's target: no smaller chunk can become the floor (monotone model).
     fits_somewhere: int = 0
 
+    @property
+    def num_requests(self) -> int:
+        return self.num_decodes + len(self.entries)
+
     def known_miss(self, group: int, kv: int, tokens: int, target: float) -> bool:
         return any(
             g == group and kv >= k and tokens >= q and target <= t for g, k, q, t in self.misses
@@ -57,14 +62,11 @@ class Draft:
         self.entries.append((request, num_tokens))
         self.num_tokens += num_tokens
 
-    def add_decodes(self, requests: list[Request], works: list[Work]) -> None:
-        """Add one token for each of ``requests``, priced in a single pass."""
-        self.misses.clear()
-        self.floor = None
-        self.fits_somewhere = 0
-        self.cost.add(works)
-        self.entries.extend([(r, 1) for r in requests])
-        self.num_tokens += len(requests)
+    def set_decodes(self, count: int) -> None:
+        """The draft holds ``count`` decodes, already priced into ``cost`` (first)."""
+        assert not self.entries and not self.num_decodes, "decodes go first, once"
+        self.num_decodes = count
+        self.num_tokens += count
 
 
 class ChunkSizer:

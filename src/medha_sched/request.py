@@ -6,6 +6,12 @@ issued cursor is below ``num_prefill_tokens``. With stream pipelining a chunk
 is first *issued* (``num_scheduled_tokens``), then clears stage 0
 (``num_stage0_tokens``, after which the next chunk may be issued), then leaves
 the pipeline (``num_computed_tokens``).
+
+A decoding request's three cursors move one step per batch together with
+every other decode issued in that batch. The scheduler keeps such requests
+in a *lane* whose shared counters move the whole group in O(1); a request's
+cursor is its own stored base plus its lane's counter, so reading it is
+always exact (see :mod:`medha_sched.decode_set`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -54,9 +61,6 @@ class Request:
     tpot_slo: float | None = None
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    num_stage0_tokens: int = 0
-    num_computed_tokens: int = 0
     # Tokens to prefill: the prompt, or after a preemption by recompute every
     # token so far. A request's chunks sum exactly to this.
     num_prefill_tokens: int = 0
@@ -68,6 +72,12 @@ class Request:
     remaining_work: float = 0.0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Cursor bases (see the properties below) and the decode lane that moves
+    # them, if any: anything with ``issued``, ``cleared`` and ``computed`` counts.
+    _scheduled: int = field(default=0, init=False, repr=False)
+    _stage0: int = field(default=0, init=False, repr=False)
+    _computed: int = field(default=0, init=False, repr=False)
+    _lane: Any = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_tokens(
@@ -100,6 +110,39 @@ class Request:
             raise ValueError(f"request {self.request_id!r}: priority must be an int")
         if self.num_prefill_tokens == 0:
             self.num_prefill_tokens = self.num_prompt_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens issued: the next chunk starts here."""
+        lane = self._lane
+        return self._scheduled if lane is None else self._scheduled + lane.issued
+
+    @num_scheduled_tokens.setter
+    def num_scheduled_tokens(self, value: int) -> None:
+        lane = self._lane
+        self._scheduled = value if lane is None else value - lane.issued
+
+    @property
+    def num_stage0_tokens(self) -> int:
+        """Tokens whose batch cleared pipeline stage 0."""
+        lane = self._lane
+        return self._stage0 if lane is None else self._stage0 + lane.cleared
+
+    @num_stage0_tokens.setter
+    def num_stage0_tokens(self, value: int) -> None:
+        lane = self._lane
+        self._stage0 = value if lane is None else value - lane.cleared
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose batch left the pipeline."""
+        lane = self._lane
+        return self._computed if lane is None else self._computed + lane.computed
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        lane = self._lane
+        self._computed = value if lane is None else value - lane.computed
 
     @property
     def num_tokens(self) -> int:

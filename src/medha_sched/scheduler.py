@@ -4,6 +4,12 @@
 ``on_stage_end`` says a batch cleared pipeline stage 0 (a prefill's next
 chunk may then be issued); ``on_batch_end`` brings the results back. Nothing
 here knows about tensors.
+
+A step costs what changed, not what exists: the running decodes sit in
+lanes (:mod:`medha_sched.decode_set`) that price them in O(1), check KV
+capacity only for those crossing a block boundary, and hand them to the
+executor as a difference from the batch they continue. The prefill scan
+touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 """
 
 from __future__ import annotations
@@ -11,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from medha_sched.batch_cost import BatchCost, Work, chunk_works
+from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
-from medha_sched.decode_run import commit_decode_run, decode_run_limit, plan_decode_run
+from medha_sched.decode_run import decode_run_limit, plan_decode_run, plan_lane_run
+from medha_sched.decode_set import DecodeLanes, Lane, Member
 from medha_sched.errors import RequestTooLongError, SchedulerError
 from medha_sched.kv_memory import KVBlockManager
-from medha_sched.output import BatchResult, ScheduledChunk, ScheduleOutput
+from medha_sched.output import BatchResult, BlockGrant, ScheduledChunk, ScheduleOutput
 from medha_sched.packer import ChunkSizer, Draft
 from medha_sched.policies import get_policy
 from medha_sched.prefill_cache import PrefillTimeCache
@@ -27,7 +34,8 @@ from medha_sched.request import Request, RequestStatus
 
 @dataclass
 class _InFlight:
-    entries: list[tuple[Request, int, int, bool]]  # request, start, tokens, samples
+    entries: list[tuple[Request, int, int, bool]]  # prefills: request, start, tokens, samples
+    lane: Lane | None = None  # the decodes
     stage0_cleared: bool = False
 
 
@@ -67,6 +75,11 @@ class Scheduler:
         self._next_batch_id = 0
         self._clock = float("-inf")
         self.num_preemptions = 0
+        self._lanes = DecodeLanes(cost_model, self.memory)
+        self._seq = 0  # admissions so far: a running request's place in the running order
+        self._seq_of: dict[str, int] = {}
+        # per-token latency targets of running requests past their prefill
+        self._tpot: dict[str, float] = {}
 
     # ----------------------------------------------------------------- intake
     @property
@@ -156,46 +169,52 @@ class Scheduler:
             raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
         self._clock = now
         draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
-        preempted = self._pack_decodes(draft, now)
+        lane, grants, preempted = self._pack_decodes(draft, now)
         self._pack_prefills(draft, now)
-        return self._emit(draft, now, preempted)
+        return self._emit(draft, now, lane, grants, preempted)
 
     def _target_time(self) -> float:
         target = self.config.target_batch_time
-        for r in self._running.values():
-            if r.tpot_slo is not None and not r.is_prefilling:
-                target = min(target, r.tpot_slo)
+        if self._tpot:
+            target = min(target, min(self._tpot.values()))
         return target
 
-    def _pack_decodes(self, draft: Draft, now: float) -> list[str]:
-        ready: list[Request] = []
-        wants: list[tuple[str, int]] = []  # (id, tokens its KV must hold)
-        for r in self._running.values():
-            issued, total = r.num_scheduled_tokens, r.num_prompt_tokens + len(r.output_token_ids)
-            if r.num_prefill_tokens <= issued < total:
-                ready.append(r)
-                wants.append((r.request_id, total))
-        short = set(self.memory.ensure_capacity_many(wants))
+    def _pack_decodes(
+        self, draft: Draft, now: float
+    ) -> tuple[Lane | None, list[BlockGrant], list[str]]:
+        """Put every ready decode in the draft; ``(lane, block grants, preempted)``.
+
+        Only decodes crossing a block boundary now touch the KV manager; one
+        whose blocks run out preempts (the worst first) as before.
+        """
+        lanes = self._lanes
+        lane = lanes.gather()
+        if lane is None:
+            return None, [], []
+        cap = self.config.max_batch_requests
+        grants: list[BlockGrant] = []
         preempted: list[str] = []
-        chosen = ready  # everything in _running is RUNNING until a preemption
-        if short:
-            for r in ready:
-                if r.request_id in short and r.status is RequestStatus.RUNNING:
-                    preempted.extend(self._make_room(r, now))
-            chosen = [r for r in ready if r.status is RequestStatus.RUNNING]
-        if len(chosen) > self.config.max_batch_requests:
-            chosen = chosen[: self.config.max_batch_requests]
-        works: list[Work] = []
-        groups_of, limit, known = self.memory.groups_of, self.group_limit, draft.groups
-        for r in chosen:
-            groups = known[r.request_id] = groups_of(r.request_id)
-            pos = r.num_scheduled_tokens
-            if pos < limit:  # one shard: the common case, inlined
-                works.append((groups[0], 1, pos, True))
+        crossers = lane.cross_at.pop(lane.issued, None)
+        if crossers is not None:
+            # Those left out by the cap keep their blocks pending: one by one.
+            bulk = None if len(lane.members) > cap else lanes.grow_all(lane, crossers)
+            if bulk is not None:
+                grants = bulk
             else:
-                works.extend(chunk_works(groups, pos, 1, limit))
-        draft.add_decodes(chosen, works)
-        return preempted
+                for r in lanes.grow_each(lane, crossers):
+                    if r.status is RequestStatus.RUNNING:
+                        preempted.extend(self._make_room(r, now))
+                grants = lanes.settle(lane, crossers, cap)
+                if lane not in lanes.ready:  # every ready decode was preempted
+                    return None, grants, preempted
+        if len(lane.members) > cap:
+            lanes.split(lane, cap)
+        if lanes.exact:
+            draft.cost.seed(lanes.totals(lane))
+        else:
+            draft.cost.add(lanes.works(lane))
+        draft.set_decodes(len(lane.members))
+        return lane, grants, preempted
 
     def _make_room(self, request: Request, now: float) -> list[str]:
         """Grow ``request`` by a block, preempting the worst requests if needed."""
@@ -222,6 +241,10 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free the KV, keep the deadline, prefill again."""
         rid = request.request_id
+        if rid in self._lanes:
+            self._lanes.leave(request)
+        self._tpot.pop(rid, None)
+        del self._seq_of[rid]
         self.memory.free(rid)
         del self._running[rid]
         request.num_prefill_tokens = request.num_tokens
@@ -241,7 +264,7 @@ class Scheduler:
         chosen: list[Request] = []
         skips = 0
         grid, max_skips = cfg.token_grid, cfg.max_consecutive_skips
-        entries, max_entries = draft.entries, cfg.max_batch_requests
+        entries, max_entries = draft.entries, cfg.max_batch_requests - draft.num_decodes
         # With adaptive chunking a long prompt cannot join once every KVP
         # group runs a long prefill in this batch (see ChunkSizer.adaptive).
         long_min = cfg.long_prefill_threshold if self._adaptive else None
@@ -331,6 +354,8 @@ class Scheduler:
             ok = self.memory.admit(rid, request.num_prefill_tokens)
             assert ok and self.memory.groups_of(rid) == groups, "admission differs from its plan"
             self._running[rid] = request
+            self._seq += 1
+            self._seq_of[rid] = self._seq
             request.status = RequestStatus.RUNNING
         draft.groups[rid] = groups
         start = request.num_scheduled_tokens
@@ -340,9 +365,17 @@ class Scheduler:
         draft.num_prefills += 1
         return True
 
-    def _emit(self, draft: Draft, now: float, preempted: list[str]) -> ScheduleOutput:
+    def _emit(
+        self,
+        draft: Draft,
+        now: float,
+        lane: Lane | None,
+        grants: list[BlockGrant],
+        preempted: list[str],
+    ) -> ScheduleOutput:
         batch_id = self._next_batch_id
         self._next_batch_id += 1
+        decodes = self._lanes.issue(lane, batch_id, grants)
         chunks = []
         entries = []
         limit, pop_new_blocks = self.group_limit, self.memory.pop_new_blocks
@@ -354,13 +387,21 @@ class Scheduler:
             ids = () if r.prompt_token_ids is None else r.token_ids(start, start + n)
             chunks.append(ScheduledChunk(rid, start, n, groups, pop_new_blocks(rid), ids, samples))
             r.num_scheduled_tokens = start + n
+            if start + n >= r.num_prefill_tokens and r.tpot_slo is not None:
+                self._tpot[rid] = r.tpot_slo
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             entries.append((r, start, n, samples))
-        if entries:
-            self._in_flight[batch_id] = _InFlight(entries)
+        if entries or lane is not None:
+            self._in_flight[batch_id] = _InFlight(entries, lane)
         return ScheduleOutput(
-            batch_id, now, tuple(chunks), tuple(preempted), draft.cost.time, draft.target
+            batch_id,
+            now,
+            tuple(chunks),
+            tuple(preempted),
+            draft.cost.time,
+            draft.target,
+            decodes,
         )
 
     # ------------------------------------------------------------ decode runs
@@ -370,8 +411,9 @@ class Scheduler:
         They are when no prompt waits, no batch is in flight and every running
         request fits in one batch. Returns at most ``max_steps`` times, none
         for an iteration in which a request would finish, be preempted or open
-        a KVP shard; an empty list when a run cannot start now. Changes nothing.
-        See :mod:`medha_sched.decode_run`.
+        a KVP shard; an empty list when a run cannot start now. Changes no
+        decision (it may regroup the decodes' lanes). See
+        :mod:`medha_sched.decode_run`.
         """
         running = self._running
         if (
@@ -382,10 +424,15 @@ class Scheduler:
             or len(running) > self.config.max_batch_requests
         ):
             return []
-        requests = list(running.values())
+        lanes = self._lanes
+        lane = lanes.gather()
+        assert lane is not None and len(lane.members) == len(running), "a running request idles"
+        requests = [m.request for m in lane.members]
         steps = decode_run_limit(requests, self.memory, max_steps)
         if steps == 0:
             return []
+        if lanes.exact:
+            return plan_lane_run(lanes, lane, self.cost_model, steps)
         kvp = self.layout.kvp
         return plan_decode_run(
             requests,
@@ -406,10 +453,19 @@ class Scheduler:
             return range(0)
         if starts[0] < self._clock:
             raise SchedulerError(f"time went backwards: {starts[0]} < previous {self._clock}")
-        commit_decode_run(list(self._running.values()), self.memory, len(starts))
+        lane = self._lanes.gather()
+        assert lane is not None
+        steps = len(starts)
+        wants = [(m.request.request_id, m.request.num_tokens + steps - 1) for m in lane.members]
+        failed = self.memory.ensure_capacity_many(wants)
+        if failed:  # decode_run_limit checked the room: this is a bug, not a state
+            raise AssertionError(f"a decode run ran out of KV memory for {failed}")
+        for rid, _ in wants:
+            self.memory.pop_new_blocks(rid)
+        self._lanes.advance(lane, steps, token_id=0)
         self._clock = starts[-1]
         first = self._next_batch_id
-        self._next_batch_id += len(starts)
+        self._next_batch_id += steps
         return range(first, self._next_batch_id)
 
     # ---------------------------------------------------------------- results
@@ -421,6 +477,8 @@ class Scheduler:
         if stage != 0 or batch.stage0_cleared:
             return
         batch.stage0_cleared = True
+        if batch.lane is not None:
+            self._lanes.cleared(batch.lane)
         running, aborting = RequestStatus.RUNNING, self._abort_pending
         for r, _, n, _ in batch.entries:
             r.num_stage0_tokens += n
@@ -448,17 +506,55 @@ class Scheduler:
             self.on_stage_end(batch_id, stage=0)
         del self._in_flight[batch_id]
         finished: list[str] = []
+        lane = batch.lane
+        if lane is not None:
+            self._end_decodes(lane, result, finished)
+            if lane not in self._lanes.ready:
+                lane = None  # every decode finished: the lane is gone
         for r, _, n, samples in batch.entries:
             r.num_computed_tokens += n
             status = self._after_compute(r, samples, result)
             if status is not None:
                 self._finish(r, status)
                 finished.append(r.request_id)
+            elif samples and r.status is RequestStatus.RUNNING:
+                if lane is None:
+                    lane = self._lanes.new_lane()
+                self._lanes.join(lane, self._seq_of[r.request_id], r)
         return tuple(finished)
 
+    def _end_decodes(self, lane: Lane, result: BatchResult, finished: list[str]) -> None:
+        """A lane's batch ended: tokens in, finished decodes out (in running order)."""
+        lanes, aborting = self._lanes, self._abort_pending
+        aborted = {rid for rid in aborting if lanes.where.get(rid) is lane}
+        reached = lanes.returned(lane, result.sampled_token_ids, aborted)
+        if not (aborted or reached or result.stopped):
+            return
+        ends: list[tuple[Member, RequestStatus]] = []
+        for rid in aborted:
+            aborting.discard(rid)
+            ends.append((lane.index[rid], RequestStatus.FINISHED_ABORTED))
+        stopped = {rid for rid in result.stopped if rid not in aborted and rid in lane.index}
+        for rid in stopped:
+            ends.append((lane.index[rid], RequestStatus.FINISHED_STOPPED))
+        for m in reached:
+            if m.request.request_id not in stopped:
+                ends.append((m, RequestStatus.FINISHED_LENGTH))
+        ends.sort(key=lambda e: e[0].seq)
+        for m, status in ends:
+            self._finish(m.request, status)
+            finished.append(m.request.request_id)
+
     def _check_result(self, batch: _InFlight, result: BatchResult) -> None:
+        tokens = result.sampled_token_ids
+        if batch.lane is not None:
+            for m in batch.lane.members:
+                if m.request.request_id not in tokens:
+                    raise SchedulerError(
+                        f"batch result has no sampled token for request {m.request.request_id!r}"
+                    )
         for r, _, _, samples in batch.entries:
-            if samples and r.request_id not in result.sampled_token_ids:
+            if samples and r.request_id not in tokens:
                 raise SchedulerError(
                     f"batch result has no sampled token for request {r.request_id!r}"
                 )
@@ -488,7 +584,11 @@ class Scheduler:
         rid = request.request_id
         self._queue.remove(rid)
         self._sizer.forget(rid)
+        if rid in self._lanes:
+            self._lanes.leave(request)
+        self._tpot.pop(rid, None)
         if rid in self._running:
+            del self._seq_of[rid]
             self.memory.free(rid)
             del self._running[rid]
         request.status = status

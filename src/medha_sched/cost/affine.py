@@ -46,6 +46,7 @@ class AffineCostModel(AggregateCostModel):
 
     #: features: (tail query tokens, attended pairs)
     num_features: ClassVar[int] = 2
+    affine_decode_features: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         _check_float("base", self.base, minimum=0.0, strict=True)

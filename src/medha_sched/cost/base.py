@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from medha_sched.config import ParallelDegrees
 
@@ -83,6 +83,13 @@ class AggregateCostModel(ABC):
 
     #: length of the vector ``features`` returns
     num_features: int
+
+    #: True when a one-token work's features are integers (given integer
+    #: arguments) and, on the tail group, affine in the KV length:
+    #: ``features(1, kv, True) == A + kv * B`` exactly. The scheduler then
+    #: prices a set of running decodes from their count and summed positions
+    #: in O(1), with the very integers a one-by-one sum gives.
+    affine_decode_features: ClassVar[bool] = False
 
     @abstractmethod
     def features(self, q_tokens: int, kv_tokens: int, tail: bool) -> tuple[float, ...]:

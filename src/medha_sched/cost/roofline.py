@@ -69,6 +69,7 @@ class RooflineCostModel(AggregateCostModel):
     _outer: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     num_features: ClassVar[int] = 6
+    affine_decode_features: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):

@@ -129,7 +129,6 @@ class Simulator:
         self.records = [RequestRecord.from_trace(r) for r in trace]
         self._by_id = {r.id: rec for r, rec in zip(trace, self.records, strict=True)}
         self._live: dict[str, Request] = {}
-        self._decoding: set[str] = set()  # first token sampled, not preempted since
         # batch -> (ids whose prefill it completes, how many of its chunks sample)
         self._in_flight: dict[int, tuple[list[str], int]] = {}
         self._awaiting = 0  # live requests waiting for a token from a batch in flight
@@ -217,23 +216,16 @@ class Simulator:
         if self._awaiting == 0 and self.decode_runs:
             now = self._decode_run(now)
         out = self.sched.schedule(now)
-        chunks = out.chunks
-        if not chunks:
+        if out.is_empty:
             return  # blocked until a batch ends; its event wakes us again
-        decoding = self._decoding
-        for rid in out.preempted:
-            decoding.discard(rid)
-        # Decodes come first; prefill chunks are the trailing ones whose
-        # request has not sampled (since its last preemption).
+        # The decodes come compactly (out.decodes); only the prefill chunks are read.
         n_prefill, prefill_tokens, completes = 0, 0, []
-        for c in reversed(chunks):
-            if c.request_id in decoding:
-                break
+        for c in out.prefill_chunks:
             n_prefill += 1
             prefill_tokens += c.num_tokens
             if c.samples:
                 completes.append(c.request_id)
-        bid, predicted, n_decode = out.batch_id, out.predicted_time, len(chunks) - n_prefill
+        bid, predicted, n_decode = out.batch_id, out.predicted_time, out.decodes.count
         self.iterations.append(
             IterationRecord(
                 bid, now, predicted, n_decode, n_prefill, prefill_tokens, len(out.preempted)
@@ -293,13 +285,11 @@ class Simulator:
             rec = self._by_id[rid]
             if rec.first_token_s is None:
                 rec.first_token_s = now
-            self._decoding.add(rid)
         finished = self.sched.on_batch_end(batch_id, _RESULT)
         for rid in finished:
             rec = self._by_id[rid]
             rec.finish_s = now
             rec.preemptions = self._live.pop(rid).num_preemptions
-            self._decoding.discard(rid)
         if finished:
             self._progress(len(finished))
         self._wake_if_free()

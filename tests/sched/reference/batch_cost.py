@@ -1,0 +1,139 @@
+"""Price a batch as it is being built.
+
+A *work* is ``(group, q_tokens, kv_tokens, tail)``: one request's share of the
+iteration on one KVP group (see :mod:`medha_sched.cost.base`). For an
+:class:`AggregateCostModel` a candidate is priced in O(groups) by adding its
+features to running per-group totals; any other :class:`CostModel` is called
+on the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from medha_sched.cost.base import AggregateCostModel, BatchWork, CostModel, RequestWork
+
+Work = tuple[int, int, int, bool]
+
+
+def chunk_works(groups: Sequence[int], start: int, num_tokens: int, group_limit: int) -> list[Work]:
+    """The works of a chunk at positions ``[start, start + num_tokens)``.
+
+    Shard ``i`` holds positions ``[i*G, (i+1)*G)`` on ``groups[i]``. Earlier
+    shards are full and only attend; the shard holding ``start`` is the tail.
+    The chunk must not cross a shard boundary.
+    """
+    tail = start // group_limit
+    works: list[Work] = [(groups[i], num_tokens, group_limit, False) for i in range(tail)]
+    works.append((groups[tail], num_tokens, start - tail * group_limit, True))
+    return works
+
+
+class BatchCost:
+    """Running prediction of a batch's time.
+
+    Attributes:
+        time: predicted seconds of the works added so far.
+    """
+
+    def __init__(self, model: CostModel, num_groups: int) -> None:
+        self._model = model
+        self._num_groups = num_groups
+        self._agg = model if isinstance(model, AggregateCostModel) else None
+        self._totals: list[list[float] | None] = [None] * num_groups
+        self._group_times = [0.0] * num_groups
+        # the works themselves, kept only for models priced on the whole batch
+        self._items: list[list[RequestWork]] = (
+            [] if self._agg is not None else [[] for _ in range(num_groups)]
+        )
+        self.time = 0.0
+        # (work, totals, time) of the latest one-work probe, while still valid
+        self._probe: tuple[Work, list[float], float] | None = None
+
+    def time_with(self, works: Sequence[Work]) -> float:
+        """Predicted seconds if ``works`` were added (nothing changes)."""
+        agg = self._agg
+        if agg is None:
+            return self._model.predict(self._batch_with(works))
+        if len(works) == 1 and self._num_groups == 1:  # the hot path: one shard, one group
+            work = works[0]
+            totals = self._totals_with(work)
+            time = agg.group_time(totals)
+            self._probe = (work, totals, time)  # add() of the same work reuses it
+            return time
+        return max(self._priced(works).values(), default=0.0) if works else self.time
+
+    def add(self, works: Sequence[Work]) -> None:
+        """Add ``works`` to the batch."""
+        agg = self._agg
+        if agg is None:
+            for g, q, kv, tail in works:
+                self._items[g].append(RequestWork(q, kv, tail))
+            self.time = self._model.predict(self._batch())
+            return
+        if not works:
+            return  # nothing changes (the time is already the slowest group's)
+        probe, self._probe = self._probe, None  # the totals change: a probe goes stale
+        if self._num_groups == 1 and len(works) == 1:
+            if probe is not None and probe[0] == works[0]:
+                self._totals[0], self.time = probe[1], probe[2]
+                self._group_times[0] = self.time
+                return
+            totals = self._totals[0] = self._totals_with(works[0])
+            self.time = self._group_times[0] = agg.group_time(totals)
+            return
+        if self._num_groups == 1:  # one group: running sums, in the order _priced adds them
+            features = agg.features
+            base = self._totals[0]
+            totals = [0] * agg.num_features if base is None else [0 + b for b in base]
+            for _, q, kv, tail in works:
+                totals = [t + f for t, f in zip(totals, features(q, kv, tail), strict=True)]
+            self._totals[0] = totals
+            self.time = self._group_times[0] = agg.group_time(totals)
+            return
+        self._priced(works, commit=True)
+        self.time = max(self._group_times)
+
+    def _totals_with(self, work: Work) -> list[float]:
+        """Group totals of ``work``'s group once ``work`` is added (same sums as ``_priced``)."""
+        g, q, kv, tail = work
+        assert self._agg is not None
+        feats = self._agg.features(q, kv, tail)
+        base = self._totals[g]
+        if base is None:
+            return [0 + f for f in feats]
+        return [0 + b + f for b, f in zip(base, feats, strict=True)]
+
+    def _priced(self, works: Sequence[Work], *, commit: bool = False) -> dict[int, float]:
+        agg = self._agg
+        assert agg is not None
+        features = agg.features
+        by_group: dict[int, list[tuple[float, ...]]] = {}
+        for g, q, kv, tail in works:
+            feats = by_group.get(g)
+            if feats is None:
+                feats = by_group[g] = []
+                base = self._totals[g]
+                if base is not None:
+                    feats.append(tuple(base))
+            feats.append(features(q, kv, tail))
+        touched = {g: list(map(sum, zip(*feats, strict=True))) for g, feats in by_group.items()}
+        times = {g: agg.group_time(t) for g, t in touched.items()}
+        if commit:
+            for g, t in touched.items():
+                self._totals[g] = t
+                self._group_times[g] = times[g]
+        else:
+            for g in range(self._num_groups):
+                if g not in times:
+                    times[g] = self._group_times[g]
+        return times
+
+    def _batch(self) -> BatchWork:
+        return BatchWork(groups=tuple(tuple(items) for items in self._items))
+
+    def _batch_with(self, works: Sequence[Work]) -> BatchWork:
+        items = [list(x) for x in self._items]
+        for g, q, kv, tail in works:
+            items[g].append(RequestWork(q, kv, tail))
+        return BatchWork(groups=tuple(tuple(x) for x in items))
