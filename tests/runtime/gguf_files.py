@@ -8,6 +8,7 @@ rows permuted as ``convert_hf_to_gguf.py`` permutes them, quantized with
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,24 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """The ``rope_freqs`` llama.cpp's converter writes for a ``llama3`` rope dict."""
+    theta = rope["rope_theta"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    orig = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(
     path: Path,
     state: dict[str, torch.Tensor],
@@ -34,6 +53,7 @@ def write_gguf(
     qtype: str = "F32",
     tokenizer: dict[str, Any] | None = None,
     extra_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
+    rope_freqs: np.ndarray | None = None,
 ) -> Path:
     """Write ``state`` (Hugging Face names) as a llama GGUF.
 
@@ -45,6 +65,7 @@ def write_gguf(
             ``Q4_0``, ``Q4_1``); norms stay F32.
         tokenizer: ``tokenizer.ggml.*`` keys to write (without the prefix), or None.
         extra_tensors: more tensors, name → (raw array, GGML type), written as is.
+        rope_freqs: llama.cpp's per-frequency RoPE divisors (Llama 3.1 scaling), or None.
     """
     import gguf
 
@@ -57,8 +78,14 @@ def write_gguf(
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    rope_theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    w.add_rope_freq_base(rope_theta)
     w.add_vocab_size(config["vocab_size"])
+    if config.get("head_dim"):
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     if tokenizer:
         for key, value in tokenizer.items():
             add = {

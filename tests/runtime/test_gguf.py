@@ -213,3 +213,67 @@ def test_tp2_quantized_gguf_matches_one_process(checkpoint, tmp_path) -> None:
         assert res["greedy"] == want
         assert res["qkv_rows"] * 2 == single.layers["0"].self_attn.qkv_proj.weight.shape[0]
         assert res["embed_rows"] * 2 == single.embed_tokens.weight.shape[0] + 1  # 97 → 2 x 49
+
+
+def test_llama3_rope_freqs_load_as_llama3_rope(checkpoint, tmp_path) -> None:
+    """A Llama 3.1-style file (``rope_freqs`` divisors) gives transformers' llama3 frequencies
+    and the checkpoint's greedy tokens."""
+    from medha_runtime.model.rope import inv_freq
+    from tests.runtime.checkpoints import greedy
+    from tests.runtime.gguf_files import llama3_rope_freqs
+
+    directory = checkpoint("gqa-llama3-legacy")  # head_dim 16, factor 8, low 1, high 4, orig 32
+    state, config = _state(directory)
+    rope = {"rope_theta": config["rope_theta"], **config["rope_scaling"]}
+    freqs = llama3_rope_freqs(rope, config["head_dim"])
+    file = write_gguf(tmp_path / "l3.gguf", state, config, rope_freqs=freqs)
+    ours, cfg = load_model(file, dtype="float32")
+    theirs, ref = load_model(directory, dtype="float32")
+    assert cfg.rope.rope_type == "llama3"
+    kw = {"head_dim": 16, "max_position_embeddings": ref.max_position_embeddings}
+    assert torch.allclose(inv_freq(cfg.rope, **kw)[0], inv_freq(ref.rope, **kw)[0], rtol=1e-6)
+    assert greedy(ours, PROMPT, 8, chunk=5) == greedy(theirs, PROMPT, 8, chunk=5)
+
+
+L31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+       "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("theta", "head_dim", "rope", "ok"),
+    [
+        (500000.0, 128, L31, True),  # Llama 3.1/3.2 files: many smoothed frequencies to fit
+        (10000.0, 16, {**L31, "high_freq_factor": 16.0,
+                       "original_max_position_embeddings": 1024}, True),  # two
+        (10000.0, 16, {**L31, "factor": 32.0}, True),  # one smoothed frequency
+        (10000.0, 16, None, False),  # arbitrary divisors: refused
+    ],
+)  # fmt: skip
+def test_rope_freqs_fit(tmp_path, theta: float, head_dim: int, rope, ok: bool) -> None:
+    from medha_runtime.model.config import RopeConfig
+    from medha_runtime.model.rope import inv_freq
+    from tests.runtime.gguf_files import llama3_rope_freqs
+
+    config = {
+        "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 1,
+        "max_position_embeddings": 4096, "hidden_size": 32, "intermediate_size": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": theta, "vocab_size": 16, "head_dim": head_dim,
+    }  # fmt: skip
+    if rope is None:
+        freqs = np.array([1.0, 1.5, 1.2, 3.0, 2.0, 8.0, 8.0, 8.0], dtype=np.float32)
+    else:
+        freqs = llama3_rope_freqs({"rope_theta": theta, **rope}, head_dim)
+    file = write_gguf(tmp_path / "r.gguf", {}, config, rope_freqs=freqs)
+    if not ok:
+        with pytest.raises(UnsupportedModelError) as exc:
+            load_config(file)
+        _assert_one_clear_error(exc, file, "rope_freqs.weight")
+        return
+    got = load_config(file).rope
+    want = RopeConfig(rope_type="llama3", theta=theta, **{
+        "factor": rope["factor"], "low_freq_factor": 1.0,
+        "high_freq_factor": rope["high_freq_factor"],
+        "original_max_position_embeddings": rope["original_max_position_embeddings"],
+    })  # fmt: skip
+    kw = {"head_dim": head_dim, "max_position_embeddings": 4096}
+    assert torch.allclose(inv_freq(got, **kw)[0], inv_freq(want, **kw)[0], rtol=1e-5)

@@ -22,6 +22,7 @@ The tokenizer is built in :mod:`medha_runtime.model.gguf_tokenizer`.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -200,7 +201,7 @@ class GGUFCheckpoint:
 
         Raises:
             UnsupportedModelError: not a Llama architecture, experts, partial RoPE,
-                or RoPE frequency factors (``rope_freqs``).
+                or RoPE frequency factors (``rope_freqs``) other than Llama 3.1's.
             ConfigError: a required key is missing or invalid (named).
         """
         arch = self.architecture
@@ -222,12 +223,6 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(
                 f"{self.path}: partial RoPE ({arch}.rope.dimension_count="
                 f"{meta.get('rope.dimension_count')} of head_dim {head_dim}) is not supported"
-            )
-        if "rope_freqs.weight" in self.tensors:
-            raise UnsupportedModelError(
-                f"{self.path}: RoPE frequency factors (tensor 'rope_freqs.weight', Llama 3.1 "
-                "style scaling) are not supported for GGUF files yet; use the Hugging Face "
-                "checkpoint"
             )
         max_pos = meta.pos_int("context_length", default=2048)
         vocab = meta.get("vocab_size") or self._embedding_rows()
@@ -268,6 +263,8 @@ class GGUFCheckpoint:
 
     def _rope(self, meta: _Keys, max_pos: int) -> RopeConfig:
         theta = float(meta.get("rope.freq_base", 10000.0))
+        if "rope_freqs.weight" in self.tensors:
+            return self._llama3_rope(theta, max_pos)
         kind = meta.get("rope.scaling.type", "none")
         factor = meta.get("rope.scaling.factor")
         if kind in ("none", None) or (kind == "linear" and factor in (None, 1.0)):
@@ -283,6 +280,73 @@ class GGUFCheckpoint:
                 original_max_position_embeddings=int(orig),
             )
         raise UnsupportedModelError(f"{self.path}: RoPE scaling type {kind!r} is not supported")
+
+    def _llama3_rope(self, theta: float, max_pos: int) -> RopeConfig:
+        """Llama 3.1-style RoPE from llama.cpp's per-frequency divisors (``rope_freqs``).
+
+        llama.cpp stores ``factors[i]`` with frequency ``i`` used as
+        ``freq[i] / factors[i]``: 1 for short wavelengths, ``factor`` for long
+        ones, smoothed in between. The smoothing is linear in
+        ``1 / wavelength``, so ``low_freq_factor = 1`` plus a line fit (with one
+        smoothed frequency or none, thresholds placed in the gaps) recovers
+        parameters that give the same frequencies; they are checked to.
+        """
+        from medha_runtime.model.dequant import dequantize_rows
+        from medha_runtime.model.rope import inv_freq
+
+        t = self.tensors["rope_freqs.weight"]
+        n = int(t.shape[0])
+        factors = dequantize_rows(self.raw_rows(t.name, 0, 1), int(t.tensor_type), n)[0]
+        head_dim = 2 * n
+        plain, _ = inv_freq(RopeConfig(theta=theta), head_dim=head_dim, max_position_embeddings=2)
+        want = plain / factors
+        factor = float(factors.max())
+        if factor <= 1.0 + 1e-6:
+            return RopeConfig(rope_type="default", theta=theta)
+        wavelen = (2 * math.pi / plain).double()
+        f = factors.double()
+        one, full = (f - 1).abs() < 1e-4, (f - factor).abs() < 1e-4 * factor
+        mid = ~one & ~full
+        if int(mid.sum()) >= 2:
+            smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+            a_mat = torch.stack([1 / wavelen[mid], torch.ones_like(smooth)], dim=1)
+            a, b = torch.linalg.lstsq(a_mat, smooth.unsqueeze(1)).solution.squeeze(1).tolist()
+            high, orig = (1 - 1 / b, -a / b) if b < 0 < a else (float("nan"), float("nan"))
+        elif int(mid.sum()) == 0 and one.any() and full.any():
+            # both thresholds fall in the gap between the two groups (thirds, in log scale)
+            short, long = float(wavelen[one].max()), float(wavelen[full].min())
+            orig = short ** (1 / 3) * long ** (2 / 3)
+            high = orig / (short ** (2 / 3) * long ** (1 / 3))
+        elif int(mid.sum()) == 1:
+            # one smoothed frequency at wavelength w: put the short-wavelength threshold
+            # midway (log scale) between it and the next shorter one, solve for the rest
+            w = float(wavelen[mid][0])
+            s_mid = float((1 / f[mid][0] - 1 / factor) / (1 - 1 / factor))
+            below = float(wavelen[one].max()) if one.any() else w / 2
+            m = math.sqrt(below * w)
+            orig = round(w * m * (1 - 1 / s_mid) / (w - m / s_mid))
+            high = 1 + (orig / w - 1) / s_mid
+        else:
+            high = orig = float("nan")
+        rope = None
+        if math.isfinite(high) and math.isfinite(orig) and high > 1 and orig >= 1:
+            rope = RopeConfig(
+                rope_type="llama3",
+                theta=theta,
+                factor=factor,
+                low_freq_factor=1.0,
+                high_freq_factor=high,
+                original_max_position_embeddings=max(1, round(orig)),
+            )
+            got, _ = inv_freq(rope, head_dim=head_dim, max_position_embeddings=max_pos)
+            if not torch.allclose(got, want, rtol=1e-4, atol=0):
+                rope = None
+        if rope is None:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor 'rope_freqs.weight' does not follow Llama 3.1 RoPE "
+                "scaling; other frequency factors are not supported"
+            )
+        return rope
 
     def _auto_dtype(self) -> str:
         """``dtype="auto"``: the file's float type if its matrices are F16/BF16, else float32."""
