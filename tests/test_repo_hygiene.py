@@ -86,3 +86,17 @@ def test_dependencies_have_lower_bounds_and_only_torch_is_pinned_by_the_readme()
         assert "==" not in req, f"{req}: pin nothing exactly (torch is pinned by the README only)"
         assert ">=" in req, f"{req}: give the lowest version it really needs"
     assert "pip install -q torch==2.13.0" in (ROOT / "README.md").read_text()
+
+
+def test_the_quick_start_extra_covers_every_command_the_readme_shows() -> None:
+    """Server, GGUF models, bench --plot (matplotlib) and medha-sim all come with it."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    readme = (ROOT / "README.md").read_text()
+    quick = next(line for line in readme.splitlines() if "medha-runtime serve smollm2" in line)
+    assert '-e ".[serve]"' in quick, quick
+    assert set(extras["serve"]) >= {"medha[runtime]", "medha[gguf]", "medha[sim]"}
+    assert any(r.startswith("matplotlib") for r in extras["sim"])  # bench --plot
+    assert any(r.startswith("gguf") for r in extras["gguf"])
