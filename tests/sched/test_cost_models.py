@@ -633,7 +633,10 @@ def test_table_spec_bare_and_keyed_path(tmp_path):
 @pytest.mark.parametrize(
     "spec,needles",
     [
-        ("foo:x=1", ["unknown cost model 'foo' in spec 'foo:x=1'; known: ", "affine, online, roofline"]),
+        (
+            "foo:x=1",
+            ["unknown cost model 'foo' in spec 'foo:x=1'; known: ", "affine, online, roofline"],
+        ),
         ("", ["''"]),
         (":base=1", ["':base=1'"]),
         ("affine:base=1,per_token=1", ["'per_attn'", "affine:base=1,per_token=1"]),
