@@ -10,7 +10,8 @@ calibration seeds the online cost model; no profile) and a step log, then:
   halfway through the long prefill (half the quiet run's long TTFT);
 - **admission**: a Poisson trace of SLO-carrying requests at ``--overload``
   times the server's prefill capacity (measured in the quiet run), replayed
-  against ``--admission reject`` and then ``--admission accept``.
+  against ``--admission reject`` and then ``--admission accept`` (capacity:
+  prompts of the trace's mean length, one at a time, on the first server).
 
 Reported, per run, from the step log (steps after the first 50) and the client:
 prediction error ``|predicted - measured| / measured`` of the executor time
@@ -279,27 +280,56 @@ def run_long(args: argparse.Namespace, name: str, hog_after: float | None) -> di
     return res
 
 
-def run_admission(args: argparse.Namespace, capacity: float) -> dict:
-    rng = random.Random(args.seed + 2)
+def probe_capacity(args: argparse.Namespace, url: str) -> float:
+    """Prefill tokens per second for the trace's mean prompt: a few requests, one at a time."""
     lo, hi = args.adm_prompt
-    mean = (lo + hi) / 2
-    rate = args.overload * capacity / mean
-    trace, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= args.adm_duration:
-            break
-        n = rng.randint(lo, hi)
-        slo = max(args.adm_min_slo, args.adm_slo_factor * n / capacity)
-        trace.append({"at": t, "prompt": n, "slo_ms": round(slo * 1e3, 1)})
-    print(f"  trace: {len(trace)} requests at {rate:.2f}/s ({args.overload}x capacity)")
+    n = (lo + hi) // 2
+
+    async def go() -> list[float]:
+        rng = random.Random(args.seed + 3)
+        async with httpx.AsyncClient(timeout=3600) as client:
+            ttfts = []
+            for _ in range(4):
+                r = await stream_request(client, url, prompt_of(rng, n), 1, None)
+                ttfts.append(r["tokens"][0] - r["sent"])
+            return ttfts
+
+    ttfts = asyncio.run(go())[1:]  # the first one warms up
+    return n / statistics.median(ttfts)
+
+
+def run_admission(args: argparse.Namespace, capacity: float | None) -> dict:
     out = Path(args.out)
-    res = {"rate_per_s": rate, "requests": len(trace)}
+    lo, hi = args.adm_prompt
+    res: dict = {}
+    servers = {}
     for mode in ("reject", "accept"):
         flags = ["--admission", mode, "--max-model-len", str(hi + 64), "--log-level", "warning"]
         flags += ["--step-log", str(out / f"admission-{mode}.steps.jsonl")]
-        proc, url = start_server(flags, out / f"admission-{mode}.server.log", args.engine_threads)
+        servers[mode] = (flags, out / f"admission-{mode}.server.log")
+    trace: list[dict] = []
+    for mode in ("reject", "accept"):
+        flags, log = servers[mode]
+        proc, url = start_server(flags, log, args.engine_threads)
         try:
+            if not trace:
+                if capacity is None:
+                    capacity = probe_capacity(args, url)
+                rng = random.Random(args.seed + 2)
+                rate = args.overload * capacity / ((lo + hi) / 2)
+                t = 0.0
+                while True:
+                    t += rng.expovariate(rate)
+                    if t >= args.adm_duration:
+                        break
+                    n = rng.randint(lo, hi)
+                    slo = max(args.adm_min_slo, args.adm_slo_factor * n / capacity)
+                    trace.append({"at": t, "prompt": n, "slo_ms": round(slo * 1e3, 1)})
+                res.update(capacity_tokens_per_s=capacity, rate_per_s=rate, requests=len(trace))
+                print(
+                    f"  capacity {capacity:.0f} tokens/s; trace: {len(trace)} requests at "
+                    f"{rate:.2f}/s ({args.overload}x capacity)"
+                )
             time.sleep(1.0)  # a heartbeat with the queue snapshot
             recs = asyncio.run(replay(args, url, trace))
         finally:
@@ -353,7 +383,8 @@ def report(args: argparse.Namespace, results: dict) -> str:
         lines += [
             "",
             f"admission: {adm['requests']} requests at {fmt(adm['rate_per_s'])}/s "
-            f"({args.overload}x the quiet run's prefill capacity)",
+            f"({args.overload}x the server's prefill capacity, "
+            f"{fmt(adm['capacity_tokens_per_s'])} tokens/s, probed one request at a time)",
             "",
             "| mode | accepted | rejected (429) | accepted meeting SLO | all meeting SLO | "
             "429 latency p50 / p99 (ms) |",
@@ -386,7 +417,9 @@ def main() -> None:
     ap.add_argument("--adm-prompt", type=int, nargs=2, default=(256, 2048))
     ap.add_argument("--adm-slo-factor", type=float, default=3.0, help="SLO = factor x alone")
     ap.add_argument("--adm-min-slo", type=float, default=1.0, help="seconds")
-    ap.add_argument("--capacity", type=float, default=None, help="prefill tokens/s (skip quiet)")
+    ap.add_argument(
+        "--capacity", type=float, default=None, help="prefill tokens/s (default: probed)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
