@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from collections import deque
 
 from medha_sched.batch_cost import chunk_works
@@ -59,6 +60,9 @@ class CostFeedback:
         self.recent: deque[float] = deque(maxlen=_WINDOW)
         self._pending: deque[float] = deque(maxlen=_PENDING)
         self.steps = 0
+        #: wall seconds per executor second of back-to-back steps (EWMA, >= 1)
+        self.overhead = 1.0
+        self._last: float | None = None  # perf_counter when the last step's executor ended
 
     def record(self, out: ScheduleOutput, seconds: float) -> float | None:
         """Account one executed batch; returns its relative prediction error."""
@@ -68,6 +72,15 @@ class CostFeedback:
         self.recent.append(error)
         self._pending.append(error)
         self.steps += 1
+        now = time.perf_counter()
+        if self._last is not None:
+            # from the previous step's executor end to this one's: this step's
+            # executor time plus everything the engine did in between
+            gap = now - self._last
+            if gap < 2.0 * seconds + 0.05:  # back to back: the engine had work in between
+                ratio = max(1.0, gap / seconds)
+                self.overhead = 0.9 * self.overhead + 0.1 * min(ratio, 10.0)
+        self._last = now
         if self.learning:
             self.model.observe(self.batch_work(out), seconds)  # type: ignore[attr-defined]
         return error

@@ -44,11 +44,13 @@ class QueuedPrefill:
         remaining_s: predicted prefill seconds left (current cost model, alone).
         rho0: its LARS key at the snapshot time.
         rate: how fast its key falls per second (``1 / total work``).
+        deadline: its TTFT deadline, seconds after the snapshot (``inf``: no SLO).
     """
 
     remaining_s: float
     rho0: float
     rate: float
+    deadline: float = math.inf
 
     def rho(self, elapsed: float) -> float:
         return self.rho0 - self.rate * elapsed
@@ -103,15 +105,22 @@ class Verdict:
 class AdmissionController:
     """Predicts TTFT at arrival from the latest snapshot and rejects hopeless requests.
 
+    The queue (snapshot plus requests admitted since) is ordered by LARS key
+    now, the work done since the snapshot is taken off its head, and the new
+    request is placed by its own key. Its predicted TTFT is the work up to and
+    including it, times ``slowdown``. With ``reject``, it is refused when that
+    exceeds its SLO, or when running it first would make a queued request with
+    an SLO miss a deadline it would otherwise meet.
+
     Args:
         reject: False predicts only (every request is accepted).
-        margin: a request is rejected when ``predicted > margin * slo``.
+        margin: deadlines are checked against ``margin * slo`` (1: as given).
     """
 
     reject: bool = True
     margin: float = 1.0
     snapshot: QueueSnapshot | None = None
-    #: (admitted at, entry) of requests admitted since the snapshot was taken
+    #: (admitted at, entry with an absolute deadline) since the snapshot was taken
     _pending: list[tuple[float, QueuedPrefill]] = field(default_factory=list)
 
     def update(self, snapshot: QueueSnapshot) -> None:
@@ -120,39 +129,69 @@ class AdmissionController:
         horizon = snapshot.taken_at - 0.005  # what the engine had received by then
         self._pending = [(t, q) for t, q in self._pending if t >= horizon]
 
+    def _queue(self, now: float) -> list[tuple[float, float, float]]:
+        """``(key now, remaining seconds, absolute deadline)``, in LARS order, with the
+        work done since the snapshot taken off the head."""
+        snap = self.snapshot
+        assert snap is not None
+        elapsed = max(0.0, now - snap.taken_at)
+        queue = sorted(
+            (q.rho(elapsed), q.remaining_s, snap.taken_at + q.deadline) for q in snap.queue
+        )
+        done = elapsed / snap.slowdown
+        trimmed = []
+        for rho, rem, deadline in queue:
+            cut = min(rem, done)
+            done -= cut
+            if rem - cut > 0:
+                trimmed.append((rho, rem - cut, deadline))
+        trimmed += [(q.rho(now - t), q.remaining_s, q.deadline) for t, q in self._pending]
+        trimmed.sort()
+        return trimmed
+
     def predict(self, num_tokens: int, ttft_slo: float, now: float) -> float | None:
         """Predicted TTFT (seconds) of a request arriving ``now``; None without a snapshot."""
-        snap = self.snapshot
-        if snap is None:
+        if self.snapshot is None:
             return None
+        return self._place(num_tokens, ttft_slo, now)[0]
+
+    def _place(self, num_tokens: int, ttft_slo: float, now: float) -> tuple[float, bool]:
+        """(predicted TTFT, whether a queued request would be pushed past its deadline)."""
+        snap = self.snapshot
+        assert snap is not None
         p = snap.prefill_time(num_tokens)
         w = max(snap.key_time(num_tokens), 1e-9)
         rho_new = (ttft_slo - w) / w
-        elapsed = max(0.0, now - snap.taken_at)
         ahead = 0.0
-        for q in snap.queue:
-            if q.rho(elapsed) <= rho_new:
-                ahead += q.remaining_s
-        # the engine has been working on the queue since the snapshot
-        ahead = max(0.0, ahead - elapsed / snap.slowdown)
-        for t, q in self._pending:
-            if q.rho(now - t) <= rho_new:
-                ahead += q.remaining_s
-        return (ahead + p) * snap.slowdown
+        ttft = None
+        displaces = False
+        for rho, rem, deadline in self._queue(now):
+            if ttft is None and rho > rho_new:
+                ttft = (ahead + p) * snap.slowdown
+            finish = now + (ahead + rem) * snap.slowdown
+            if ttft is not None:
+                # behind the new request: does it push this one past its deadline?
+                slack = (deadline - now) * self.margin
+                if finish - now <= slack < finish - now + p * snap.slowdown:
+                    displaces = True
+            ahead += rem
+        if ttft is None:
+            ttft = (ahead + p) * snap.slowdown
+        return ttft, displaces
 
     def decide(self, num_tokens: int, ttft_slo: float | None, now: float) -> Verdict:
         """Accept or reject a request of ``num_tokens`` prompt tokens arriving ``now``."""
-        if ttft_slo is None:
+        if ttft_slo is None or self.snapshot is None:
             return Verdict(True)
-        ttft = self.predict(num_tokens, ttft_slo, now)
-        if ttft is None:
-            return Verdict(True)
-        if self.reject and ttft > self.margin * ttft_slo:
-            return Verdict(False, ttft, retry_after=ttft - ttft_slo)
         snap = self.snapshot
-        assert snap is not None
+        ttft, displaces = self._place(num_tokens, ttft_slo, now)
+        if self.reject and (ttft > self.margin * ttft_slo or displaces):
+            p = snap.prefill_time(num_tokens) * snap.slowdown
+            return Verdict(False, ttft, retry_after=max(ttft - ttft_slo, p))
         w = max(snap.key_time(num_tokens), 1e-9)
-        entry = QueuedPrefill(snap.prefill_time(num_tokens), (ttft_slo - w) / w, 1.0 / w)
+        entry = QueuedPrefill(
+            snap.prefill_time(num_tokens), (ttft_slo - w) / w, 1.0 / w, now + ttft_slo
+        )
         self._pending.append((now, entry))
         return Verdict(True, ttft)
 
@@ -209,11 +248,19 @@ class SnapshotTaker:
             self._built_at = now
         return self._cache
 
-    def take(self, requests: Iterable[Request], *, now: float, engine_now: float) -> QueueSnapshot:
+    def take(
+        self,
+        requests: Iterable[Request],
+        *,
+        now: float,
+        engine_now: float,
+        overhead: float = 1.0,
+    ) -> QueueSnapshot:
         """Snapshot ``requests`` (the engine's unfinished ones) at clock ``now``.
 
         ``engine_now`` is the scheduler's clock at the same instant (deadlines
-        are on it).
+        are on it); ``overhead`` (>= 1) is wall time per executor second of a
+        step (scheduling, streaming).
         """
         cache = self._fresh_cache(now)
         queue = []
@@ -226,17 +273,18 @@ class SnapshotTaker:
                 total = max(r.total_work, 1e-9)
                 rho0 = (r.deadline - engine_now - r.remaining_work) / total
                 remaining = cache.remaining_time(r.num_prefill_tokens, done)
-                queue.append(QueuedPrefill(remaining, rho0, 1.0 / total))
+                deadline = r.deadline - engine_now if r.ttft_slo is not None else math.inf
+                queue.append(QueuedPrefill(remaining, rho0, 1.0 / total, deadline))
             else:
                 decodes.append((1, r.num_tokens))
-        slowdown = 1.0
+        slowdown = max(1.0, overhead) if math.isfinite(overhead) else 1.0
         if decodes:
             model = self._model
             extra = model.predict(BatchWork.single_group(*decodes)) - model.predict(
                 BatchWork.single_group((1, 0))
             )
             t = self.target_time
-            slowdown = t / max(t - max(extra, 0.0), 0.1 * t)
+            slowdown *= t / max(t - max(extra, 0.0), 0.1 * t)
         return QueueSnapshot(
             taken_at=now,
             queue=tuple(queue),

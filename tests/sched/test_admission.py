@@ -33,7 +33,7 @@ def test_empty_queue_predicts_the_prefill_alone_and_rejects_only_hopeless_reques
     assert ok.accept and ok.predicted_ttft == pytest.approx(3.0)
     no = adm.decide(2000, 2.0, now=0.0)
     assert not no.accept and no.predicted_ttft == pytest.approx(3.0)
-    assert no.retry_after == pytest.approx(1.0)
+    assert no.retry_after == pytest.approx(3.0)  # at least its own prefill
     assert adm.decide(10**6, None, now=0.0).accept  # no SLO: always accepted
 
 
@@ -67,6 +67,25 @@ def test_admitted_requests_count_until_a_snapshot_includes_them():
     assert adm.predict(1000, 1.2, now=0.0) == pytest.approx(1.0)
     adm.update(_snapshot(taken_at=1.0))  # the engine has them now (they finished)
     assert adm.predict(1000, 5.0, now=1.0) == pytest.approx(1.0)
+
+
+def test_a_request_that_would_push_an_admitted_one_past_its_deadline_is_refused():
+    # 1 s of work left, due 1.5 s from now, but with plenty of relative slack
+    admitted = QueuedPrefill(remaining_s=1.0, rho0=5.0, rate=0.1, deadline=1.5)
+    adm = AdmissionController()
+    adm.update(_snapshot(queue=[admitted]))
+    # 1,000 tokens (1 s) due in 1.2 s: LARS runs it first (rho 0.2 < 5) and it
+    # meets its SLO, but the admitted request would then finish at 2 s > 1.5 s
+    v = adm.decide(1000, 1.2, now=0.0)
+    assert v.predicted_ttft == pytest.approx(1.0)
+    assert not v.accept
+    # a short one fits in the slack of both
+    assert adm.decide(400, 1.2, now=0.0).accept
+    # without an SLO the queued request has nothing to lose
+    free = QueuedPrefill(remaining_s=1.0, rho0=5.0, rate=0.1)
+    adm = AdmissionController()
+    adm.update(_snapshot(queue=[free]))
+    assert adm.decide(1000, 1.2, now=0.0).accept
 
 
 def _scheduler(model) -> Scheduler:

@@ -398,7 +398,9 @@ def _heartbeat(
     queue = None
     if taker is not None and tracks is not None:
         requests = [r for r in map(sched.get_request, tracks) if r is not None]
-        queue = taker.take(requests, now=time.monotonic(), engine_now=engine.now())
+        queue = taker.take(
+            requests, now=time.monotonic(), engine_now=engine.now(), overhead=feedback.overhead
+        )
     return Heartbeat(
         num_running=sched.num_running,
         num_waiting=sched.num_waiting,
