@@ -335,6 +335,7 @@ def run_admission(args: argparse.Namespace, capacity: float | None) -> dict:
         finally:
             stop_server(proc)
         res[mode] = admission_stats(recs)
+        (out / f"admission-{mode}.requests.json").write_text(json.dumps(recs))
         print(f"  admission {mode}: {json.dumps(res[mode])}", flush=True)
     return res
 
