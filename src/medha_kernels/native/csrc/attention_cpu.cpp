@@ -148,6 +148,81 @@ inline void accumulate_pv(float* o, const float* p, const float* const* v, int64
   }
 }
 
+#ifdef MEDHA_AVX2
+// Register-blocked tiles for many query rows (prefill): R rows x 16 keys (or
+// 16 head-dim values) per block, each loaded key/value vector used by R rows.
+constexpr int kBlockRows = 6;
+
+// s[r][j0:j0+16] = sum_d q[r][d] * kt[d][j0:j0+16] for R rows; kt is the key
+// tile transposed, kKeyTile floats per head-dim index.
+template <int R>
+inline void block_scores(const float* q, const float* kt, int64_t D, int64_t j0, float* s) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyTile + j0);
+    const __m256 k1 = _mm256_loadu_ps(kt + d * kKeyTile + j0 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(q + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * kKeyTile + j0, acc[r][0]);
+    _mm256_storeu_ps(s + r * kKeyTile + j0 + 8, acc[r][1]);
+  }
+}
+
+// o[r][d0:d0+16] += sum_j p[r][j] * v_j[d0:d0+16] over n value rows, for R rows.
+template <int R>
+inline void block_pv(float* o, const float* p, const float* const* v, int64_t n, int64_t D,
+                     int64_t d0) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_loadu_ps(o + r * D + d0);
+    acc[r][1] = _mm256_loadu_ps(o + r * D + d0 + 8);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(v[j] + d0);
+    const __m256 v1 = _mm256_loadu_ps(v[j] + d0 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_broadcast_ss(p + r * kKeyTile + j);
+      acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(o + r * D + d0, acc[r][0]);
+    _mm256_storeu_ps(o + r * D + d0 + 8, acc[r][1]);
+  }
+}
+
+// The block kernels for rows [r, r + rows), rows <= kBlockRows.
+inline void scores_rows(int rows, const float* q, const float* kt, int64_t D, int64_t j0, float* s) {
+  switch (rows) {
+    case 6: return block_scores<6>(q, kt, D, j0, s);
+    case 5: return block_scores<5>(q, kt, D, j0, s);
+    case 4: return block_scores<4>(q, kt, D, j0, s);
+    case 3: return block_scores<3>(q, kt, D, j0, s);
+    case 2: return block_scores<2>(q, kt, D, j0, s);
+    default: return block_scores<1>(q, kt, D, j0, s);
+  }
+}
+
+inline void pv_rows(int rows, float* o, const float* p, const float* const* v, int64_t n,
+                    int64_t D, int64_t d0) {
+  switch (rows) {
+    case 6: return block_pv<6>(o, p, v, n, D, d0);
+    case 5: return block_pv<5>(o, p, v, n, D, d0);
+    case 4: return block_pv<4>(o, p, v, n, D, d0);
+    case 3: return block_pv<3>(o, p, v, n, D, d0);
+    case 2: return block_pv<2>(o, p, v, n, D, d0);
+    default: return block_pv<1>(o, p, v, n, D, d0);
+  }
+}
+#endif
+
 struct Shape {
   int64_t num_q_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   bool causal;
@@ -156,9 +231,78 @@ struct Shape {
 
 // Per-thread scratch, reused across tasks.
 struct Scratch {
-  std::vector<float> q, o, s, m, l, kbuf, vbuf;
+  std::vector<float> q, o, s, m, l, kbuf, vbuf, kt;
   std::vector<const float*> krow, vrow;
 };
+
+// Row r's online-softmax step over its scores s[:visible] (base 2): rescale
+// its running output, turn s into probabilities, zero s[visible:n].
+inline void online_softmax_row(Scratch& w, int64_t r, float* s, int64_t visible, int64_t n,
+                               int64_t D) {
+  if (visible <= 0) {
+    std::fill(s, s + n, 0.0f);
+    return;
+  }
+  float mx = w.m[r];
+  for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
+  const float alpha = std::exp2(w.m[r] - mx);  // 0 when the row was empty
+  const float sum = exp2_shift_sum(s, visible, mx);
+  std::fill(s + visible, s + n, 0.0f);
+  if (alpha != 1.0f) {
+    float* o = w.o.data() + r * D;
+    for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+  }
+  w.l[r] = w.l[r] * alpha + sum;
+  w.m[r] = mx;
+}
+
+#ifdef MEDHA_AVX2
+constexpr int64_t kBlockedRows = 12;  // a task with this many rows takes the blocked path
+
+// One key tile of a task with many rows (w.krow/w.vrow hold its nk keys):
+// scores and P.V in register blocks over a transposed copy of the key tile.
+// ``first_last`` is row 0's last visible key index in the tile (causal).
+void blocked_tile(Scratch& w, const Shape& sh, int64_t first_last, int64_t nk, int64_t M) {
+  const int64_t D = sh.head_dim, G = sh.group;
+  w.kt.resize(D * kKeyTile);
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* k = w.krow[j];
+    for (int64_t d = 0; d < D; ++d) w.kt[d * kKeyTile + j] = k[d];
+  }
+  for (int64_t j = nk; j < kKeyTile; ++j) {
+    for (int64_t d = 0; d < D; ++d) w.kt[d * kKeyTile + j] = 0.0f;
+  }
+  const int64_t d16 = D / 16 * 16;
+  for (int64_t r0 = 0; r0 < M; r0 += kBlockRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, M - r0));
+    // rows are token-major: the block's last row sees the most keys
+    auto visible = [&](int64_t r) {
+      return sh.causal ? std::max<int64_t>(0, std::min(nk, first_last + r / G + 1)) : nk;
+    };
+    const int64_t n = visible(r0 + rows - 1);
+    if (n <= 0) continue;
+    float* s = w.s.data() + r0 * kKeyTile;
+    const float* q = w.q.data() + r0 * D;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) scores_rows(rows, q, w.kt.data(), D, j0, s);
+    for (int r = 0; r < rows; ++r) {
+      online_softmax_row(w, r0 + r, s + r * kKeyTile, visible(r0 + r), n, D);
+    }
+    float* o = w.o.data() + r0 * D;
+    for (int64_t d0 = 0; d0 < d16; d0 += 16) pv_rows(rows, o, s, w.vrow.data(), n, D, d0);
+    if (d16 < D) {  // the head dim's tail, one row at a time
+      for (int r = 0; r < rows; ++r) {
+        float* orow = o + r * D;
+        const float* p = s + r * kKeyTile;
+        for (int64_t d = d16; d < D; ++d) {
+          float a = orow[d];
+          for (int64_t j = 0; j < n; ++j) a += p[j] * w.vrow[j][d];
+          orow[d] = a;
+        }
+      }
+    }
+  }
+}
+#endif
 
 template <typename scalar_t>
 void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
@@ -210,6 +354,12 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
         w.vrow[j] = vb;
       }
     }
+#ifdef MEDHA_AVX2
+    if (M >= kBlockedRows) {
+      blocked_tile(w, sh, start + t_lo - j0, nk, M);
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < M; ++r) {
       // keys this row sees in the tile: all, or up to its own position (causal)
       const int64_t visible =
