@@ -104,6 +104,21 @@ def test_tracks_a_step_change():
     assert _median_error(model, random.Random(8), slow) < 0.03
 
 
+def test_skewed_noise_leaves_the_total_time_unbiased():
+    """Steps run long more often than short (interference): the fit follows the mean."""
+    rng = random.Random(11)
+    model = _start()
+    measured = predicted = 0.0
+    for i in range(1500):
+        b = _batch(rng)
+        y = _truth(b) * rng.choice((0.95, 1.0, 1.0, 1.1, 1.4))
+        if i >= 500:
+            measured += y
+            predicted += model.predict(b)
+        model.observe(b, y)
+    assert predicted / measured == pytest.approx(1.0, abs=0.025)
+
+
 def test_observe_reports_the_error_before_learning():
     model = OnlineCostModel((0.01, 0.0, 0.0, 0.0, 0.0))
     b = BatchWork.single_group((1, 0))

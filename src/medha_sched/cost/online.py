@@ -14,8 +14,9 @@ query and KV tokens.
 
 :meth:`OnlineCostModel.observe` takes an executed batch and its measured
 seconds and updates the coefficients by weighted recursive least squares on the
-*relative* residual ``(measured - predicted) / measured`` (weight
-``1 / measured**2``), with exponential forgetting. The update is O(features^2)
+residual relative to the prediction, ``measured / predicted - 1`` (weights that
+do not depend on the measurement, so the fit tracks the mean step time, not a
+low quantile), with exponential forgetting. The update is O(features^2)
 (a 5 x 5 matrix, pure Python, a few tens of microseconds) and holds no history
 beyond the last 100 errors. It is robust:
 
@@ -168,7 +169,11 @@ class OnlineCostModel(AggregateCostModel):
         predicted = sum(t * f for t, f in zip(theta, x, strict=True))
         error = abs(predicted - seconds) / seconds
         self.errors.append(error)
-        self._update([f / seconds for f in x], 1.0 - predicted / seconds)
+        # residual relative to the prediction: weights that do not depend on the
+        # measurement keep the fit unbiased for the mean time (relative to the
+        # measurement, slow steps would count less and the fit would run low)
+        ref = max(predicted, 1e-9)
+        self._update([f / ref for f in x], seconds / ref - 1.0)
         return error
 
     @property
@@ -211,10 +216,11 @@ class OnlineCostModel(AggregateCostModel):
             # A change of regime, not an outlier. Most are a uniform speed
             # change (cores taken or freed): rescale by the streak's median
             # measured/predicted ratio, then relearn around it.
-            ratio = 1.0 / max(1.0 - statistics.median(self._streak_residuals), 1e-3)
+            ratio = max(1.0 + statistics.median(self._streak_residuals), 1e-3)
             self._theta = [min(t * ratio, _MAX_COEF) for t in self._theta]
             self._sync()
-            residual = 1.0 - (1.0 - residual) * ratio
+            x = [f / ratio for f in x]
+            residual = (1.0 + residual) / ratio - 1.0
             self.drifts += 1
             self._streak, self._streak_residuals = 0, []
             self._reset_covariance()
