@@ -141,9 +141,10 @@ class GGUFCheckpoint:
         try:
             reader = _reader_class()(self.path)
         except Exception as exc:  # the reader fails in many ways on a damaged file
+            why = (str(exc).splitlines() or [""])[0]
             raise CorruptFileError(
                 f"{self.path}: truncated or corrupt GGUF ({size} bytes): "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {why}"
             ) from None
         self._reader = reader
         self.fields = reader.fields
@@ -161,7 +162,7 @@ class GGUFCheckpoint:
             why = check_supported(int(t.tensor_type))
             if why is not None:
                 raise UnsupportedModelError(f"{self.path}: tensor {t.name!r}: {why}")
-        self.metadata = {k: self._value(k) for k in self.fields if not _is_big_array(k)}
+        self.metadata = {k: self.array(k) for k in self.fields if k not in _BIG_ARRAYS}
 
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, {len(self.tensors)} tensors)"
@@ -180,8 +181,8 @@ class GGUFCheckpoint:
             return bytes(field.parts[field.data[0]]).decode("utf-8")
         return field.parts[field.data[0]][0].item()
 
-    def array(self, key: str) -> list[Any] | None:
-        """A metadata array (e.g. ``tokenizer.ggml.tokens``), or None if absent."""
+    def array(self, key: str) -> Any:
+        """A metadata value read now (e.g. ``tokenizer.ggml.tokens``), or None if absent."""
         if key not in self.fields:
             return None
         try:
@@ -374,10 +375,8 @@ def _row_bytes(t: Any) -> int:
     return int(t.shape[0]) // per_block * block_bytes
 
 
-def _is_big_array(key: str) -> bool:
-    return key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores") or (
-        key == "tokenizer.ggml.token_type"
-    )
+#: vocabulary-sized arrays, read only when the tokenizer is built
+_BIG_ARRAYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "scores", "token_type"))
 
 
 class _Keys:
