@@ -82,7 +82,11 @@ class CostFeedback:
                 self.overhead = 0.9 * self.overhead + 0.1 * min(ratio, 10.0)
         self._last = now
         if self.learning:
-            self.model.observe(self.batch_work(out), seconds)  # type: ignore[attr-defined]
+            model = self.model
+            cap = 0.5 * out.target_time  # a lone one-token step must fit T (liveness)
+            if out.target_time > 0 and model.fixed_cost_cap != cap:  # type: ignore[attr-defined]
+                model.cap_fixed_cost(cap)  # type: ignore[attr-defined]
+            model.observe(self.batch_work(out), seconds)  # type: ignore[attr-defined]
         return error
 
     def batch_work(self, out: ScheduleOutput) -> BatchWork:

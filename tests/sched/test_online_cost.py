@@ -119,6 +119,21 @@ def test_skewed_noise_leaves_the_total_time_unbiased():
     assert predicted / measured == pytest.approx(1.0, abs=0.025)
 
 
+def test_fixed_cost_cap_keeps_a_lone_step_under_it():
+    """A 10x slowdown: the learned fixed cost would pass T/2; the cap holds it."""
+    rng = random.Random(12)
+    model = _start()
+    model.cap_fixed_cost(0.02)
+    slow = tuple(10 * c for c in TRUE)
+    _feed(model, rng, 200, coef=slow, noise=0.02)
+    c = model.coefficients
+    assert c["step"] + c["per_request"] <= 0.02 + 1e-12
+    assert model.predict(BatchWork.single_group((1, 0))) < 0.021
+    assert c["per_attn"] > 3 * TRUE[4]  # the other terms still follow the slowdown
+    with pytest.raises(ValueError, match="cap"):
+        model.cap_fixed_cost(-1.0)
+
+
 def test_observe_reports_the_error_before_learning():
     model = OnlineCostModel((0.01, 0.0, 0.0, 0.0, 0.0))
     b = BatchWork.single_group((1, 0))

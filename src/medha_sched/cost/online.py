@@ -128,6 +128,11 @@ class OnlineCostModel(AggregateCostModel):
         self.steps = 0  # observations accepted into the fit
         self.drifts = 0  # covariance resets on a change of regime
         self.errors: deque[float] = deque(maxlen=_ERROR_WINDOW)
+        #: if set, ``step + per_request`` is held at or below it (seconds): a
+        #: scheduler whose budget T a lone one-token step cannot meet forms no
+        #: batch at all, so the runtime sets this to T/2 to stay live when the
+        #: device slows down past what T allows
+        self.fixed_cost_cap: float | None = None
         self._sync()
 
     # ------------------------------------------------------------ prediction
@@ -264,7 +269,19 @@ class OnlineCostModel(AggregateCostModel):
         self._p_cap = 10.0 * sum(diag)
 
     def _sync(self) -> None:
+        cap = self.fixed_cost_cap
+        if cap is not None and self._theta[0] + self._theta[1] > cap:
+            shrink = cap / (self._theta[0] + self._theta[1])
+            self._theta[0] = max(self._theta[0] * shrink, _MIN_STEP)
+            self._theta[1] *= shrink
         self._coef = tuple(t / u for t, u in zip(self._theta, _UNITS, strict=True))
+
+    def cap_fixed_cost(self, seconds: float | None) -> None:
+        """Set :attr:`fixed_cost_cap` and apply it now."""
+        if seconds is not None and not (_finite_number(seconds) and seconds > 0):
+            raise ValueError(f"fixed cost cap must be a positive number, got {seconds!r}")
+        self.fixed_cost_cap = seconds
+        self._sync()
 
     # ------------------------------------------------------------ construction
     @classmethod
