@@ -127,11 +127,26 @@ def test_chat_template_matches_transformers(reference, ours) -> None:
         assert ours[0].apply_chat_template(messages) == want
 
 
+def _generate(path: Path, prompts: list[list[int]], tp: int) -> list[list[int]]:
+    """Greedy tokens from the engine (batched, chunked prefill), ``tp`` ranks."""
+    cost = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(
+        str(path), tp=tp, dtype="float32", cost_model=cost, max_model_len=256,
+        kv_cache_tokens=1024, policy="fcfs", chunk_size=64,
+    ) as llm:  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def test_greedy_matches_transformers(smollm2_gguf, ours, expected) -> None:
-    """fp32, 3 completions and 3 chats x 24 tokens: the same tokens as transformers."""
+    """fp32, 3 completions and 3 chats x 24 tokens: the same tokens as transformers, from
+    the model alone (one prompt at a time) and from the engine (batched, chunked)."""
     model, _ = load_model(smollm2_gguf, dtype="float32")
-    for prompt, want in zip(_prompts(ours[0]), expected, strict=True):
-        assert greedy(model, prompt, MAX_NEW, chunk=16) == want
+    prompts = _prompts(ours[0])
+    assert greedy(model, prompts[0], MAX_NEW, chunk=16) == expected[0]
+    assert greedy(model, prompts[-1], MAX_NEW, chunk=16) == expected[-1]
+    assert _generate(smollm2_gguf, prompts, tp=1) == expected
 
 
 def test_chat_answers_paris(ours, expected) -> None:
@@ -142,12 +157,4 @@ def test_chat_answers_paris(ours, expected) -> None:
 
 def test_tp3_greedy_matches(smollm2_gguf, ours, expected) -> None:
     """Three gloo worker ranks, each loading only its rows of the GGUF: the same tokens."""
-    cost = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in _prompts(ours[0])]
-    with LLM(
-        str(smollm2_gguf), tp=3, dtype="float32", cost_model=cost, max_model_len=256,
-        kv_cache_tokens=1024, policy="fcfs", chunk_size=64,
-    ) as llm:  # fmt: skip
-        outs = llm.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert _generate(smollm2_gguf, _prompts(ours[0]), tp=3) == expected
