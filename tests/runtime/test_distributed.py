@@ -17,6 +17,7 @@ from medha_runtime.executor import MultiprocExecutor, WorkerError
 from medha_runtime.plan import BlockTables, PlannedChunk, StepPlan
 from medha_runtime.runner import build_group_batch, stage_layers
 from medha_sched import AffineCostModel
+from medha_sched.cost.online import OnlineCostModel
 
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 # KVP runs use 32-token shards: prompt + output spans two groups, and the
@@ -66,7 +67,8 @@ def test_spp2_matches_one_process_with_a_calibrated_cost_model(single) -> None:
     kw = {k: v for k, v in COMMON.items() if k != "cost_model"}
     with LLM("tiny", max_model_len=64, spp=2, cost_model=None, **kw) as llm:
         pids = llm.engine.executor.pids
-        assert isinstance(llm.engine.cost_model, AffineCostModel)
+        # the default: an online model seeded by the start-up calibration
+        assert isinstance(llm.engine.cost_model, OnlineCostModel)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         llm.shutdown()
         assert not _alive(pids)

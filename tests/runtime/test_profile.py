@@ -46,7 +46,7 @@ def test_cli_lists_only_working_subcommands(capsys) -> None:
     help_text = build_parser().format_help()
     assert "profile" in help_text and "serve" in help_text
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["bench", "profile", "serve"]
+    assert sorted(sub.choices) == ["bench", "download", "profile", "serve"]
     with pytest.raises(SystemExit):
         main(["profile", "--tp", "0", "--out", "x.json"])
     assert "expected an integer >= 1" in capsys.readouterr().err
