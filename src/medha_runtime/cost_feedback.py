@@ -60,6 +60,7 @@ class CostFeedback:
         self.recent: deque[float] = deque(maxlen=_WINDOW)
         self._pending: deque[float] = deque(maxlen=_PENDING)
         self.steps = 0
+        self.rescues = 0
         #: wall seconds per executor second of back-to-back steps (EWMA, >= 1)
         self.overhead = 1.0
         self._last: float | None = None  # perf_counter when the last step's executor ended
@@ -88,6 +89,17 @@ class CostFeedback:
                 model.cap_fixed_cost(cap)  # type: ignore[attr-defined]
             model.observe(self.batch_work(out), seconds)  # type: ignore[attr-defined]
         return error
+
+    def rescue(self) -> bool:
+        """The scheduler formed no batch while requests wait: if the model is
+        learning, halve its coefficients (a device slower than the budget T
+        allows can price every grid chunk above T; the scheduler only checks
+        feasibility at admission) and return True. The next steps relearn."""
+        if not self.learning:
+            return False
+        self.rescues += 1
+        self.model.rescale(0.5)  # type: ignore[attr-defined]
+        return True
 
     def batch_work(self, out: ScheduleOutput) -> BatchWork:
         """``out`` as the scheduler priced it: each chunk split over its KVP shards."""

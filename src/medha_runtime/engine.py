@@ -500,6 +500,8 @@ class LLMEngine:
         out = self.scheduler.schedule(start)
         if out.is_empty:
             self._idle_steps += 1
+            if self._requests and self._idle_steps % 10 == 0 and self.cost_feedback.rescue():
+                return []  # the learned model had priced every chunk out of T
             if self._requests and self._idle_steps > 100:
                 raise RuntimeError(
                     f"the scheduler formed no batch for {self._idle_steps} steps with "

@@ -244,3 +244,13 @@ def test_predictions_finite_nonnegative_monotone(history, q, kv, dq, dkv, others
     assert more_q >= base
     assert more_kv >= base
     assert all(v >= 0 and math.isfinite(v) for v in model.coefficients.values())
+
+
+def test_rescale_scales_every_prediction():
+    model = OnlineCostModel(TRUE)
+    b = BatchWork.single_group((1, 100), (256, 4000))
+    before = model.predict(b)
+    model.rescale(0.5)
+    assert model.predict(b) == pytest.approx(0.5 * before)
+    with pytest.raises(ValueError, match="factor"):
+        model.rescale(0.0)

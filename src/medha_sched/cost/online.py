@@ -276,6 +276,15 @@ class OnlineCostModel(AggregateCostModel):
             self._theta[1] *= shrink
         self._coef = tuple(t / u for t, u in zip(self._theta, _UNITS, strict=True))
 
+    def rescale(self, factor: float) -> None:
+        """Multiply every coefficient by ``factor`` (> 0) and relearn around them."""
+        if not (_finite_number(factor) and factor > 0):
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        self._theta = [min(max(t * factor, 0.0), _MAX_COEF) for t in self._theta]
+        self._theta[0] = max(self._theta[0], _MIN_STEP)
+        self._sync()
+        self._reset_covariance()
+
     def cap_fixed_cost(self, seconds: float | None) -> None:
         """Set :attr:`fixed_cost_cap` and apply it now."""
         if seconds is not None and not (_finite_number(seconds) and seconds > 0):
