@@ -19,7 +19,11 @@ arrive so that the queue stays at N. ``new`` hands its decodes out
 compactly; the ``+chunks`` column adds spelling every chunk out
 (``out.chunks``), which an executor that wants them all pays, and ``end``
 is the mean ``on_batch_end`` call. The batch cap is raised to twice the
-decodes when that exceeds the default 512 (else decodes past 512 would wait).
+decodes when that exceeds the default 512 (else decodes past 512 would wait),
+and with more than 256 decodes their prompts shrink in proportion, so that
+their total KV stays that of 256 decodes. Even so, 1,024 decodes alone
+outgrow T = 50 ms as they decode (prefills then starve), so compare 256 and
+1,024 decodes at a larger ``--target``, say 0.2 s.
 ``--cpu-time`` times with the thread's CPU clock instead of the wall clock:
 on a shared machine, time the process spent descheduled is then left out.
 
@@ -48,24 +52,28 @@ from medha_sched import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.sched.reference import ReferenceScheduler, ResortQueue
 
-IMPLS = ("new", "reference", "vidur")
+ALL_IMPLS = ("new", "reference", "vidur")
 
 
-def build(impl: str, policy: str, decodes: int, seed: int):
+def build(impl: str, policy: str, decodes: int, seed: int, target: float = 0.05):
     """A scheduler with ``decodes`` requests past their prefill; (scheduler, clock)."""
     rng = random.Random(seed)
     model = parse_cost_model_spec("roofline:model=llama3-8b,gpu=h100")
     cache = CacheConfig(block_size=16, num_blocks_per_group=1 << 20)
     cap = max(SchedulerConfig().max_batch_requests, 2 * decodes)
-    config = SchedulerConfig(policy=policy, target_batch_time=0.05, max_batch_requests=cap)
+    config = SchedulerConfig(policy=policy, target_batch_time=target, max_batch_requests=cap)
     if impl == "new":
         sched = Scheduler(config, model, cache=cache)
     elif impl == "reference":
         sched = ReferenceScheduler(config, model, cache=cache)
     else:
         sched = ReferenceScheduler(config, model, cache=cache, queue=ResortQueue)
+    # Prompts of 100-4,000 tokens for 256 decodes, shorter for more: the decodes'
+    # KV stays the same in total, so they keep the same share of the budget T
+    # (1,024 decodes of 2,000 tokens alone would take longer than T).
+    hi = 4000 * 256 // max(decodes, 256)
     for i in range(decodes):  # prefill these to completion first
-        sched.add_request(Request(f"d{i}", 0.0, rng.randint(100, 4000), 1 << 20))
+        sched.add_request(Request(f"d{i}", 0.0, rng.randint(min(100, hi // 4), hi), 1 << 20))
     now = 0.0
     while sched.num_waiting or any(r.is_prefilling for r in sched._running.values()):
         out = sched.schedule(now)
@@ -94,11 +102,12 @@ def same(a, b, step: int, name: str) -> None:
 
 
 def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -> dict:
+    impls = args.impls
     scheds, clocks = {}, []
-    for impl in IMPLS:
-        scheds[impl], t = build(impl, policy, decodes, args.seed)
+    for impl in impls:
+        scheds[impl], t = build(impl, policy, decodes, args.seed, args.target)
         clocks.append(t)
-    assert len(set(clocks)) == 1, "the three set-ups differ"
+    assert len(set(clocks)) == 1, "the set-ups differ"
     now = clocks[0]
     rng = random.Random(args.seed + 1)
     specs = [new_prefill(rng, f"w{i}", now) for i in range(waiting)]
@@ -106,11 +115,12 @@ def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -
         for rid, arrival, prompt in specs:
             s.add_request(Request(rid, arrival, prompt, 1))
     clock = time.thread_time if args.cpu_time else time.perf_counter
-    times = {impl: [] for impl in IMPLS}
-    spell, end = [], {impl: [] for impl in IMPLS}
+    times = {impl: [] for impl in impls}
+    spell, end = [], {impl: [] for impl in impls}
     next_id = 0
     for step in range(args.iters):
-        order = IMPLS[step % 3 :] + IMPLS[: step % 3]
+        k = step % len(impls)
+        order = impls[k:] + impls[:k]
         outs = {}
         for impl in order:
             s = scheds[impl]
@@ -121,7 +131,7 @@ def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -
         chunks = outs["new"].chunks
         spell.append(clock() - t0)
         if step < args.check:
-            for impl in IMPLS[1:]:
+            for impl in impls[1:]:
                 same(outs["new"], outs[impl], step, impl)
         sampled = {c.request_id: 1 for c in chunks if c.samples}
         result = BatchResult(sampled_token_ids=sampled)
@@ -137,7 +147,7 @@ def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -
         for s in scheds.values():
             for rid, arrival, prompt in arrivals:
                 s.add_request(Request(rid, arrival, prompt, 1))
-    rows = {impl: stats(times[impl], end[impl]) for impl in IMPLS}
+    rows = {impl: stats(times[impl], end[impl]) for impl in impls}
     rows["new"]["plus_chunks_p50_us"] = 1e6 * statistics.median(
         [a + b for a, b in zip(times["new"], spell, strict=True)]
     )
@@ -163,7 +173,12 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=200, help="steps checked equal")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-time", action="store_true", help="time with the thread CPU clock")
+    parser.add_argument("--target", type=float, default=0.05, help="T, seconds")
+    parser.add_argument(
+        "--impls", nargs="+", default=list(ALL_IMPLS), choices=ALL_IMPLS, help="new comes first"
+    )
     args = parser.parse_args()
+    args.impls = tuple(["new"] + [i for i in args.impls if i != "new"])
     head = (
         f"{'policy':8} {'decodes':>7} {'waiting':>7} {'impl':10} {'p50 us':>8} {'p99 us':>8} "
         f"{'mean us':>8} {'+chunks':>8} {'end us':>7} {'p50 x new':>9}"
@@ -174,7 +189,7 @@ def main() -> None:
             for waiting in args.waiting:
                 rows = measure(policy, waiting, decodes, args)
                 base = rows["new"]["p50_us"]
-                for impl in IMPLS:
+                for impl in args.impls:
                     r = rows[impl]
                     plus = f"{r['plus_chunks_p50_us']:8.0f}" if impl == "new" else f"{'':8}"
                     print(
@@ -183,7 +198,9 @@ def main() -> None:
                         f"{r['p50_us'] / base:>9.2f}",
                         flush=True,
                     )
-    print(f"all three formed the same batches in the first {args.check} steps of every run")
+    if len(args.impls) > 1:
+        names = ", ".join(args.impls)
+        print(f"{names} formed the same batches in the first {args.check} steps of every run")
 
 
 if __name__ == "__main__":
