@@ -50,7 +50,14 @@ from medha_runtime.model.random_weights import random_config_path
 from medha_runtime.outputs import CompletionOutput, RequestOutput
 from medha_runtime.plan import PlannedChunk, StepPlan
 from medha_runtime.runner import RunnerSpec, kv_bytes_per_token, resolve_device
-from medha_runtime.sampling import Sampled, SampleSpec, SamplingParams
+from medha_runtime.sampling import (
+    Penalties,
+    PromptLogprobs,
+    PromptLogprobSpec,
+    Sampled,
+    SampleSpec,
+    SamplingParams,
+)
 from medha_runtime.step_log import StepLog
 from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
@@ -81,6 +88,8 @@ class RequestProgress(NamedTuple):
     text: str
     logprobs: list | None
     deadline: float
+    #: per prompt token after the first, ``{token id: logprob}`` (None unless asked)
+    prompt_logprobs: list | None = None
 
 
 def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer | None]:
@@ -141,6 +150,10 @@ class _RequestState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    #: per prompt token after the first (None unless ``prompt_logprobs``)
+    prompt_logprobs: list[dict[int, float]] | None = None
+    #: whether the sampler got the token history (penalties)
+    history_sent: bool = False
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -402,6 +415,11 @@ class LLMEngine:
             raise ValueError(
                 f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
             )
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"logit_bias: token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
+            )
         n, limit = len(ids), self.max_model_len
         if n >= limit:
             raise ValueError(
@@ -441,6 +459,7 @@ class LLMEngine:
             sched,
             detok,
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         return rid
 
@@ -461,7 +480,9 @@ class LLMEngine:
         st = self._requests.get(request_id)
         if st is None:
             return None
-        return RequestProgress(st.output_ids, st.text, st.logprobs, st.sched.deadline)
+        return RequestProgress(
+            st.output_ids, st.text, st.logprobs, st.sched.deadline, st.prompt_logprobs
+        )
 
     @property
     def kv_cache_usage(self) -> float:
@@ -525,7 +546,15 @@ class LLMEngine:
                 raise RuntimeError(f"scheduler chunk of {c.request_id!r} carries no token ids")
             sample = self._sample_spec(st) if c.samples else None
             chunks.append(
-                PlannedChunk(c.request_id, c.start, c.token_ids, c.kvp_groups, c.new_blocks, sample)
+                PlannedChunk(
+                    c.request_id,
+                    c.start,
+                    c.token_ids,
+                    c.kvp_groups,
+                    c.new_blocks,
+                    sample,
+                    prompt_logprobs=self._prompt_spec(st, c.start, c.num_tokens),
+                )
             )
         plan = StepPlan(
             out.batch_id,
@@ -541,6 +570,7 @@ class LLMEngine:
             self.dead = str(exc)
             raise
         t2 = time.perf_counter()
+        sampled = self._take_prompt_logprobs(sampled)
         self.cost_feedback.record(out, t2 - t1)
         rows = [c for c in out.chunks if c.samples]
         if len(sampled) != len(rows):
@@ -587,6 +617,9 @@ class LLMEngine:
             finish_reason=st.finish_reason,
             stop_reason=st.stop_reason,
         )
+        prompt_lps = None
+        if st.prompt_logprobs is not None:
+            prompt_lps = [None, *(dict(e) for e in st.prompt_logprobs)]
         return RequestOutput(
             request_id=st.request_id,
             prompt=st.prompt,
@@ -594,6 +627,7 @@ class LLMEngine:
             outputs=[completion],
             finished=st.finish_reason is not None,
             num_preemptions=st.sched.num_preemptions,
+            prompt_logprobs=prompt_lps,
         )
 
     def _sample_spec(self, st: _RequestState) -> SampleSpec:
@@ -603,9 +637,51 @@ class LLMEngine:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             suppress = tuple(sorted(t for t in ids if t < self.config.vocab_size))
         top_k = p.top_k if p.top_k > 0 else 0
+        penalties = history = None
+        if p.penalized:
+            penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            if not st.history_sent:
+                history = (tuple(st.prompt_token_ids), tuple(st.output_ids))
+                st.history_sent = True
         return SampleSpec(
-            st.request_id, p.temperature, top_k, p.top_p, st.seed, p.logprobs, suppress
+            st.request_id,
+            p.temperature,
+            top_k,
+            p.top_p,
+            st.seed,
+            p.logprobs,
+            suppress,
+            min_p=p.min_p,
+            logit_bias=p.logit_bias,
+            penalties=penalties,
+            history=history,
         )
+
+    def _prompt_spec(self, st: _RequestState, start: int, n: int) -> PromptLogprobSpec | None:
+        """The prompt logprobs a chunk ``[start, start + n)`` yields, if still wanted.
+
+        Positions already answered (a recompute after preemption) are not asked again.
+        """
+        done = st.prompt_logprobs
+        last = len(st.prompt_token_ids) - 1  # the last prompt token predicts no prompt token
+        if done is None or start != len(done) or start >= last:
+            return None
+        end = min(start + n, last)
+        targets = tuple(st.prompt_token_ids[start + 1 : end + 1])
+        return PromptLogprobSpec(st.params.prompt_logprobs or 0, targets)
+
+    def _take_prompt_logprobs(self, results: list) -> list[Sampled]:
+        """Record the step's :class:`PromptLogprobs` (they follow the sampled rows)."""
+        sampled = []
+        for r in results:
+            if isinstance(r, PromptLogprobs):
+                st = self._requests.get(r.request_id)
+                if st is not None and st.prompt_logprobs is not None:
+                    if r.start == len(st.prompt_logprobs):
+                        st.prompt_logprobs.extend(r.entries)
+            else:
+                sampled.append(r)
+        return sampled
 
     def _append(self, st: _RequestState, s: Sampled) -> bool:
         """Record a sampled token; True when it stops the request."""

@@ -53,6 +53,9 @@ class RequestOutput:
         outputs: the completions (one).
         finished: whether generation is over.
         num_preemptions: times the request was preempted (its KV recomputed).
+        prompt_logprobs: None unless asked; else None for the first prompt
+            token, then per prompt token ``{token_id: logprob}`` (that token
+            first, then the top-k alternatives) given the tokens before it.
     """
 
     request_id: str
@@ -61,3 +64,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_preemptions: int = 0
+    prompt_logprobs: list[LogprobsEntry | None] | None = None

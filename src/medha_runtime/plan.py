@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from medha_runtime.sampling import SampleSpec
+from medha_runtime.sampling_params import PromptLogprobSpec, SampleSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,7 @@ class PlannedChunk:
         new_blocks: ``(group, block ids)`` to append to the request's tables.
         sample: a :class:`SampleSpec` when the chunk ends at the request's
             newest token (a token is sampled), else None.
+        prompt_logprobs: the prompt logprobs wanted from this chunk's rows, or None.
     """
 
     request_id: str
@@ -40,6 +41,7 @@ class PlannedChunk:
     kvp_groups: tuple[int, ...]
     new_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
     sample: SampleSpec | None = None
+    prompt_logprobs: PromptLogprobSpec | None = None
 
     @property
     def num_tokens(self) -> int:

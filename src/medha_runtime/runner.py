@@ -49,7 +49,7 @@ from medha_parallel import (
 from medha_runtime.cpu_memory import keep_freed_memory
 from medha_runtime.model import ForwardBatch, KVCache, load_model
 from medha_runtime.plan import BlockTables, StepPlan
-from medha_runtime.sampling import Sampled, Sampler
+from medha_runtime.sampling import Sampled, Sampler, logit_rows, sample_step
 
 
 @dataclass(frozen=True)
@@ -240,8 +240,7 @@ def build_group_batch(
         roles.append(role)
         cu.append(len(ids))
         kv_lens.append(kv)
-        if c.sample is not None:
-            sample_rows.append(len(ids) - 1)
+        sample_rows.extend(logit_rows(c, len(ids) - n))
 
     def tensor(x: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype, device=device)
@@ -416,10 +415,7 @@ class ModelRunner:
             return None
         if self.sampler is None:
             return None
-        specs = plan.samples
-        if not specs:
-            return []
-        return self.sampler.sample(out, specs)
+        return sample_step(self.sampler, out, plan.chunks)  # type: ignore[return-value]
 
 
 def kv_bytes_per_token(

@@ -1,171 +1,86 @@
-"""Sampling parameters (vLLM's names and defaults) and the sampler that applies them.
+"""The sampler: draws tokens from fp32 logits as :class:`SamplingParams` say.
 
-:class:`SamplingParams` is what a user passes per prompt. The engine turns it
-into a :class:`SampleSpec` for every row it samples (plain data that travels to
-the worker that samples), and :class:`Sampler` draws tokens from fp32 logits:
+:class:`SamplingParams` (and the plain data below) live in
+:mod:`medha_runtime.sampling_params`, which needs no torch; they are
+re-exported here. The engine turns a request's params into a
+:class:`SampleSpec` for every row it samples, and :class:`Sampler` (on the
+sampling rank: the last stage's first rank) draws:
 
-- ``temperature`` below ``1e-5`` (0 included) is greedy: the arg-max token;
-- otherwise the logits are divided by the temperature, filtered by ``top_k``
-  then ``top_p``, and one token is drawn with the request's own
-  ``torch.Generator`` (seeded from ``seed``, or from the engine's seed and the
-  request's serial number when ``seed`` is None). Each row is drawn
-  separately, so a seeded request gives the same tokens whatever else is in
-  the batch;
-- a chosen token's logprob is ``log_softmax`` of the distribution it was drawn
-  from (temperature-scaled and filtered); for greedy rows, of the raw logits.
-  ``logprobs=k > 0`` also returns the ``k`` most likely tokens of that
-  distribution.
+1. ``logit_bias`` is added and ``suppress`` ed tokens (stop tokens before
+   ``min_tokens``) get -inf; then the penalties, over the token counts the
+   sampler keeps per request (prompt and output for ``repetition_penalty``,
+   output for ``presence_penalty`` and ``frequency_penalty``). All of it is
+   batched over the rows as ``[S, V]`` tensors;
+2. a temperature below ``1e-5`` (0 included) is greedy: the arg-max token;
+3. otherwise the logits are divided by the temperature, tokens below
+   ``min_p`` times the most likely one's probability are dropped, then
+   ``top_k`` then ``top_p`` filter, and one token is drawn with the request's
+   own ``torch.Generator`` (seeded from ``seed``, or from the engine's seed
+   and the request's serial number when ``seed`` is None). Each row is drawn
+   with its own generator, so a seeded request gives the same tokens whatever
+   else is in the batch;
+4. a chosen token's logprob is ``log_softmax`` of the distribution it was
+   drawn from (after step 1, temperature-scaled and filtered); for greedy
+   rows, of the step-1 logits. ``logprobs=k > 0`` also returns the ``k`` most
+   likely tokens of that distribution.
 
+Prompt logprobs (:meth:`Sampler.prompt_logprobs`) are ``log_softmax`` of the
+raw logits at every prompt position, as a teacher-forced forward gives them.
 Stop conditions (stop strings, stop token ids, EOS, ``max_tokens``) are
-checked by the engine after sampling; ``min_tokens`` also suppresses the stop
-tokens here (their logits are set to -inf) until it is reached.
+checked by the engine after sampling.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
-#: temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)
-GREEDY_EPS = 1e-5
+from medha_runtime.sampling_params import (
+    GREEDY_EPS,
+    Penalties,
+    PromptLogprobs,
+    PromptLogprobSpec,
+    Sampled,
+    SampleSpec,
+    SamplingParams,
+)
+
+__all__ = [
+    "GREEDY_EPS",
+    "Penalties",
+    "PromptLogprobSpec",
+    "PromptLogprobs",
+    "SampleSpec",
+    "Sampled",
+    "Sampler",
+    "SamplingParams",
+]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@dataclass
+class _History:
+    """A penalized request's token counts on the sampling rank.
 
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How to sample one prompt's completion (vLLM's names and defaults).
-
-    Attributes:
-        temperature: 0 (or below 1e-5) is greedy; higher flattens the distribution.
-        top_p: keep the smallest set of most likely tokens whose probability
-            reaches ``top_p``, in (0, 1]; 1 keeps everything.
-        top_k: keep the ``top_k`` most likely tokens; 0 or -1 keeps everything.
-        seed: seeds this request's own generator (reproducible whatever the
-            batch); None draws a seed from the engine's seed.
-        max_tokens: most tokens to generate (>= 1). The engine lowers it so
-            prompt plus output fit the model's context.
-        min_tokens: stop tokens are suppressed and stop strings ignored until
-            this many tokens exist (<= max_tokens).
-        stop: strings that end generation; the text is cut before the match
-            (unless ``include_stop_str_in_output``). A single string is allowed.
-        stop_token_ids: token ids that end generation (even with ``ignore_eos``).
-        ignore_eos: keep going past the model's EOS tokens (until max_tokens).
-        logprobs: None for none; 0 for the chosen tokens' logprobs; ``k > 0``
-            adds the ``k`` most likely tokens at each step.
-        skip_special_tokens: leave special tokens out of the text.
-        include_stop_str_in_output: keep the matched stop string in the text.
-
-    ``stop`` and ``stop_token_ids`` are stored as tuples.
+    ``output``: fp32 ``[V]`` occurrences in the output; ``seen``: bool ``[V]``
+    tokens of the prompt or the output.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: tuple[str, ...] = field(default=())
-    stop_token_ids: tuple[int, ...] = field(default=())
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        put = object.__setattr__
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}"
-            )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
-            )
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if stop is None:
-            stop = ()
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
-        put(self, "stop", tuple(stop))
-        ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
-        put(self, "stop_token_ids", tuple(ids))
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    def replace(self, **changes: object) -> SamplingParams:
-        """A copy with some fields changed (validated again)."""
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        values.update(changes)
-        return SamplingParams(**values)  # type: ignore[arg-type]
-
-
-class SampleSpec(NamedTuple):
-    """How to sample one row: what the sampling worker needs (plain data).
-
-    ``seed`` is always set (the engine derives one for unseeded requests);
-    ``suppress`` lists token ids whose logits are set to -inf (stop tokens
-    before ``min_tokens``).
-    """
-
-    request_id: str
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    logprobs: int | None
-    suppress: tuple[int, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-
-class Sampled(NamedTuple):
-    """One sampled token: its id, its logprob (None unless asked) and the top alternatives."""
-
-    token_id: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
+    output: torch.Tensor
+    seen: torch.Tensor
 
 
 class Sampler:
-    """Draws tokens from logits; keeps one generator per (seeded) request.
+    """Draws tokens from logits; keeps one generator per request and the token
+    counts of penalized requests.
 
-    Call :meth:`forget` when requests finish so their generators are dropped.
+    Call :meth:`forget` when requests finish so their state is dropped.
     """
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._histories: dict[str, _History] = {}
 
     @property
     def num_generators(self) -> int:
@@ -174,6 +89,7 @@ class Sampler:
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._histories.pop(rid, None)
 
     def _generator(self, spec: SampleSpec, device: torch.device) -> torch.Generator:
         g = self._generators.get(spec.request_id)
@@ -183,6 +99,73 @@ class Sampler:
             self._generators[spec.request_id] = g
         return g
 
+    def _history(self, spec: SampleSpec, vocab: int, device: torch.device) -> _History:
+        h = self._histories.get(spec.request_id)
+        if spec.history is not None:  # (re)start from the engine's record
+            prompt, output = spec.history
+            counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if output:
+                out_ids = torch.tensor(output, dtype=torch.int64, device=device)
+                counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+                seen[out_ids] = True
+            if prompt:
+                seen[torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+            h = self._histories[spec.request_id] = _History(counts, seen)
+        if h is None:
+            raise RuntimeError(
+                f"request {spec.request_id!r}: penalties without its token history "
+                "(the engine sends it with the first penalized row)"
+            )
+        return h
+
+    @torch.no_grad()
+    def process(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+        """Step 1 of the module docstring on fp32 ``[S, V]`` logits (a new tensor)."""
+        logits = logits.float().clone()
+        rows, vocab, device = logits.shape[0], logits.shape[1], logits.device
+        bias_r: list[int] = []
+        bias_t: list[int] = []
+        bias_v: list[float] = []
+        for i, s in enumerate(specs):
+            for tok, b in s.logit_bias:
+                bias_r.append(i)
+                bias_t.append(tok)
+                bias_v.append(b)
+            for tok in s.suppress:
+                bias_r.append(i)
+                bias_t.append(tok)
+                bias_v.append(float("-inf"))
+        if bias_r:
+            index = (
+                torch.tensor(bias_r, dtype=torch.int64, device=device),
+                torch.tensor(bias_t, dtype=torch.int64, device=device),
+            )
+            logits.index_put_(index, torch.tensor(bias_v, device=device), accumulate=True)
+        pen = [i for i, s in enumerate(specs) if s.penalties is not None]
+        if pen:
+            hist = [self._history(specs[i], vocab, device) for i in pen]
+            counts = torch.stack([h.output for h in hist])  # [P, V]
+            seen = torch.stack([h.seen for h in hist])  # [P, V]
+            params = torch.tensor(
+                [specs[i].penalties for i in pen], dtype=torch.float32, device=device
+            )  # [P, 3]: presence, frequency, repetition
+            presence, frequency, repetition = (params[:, j : j + 1] for j in range(3))
+            sub = logits[pen]
+            rep = torch.where(sub > 0, sub / repetition, sub * repetition)
+            sub = torch.where(seen, rep, sub)
+            sub = sub - frequency * counts - presence * (counts > 0).float()
+            logits[pen] = sub
+        return logits
+
+    def _count(self, specs: Sequence[SampleSpec], tokens: Sequence[int]) -> None:
+        """Add each penalized row's new token to its request's counts."""
+        for s, tok in zip(specs, tokens, strict=True):
+            if s.penalties is not None:
+                h = self._histories[s.request_id]
+                h.output[tok] += 1
+                h.seen[tok] = True
+
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[Sampled]:
         """One token per row of ``logits`` (fp32 ``[S, V]``), row ``i`` by ``specs[i]``."""
@@ -191,39 +174,71 @@ class Sampler:
                 f"expected logits [{len(specs)}, vocab] for {len(specs)} rows, "
                 f"got {tuple(logits.shape)}"
             )
-        logits = logits.float()
-        out: list[Sampled] = []
+        logits = self.process(logits, specs)
+        out: list[Sampled | None] = [None] * len(specs)
         greedy_rows = [i for i, s in enumerate(specs) if s.greedy]
-        greedy_ids: list[int] = []
         if greedy_rows:
             g_logits = logits[greedy_rows]
-            for j, i in enumerate(greedy_rows):
-                if specs[i].suppress:
-                    g_logits[j, list(specs[i].suppress)] = float("-inf")
             greedy_ids = g_logits.argmax(dim=-1).tolist()
-        by_row: dict[int, Sampled] = {}
-        for j, i in enumerate(greedy_rows):
-            spec = specs[i]
-            tok = greedy_ids[j]
-            if spec.logprobs is None:
-                by_row[i] = Sampled(tok)
-            else:
-                by_row[i] = _with_logprobs(torch.log_softmax(g_logits[j], dim=-1), tok, spec)
-        for i, spec in enumerate(specs):
-            if i in by_row:
-                out.append(by_row[i])
-                continue
-            row = logits[i] / spec.temperature
-            if spec.suppress:
-                row[list(spec.suppress)] = float("-inf")
-            row = _filter(row, spec.top_k, spec.top_p)
-            probs = torch.softmax(row, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=self._generator(spec, row.device)))
-            if spec.logprobs is None:
-                out.append(Sampled(tok))
-            else:
-                out.append(_with_logprobs(torch.log_softmax(row, dim=-1), tok, spec))
-        return out
+            for j, i in enumerate(greedy_rows):
+                spec, tok = specs[i], greedy_ids[j]
+                if spec.logprobs is None:
+                    out[i] = Sampled(tok)
+                else:
+                    out[i] = _with_logprobs(torch.log_softmax(g_logits[j], dim=-1), tok, spec)
+        drawn = [i for i, s in enumerate(specs) if not s.greedy]
+        if drawn:
+            temps = torch.tensor(
+                [specs[i].temperature for i in drawn], dtype=torch.float32, device=logits.device
+            )
+            scaled = logits[drawn] / temps[:, None]
+            scaled = _min_p(scaled, [specs[i].min_p for i in drawn])
+            for j, i in enumerate(drawn):
+                spec = specs[i]
+                row = _filter(scaled[j], spec.top_k, spec.top_p)
+                probs = torch.softmax(row, dim=-1)
+                g = self._generator(spec, row.device)
+                tok = int(torch.multinomial(probs, 1, generator=g))
+                if spec.logprobs is None:
+                    out[i] = Sampled(tok)
+                else:
+                    out[i] = _with_logprobs(torch.log_softmax(row, dim=-1), tok, spec)
+        result = [s for s in out if s is not None]
+        self._count(specs, [s.token_id for s in result])
+        return result
+
+    @torch.no_grad()
+    def prompt_logprobs(
+        self, logits: torch.Tensor, request_id: str, start: int, spec: PromptLogprobSpec
+    ) -> PromptLogprobs:
+        """Logprobs of ``spec.targets`` from fp32 ``[len(targets), V]`` logits."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(spec.targets, dtype=torch.int64, device=lp.device)
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in spec.targets]
+        if spec.top:
+            values, ids = torch.topk(lp, min(spec.top, lp.shape[-1]), dim=-1)
+            tops = [
+                list(zip(i, v, strict=True))
+                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+        entries = []
+        for tok, value, top in zip(spec.targets, chosen, tops, strict=True):
+            entry = {tok: value}
+            for alt, alt_lp in top:
+                entry.setdefault(alt, alt_lp)
+            entries.append(entry)
+        return PromptLogprobs(request_id, start, tuple(entries))
+
+
+def _min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens below ``min_p`` x the top probability, per row of ``[S, V]`` scaled logits."""
+    if not any(min_p):
+        return scaled
+    mp = torch.tensor(min_p, dtype=torch.float32, device=scaled.device)[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    top = probs.max(dim=-1, keepdim=True).values
+    return scaled.masked_fill(probs < mp * top, float("-inf"))
 
 
 def _filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -251,3 +266,49 @@ def _with_logprobs(logprobs: torch.Tensor, token: int, spec: SampleSpec) -> Samp
         values, ids = torch.topk(logprobs, k)
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return Sampled(token, chosen, top)
+
+
+def sample_step(
+    sampler: Sampler, logits: torch.Tensor, chunks: Sequence[object]
+) -> list[Sampled | PromptLogprobs]:
+    """Split a step's logits (fp32, rows in :func:`logit_rows` order) and answer them.
+
+    Returns one :class:`Sampled` per sampled chunk, in chunk order, then one
+    :class:`PromptLogprobs` per chunk that asked for prompt logprobs.
+    """
+    sample_rows: list[int] = []
+    specs: list[SampleSpec] = []
+    prompts: list[PromptLogprobs] = []
+    row = 0
+    for c in chunks:
+        pl: PromptLogprobSpec | None = getattr(c, "prompt_logprobs", None)
+        if pl is not None and pl.targets:
+            n = len(pl.targets)
+            prompts.append(
+                sampler.prompt_logprobs(logits[row : row + n], c.request_id, c.start, pl)  # type: ignore[attr-defined]
+            )
+            row += n
+        if c.sample is not None:  # type: ignore[attr-defined]
+            sample_rows.append(row)
+            specs.append(c.sample)  # type: ignore[attr-defined]
+            row += 1
+    if row != logits.shape[0]:
+        raise RuntimeError(f"{logits.shape[0]} logit rows for a step that needs {row}")
+    sampled: list[Sampled | PromptLogprobs] = []
+    if specs:
+        sampled.extend(sampler.sample(logits[sample_rows], specs))
+    return sampled + prompts
+
+
+def logit_rows(chunk: object, first_row: int) -> list[int]:
+    """The token rows of one chunk whose logits a step needs (see :func:`sample_step`).
+
+    ``first_row`` is the chunk's first row in the batch.
+    """
+    rows: list[int] = []
+    pl: PromptLogprobSpec | None = getattr(chunk, "prompt_logprobs", None)
+    if pl is not None:
+        rows.extend(range(first_row, first_row + len(pl.targets)))
+    if chunk.sample is not None:  # type: ignore[attr-defined]
+        rows.append(first_row + len(chunk.token_ids) - 1)  # type: ignore[attr-defined]
+    return rows

@@ -1,0 +1,240 @@
+"""Sampling parameters and the plain data the sampler exchanges (no torch here).
+
+:class:`SamplingParams` is what a user passes per prompt (vLLM's names and
+defaults). The engine turns it into a :class:`SampleSpec` for every row it
+samples; the sampling rank answers with a :class:`Sampled` per row, and a
+:class:`PromptLogprobs` per chunk that asked for prompt logprobs
+(:class:`PromptLogprobSpec`). The HTTP front end imports this module, so it
+must stay free of torch; the sampler itself is :mod:`medha_runtime.sampling`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+#: temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)
+GREEDY_EPS = 1e-5
+#: OpenAI's bound on a logit bias (values beyond it are clamped)
+MAX_LOGIT_BIAS = 100.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (keys may be digit strings, as JSON sends them) as sorted pairs."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[int, float] = {}
+    try:
+        for key, bias in items:  # type: ignore[union-attr]
+            tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if not _is_int(tok) or tok < 0 or not _is_number(bias):
+                raise ValueError
+            out[tok] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(bias)))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"logit_bias must map token ids to finite numbers, got {value!r}"
+        ) from None
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample one prompt's completion (vLLM's names and defaults).
+
+    Attributes:
+        temperature: 0 (or below 1e-5) is greedy; higher flattens the distribution.
+        top_p: keep the smallest set of most likely tokens whose probability
+            reaches ``top_p``, in (0, 1]; 1 keeps everything.
+        top_k: keep the ``top_k`` most likely tokens; 0 or -1 keeps everything.
+        min_p: drop tokens whose probability is below ``min_p`` times the most
+            likely token's, in [0, 1]; 0 keeps everything.
+        presence_penalty: subtracted from the logit of every token already
+            generated, in [-2, 2].
+        frequency_penalty: subtracted once per earlier occurrence in the
+            output, in [-2, 2].
+        repetition_penalty: tokens of the prompt or the output have positive
+            logits divided and negative ones multiplied by it; > 0, 1 is off.
+        logit_bias: ``{token id: bias}`` added to the logits (clamped to
+            [-100, 100]); stored as sorted ``(id, bias)`` pairs.
+        seed: seeds this request's own generator (reproducible whatever the
+            batch); None draws a seed from the engine's seed.
+        max_tokens: most tokens to generate (>= 1). The engine lowers it so
+            prompt plus output fit the model's context.
+        min_tokens: stop tokens are suppressed and stop strings ignored until
+            this many tokens exist (<= max_tokens).
+        stop: strings that end generation; the text is cut before the match
+            (unless ``include_stop_str_in_output``). A single string is allowed.
+        stop_token_ids: token ids that end generation (even with ``ignore_eos``).
+        ignore_eos: keep going past the model's EOS tokens (until max_tokens).
+        logprobs: None for none; 0 for the chosen tokens' logprobs; ``k > 0``
+            adds the ``k`` most likely tokens at each step.
+        prompt_logprobs: None for none; ``k >= 0``: every prompt token after
+            the first gets its logprob (and the ``k`` most likely tokens) given
+            the tokens before it.
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+
+    Penalties and bias apply to the raw logits, before the temperature; then
+    come the temperature, ``min_p``, ``top_k`` and ``top_p`` (vLLM's order).
+    ``stop`` and ``stop_token_ids`` are stored as tuples.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}"
+            )
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        put(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
+            )
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+        put(self, "stop", tuple(stop))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+        put(self, "stop_token_ids", tuple(ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty needs the request's token history."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+    def replace(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+class Penalties(NamedTuple):
+    """A row's penalties (see :class:`SamplingParams`)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+
+
+class SampleSpec(NamedTuple):
+    """How to sample one row: what the sampling worker needs (plain data).
+
+    ``seed`` is always set (the engine derives one for unseeded requests);
+    ``suppress`` lists token ids whose logits are set to -inf (stop tokens
+    before ``min_tokens``). ``penalties`` (None: none) need the request's
+    tokens: the sampler counts the tokens it samples itself, and ``history``
+    (the prompt, and any output already made) comes once, with the request's
+    first penalized row.
+    """
+
+    request_id: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    logprobs: int | None
+    suppress: tuple[int, ...] = ()
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    penalties: Penalties | None = None
+    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+class Sampled(NamedTuple):
+    """One sampled token: its id, its logprob (None unless asked) and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class PromptLogprobSpec(NamedTuple):
+    """Prompt logprobs wanted from one chunk.
+
+    ``targets[i]`` is the prompt token at position ``start + i + 1``: its
+    logprob given the chunk's row ``i`` is wanted (``len(targets)`` may be
+    shorter than the chunk: the prompt's last token predicts no prompt
+    token). ``top`` most likely tokens come with each.
+    """
+
+    top: int
+    targets: tuple[int, ...]
+
+
+class PromptLogprobs(NamedTuple):
+    """The answer to a :class:`PromptLogprobSpec`: per target, ``{token id: logprob}``
+    (the target first, then the ``top`` most likely tokens)."""
+
+    request_id: str
+    start: int
+    entries: tuple[dict[int, float], ...]
