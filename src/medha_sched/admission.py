@@ -238,6 +238,7 @@ class SnapshotTaker:
         self._cache: PrefillTimeCache | None = None
         self._prefill_s: tuple[float, ...] = ()
         self._key_s = tuple(key_cache.prefill_time(n) for n in self.lengths)
+        self._key_revision = key_cache.revision
 
     def _fresh_cache(self, now: float) -> PrefillTimeCache:
         if self._cache is None or now - self._built_at >= self.refresh_s:
@@ -263,6 +264,9 @@ class SnapshotTaker:
         step (scheduling, streaming).
         """
         cache = self._fresh_cache(now)
+        if self._key_revision != self._key_cache.revision:  # the scheduler re-priced
+            self._key_revision = self._key_cache.revision
+            self._key_s = tuple(self._key_cache.prefill_time(n) for n in self.lengths)
         queue = []
         decodes = []
         for r in requests:

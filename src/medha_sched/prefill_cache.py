@@ -8,6 +8,12 @@ is recorded at every chunk boundary ``b_k``. A prompt of length ``L`` with
 ``L - b_k`` tokens at KV ``b_k`` (the last-chunk correction). ``C`` is
 therefore exact at every length, non-decreasing, and ``C(0) = 0``.
 
+A learning cost model (one with a ``revision``) makes the table stale when
+its coefficients move: :meth:`PrefillTimeCache.refresh` rebuilds it then, at
+most once per ``refresh_interval`` seconds of the caller's clock (a table out
+to 1M tokens takes ~0.2 s to build in pure Python; it orders the queue, while
+the packer always prices batches with the live model).
+
 Lookups beyond the built range extend the same simulation on demand (the
 table doubles), so no length ever raises. Where even the smallest grid
 chunk alone exceeds T the simulation still advances by one grid chunk, and
@@ -59,6 +65,13 @@ class PrefillTimeCache:
         self._max_chunk = max_chunk_tokens
         self._limit = group_token_limit
         self._spp = model.layout.spp
+        self._initial = initial_tokens
+        self._built_at = -math.inf
+        self._build(initial_tokens)
+
+    def _build(self, num_tokens: int) -> None:
+        """(Re)build the table from the model's current predictions."""
+        self.revision = getattr(self._model, "revision", 0)
         self._bounds: list[int] = [0]
         self._cum: list[float] = [0.0]
         # C(L) of lengths between boundaries, as computed (the table never
@@ -66,7 +79,21 @@ class PrefillTimeCache:
         # looked up again every time its prefill progresses
         self._recent: dict[int, float] = {}
         self.max_feasible_tokens = math.inf
-        self._extend_to(initial_tokens)
+        self._extend_to(num_tokens)
+
+    def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
+        """Rebuild the table if the model's revision changed and the last
+        rebuild is ``refresh_interval`` seconds before ``now``; True if it did.
+
+        The new table starts short and extends on demand, as the first did.
+        """
+        if getattr(self._model, "revision", 0) == self.revision:
+            return False
+        if now < self._built_at + refresh_interval:
+            return False
+        self._build(self._initial)
+        self._built_at = now
+        return True
 
     @property
     def built_tokens(self) -> int:

@@ -168,6 +168,8 @@ class Scheduler:
         if now < self._clock:
             raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
         self._clock = now
+        if self.prefill_times.refresh(now):
+            self._reprice()
         draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
         lane, grants, preempted = self._pack_decodes(draft, now)
         self._pack_prefills(draft, now)
@@ -574,6 +576,18 @@ class Scheduler:
         if request.num_output_tokens >= request.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _reprice(self) -> None:
+        """The cost model learned: re-price the prefill work of queued requests
+        (their deadlines stay as fixed at arrival)."""
+        queue = self._queue
+        for request in self._requests.values():
+            if request.request_id in queue:
+                before = request.remaining_work
+                self._refresh_work(request)
+                if before > 0:  # total work moves with it, whatever it counts
+                    request.total_work *= request.remaining_work / before
+                queue.push(request)
 
     def _refresh_work(self, request: Request) -> None:
         request.remaining_work = self.prefill_times.remaining_time(

@@ -254,3 +254,35 @@ def test_rescale_scales_every_prediction():
     assert model.predict(b) == pytest.approx(0.5 * before)
     with pytest.raises(ValueError, match="factor"):
         model.rescale(0.0)
+
+
+def test_revision_moves_when_predictions_do_and_not_with_noise():
+    model, rng = OnlineCostModel(TRUE), random.Random(7)
+    _feed(model, rng, 300)  # already right: 2% noise must not churn the revision
+    settled = model.revision
+    assert settled <= 3
+    _feed(model, rng, 60, coef=tuple(2 * c for c in TRUE))  # the device halves its speed
+    assert model.revision > settled
+
+
+def test_scheduler_reprices_queued_prefills_when_the_model_learns():
+    from medha_sched import Request, Scheduler, SchedulerConfig
+    from medha_sched.config import CacheConfig
+
+    online = OnlineCostModel(TRUE)
+    cache = CacheConfig(block_size=16, num_blocks_per_group=4096, max_tokens_per_group=65536)
+    sched = Scheduler(SchedulerConfig(target_batch_time=0.05), online, cache=cache)
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, 0.0, 8000, 4))
+    table_before = sched.prefill_times.prefill_time(8000)
+    work_before = sched.get_request("b").remaining_work
+    deadline = sched.get_request("b").deadline
+    assert sched.get_request("a").deadline == deadline
+    rng = random.Random(3)
+    _feed(online, rng, 60, coef=tuple(2 * c for c in TRUE))
+    sched.schedule(0.0)
+    assert sched.prefill_times.prefill_time(8000) > 1.6 * table_before
+    waiting = [r for r in map(sched.get_request, "ab") if r.num_scheduled_tokens == 0]
+    assert len(waiting) == 1  # one 8K prompt fills a 50 ms step
+    assert waiting[0].remaining_work > 1.6 * work_before
+    assert waiting[0].deadline == deadline  # fixed at arrival for good

@@ -59,7 +59,13 @@ class BatchWork:
 
 @runtime_checkable
 class CostModel(Protocol):
-    """Anything that predicts an iteration's latency in seconds."""
+    """Anything that predicts an iteration's latency in seconds.
+
+    A model whose predictions change while it is used (one that learns) also
+    has an integer ``revision`` that grows whenever they change materially;
+    what is derived from its predictions is rebuilt then. A fixed model need
+    not have one (it counts as revision 0).
+    """
 
     layout: ParallelDegrees
 

@@ -58,6 +58,16 @@ _VERSION = 1
 _MIN_STEP = 1e-6
 _MAX_COEF = 1e6  # seconds per unit: far beyond any real device, keeps state finite
 _ERROR_WINDOW = 100
+#: typical work, as feature totals in units of ``_UNITS`` (a 32-request decode
+#: at 4K context, a 512-token chunk at KV 0 and at KV 32K), whose predicted
+#: times decide when the coefficients have moved enough to bump ``revision``
+_PROBES = (
+    (1.0, 32.0, 32 / 256, 32 * 4097 / 8192, 32 * 4097 / (256 * 8192)),
+    (1.0, 1.0, 2.0, 512 / 8192, 512 * 512 / (256 * 8192)),
+    (1.0, 1.0, 2.0, 33280 / 8192, 512 * 33280 / (256 * 8192)),
+)
+#: relative change of any probe's predicted time that makes a new revision
+REVISION_THRESHOLD = 0.05
 
 
 class OnlineCostModel(AggregateCostModel):
@@ -133,6 +143,11 @@ class OnlineCostModel(AggregateCostModel):
         #: batch at all, so the runtime sets this to T/2 to stay live when the
         #: device slows down past what T allows
         self.fixed_cost_cap: float | None = None
+        #: bumped whenever some probe's predicted time has moved more than
+        #: :data:`REVISION_THRESHOLD` since the last bump: tables derived from
+        #: the model (the scheduler's prefill times) rebuild when it changes
+        self.revision = 0
+        self._revision_times: tuple[float, ...] = ()
         self._sync()
 
     # ------------------------------------------------------------ prediction
@@ -275,6 +290,13 @@ class OnlineCostModel(AggregateCostModel):
             self._theta[0] = max(self._theta[0] * shrink, _MIN_STEP)
             self._theta[1] *= shrink
         self._coef = tuple(t / u for t, u in zip(self._theta, _UNITS, strict=True))
+        times = tuple(sum(t * f for t, f in zip(self._theta, p, strict=True)) for p in _PROBES)
+        old = self._revision_times
+        if not old:
+            self._revision_times = times
+        elif any(abs(n - o) > REVISION_THRESHOLD * o for n, o in zip(times, old, strict=True)):
+            self._revision_times = times
+            self.revision += 1
 
     def rescale(self, factor: float) -> None:
         """Multiply every coefficient by ``factor`` (> 0) and relearn around them."""
