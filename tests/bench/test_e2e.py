@@ -72,6 +72,9 @@ def test_mixed_dataset(server: Server, tmp_path: Path) -> None:
     long_prompts = [r["prompt_tokens"] for r in doc["requests"] if r["kind"] == "long"]
     assert max(long_prompts) <= 96
     assert "Benchmark result" in out and "TTFT p99 (ms)" in out
+    error = doc["server"]["prediction_error"]  # the run's own steps, read from /metrics
+    assert error["steps"] >= 1 and 0.0 <= error["p50"] <= error["p90"]
+    assert "step-time prediction error (server, " in out
 
 
 def test_trace_dataset_text_prompts(server: Server, tmp_path: Path) -> None:

@@ -169,3 +169,19 @@ def test_result_file_is_strict_json_and_table_reads(tmp_path: Path, records) -> 
 def test_config_errors_name_the_bad_value(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         BenchConfig(**kw)
+
+
+def test_server_error_histogram_quantiles_and_difference() -> None:
+    from medha_runtime.bench.server_metrics import ErrorHistogram, summarize_prediction_error
+
+    inf = float("inf")
+    before = ErrorHistogram((0.1, 0.2, inf), (4.0, 4.0, 4.0), 0.2, None)
+    after = ErrorHistogram((0.1, 0.2, inf), (4.0, 14.0, 16.0), 2.6, 0.15)
+    run = after.since(before)  # 10 steps in (0.1, 0.2], 2 above 0.2
+    assert run.count == 12 and run.total == pytest.approx(2.4)
+    assert run.quantile(0.5) == pytest.approx(0.1 + 0.1 * 6 / 10)
+    assert run.quantile(0.9) == 0.2  # in the open last bucket: its lower bound
+    got = summarize_prediction_error(run)
+    assert got == {"steps": 12, "mean": pytest.approx(0.2), "p50": pytest.approx(0.16),
+                   "p90": 0.2, "median_last_100": 0.15}  # fmt: skip
+    assert summarize_prediction_error(before.since(before)) is None

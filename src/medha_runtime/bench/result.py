@@ -4,6 +4,8 @@ Layout::
 
     {"version": 1, "started_at": "...", "base_url": "...", "model": "...",
      "config": {...}, "summary": {"all": {...}, "short": {...}, "long": {...}},
+     "server": {"prediction_error": {"steps", "mean", "p50", "p90",
+                                     "median_last_100"} or null},
      "requests": [{"id", "kind", "prompt_tokens", "output_tokens", "arrival_s",
                    "start_s", "ttft_s", "tpot_s", "itl_s", "e2e_s", "error", ...}]}
 
@@ -31,7 +33,9 @@ def result_document(
     started_at: str,
     summary: Mapping[str, Any],
     records: Sequence[RequestRecord],
+    server: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``server``: what the server reported about the run (see ``server_metrics``)."""
     return {
         "version": RESULT_VERSION,
         "started_at": started_at,
@@ -39,6 +43,7 @@ def result_document(
         "model": model,
         "config": dict(config),
         "summary": dict(summary),
+        "server": dict(server or {}),
         "requests": [r.to_json() for r in records],
     }
 

@@ -6,6 +6,7 @@ import asyncio
 import math
 from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import Any
 
 import httpx
 
@@ -23,6 +24,11 @@ from medha_runtime.bench.prompts import PreparedRequest, prepare
 from medha_runtime.bench.report import format_summary
 from medha_runtime.bench.result import result_document, write_result
 from medha_runtime.bench.runner import Runner
+from medha_runtime.bench.server_metrics import (
+    format_prediction_error,
+    scrape_prediction_error,
+    summarize_prediction_error,
+)
 from medha_runtime.bench.sharegpt import load_sharegpt
 from medha_runtime.bench.tokens import TokenSource, open_token_source
 
@@ -65,10 +71,14 @@ def run_session(config: BenchConfig, *, log: Callable[[str], None] = print) -> i
     )
     log(_plan_line(config, model, len(prepared), threshold))
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    interrupted = _run(runner)
+    with httpx.Client(timeout=10.0, headers=headers) as http:
+        before = scrape_prediction_error(http, root)
+        interrupted = _run(runner)
+        after = scrape_prediction_error(http, root)
     if interrupted:
         log("interrupted: unfinished requests are recorded as failed")
-    status = _report(config, runner, root, model, started_at, log)
+    server = {"prediction_error": summarize_prediction_error(after and after.since(before))}
+    status = _report(config, runner, root, model, started_at, log, server)
     return 130 if interrupted else status
 
 
@@ -110,6 +120,7 @@ def _report(
     model: str,
     started_at: str,
     log: Callable[[str], None],
+    server: dict[str, Any],
 ) -> int:
     goodput = dict(config.goodput) or None
     summary = summarize(
@@ -119,6 +130,7 @@ def _report(
         goodput=goodput,
     )
     log(format_summary(summary, config.percentiles))
+    log(format_prediction_error(server["prediction_error"]))
     if config.result_file:
         doc = result_document(
             config=config.to_json(),
@@ -127,6 +139,7 @@ def _report(
             started_at=started_at,
             summary=summary,
             records=runner.records,
+            server=server,
         )
         write_result(config.result_file, doc)
         log(f"wrote {config.result_file}")
