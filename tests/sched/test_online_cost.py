@@ -286,3 +286,12 @@ def test_scheduler_reprices_queued_prefills_when_the_model_learns():
     assert len(waiting) == 1  # one 8K prompt fills a 50 ms step
     assert waiting[0].remaining_work > 1.6 * work_before
     assert waiting[0].deadline == deadline  # fixed at arrival for good
+
+
+def test_prior_spec_keeps_its_own_commas():
+    model = parse_cost_model_spec("online:prior=affine:base=0.004,per_token=4e-5,per_attn=1e-9")
+    assert model.coefficients == pytest.approx(
+        {"step": 0.004, "per_request": 0.0, "per_token": 4e-5, "per_kv": 0.0, "per_attn": 1e-9}
+    )
+    with pytest.raises(ValueError, match="affine.*per_attn"):  # the inner spec's own error
+        parse_cost_model_spec("online:prior=affine:base=0.004,per_token=4e-5")

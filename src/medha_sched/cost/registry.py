@@ -132,6 +132,10 @@ def spec_float(model: str, params: Mapping[str, str], key: str) -> float:
         raise ValueError(f"cost model {model!r}: {key}={raw!r} is not a number") from None
 
 
+#: keys whose value is itself a cost model spec: it runs to the end of the spec
+NESTED_SPEC_KEYS = frozenset({"prior"})
+
+
 def _parse_args(spec: str, args: str) -> dict[str, str]:
     args = args.strip()
     if not args:
@@ -140,13 +144,17 @@ def _parse_args(spec: str, args: str) -> dict[str, str]:
     if "=" not in args or not _KEY.match(head):
         return {"path": args}
     params: dict[str, str] = {}
-    for item in args.split(","):
+    rest = args
+    while rest:
+        item, _, rest = rest.partition(",")
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or not _KEY.match(key):
             raise ValueError(f"malformed item {item!r} in cost model spec {spec!r}; want key=value")
         if key in params:
             raise ValueError(f"duplicate key {key!r} in cost model spec {spec!r}")
+        if key in NESTED_SPEC_KEYS and rest:  # a whole spec of its own, commas and all
+            value, rest = f"{value},{rest}", ""
         params[key] = value.strip()
     return params
 
