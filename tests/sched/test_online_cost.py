@@ -293,5 +293,5 @@ def test_prior_spec_keeps_its_own_commas():
     assert model.coefficients == pytest.approx(
         {"step": 0.004, "per_request": 0.0, "per_token": 4e-5, "per_kv": 0.0, "per_attn": 1e-9}
     )
-    with pytest.raises(ValueError, match="affine.*per_attn"):  # the inner spec's own error
+    with pytest.raises(ValueError, match=r"affine.*per_attn"):  # the inner spec's own error
         parse_cost_model_spec("online:prior=affine:base=0.004,per_token=4e-5")
