@@ -25,19 +25,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from medha_runtime.config import EngineConfig as EngineConfig
     from medha_runtime.llm import LLM as LLM
     from medha_runtime.outputs import CompletionOutput as CompletionOutput
     from medha_runtime.outputs import RequestOutput as RequestOutput
     from medha_runtime.sampling import SamplingParams as SamplingParams
 
 _LAZY = {
+    "EngineConfig": "medha_runtime.config",
     "LLM": "medha_runtime.llm",
     "CompletionOutput": "medha_runtime.outputs",
     "RequestOutput": "medha_runtime.outputs",
     "SamplingParams": "medha_runtime.sampling",
 }
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

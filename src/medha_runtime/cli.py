@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from medha_runtime.config import EngineConfig
     from medha_runtime.dist_config import DistConfig
 
 
@@ -158,11 +159,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree")
     s.add_argument("--spp", type=_positive_int, default=1, help="pipeline stages")
     s.add_argument("--kvp", type=_positive_int, default=1, help="KV-parallel groups")
+    from medha_sched import available_policies
+
     s.add_argument(
         "--policy",
         default="lars-mp",
-        choices=["fcfs", "edf", "lrs", "lars", "lars-mp"],
-        help="scheduling policy (default lars-mp)",
+        choices=list(available_policies()),
+        help="scheduling policy, from medha_sched's policy registry (default lars-mp)",
     )
     s.add_argument(
         "--chunk-size",
@@ -201,6 +204,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     s.add_argument("--seed", type=_non_negative_int, default=0, help="engine seed")
     s.add_argument(
+        "--num-threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads per rank (default: the node's cores divided by its ranks)",
+    )
+    s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes computed before (default: on)",
+    )
+    s.add_argument(
         "--step-log",
         default=None,
         metavar="PATH",
@@ -212,7 +229,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="larger request bodies get a 413 before they are read (default 4 MiB)",
     )
-    s.add_argument("--log-level", default="info", help="uvicorn log level")
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of the server's log and uvicorn's (default info)",
+    )
+    s.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no access line per request",
+    )
     for flag, kind, default, text in (
         (
             "--nnodes",
@@ -256,7 +283,25 @@ def _serve(args: argparse.Namespace) -> int:
         from medha_runtime.dist_worker import run_node
 
         return run_node(role[1], node_rank=args.node_rank, ranks_per_node=role[2])
-    engine = EngineArgs(
+    engine = EngineArgs(engine=engine_config(args, distributed=role[1]), admission=args.admission)
+    run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("MEDHA_API_KEY") or None,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        log_requests=not args.disable_log_requests,
+        **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
+    )
+    return 0
+
+
+def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -> EngineConfig:
+    """The :class:`~medha_runtime.config.EngineConfig` that ``serve``'s flags describe."""
+    from medha_runtime.config import EngineConfig
+
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         tp=args.tp,
@@ -267,24 +312,16 @@ def _serve(args: argparse.Namespace) -> int:
         target_batch_time=args.target_batch_time,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        block_size=args.block_size,
         seed=args.seed,
         cost_model=args.cost_model,
-        device=args.device,
-        distributed=role[1],
-        step_log=args.step_log,
         cost_model_out=args.cost_model_out,
-        admission=args.admission,
+        device=args.device,
+        num_threads=args.num_threads,
+        enable_prefix_caching=args.enable_prefix_caching,
+        step_log=args.step_log,
+        distributed=distributed,
     )
-    run_server(
-        engine,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or os.environ.get("MEDHA_API_KEY") or None,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
-    )
-    return 0
 
 
 def _serve_role(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, ...]:
@@ -395,11 +432,28 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
 }
 
 
+def _require_found(modules: Sequence[str]) -> None:
+    """Like ``require``, without importing them (the HTTP process must not import torch)."""
+    import importlib.util
+
+    from medha_sched.extras import MissingExtra
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtra(
+            f"needs {', '.join(missing)}, which is not installed: pip install 'medha[runtime]'"
+        )
+
+
 def check_extras(args: argparse.Namespace) -> None:
     """Raise ``MissingExtra`` (one line naming the extra) before a command starts work."""
     from medha_sched.extras import require
 
-    require(NEEDS.get(args.command, ()), extra="runtime")
+    needs = NEEDS.get(args.command, ())
+    if args.command == "serve":  # the model stack loads in the engine process only
+        _require_found(_MODEL_STACK)
+        needs = _SERVER
+    require(needs, extra="runtime")
     if getattr(args, "plot", None):
         require(("matplotlib",), extra="sim", what="--plot")
 

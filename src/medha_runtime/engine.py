@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -39,17 +38,15 @@ from typing import Any, NamedTuple
 
 import torch
 
+from medha_runtime.config import EngineConfig
 from medha_runtime.cost_feedback import CostFeedback
-from medha_runtime.dist_config import DistConfig, check_int
 from medha_runtime.executor import WorkerError, make_executor
 from medha_runtime.model import ModelConfig, load_config
-from medha_runtime.model.config import dtype_name, resolve_dtype
 from medha_runtime.model.errors import MissingFileError
 from medha_runtime.model.names import resolve_model
 from medha_runtime.model.random_weights import random_config_path
 from medha_runtime.outputs import CompletionOutput, RequestOutput
 from medha_runtime.plan import PlannedChunk, StepPlan
-from medha_runtime.runner import RunnerSpec, kv_bytes_per_token, resolve_device
 from medha_runtime.sampling import (
     Penalties,
     PromptLogprobs,
@@ -63,20 +60,16 @@ from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
     BatchResult,
     BatchWork,
-    CacheConfig,
     CostModel,
-    ParallelDegrees,
     Request,
     RequestStatus,
     RequestWork,
     Scheduler,
-    SchedulerConfig,
     SchedulerError,
     parse_cost_model_spec,
 )
 from medha_sched.cost.online import OnlineCostModel
 
-_GIB = 1 << 30
 #: the iteration-time budget when none is given (raised for slow devices, see LLMEngine)
 DEFAULT_TARGET_TIME = 0.05
 
@@ -162,158 +155,32 @@ class _RequestState:
 class LLMEngine:
     """Requests in, finished :class:`~medha_runtime.outputs.RequestOutput` s out.
 
-    Arguments are those of :class:`medha_runtime.LLM`, which documents them, plus
-    ``distributed``: a :class:`~medha_runtime.dist_config.DistConfig` for a
-    multi-node or torchrun run (this process becomes rank 0, the driver).
+    Built from one :class:`~medha_runtime.config.EngineConfig` (which documents
+    every argument), or from a model and that config's keyword arguments:
+    ``LLMEngine("tiny", kvp=2)`` is ``LLMEngine(EngineConfig(model="tiny", kvp=2))``.
+    The config is resolved once (:attr:`resolved`: context length, KV sizing,
+    scheduler config, runner spec).
     """
 
     def __init__(
-        self,
-        model: str | os.PathLike[str] = "tiny",
-        *,
-        dtype: str | torch.dtype = "auto",
-        tp: int = 1,
-        spp: int = 1,
-        kvp: int = 1,
-        kvp_group_tokens: int | None = None,
-        policy: str = "lars-mp",
-        target_batch_time: float | None = None,
-        chunk_size: int | None = None,
-        token_grid: int | None = None,
-        max_batch_requests: int | None = None,
-        max_model_len: int | None = None,
-        kv_cache_tokens: int | None = None,
-        block_size: int = 16,
-        seed: int = 0,
-        cost_model: CostModel | str | None = None,
-        device: str | None = None,
-        timeout_s: float = 60.0,
-        attention_backend: str = "auto",
-        distributed: DistConfig | None = None,
-        step_log: str | os.PathLike[str] | None = None,
-        cost_model_out: str | os.PathLike[str] | None = None,
+        self, model: str | os.PathLike[str] | EngineConfig = "tiny", **kwargs: Any
     ) -> None:
-        self.model = str(model)
+        config = EngineConfig.build(model, **kwargs)
+        self.engine_config = config
+        self.model = config.model
         # resolved once (a smollm2 fetch, a hub cache lookup); ranks get the path
-        model = resolve_model(self.model).path
-        self.config, self.tokenizer = load_model_info(model)
-        config = self.config
-        for name, value in (("tp", tp), ("spp", spp), ("kvp", kvp)):
-            check_int(name, value, 1)
-        if config.num_kv_heads % tp or config.intermediate_size % tp:
-            raise ValueError(
-                f"tp={tp} must divide the model's {config.num_kv_heads} KV heads and its "
-                f"intermediate size {config.intermediate_size}"
-            )
-        if spp > config.num_layers:
-            raise ValueError(f"spp={spp} exceeds the model's {config.num_layers} layers")
-        check_int("block_size", block_size, 1)
-        check_int("seed", seed, 0)
-        self.layout = ParallelDegrees(tp=tp, spp=spp, kvp=kvp)
-        dtype = dtype if isinstance(dtype, str) and dtype == "auto" else dtype_name(dtype)
-        torch_dtype = resolve_dtype(dtype, config)
-        self.dtype = dtype_name(torch_dtype)
-        device = resolve_device(device)
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        local = self.layout.world_size if distributed is None else distributed.local_ranks
-        if device == "cuda" and local > torch.cuda.device_count():
-            raise ValueError(
-                f"{local} ranks on this node need as many GPUs; "
-                f"{torch.cuda.device_count()} are visible"
-            )
-
-        # ---- context and KV memory
-        limit = config.max_position_embeddings
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len, 2)
-            if max_model_len > limit:
-                raise ValueError(
-                    f"max_model_len={max_model_len} exceeds the model's "
-                    f"max_position_embeddings={limit}"
-                )
-        want = max_model_len or limit
-        if kvp_group_tokens is not None:
-            check_int("kvp_group_tokens", kvp_group_tokens, 1)
-            if kvp_group_tokens % block_size:
-                raise ValueError(
-                    f"kvp_group_tokens={kvp_group_tokens} must be a multiple of "
-                    f"block_size={block_size}"
-                )
-            group_tokens = kvp_group_tokens
-        else:
-            group_tokens = -(-math.ceil(want / kvp) // block_size) * block_size
-        per_token = kv_bytes_per_token(
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            itemsize=torch.empty((), dtype=torch_dtype).element_size(),
-            tp=tp,
-            spp=spp,
-        )
-        if kv_cache_tokens is not None:
-            check_int("kv_cache_tokens", kv_cache_tokens, block_size)
-            pool = kv_cache_tokens
-        else:
-            budget = _kv_budget_bytes(device, config, torch_dtype, self.layout.world_size, tp * spp)
-            pool = min(budget // per_token, max(2 * group_tokens, 16384))
-            pool = max(pool, block_size)
-        num_blocks = pool // block_size
-        capacity = num_blocks * block_size
-        if group_tokens > capacity:
-            if kvp_group_tokens is not None:
-                raise ValueError(
-                    f"kvp_group_tokens={kvp_group_tokens} exceeds one KVP group's KV cache of "
-                    f"{capacity} tokens (kv_cache_tokens)"
-                )
-            group_tokens = capacity
-        context = min(want, kvp * group_tokens)
-        if max_model_len is not None and max_model_len > context:
-            raise ValueError(
-                f"max_model_len={max_model_len} does not fit: one request holds at most "
-                f"{group_tokens} tokens on each of kvp={kvp} KVP groups ({context} tokens); "
-                "raise kv_cache_tokens or kvp_group_tokens"
-            )
-        self.max_model_len = context
-        self.cache = CacheConfig(
-            block_size=block_size,
-            num_blocks_per_group=num_blocks,
-            max_tokens_per_group=group_tokens,
-        )
-        sched_kw: dict[str, Any] = {"policy": policy}
-        if target_batch_time is not None:
-            sched_kw["target_batch_time"] = target_batch_time
-        if chunk_size is not None:
-            sched_kw["chunk_size"] = chunk_size
-        if token_grid is not None:
-            sched_kw["token_grid"] = token_grid
-            sched_kw["max_chunk_tokens"] = max(SchedulerConfig().max_chunk_tokens, token_grid)
-        if max_batch_requests is not None:
-            sched_kw["max_batch_requests"] = max_batch_requests
-        self.scheduler_config = SchedulerConfig(**sched_kw)
-        from medha_sched import available_policies
-
-        if policy not in available_policies():
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(available_policies())}")
-        online = cost_model is None or cost_model == "online"  # learn from the calibration
-        cost = None if online else self._resolve_cost_model(cost_model)  # type: ignore[arg-type]
-
-        self.spec = RunnerSpec(
-            model=model,
-            dtype=self.dtype,
-            device=device,
-            tp=tp,
-            spp=spp,
-            kvp=kvp,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            group_tokens=group_tokens,
-            attention_backend=attention_backend,
-            timeout_s=timeout_s,
-        )
-        self._step_log = None if step_log is None else StepLog(step_log)
+        path = resolve_model(config.model).path
+        self.config, self.tokenizer = load_model_info(path)
+        r = self.resolved = config.resolve(self.config, model_path=path)
+        self.layout, self.dtype, self.max_model_len = r.layout, r.dtype, r.max_model_len
+        self.cache, self.scheduler_config, self.spec = r.cache, r.scheduler_config, r.spec
+        if r.num_threads is not None and r.layout.world_size == 1:
+            torch.set_num_threads(r.num_threads)  # in-process: this process is the rank
+        online = config.cost_model is None or config.cost_model == "online"
+        cost = None if online else self._resolve_cost_model(config.cost_model)  # type: ignore[arg-type]
+        self._step_log = None if config.step_log is None else StepLog(config.step_log)
         try:
-            self.executor = make_executor(self.spec, distributed=distributed)
+            self.executor = make_executor(self.spec, distributed=config.distributed)
         except BaseException:
             if self._step_log is not None:
                 self._step_log.close()
@@ -322,14 +189,16 @@ class LLMEngine:
             if cost is None:
                 from medha_runtime.profile import calibrate_affine
 
-                cost = calibrate_affine(self.executor, self.layout, vocab_size=config.vocab_size)
+                cost = calibrate_affine(
+                    self.executor, self.layout, vocab_size=self.config.vocab_size
+                )
                 if online:
                     cost = OnlineCostModel.from_model(cost)
             self.cost_model = cost
             self.cost_feedback = CostFeedback(
-                cost, group_limit=self.cache.group_token_limit, save_to=cost_model_out
+                cost, group_limit=self.cache.group_token_limit, save_to=config.cost_model_out
             )
-            if target_batch_time is None:
+            if config.target_batch_time is None:
                 self.scheduler_config = dataclasses.replace(
                     self.scheduler_config, target_batch_time=self._auto_target_time(cost)
                 )
@@ -337,15 +206,16 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.seed = seed
+        self.seed = config.seed
         self._serial = itertools.count()
         self._requests: dict[str, _RequestState] = {}
         self._pending_free: list[str] = []
         self._pending_finished: list[str] = []
         self._clock0 = time.monotonic()
         self._idle_steps = 0
+        tok = self.tokenizer
         self.eos_token_ids: frozenset[int] = frozenset(
-            self.tokenizer.stop_token_ids if self.tokenizer is not None else config.eos_token_ids
+            tok.stop_token_ids if tok is not None else self.config.eos_token_ids
         )
         self.dead: str | None = None
         self.stats = EngineStats()
@@ -742,25 +612,3 @@ def _derive_seed(seed: int, serial: int) -> int:
     x = (seed * 0x9E3779B97F4A7C15 + serial * 0xBF58476D1CE4E5B9 + 1) & 0xFFFF_FFFF_FFFF_FFFF
     x ^= x >> 31
     return (x * 0x94D049BB133111EB) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _kv_budget_bytes(
-    device: str, config: ModelConfig, dtype: torch.dtype, world: int, shards: int
-) -> int:
-    """Default KV bytes per rank: most of a GPU after weights, a share of host memory on CPU."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    c = config
-    per_layer = (
-        c.hidden_size * (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim
-        + c.num_q_heads * c.head_dim * c.hidden_size
-        + 3 * c.hidden_size * c.intermediate_size
-    )
-    weights = (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size) * itemsize // shards
-    if device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        return max(int(0.85 * total) - weights - 2 * _GIB, 64 << 20)
-    try:
-        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        phys = 16 * _GIB
-    return max(min(phys // (4 * world), 8 * _GIB), 64 << 20)

@@ -21,13 +21,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
+from medha_runtime.config import EngineConfig
 from medha_runtime.engine import LLMEngine
 from medha_runtime.outputs import RequestOutput
 from medha_runtime.sampling import SamplingParams
 from medha_runtime.tokenizer import Tokenizer
-from medha_sched import CostModel
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 
@@ -35,90 +33,29 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 class LLM:
     """Generate from a Llama-family model with Medha's scheduler.
 
+    ``LLM(model, **engine_args)`` or ``LLM(EngineConfig(...))``: every keyword is
+    a field of :class:`~medha_runtime.config.EngineConfig`, which documents them
+    (``dtype``, ``tp``, ``spp``, ``kvp``, ``kvp_group_tokens``, ``policy``,
+    ``target_batch_time``, ``chunk_size``, ``token_grid``, ``max_batch_requests``,
+    ``max_model_len``, ``kv_cache_tokens``, ``block_size``, ``seed``,
+    ``cost_model``, ``cost_model_out``, ``device``, ``timeout_s``,
+    ``attention_backend``, ``num_threads``, ``enable_prefix_caching``,
+    ``step_log``, ``distributed``). An unknown keyword is refused.
+
     Args:
         model: a local Hugging Face model directory, a ``.gguf`` file,
             ``"smollm2"`` (SmolLM2-135M-Instruct, fetched once into the Medha
-            cache), a hub id in the local Hugging Face cache, or ``"tiny"``
-            (the built-in model with RANDOM weights: its text is gibberish).
-            See :mod:`medha_runtime.model.names`.
-        dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"bfloat16"``, ``"float16"``.
-        tp: tensor-parallel degree (divides the KV heads).
-        spp: stream-pipeline stages (at most the number of layers).
-        kvp: KV-parallel groups; a request longer than ``kvp_group_tokens``
-            spreads its KV over several groups.
-        kvp_group_tokens: most tokens of one request one KVP group holds
-            (a multiple of ``block_size``); default: the context over ``kvp``.
-            Small values force sharding with short prompts.
-        policy: scheduling policy (``lars-mp``, ``lars``, ``edf``, ``lrs``,
-            ``srpt``, ``fcfs``).
-        target_batch_time: iteration-time budget in seconds (adaptive chunking).
-            Default: 50 ms, raised to twice the predicted time of one
-            ``token_grid`` chunk at the end of the context when that is more
-            (so the longest prompt stays schedulable on slow devices).
-        chunk_size: a fixed per-batch token budget instead of adaptive chunking
-            (``0``: whole prompts).
-        token_grid: chunk sizes are multiples of this (scheduler default 32).
-        max_batch_requests: most requests per batch.
-        max_model_len: longest prompt plus output (default: the model's
-            ``max_position_embeddings``, limited by the KV cache).
-        kv_cache_tokens: KV tokens in each KVP group's pool (default: sized
-            from device memory).
-        block_size: tokens per KV block.
-        seed: seeds requests that give no ``seed`` of their own.
-        cost_model: a ``medha_sched`` cost model or spec string
-            (``"affine:base=...,per_token=...,per_attn=..."``,
-            ``"table:PATH"`` from ``medha-runtime profile``); default: an
-            affine model calibrated with a few synthetic steps at start-up.
-        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
-        timeout_s: bound on every collective between workers.
-        step_log: write every batch's timings and work to this JSON-lines
-            file (see :mod:`medha_runtime.step_log`).
+            cache), a hub id in the local Hugging Face cache, ``"tiny"``
+            (the built-in model with RANDOM weights: its text is gibberish),
+            or a whole :class:`~medha_runtime.config.EngineConfig`.
+        num_threads: torch CPU threads per rank (default: cores divided by
+            the ranks on this node; with one rank, torch's current setting).
     """
 
     def __init__(
-        self,
-        model: str | os.PathLike[str] = "tiny",
-        *,
-        dtype: str | torch.dtype = "auto",
-        tp: int = 1,
-        spp: int = 1,
-        kvp: int = 1,
-        kvp_group_tokens: int | None = None,
-        policy: str = "lars-mp",
-        target_batch_time: float | None = None,
-        chunk_size: int | None = None,
-        token_grid: int | None = None,
-        max_batch_requests: int | None = None,
-        max_model_len: int | None = None,
-        kv_cache_tokens: int | None = None,
-        block_size: int = 16,
-        seed: int = 0,
-        cost_model: CostModel | str | None = None,
-        device: str | None = None,
-        timeout_s: float = 60.0,
-        step_log: str | os.PathLike[str] | None = None,
+        self, model: str | os.PathLike[str] | EngineConfig = "tiny", **engine_args: Any
     ) -> None:
-        self.engine = LLMEngine(
-            model,
-            dtype=dtype,
-            tp=tp,
-            spp=spp,
-            kvp=kvp,
-            kvp_group_tokens=kvp_group_tokens,
-            policy=policy,
-            target_batch_time=target_batch_time,
-            chunk_size=chunk_size,
-            token_grid=token_grid,
-            max_batch_requests=max_batch_requests,
-            max_model_len=max_model_len,
-            kv_cache_tokens=kv_cache_tokens,
-            block_size=block_size,
-            seed=seed,
-            cost_model=cost_model,
-            device=device,
-            timeout_s=timeout_s,
-            step_log=step_log,
-        )
+        self.engine = LLMEngine(EngineConfig.build(model, **engine_args))
         self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
 
     # --------------------------------------------------------------- lifecycle

@@ -259,7 +259,7 @@ def test_dist_config_validates() -> None:
         DistConfig(world_size=2, keepalive_s=9, control_timeout_s=5)
     with pytest.raises(ValueError, match="master_port must be at most 65535, got 70000"):
         DistConfig(world_size=2, master_port=70000)
-    from medha_runtime.server import EngineArgs
+    from medha_runtime.config import EngineConfig
 
     with pytest.raises(ValueError, match=r"world has 4 ranks but tp\*spp\*kvp = 2\*1\*1 = 2"):
-        EngineArgs(tp=2, distributed=DistConfig(world_size=4))
+        EngineConfig(tp=2, distributed=DistConfig(world_size=4))

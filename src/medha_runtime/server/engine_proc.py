@@ -29,7 +29,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from medha_runtime.dist_config import DistConfig
+from medha_runtime.config import EngineConfig
 from medha_runtime.executor import WorkerError
 from medha_runtime.sampling import SamplingParams
 from medha_runtime.server.pulse import Pulse
@@ -122,71 +122,26 @@ class Heartbeat:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineArgs:
-    """What the engine process builds: :class:`~medha_runtime.engine.LLMEngine`'s arguments.
+    """What the engine process builds: an :class:`~medha_runtime.config.EngineConfig`
+    (validated when made) plus the server's admission mode.
 
-    ``distributed`` (multi-node or torchrun) makes the engine process rank 0 of
-    a ``torch.distributed`` world of ``tp * spp * kvp`` ranks.
+    ``engine.distributed`` (multi-node or torchrun) makes the engine process
+    rank 0 of a ``torch.distributed`` world of ``tp * spp * kvp`` ranks.
     """
 
-    model: str = "tiny"
-    dtype: str = "auto"
-    tp: int = 1
-    spp: int = 1
-    kvp: int = 1
-    policy: str = "lars-mp"
-    chunk_size: int | None = None
-    target_batch_time: float | None = None
-    max_model_len: int | None = None
-    kv_cache_tokens: int | None = None
-    seed: int = 0
-    cost_model: str | None = None
-    device: str | None = None
-    distributed: DistConfig | None = None
-    step_log: str | None = None
-    cost_model_out: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
     #: "accept" runs every request; "reject" refuses requests predicted to miss their TTFT SLO
     admission: str = "accept"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "spp", "kvp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {self.engine!r}")
         if self.admission not in ("accept", "reject"):
             raise ValueError(f"admission must be 'accept' or 'reject', got {self.admission!r}")
-        world = self.tp * self.spp * self.kvp
-        if self.distributed is not None and self.distributed.world_size != world:
-            raise ValueError(
-                f"the distributed world has {self.distributed.world_size} ranks but "
-                f"tp*spp*kvp = {self.tp}*{self.spp}*{self.kvp} = {world}"
-            )
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {
-            "dtype": self.dtype,
-            "tp": self.tp,
-            "spp": self.spp,
-            "kvp": self.kvp,
-            "policy": self.policy,
-            "seed": self.seed,
-        }
-        for name in (
-            "chunk_size",
-            "target_batch_time",
-            "max_model_len",
-            "kv_cache_tokens",
-            "cost_model",
-            "device",
-            "distributed",
-            "step_log",
-            "cost_model_out",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                kw[name] = value
-        kw.update(self.extra)
-        return kw
+    @property
+    def model(self) -> str:
+        return self.engine.model
 
 
 # --------------------------------------------------------------------- loop
@@ -228,7 +183,7 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
         from medha_runtime.engine import LLMEngine
 
         try:
-            engine = LLMEngine(args.model, **args.engine_kwargs())
+            engine = LLMEngine(args.engine)
         except BaseException as exc:
             send(EngineFailed(f"{type(exc).__name__}: {exc}"))
             return
