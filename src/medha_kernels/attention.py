@@ -27,7 +27,7 @@ from medha_kernels._checks import (
     default_sm_scale,
 )
 from medha_kernels.backends import resolve
-from medha_kernels.plan import _plan, check_q_and_cache
+from medha_kernels.plan import _plan, _validate, check_q_and_cache
 
 _Q = "[num_q, num_qo_heads, head_dim]"
 _KV = "[num_kv, num_kv_heads, head_dim]"
@@ -111,18 +111,17 @@ def paged_attention(
     instead (this function plans and runs in one call).
     """
     check_q_and_cache(q, k_cache, v_cache)
-    plan = _plan(
+    meta = _validate(
         cu_seqlens_q,
         kv_lens,
         block_table,
-        q.shape[1],
-        k_cache.shape[2],
-        q.shape[2],
-        k_cache.shape[1],
-        q.dtype,
-        causal,
-        sm_scale,
-        backend,
+        num_qo_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        head_dim=q.shape[2],
+        block_size=k_cache.shape[1],
+        dtype=q.dtype,
+        causal=causal,
+        sm_scale=sm_scale,
         num_q=q.shape[0],
     )
-    return plan.run(q, k_cache, v_cache)
+    return _plan(meta, backend).run(q, k_cache, v_cache)

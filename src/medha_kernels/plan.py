@@ -168,56 +168,30 @@ def plan_paged_attention(
     Returns:
         A :class:`PagedAttentionPlan`.
     """
-    return _plan(
-        cu_seqlens_q,
-        kv_lens,
-        block_table,
-        num_qo_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        dtype,
-        causal,
-        sm_scale,
-        backend,
-        num_q=None,
-    )
-
-
-def _plan(
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    causal: bool,
-    sm_scale: float | None,
-    backend: str,
-    *,
-    num_q: int | None,
-) -> PagedAttentionPlan:
     meta = _validate(
         cu_seqlens_q,
         kv_lens,
         block_table,
-        num_qo_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        dtype,
-        bool(causal),
-        default_sm_scale(head_dim, sm_scale),
-        num_q,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        causal=causal,
+        sm_scale=sm_scale,
     )
+    return _plan(meta, backend)
+
+
+def _plan(meta: PagedMeta, backend: str) -> PagedAttentionPlan:
+    """Resolve ``backend`` for validated metadata and let it plan (if it can)."""
+    dtype, device = meta.dtype, meta.device
     # Shaped stand-ins (no memory) for backends whose "auto" limits look at the tensors.
-    like_q = torch.empty((), dtype=dtype, device=meta.device).expand(
-        meta.num_q, num_qo_heads, head_dim
+    like_q = torch.empty((), dtype=dtype, device=device).expand(
+        meta.num_q, meta.num_qo_heads, meta.head_dim
     )
-    like_cache = torch.empty((), dtype=dtype, device=meta.device).expand(
-        meta.max_block + 1, block_size, num_kv_heads, head_dim
+    like_cache = torch.empty((), dtype=dtype, device=device).expand(
+        meta.max_block + 1, meta.block_size, meta.num_kv_heads, meta.head_dim
     )
     args = (
         like_q,
@@ -229,12 +203,12 @@ def _plan(
         meta.causal,
         meta.sm_scale,
     )
-    name = resolve_name("paged_attention", backend, meta.device, args)
+    name = resolve_name("paged_attention", backend, device, args)
     plan_fn = planner("paged_attention", name)
     if plan_fn is not None:
         run = plan_fn(meta)
     else:
-        run = _unplanned(resolve("paged_attention", name, meta.device, args), meta)
+        run = _unplanned(resolve("paged_attention", name, device, args), meta)
     return PagedAttentionPlan(meta=meta, backend=name, _run=run)
 
 
@@ -258,15 +232,20 @@ def _validate(
     cu_seqlens_q: torch.Tensor,
     kv_lens: torch.Tensor,
     block_table: torch.Tensor,
+    *,
     num_qo_heads: int,
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
     dtype: torch.dtype,
     causal: bool,
-    sm_scale: float,
-    num_q: int | None,
+    sm_scale: float | None,
+    num_q: int | None = None,
 ) -> PagedMeta:
+    """Check a step's metadata (the only host reads) and return it as a :class:`PagedMeta`.
+
+    ``num_q``: the query rows ``cu_seqlens_q`` must end at (None: any).
+    """
     if dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"dtype: expected fp16, bf16 or fp32, got {dtype}")
     for name, value in (("head_dim", head_dim), ("block_size", block_size)):
@@ -315,8 +294,8 @@ def _validate(
         head_dim=int(head_dim),
         block_size=int(block_size),
         dtype=dtype,
-        causal=causal,
-        sm_scale=sm_scale,
+        causal=bool(causal),
+        sm_scale=default_sm_scale(head_dim, sm_scale),
     )
 
 

@@ -17,23 +17,38 @@ overlap, every rank must issue its KVP collectives in the same order.
 Timeouts come from ``ParallelState.initialize(timeout_s=...)``; a failed or
 timed-out collective raises :class:`~medha_parallel.errors.CommunicationError`
 naming ``kvp`` and the op, after which the process groups are unusable.
+
+Two entry points share the partial-state and merge code:
+
+- :func:`kvp_attention`: one sequence over contiguous KV shards;
+- :func:`plan_kvp_attention` then :func:`kvp_paged_attention`: a batch over a
+  paged KV cache, as a serving step runs it. Each group plans its view of the
+  step once (which sequences it holds, causal on the tail, non-causal over a
+  full earlier shard, nothing where it holds no key) and every layer runs the
+  plan and merges over the whole KVP group (``active == kvp``): groups that
+  hold nothing of a sequence contribute the empty state ``(0, -inf)``, so one
+  collective per layer serves every sequence of the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from medha_kernels import chunked_prefill_attention
+from medha_kernels import PagedAttentionPlan, chunked_prefill_attention, plan_paged_attention
 from medha_parallel.compat import all_gather_concat
 from medha_parallel.errors import named_comm
 from medha_parallel.merge import merge_partials, merge_weights, weighted_output
 from medha_parallel.state import ParallelState
 
-MergeStrategy = Literal["ag_lse_ar", "ag_all"]
-STRATEGIES: tuple[str, ...] = ("ag_lse_ar", "ag_all")
+MergeStrategy = Literal["auto", "ag_lse_ar", "ag_all"]
+STRATEGIES: tuple[str, ...] = ("auto", "ag_lse_ar", "ag_all")
+#: "auto" all-gathers whole states (one collective) up to this many bytes per rank
+AG_ALL_MAX_BYTES = 1 << 20
 
 
 class KVPCommunicator:
@@ -87,7 +102,7 @@ class KVPCommunicator:
         lse: torch.Tensor,
         *,
         active: int,
-        strategy: MergeStrategy = "ag_lse_ar",
+        strategy: MergeStrategy = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Merge every active group's partial attention state.
 
@@ -99,9 +114,13 @@ class KVPCommunicator:
             active: the number of active KVP groups; 1 returns the inputs.
             strategy: ``"ag_lse_ar"`` all-gathers the LSEs, scales the local
                 output by ``exp(lse - lse_global)`` and all-reduces the
-                outputs in fp32 (traffic independent of ``active``);
-                ``"ag_all"`` all-gathers outputs and LSEs and merges locally
-                with :func:`~medha_parallel.merge.merge_partials` (reference).
+                outputs in fp32 (two collectives; traffic independent of
+                ``active``); ``"ag_all"`` all-gathers every state, output and
+                LSE packed in one fp32 buffer (one collective), and merges
+                locally with :func:`~medha_parallel.merge.merge_partials`;
+                ``"auto"`` takes ``"ag_all"`` with two groups (the same bytes
+                as an all-reduce) or when a state is at most
+                :data:`AG_ALL_MAX_BYTES`, else ``"ag_lse_ar"``.
 
         Returns:
             ``(out, lse)`` over all active groups' keys, on every active group:
@@ -118,10 +137,12 @@ class KVPCommunicator:
             )
         if active == 1:
             return out, lse
-        lses = _all_gather(lse.detach().float(), active, group, f"merge[{strategy}].all_gather_lse")
+        if strategy == "auto":
+            small = out.numel() * 4 <= AG_ALL_MAX_BYTES
+            strategy = "ag_all" if active == 2 or small else "ag_lse_ar"
         if strategy == "ag_all":
-            outs = _all_gather(out.detach(), active, group, "merge[ag_all].all_gather_out")
-            return merge_partials(outs, lses)
+            return _merge_gathered(out, lse, active, group)
+        lses = _all_gather(lse.detach().float(), active, group, "merge[ag_lse_ar].all_gather_lse")
         w, lse_global = merge_weights(lses)
         partial = weighted_output(out.detach(), w[self.index])
         with named_comm("kvp", "merge[ag_lse_ar].all_reduce_out"):
@@ -140,6 +161,18 @@ class KVPCommunicator:
                 "callers must skip it"
             )
         return self._groups.get(active)
+
+
+def _merge_gathered(
+    out: torch.Tensor, lse: torch.Tensor, n: int, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ag_all``: one all-gather of ``[num_q, num_heads, head_dim + 1]`` states (out, then
+    LSE; fp32, or fp64 for fp64 outputs), merged locally."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    packed = torch.cat((out.detach().to(dtype), lse.detach().to(dtype).unsqueeze(-1)), dim=-1)
+    states = _all_gather(packed, n, group, "merge[ag_all].all_gather")
+    merged, lse_global = merge_partials(states[..., :-1], states[..., -1])
+    return merged.to(out.dtype), lse_global.float()
 
 
 def _all_gather(x: torch.Tensor, n: int, group: dist.ProcessGroup | None, op: str) -> torch.Tensor:
@@ -161,7 +194,7 @@ def kvp_attention(
     is_tail: bool | None = None,
     q_offset_local: int | None = None,
     sm_scale: float | None = None,
-    strategy: MergeStrategy = "ag_lse_ar",
+    strategy: MergeStrategy = "auto",
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's attention over KV sharded across the active KVP groups.
@@ -190,8 +223,7 @@ def kvp_attention(
     if is_tail is None:
         is_tail = comm.index == active - 1
     if k_shard.shape[0] == 0:  # this group holds no keys yet: an empty state
-        out = q.new_zeros(q.shape)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = empty_state(q)
     else:
         out, lse = chunked_prefill_attention(
             q,
@@ -203,3 +235,216 @@ def kvp_attention(
             backend=backend,
         )
     return comm.merge(out, lse, active=active, strategy=strategy)
+
+
+def empty_state(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state of queries that see no key: ``(0, -inf)``.
+
+    Args:
+        q: ``[num_q, num_heads, head_dim]``.
+
+    Returns:
+        ``[num_q, num_heads, head_dim]`` zeros in ``q``'s dtype and
+        ``[num_q, num_heads]`` fp32 ``-inf``.
+    """
+    out = q.new_zeros(q.shape)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@dataclass(frozen=True)
+class KVPPart:
+    """Sequences of a step that one KVP group attends to in one paged-attention call.
+
+    Attributes:
+        rows: ``[num_rows]`` int64 query rows of the step's batch, or None for
+            every row (then the plan has this one part).
+        plan: the paged-attention plan of those rows (causal or not).
+    """
+
+    rows: torch.Tensor | None
+    plan: PagedAttentionPlan
+
+
+@dataclass(frozen=True)
+class KVPAttentionPlan:
+    """One KVP group's attention over its shard for one step, planned once, run by every layer.
+
+    Attributes:
+        num_q: query rows of the step's batch.
+        parts: the paged-attention calls (at most two: a causal one and a
+            non-causal one); rows in none of them see no key on this group.
+    """
+
+    num_q: int
+    parts: tuple[KVPPart, ...]
+
+    def partial(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This group's partial state for one layer (no host read, no collective).
+
+        Args:
+            q: ``[num_q, num_qo_heads, head_dim]``, the whole batch's query.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+                this group's cache of the layer, the step's new K/V written.
+
+        Returns:
+            ``(out [num_q, num_qo_heads, head_dim]`` in q's dtype, ``lse [num_q,
+            num_qo_heads]`` fp32); ``(0, -inf)`` for rows this group holds nothing of.
+        """
+        if q.shape[0] != self.num_q:
+            raise ValueError(f"q has {q.shape[0]} rows; the plan has {self.num_q}")
+        parts = self.parts
+        if len(parts) == 1 and parts[0].rows is None:
+            return parts[0].plan.run(q, k_cache, v_cache)
+        out, lse = empty_state(q)
+        for part in parts:
+            assert part.rows is not None
+            o, s = part.plan.run(q.index_select(0, part.rows), k_cache, v_cache)
+            out.index_copy_(0, part.rows, o)
+            lse.index_copy_(0, part.rows, s)
+        return out, lse
+
+
+def plan_kvp_attention(
+    *,
+    num_q: Sequence[int],
+    kv_lens: Sequence[int],
+    is_tail: Sequence[bool],
+    block_tables: Sequence[Sequence[int]],
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    sm_scale: float | None = None,
+    backend: str = "auto",
+) -> KVPAttentionPlan:
+    """Plan one KVP group's attention of a step's batch over its paged KV shard.
+
+    Sequence ``b`` owns the next ``num_q[b]`` query rows of the batch (rows
+    are in sequence order). This group holds ``kv_lens[b]`` of its keys, in
+    blocks ``block_tables[b]``:
+
+    - on its tail group (``is_tail[b]``), the newest keys, the chunk's own
+      included: causal attention (``kv_lens[b] >= num_q[b]``);
+    - on an earlier group, a full shard before the chunk: every key;
+    - ``kv_lens[b] == 0``: the group holds nothing of it: ``(0, -inf)``.
+
+    Decodes (one query) on an earlier group join the causal call (one query
+    sees every key either way), so a step of decodes is a single call.
+    Everything is read from host lists: the only device work is building the
+    plan's tensors and :func:`~medha_kernels.plan_paged_attention`'s checks.
+
+    Args:
+        num_q: ``[batch]`` query rows per sequence, each ``>= 1``.
+        kv_lens: ``[batch]`` keys this group holds per sequence.
+        is_tail: ``[batch]`` whether this group holds the sequence's newest keys.
+        block_tables: ``[batch]`` block ids per sequence, at least
+            ``ceil(kv_lens[b] / block_size)`` each.
+        num_qo_heads, num_kv_heads, head_dim, block_size, dtype: every layer's shapes.
+        device: where the plan's tensors live (the caches' device).
+        sm_scale: default ``1 / sqrt(head_dim)``.
+        backend: the ``medha_kernels`` attention backend.
+
+    Returns:
+        A :class:`KVPAttentionPlan`.
+    """
+    batch = len(num_q)
+    if not len(kv_lens) == len(is_tail) == len(block_tables) == batch:
+        raise ValueError(
+            f"num_q, kv_lens, is_tail and block_tables need one entry per sequence; got "
+            f"{batch}, {len(kv_lens)}, {len(is_tail)} and {len(block_tables)}"
+        )
+    causal: list[int] = []
+    full: list[int] = []
+    starts = [0] * batch
+    row = 0
+    for b in range(batch):
+        n, kv = int(num_q[b]), int(kv_lens[b])
+        if n < 1 or kv < 0:
+            raise ValueError(f"sequence {b}: num_q={n} must be >= 1 and kv_lens={kv} >= 0")
+        if is_tail[b] and kv < n:
+            raise ValueError(f"sequence {b}: its tail group holds {kv} keys for {n} queries")
+        if len(block_tables[b]) < -(-kv // block_size):
+            raise ValueError(
+                f"sequence {b}: {kv} keys need {-(-kv // block_size)} blocks of {block_size}, "
+                f"got {len(block_tables[b])}"
+            )
+        starts[b] = row
+        row += n
+        if kv > 0:
+            (causal if is_tail[b] or n == 1 else full).append(b)
+    shapes = {
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "dtype": dtype,
+        "sm_scale": sm_scale,
+        "backend": backend,
+    }
+
+    def part(seqs: list[int], is_causal: bool, every_row: bool) -> KVPPart:
+        cu = [0]
+        rows: list[int] = []
+        for b in seqs:
+            cu.append(cu[-1] + int(num_q[b]))
+            if not every_row:
+                rows.extend(range(starts[b], starts[b] + int(num_q[b])))
+        tables = [list(block_tables[b][: -(-int(kv_lens[b]) // block_size)]) for b in seqs]
+        width = max((len(t) for t in tables), default=0)
+        table = [t + [0] * (width - len(t)) for t in tables]
+        plan = plan_paged_attention(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            kv_lens=torch.tensor([int(kv_lens[b]) for b in seqs], dtype=torch.int32, device=device),
+            block_table=torch.tensor(table, dtype=torch.int32, device=device).reshape(
+                len(seqs), width
+            ),
+            causal=is_causal,
+            **shapes,
+        )
+        return KVPPart(
+            None if every_row else torch.tensor(rows, dtype=torch.int64, device=device), plan
+        )
+
+    every_row = len(causal) == batch
+    parts = tuple(
+        part(seqs, is_causal, every_row)
+        for seqs, is_causal in ((causal, True), (full, False))
+        if seqs
+    )
+    return KVPAttentionPlan(num_q=row, parts=parts)
+
+
+def kvp_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    plan: KVPAttentionPlan,
+    comm: KVPCommunicator,
+    strategy: MergeStrategy = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's attention over the paged KV shards of every KVP group (one layer).
+
+    Call it on every KVP group with the same query rows, each with its own
+    plan (:func:`plan_kvp_attention`): each group attends over its shard and
+    the partial states are merged over the whole KVP group, one merge per call.
+
+    Args:
+        q: ``[num_q, num_qo_heads, head_dim]``, the batch's query (the same on every group).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+            this group's cache of the layer, with the step's new K/V written.
+        plan: this group's plan of the step.
+        comm: the KVP communicator.
+        strategy: see :meth:`KVPCommunicator.merge`.
+
+    Returns:
+        ``(out, lse)``: ``[num_q, num_qo_heads, head_dim]`` in ``q``'s dtype and
+        ``[num_q, num_qo_heads]`` fp32, attention over every group's keys.
+    """
+    out, lse = plan.partial(q, k_cache, v_cache)
+    return comm.merge(out, lse, active=comm.size, strategy=strategy)

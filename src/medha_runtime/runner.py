@@ -18,13 +18,15 @@ worker process (:mod:`medha_runtime.worker`).
   Group ``g`` builds its own :class:`~medha_runtime.model.ForwardBatch`: RoPE
   positions are absolute, but KV slots, KV lengths and block tables are
   local to the shard ``g`` holds. New tokens' KV is written only where ``g``
-  is the chunk's tail group (slot -1 elsewhere). In every layer
-  :class:`ShardedAttention` computes each sequence's partial attention over
-  ``g``'s shard (causal on the tail, non-causal over a full earlier shard,
-  the empty state ``(0, -inf)`` where ``g`` holds nothing of it) and merges the
-  partial states across the whole KVP group
-  (``KVPCommunicator.merge(..., active=kvp)``). Every group takes part in
-  every merge, so collectives always line up.
+  is the chunk's tail group (slot -1 elsewhere). Attention is
+  ``medha_parallel``'s: the first layer of a step plans ``g``'s view of the
+  batch once (:func:`~medha_parallel.kvp.plan_kvp_attention`: causal on the
+  tail, non-causal over a full earlier shard, the empty state ``(0, -inf)``
+  where ``g`` holds nothing of a sequence), and in every layer
+  :class:`ShardedAttention` runs that plan and merges the partial states
+  across the whole KVP group (:func:`~medha_parallel.kvp.kvp_paged_attention`,
+  one collective per layer with two groups). Every group takes part in every
+  merge, so collectives always line up.
 - **Sampling** happens on one rank: the last stage's TP rank 0 of KVP group 0
   (every last-stage rank has the same logits); the others return None.
 """
@@ -38,7 +40,6 @@ from typing import NamedTuple
 
 import torch
 
-from medha_kernels import paged_attention
 from medha_parallel import (
     ChunkMeta,
     KVPCommunicator,
@@ -46,6 +47,7 @@ from medha_parallel import (
     SPPCommunicator,
     TPCommunicator,
 )
+from medha_parallel.kvp import KVPAttentionPlan, kvp_paged_attention, plan_kvp_attention
 from medha_runtime.cpu_memory import keep_freed_memory
 from medha_runtime.model import ForwardBatch, KVCache, load_model
 from medha_runtime.plan import BlockTables, StepPlan
@@ -66,7 +68,8 @@ class RunnerSpec:
         block_size: tokens per block.
         group_tokens: tokens of one request one KVP group holds (``G``).
         attention_backend: the ``medha_kernels`` backend (``"auto"``).
-        kvp_merge: the KVP merge strategy (``"ag_lse_ar"`` or ``"ag_all"``).
+        kvp_merge: the KVP merge strategy (``"auto"``, ``"ag_lse_ar"`` or ``"ag_all"``,
+            see :meth:`medha_parallel.KVPCommunicator.merge`).
         timeout_s: bound on every collective (worker processes).
         num_threads: torch CPU threads per worker process (None: cores / ranks).
     """
@@ -81,7 +84,7 @@ class RunnerSpec:
     block_size: int = 16
     group_tokens: int = 16384
     attention_backend: str = "auto"
-    kvp_merge: str = "ag_lse_ar"
+    kvp_merge: str = "auto"
     timeout_s: float = 60.0
     num_threads: int | None = None
 
@@ -105,36 +108,45 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-class AttnPart(NamedTuple):
-    """Sequences of a batch attended to in one paged-attention call on this group."""
+class GroupShards(NamedTuple):
+    """What one KVP group holds of each sequence of a step (host lists, in batch order).
 
-    rows: torch.Tensor | None  # token rows (None: every row of the batch)
-    cu_seqlens_q: torch.Tensor
-    kv_lens: torch.Tensor
-    block_table: torch.Tensor
-    causal: bool
+    Attributes:
+        num_q: query rows per sequence.
+        kv_lens: keys the group holds per sequence (its chunk's own on the tail; 0: none).
+        is_tail: whether the group holds the sequence's newest keys.
+        block_tables: the group's blocks per sequence.
+    """
+
+    num_q: list[int]
+    kv_lens: list[int]
+    is_tail: list[bool]
+    block_tables: list[list[int]]
 
 
 class ShardedAttention:
-    """The KVP attention hook: partial attention over this group's shard, merged over the group.
+    """The KVP attention hook: :func:`medha_parallel.kvp.kvp_paged_attention` per layer.
 
-    :meth:`prepare` sets the step's parts (built by :func:`build_group_batch`)
-    before the forward pass; every layer then calls the hook.
+    :meth:`prepare` takes the step's :class:`GroupShards` (built by
+    :func:`build_group_batch`) before the forward pass; the first layer plans
+    the step (:func:`medha_parallel.kvp.plan_kvp_attention`) and every layer
+    runs that plan and merges over the KVP group.
     """
 
     def __init__(
-        self, comm: KVPCommunicator, *, backend: str = "auto", strategy: str = "ag_lse_ar"
+        self, comm: KVPCommunicator, *, backend: str = "auto", strategy: str = "auto"
     ) -> None:
         self.comm = comm
         self.backend = backend
         self.strategy = strategy
-        self.parts: list[AttnPart] = []
+        self.shards: GroupShards | None = None
+        self.plan: KVPAttentionPlan | None = None
 
     def __repr__(self) -> str:
         return f"ShardedAttention({self.comm}, backend={self.backend!r})"
 
-    def prepare(self, parts: list[AttnPart]) -> None:
-        self.parts = parts
+    def prepare(self, shards: GroupShards) -> None:
+        self.shards, self.plan = shards, None
 
     def __call__(
         self,
@@ -145,36 +157,28 @@ class ShardedAttention:
         *,
         layer_id: int,
     ) -> torch.Tensor:
-        parts = self.parts
-        if len(parts) == 1 and parts[0].rows is None:
-            out, lse = self._attend(q, k_cache, v_cache, parts[0])
-        else:
-            out = q.new_zeros(q.shape)
-            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-            for part in parts:
-                assert part.rows is not None
-                o, part_lse = self._attend(q.index_select(0, part.rows), k_cache, v_cache, part)
-                out.index_copy_(0, part.rows, o)
-                lse.index_copy_(0, part.rows, part_lse)
-        merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=self.strategy)  # type: ignore[arg-type]
-        return merged
-
-    def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: AttnPart
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return paged_attention(
+        if self.plan is None:
+            if self.shards is None:
+                raise RuntimeError("ShardedAttention.prepare was not called for this step")
+            self.plan = plan_kvp_attention(
+                **self.shards._asdict(),
+                num_qo_heads=q.shape[1],
+                num_kv_heads=k_cache.shape[2],
+                head_dim=q.shape[2],
+                block_size=k_cache.shape[1],
+                dtype=q.dtype,
+                device=q.device,
+                backend=self.backend,
+            )
+        out, _ = kvp_paged_attention(
             q,
             k_cache,
             v_cache,
-            cu_seqlens_q=part.cu_seqlens_q,
-            kv_lens=part.kv_lens,
-            block_table=part.block_table,
-            causal=part.causal,
-            backend=self.backend,
+            plan=self.plan,
+            comm=self.comm,
+            strategy=self.strategy,  # type: ignore[arg-type]
         )
-
-
-_TAIL, _FULL, _NONE = 0, 1, 2
+        return out
 
 
 def build_group_batch(
@@ -186,8 +190,8 @@ def build_group_batch(
     group_tokens: int,
     block_size: int,
     device: torch.device | str,
-) -> tuple[ForwardBatch, list[AttnPart]]:
-    """KVP group ``group``'s view of a step: its :class:`ForwardBatch` and attention parts.
+) -> tuple[ForwardBatch, GroupShards]:
+    """KVP group ``group``'s view of a step: its :class:`ForwardBatch` and :class:`GroupShards`.
 
     Positions are absolute; slots, KV lengths and block tables are local to
     the group's shard of each sequence (see the module docstring).
@@ -197,9 +201,7 @@ def build_group_batch(
     positions: list[int] = []
     slots: list[int] = []
     cu = [0]
-    kv_lens: list[int] = []
-    table: list[list[int]] = []
-    roles: list[int] = []
+    shards = GroupShards([], [], [], [])
     sample_rows: list[int] = []
     for c in plan.chunks:
         n = len(c.token_ids)
@@ -214,75 +216,51 @@ def build_group_batch(
         ids.extend(c.token_ids)
         positions.extend(range(c.start, c.start + n))
         blocks: list[int] = []
-        kv, role, local = 0, _NONE, 0
+        kv, is_tail, local = 0, False, 0
         if group in c.kvp_groups:
             shard = c.kvp_groups.index(group)
             blocks = tables.blocks(c.request_id, group)
-            if shard == tail:
+            is_tail = shard == tail
+            if is_tail:
                 local = c.start - shard * g_tokens
-                kv, role = local + n, _TAIL
+                kv = local + n
             else:
-                kv, role = g_tokens, _FULL
+                kv = g_tokens
         need = -(-kv // block_size)
         if len(blocks) < need:
             raise RuntimeError(
                 f"request {c.request_id!r} has {len(blocks)} blocks on KVP group {group}, "
                 f"its {kv} tokens there need {need}"
             )
-        if role == _TAIL:
+        if is_tail:
             slots.extend(
                 blocks[p // block_size] * block_size + p % block_size
                 for p in range(local, local + n)
             )
         else:
             slots.extend([-1] * n)
-        table.append(blocks[:need])
-        roles.append(role)
+        shards.num_q.append(n)
+        shards.kv_lens.append(kv)
+        shards.is_tail.append(is_tail)
+        shards.block_tables.append(blocks[:need])
         cu.append(len(ids))
-        kv_lens.append(kv)
         sample_rows.extend(logit_rows(c, len(ids) - n))
 
     def tensor(x: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype, device=device)
 
-    def padded(rows: list[list[int]]) -> torch.Tensor:
-        width = max((len(r) for r in rows), default=0)
-        data = [r + [0] * (width - len(r)) for r in rows]
-        return tensor(data, torch.int32).reshape(len(rows), width)
-
+    width = max((len(r) for r in shards.block_tables), default=0)
+    table = [r + [0] * (width - len(r)) for r in shards.block_tables]
     batch = ForwardBatch(
         input_ids=tensor(ids, torch.int64),
         positions=tensor(positions, torch.int64),
         cu_seqlens_q=tensor(cu, torch.int32),
-        kv_lens=tensor(kv_lens, torch.int32),
-        block_table=padded(table),
+        kv_lens=tensor(shards.kv_lens, torch.int32),
+        block_table=tensor(table, torch.int32).reshape(len(table), width),
         slots=tensor(slots, torch.int32),
         sample_rows=tensor(sample_rows, torch.int64),
     )
-    parts: list[AttnPart] = []
-    if kvp > 1:
-        if all(r == _TAIL for r in roles):
-            parts.append(AttnPart(None, batch.cu_seqlens_q, batch.kv_lens, batch.block_table, True))
-        else:
-            for role, causal in ((_TAIL, True), (_FULL, False)):
-                seqs = [b for b, r in enumerate(roles) if r == role]
-                if not seqs:
-                    continue
-                rows: list[int] = []
-                sub_cu = [0]
-                for b in seqs:
-                    rows.extend(range(cu[b], cu[b + 1]))
-                    sub_cu.append(len(rows))
-                parts.append(
-                    AttnPart(
-                        tensor(rows, torch.int64),
-                        tensor(sub_cu, torch.int32),
-                        tensor([kv_lens[b] for b in seqs], torch.int32),
-                        padded([table[b] for b in seqs]),
-                        causal,
-                    )
-                )
-    return batch, parts
+    return batch, shards
 
 
 def allocate_kv(
@@ -386,7 +364,7 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan) -> list[Sampled] | None:
         spec = self.spec
-        batch, parts = build_group_batch(
+        batch, shards = build_group_batch(
             plan,
             self.tables,
             group=self.group,
@@ -396,7 +374,7 @@ class ModelRunner:
             device=self.device,
         )
         if self.attention is not None:
-            self.attention.prepare(parts)
+            self.attention.prepare(shards)
         hidden = None
         spp = self.spp
         if spp is not None and not spp.is_first:

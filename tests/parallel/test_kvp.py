@@ -15,7 +15,13 @@ import torch
 
 from medha_kernels import merge_states
 from medha_parallel import CommunicationError, ParallelLayout, ParallelState
-from medha_parallel.kvp import STRATEGIES, KVPCommunicator, kvp_attention
+from medha_parallel.kvp import (
+    STRATEGIES,
+    KVPCommunicator,
+    kvp_attention,
+    kvp_paged_attention,
+    plan_kvp_attention,
+)
 from medha_parallel.merge import merge_partials
 from tests.numerics import assert_twice_torch
 
@@ -187,6 +193,7 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
             strategy=strategy,
             backend="torch",
         )
+    res["paged"] = _paged_batches(comm)
     # active == 1: group 0 alone, no collective; group 1 must be refused.
     out, lse = torch.randn(3, 4, 8), torch.randn(3, 4)
     if comm.is_active(1):
@@ -217,6 +224,59 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
         while not flag.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     return res
+
+
+# ---------------------------------------------------------------- KVP2 paged batches
+
+BLOCK, SHARD = 4, 12  # 12-token shards of three 4-token blocks
+# name -> (seed, query start, query end): keys 0..end-1 are the sequence's context.
+PAGED_SEQS = {"prefill": (1, 15, 20), "decode": (1, 19, 20), "local": (2, 4, 7)}
+PAGED_BATCHES = {"mixed": ("prefill", "decode", "local"), "decodes": ("decode",)}
+
+
+def _paged_batches(comm: KVPCommunicator) -> dict:
+    """Every batch of PAGED_BATCHES through :func:`kvp_paged_attention` on this group.
+
+    Each sequence's shard of group ``g`` is keys ``[12 g, 12 (g + 1))`` of its
+    context, written to scattered blocks of a paged cache; "local" (7 keys)
+    lives on group 0 only, so group 1 holds nothing of it.
+    """
+    k_cache = torch.zeros(16, BLOCK, NUM_KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    free = [13, 2, 7, 0, 11, 5, 9, 14, 3, 8, 1, 6]
+    tables: dict[str, list[int]] = {}
+    for name, (seed, _, end) in PAGED_SEQS.items():
+        _, k, v = _qkv(end, seed)
+        lo, hi = SHARD * comm.index, min(end, SHARD * (comm.index + 1))
+        blocks = tables[name] = [free.pop() for _ in range(-(-max(0, hi - lo) // BLOCK))]
+        for j in range(max(0, hi - lo)):
+            k_cache[blocks[j // BLOCK], j % BLOCK] = k[lo + j]
+            v_cache[blocks[j // BLOCK], j % BLOCK] = v[lo + j]
+    out: dict = {}
+    for batch, names in PAGED_BATCHES.items():
+        seqs = [PAGED_SEQS[n] for n in names]
+        q = torch.cat([_qkv(end, seed)[0][start:end] for seed, start, end in seqs])
+        tails = [(end - 1) // SHARD for _, _, end in seqs]
+        plan = plan_kvp_attention(
+            num_q=[end - start for _, start, end in seqs],
+            kv_lens=[
+                max(0, min(end, SHARD * (comm.index + 1)) - SHARD * comm.index)
+                for _, _, end in seqs
+            ],
+            is_tail=[t == comm.index for t in tails],
+            block_tables=[tables[n] for n in names],
+            num_qo_heads=NUM_QO_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK,
+            backend="torch",
+        )
+        out[batch, "parts"] = [p.rows is None for p in plan.parts]
+        for strategy in STRATEGIES:
+            out[batch, strategy] = kvp_paged_attention(
+                q, k_cache, v_cache, plan=plan, comm=comm, strategy=strategy
+            )
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +327,40 @@ def test_kvp2_empty_shard_contributes_nothing(kvp2) -> None:
             assert_twice_torch(lse, ref_lse, base_lse, what=f"{strategy} LSE")
 
 
+def test_kvp2_paged_batches_equal_full_attention(kvp2) -> None:
+    """Prefill chunks, decodes and a sequence one group lacks, in one planned step."""
+    for batch, names in PAGED_BATCHES.items():
+        truth, base = [], []
+        for name in names:
+            seed, start, end = PAGED_SEQS[name]
+            q, k, v = _qkv(end, seed)
+            truth.append(_attention(q[start:end], k, v, q_pos=start))
+            base.append(_baseline(q[start:end], k, v, q_pos=start))
+        ref_out, ref_lse = (torch.cat(x) for x in zip(*truth, strict=True))
+        base_out, base_lse = (torch.cat(x) for x in zip(*base, strict=True))
+        for res in kvp2:
+            for strategy in STRATEGIES:
+                out, lse = res["paged"][batch, strategy]
+                what = f"group {res['index']} {batch} {strategy}"
+                assert_twice_torch(out, ref_out, base_out, what=f"{what} output")
+                assert_twice_torch(lse, ref_lse, base_lse, what=f"{what} LSE")
+    # group 0: prefill on a full shard (non-causal), the rest causal; group 1 lacks
+    # "local"; a step of decodes is one call over every row on both groups.
+    assert kvp2[0]["paged"]["mixed", "parts"] == [False, False]
+    assert kvp2[1]["paged"]["mixed", "parts"] == [False]
+    assert all(res["paged"]["decodes", "parts"] == [True] for res in kvp2)
+
+
+def test_plan_kvp_attention_refuses_inconsistent_sequences() -> None:
+    shapes = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 4}
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        plan_kvp_attention(num_q=[1], kv_lens=[], is_tail=[True], block_tables=[[0]], **shapes)
+    with pytest.raises(ValueError, match="tail group holds 2 keys for 3 queries"):
+        plan_kvp_attention(num_q=[3], kv_lens=[2], is_tail=[True], block_tables=[[0]], **shapes)
+    with pytest.raises(ValueError, match="9 keys need 3 blocks"):
+        plan_kvp_attention(num_q=[1], kv_lens=[9], is_tail=[False], block_tables=[[0, 1]], **shapes)
+
+
 def test_kvp2_single_active_group_is_a_no_op_and_others_are_refused(kvp2) -> None:
     assert kvp2[0]["active1"] is True
     assert "outside the active prefix" in kvp2[1]["active1"]
@@ -276,7 +370,8 @@ def test_kvp_timeout_raises_communication_error_naming_group_and_op(kvp2) -> Non
     outcome = kvp2[0]["timeout"]
     assert outcome is not None, "merge with a missing peer returned instead of failing"
     message, elapsed = outcome
-    assert "merge[ag_lse_ar]" in message and "on the kvp group failed" in message
+    # the default strategy with two groups: one all-gather of the packed states
+    assert "merge[ag_all].all_gather" in message and "on the kvp group failed" in message
     assert 2.0 < elapsed < 30.0, f"expected the 3 s group timeout, took {elapsed:.1f}s"
 
 

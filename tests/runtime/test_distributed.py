@@ -127,15 +127,15 @@ def test_group_batches_split_a_sequence_by_shard() -> None:
     tables.extend("b", b.new_blocks)
     plan = StepPlan(0, (a, b))
     kw = {"kvp": 2, "group_tokens": 32, "block_size": 8, "device": "cpu"}
-    g0, parts0 = build_group_batch(plan, tables, group=0, **kw)
+    g0, shards0 = build_group_batch(plan, tables, group=0, **kw)
     assert g0.positions.tolist() == [40, 0, 1, 2]
     assert g0.kv_lens.tolist() == [9, 3]
     assert g0.slots.tolist() == [2 * 8 + 0, 24, 25, 26]  # local position 8 -> block 2
-    assert len(parts0) == 1 and parts0[0].rows is None and parts0[0].causal
-    g1, parts1 = build_group_batch(plan, tables, group=1, **kw)
+    assert shards0 == ([1, 3], [9, 3], [True, True], [[9, 2], [3]])
+    g1, shards1 = build_group_batch(plan, tables, group=1, **kw)
     assert g1.slots.tolist() == [-1, -1, -1, -1]  # group 1 writes nothing
     assert g1.kv_lens.tolist() == [32, 0]
-    assert [(p.causal, p.rows.tolist()) for p in parts1] == [(False, [0])]
+    assert shards1 == ([1, 3], [32, 0], [False, False], [[4, 5, 6, 7], []])
     crossing = StepPlan(1, (PlannedChunk("a", 30, (1, 2, 3, 4), (1,), ()),))
     with pytest.raises(ValueError, match="not inside shard"):
         build_group_batch(crossing, tables, group=0, **kw)
