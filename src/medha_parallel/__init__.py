@@ -10,6 +10,7 @@ from medha_parallel.spp import SPPStats as SPPStats
 from medha_parallel.spp import StageRunner as StageRunner
 from medha_parallel.spp_header import ChunkHeaderError as ChunkHeaderError
 from medha_parallel.spp_header import ChunkMeta as ChunkMeta
+from medha_parallel.spp_header import MicroBatch as MicroBatch
 from medha_parallel.state import ParallelState as ParallelState
 
 # isort: split

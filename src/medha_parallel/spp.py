@@ -19,6 +19,10 @@ oldest: backpressure); ``recv_chunk`` blocks, reads the fixed-size header
     on_stage_done(meta) on the first stage  # the scheduler may issue chunk i+1
 
 Decode micro-batches (``ChunkMeta.kind == 1`` by convention) take the same path.
+A :class:`~medha_parallel.spp_header.MicroBatch` (chunks of several sequences
+run in one forward pass, as a serving engine batches them) goes wherever a
+``ChunkMeta`` goes: one header, its members' metas beside the tensors, and
+the order of every member sequence checked on receipt.
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ import torch.distributed as dist
 
 from medha_parallel.errors import CommunicationError, named_comm
 from medha_parallel.spp_header import (
+    CHUNKS_TENSOR,
     HEADER_WORDS,
+    MICRO_BATCH_SEQ,
     ChunkHeaderError,
     ChunkMeta,
+    MicroBatch,
     decode_header,
     encode_header,
 )
@@ -47,6 +54,7 @@ __all__ = [
     "ChunkHeaderError",
     "ChunkMeta",
     "ChunkTiming",
+    "MicroBatch",
     "SPPCommunicator",
     "SPPProtocolError",
     "SPPStats",
@@ -57,6 +65,8 @@ __all__ = [
 ]
 
 Tensors = dict[str, torch.Tensor]
+#: what one send carries: one sequence's chunk, or a micro-batch of several
+Meta = ChunkMeta | MicroBatch
 
 
 class SPPProtocolError(CommunicationError):
@@ -91,7 +101,7 @@ class SPPStats:
 class SendHandle:
     """One chunk's outstanding sends. Holds every buffer until they complete."""
 
-    def __init__(self, meta: ChunkMeta, works: list[Any], buffers: list[torch.Tensor]) -> None:
+    def __init__(self, meta: Meta, works: list[Any], buffers: list[torch.Tensor]) -> None:
         self.meta = meta
         self._works = works
         self._buffers: list[torch.Tensor] | None = buffers
@@ -127,7 +137,8 @@ class SPPCommunicator:
             ``send_chunk`` waits for the oldest (backpressure, bounded memory).
         check_order: make ``recv_chunk`` check that each sequence's chunks
             arrive with consecutive ``chunk_idx`` (from 0) and contiguous
-            ``start_pos``.
+            ``start_pos`` (the members of micro-batches too, and the
+            micro-batches themselves by ``index`` and ``stream_pos``).
 
     A tensor handed to ``send_chunk`` must not be modified until its handle
     completes (``send_chunk`` does not copy contiguous tensors).
@@ -180,15 +191,24 @@ class SPPCommunicator:
         return len(self._inflight)
 
     # -- sending ----------------------------------------------------------------
-    def send_chunk(self, meta: ChunkMeta, tensors: Mapping[str, torch.Tensor]) -> SendHandle:
+    def send_chunk(self, meta: Meta, tensors: Mapping[str, torch.Tensor]) -> SendHandle:
         """Post the header and tensors to the next stage; return without waiting.
 
+        ``meta`` is one sequence's :class:`ChunkMeta` or a :class:`MicroBatch`.
         Waits first for the oldest outstanding chunk when ``max_inflight``
         chunks are already in flight.
         """
         if self.is_last:
             raise ValueError(f"stage {self.stage} is the last stage: there is no next stage")
-        header = encode_header(meta, tensors).to(self.device)
+        if CHUNKS_TENSOR in tensors:
+            raise ChunkHeaderError(f"tensor name {CHUNKS_TENSOR!r} is reserved")
+        if isinstance(meta, MicroBatch):
+            tensors = {**tensors, CHUNKS_TENSOR: meta.chunks_tensor().to(self.device)}
+            header = encode_header(meta.summary(), tensors).to(self.device)
+        elif meta.seq_id == MICRO_BATCH_SEQ:
+            raise ChunkHeaderError(f"seq_id {MICRO_BATCH_SEQ} is reserved for micro-batches")
+        else:
+            header = encode_header(meta, tensors).to(self.device)
         t0 = time.perf_counter()
         self._reap()
         while len(self._inflight) >= self.max_inflight:
@@ -225,8 +245,8 @@ class SPPCommunicator:
     # -- receiving --------------------------------------------------------------
     def recv_chunk(
         self, *, expect: Mapping[str, Sequence[int | None] | None] | None = None
-    ) -> tuple[ChunkMeta, Tensors]:
-        """Receive the next chunk from the previous stage (blocking).
+    ) -> tuple[Meta, Tensors]:
+        """Receive the next chunk (or micro-batch) from the previous stage (blocking).
 
         ``expect`` optionally names exactly the tensors the caller wants, each
         with a shape (``None`` for any dim, or ``None`` for any shape). A
@@ -265,11 +285,23 @@ class SPPCommunicator:
         self.stats.chunks_received += 1
         self.stats.bytes_received += header.numel() * 8
         self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
+        got: Meta = meta
+        if meta.seq_id == MICRO_BATCH_SEQ:
+            rows = tensors.pop(CHUNKS_TENSOR, None)
+            try:
+                if rows is None:
+                    raise ChunkHeaderError(f"a micro-batch header without {CHUNKS_TENSOR!r}")
+                got = MicroBatch.from_parts(meta, rows.cpu())
+            except ChunkHeaderError as exc:
+                raise SPPProtocolError(f"recv on the spp group from stage {src}: {exc}") from exc
         if expect is not None:
             self._check_expected(meta, tensors, expect)
         if self.check_order:
             self._check_order(meta)
-        return meta, tensors
+            if isinstance(got, MicroBatch):
+                for member in got.chunks:
+                    self._check_order(member)
+        return got, tensors
 
     def forget(self, seq_id: int) -> None:
         """Stop tracking a finished sequence's chunk order."""
@@ -322,7 +354,7 @@ class ChunkTiming:
     ``end``: compute done; ``sent``: the send is posted (``end`` on the last stage).
     """
 
-    meta: ChunkMeta
+    meta: Meta
     wait_start: float
     start: float
     end: float
@@ -339,15 +371,24 @@ class StageRunner:
         embed: ``embed(meta, payload) -> inputs``: first stage only.
         on_stage_done: called with the chunk's meta once the first stage has
             finished it and posted its send: the next chunk may be issued.
+        expect: ``expect(meta) -> {name: shape}``: the tensors a later stage
+            must receive for a chunk (see :meth:`SPPCommunicator.recv_chunk`);
+            None checks nothing.
+        keep_timeline: record a :class:`ChunkTiming` per chunk (a long-running
+            server turns it off).
+
+    A chunk is one sequence's :class:`ChunkMeta` or a :class:`MicroBatch`.
     """
 
     def __init__(
         self,
         comm: SPPCommunicator,
-        layers: Callable[[ChunkMeta, Tensors], Tensors],
+        layers: Callable[[Meta, Tensors], Tensors],
         *,
-        embed: Callable[[ChunkMeta, Any], Tensors] | None = None,
-        on_stage_done: Callable[[ChunkMeta], None] | None = None,
+        embed: Callable[[Meta, Any], Tensors] | None = None,
+        on_stage_done: Callable[[Meta], None] | None = None,
+        expect: Callable[[Meta], Mapping[str, Sequence[int | None] | None]] | None = None,
+        keep_timeline: bool = True,
     ) -> None:
         if comm.is_first and embed is None:
             raise ValueError("the first stage needs an embed function")
@@ -355,14 +396,16 @@ class StageRunner:
         self.layers = layers
         self.embed = embed
         self.on_stage_done = on_stage_done
+        self.expect = expect
+        self.keep_timeline = keep_timeline
         self.timeline: list[ChunkTiming] = []
 
-    def step(self, meta: ChunkMeta | None = None, payload: Any = None) -> tuple[ChunkMeta, Tensors]:
+    def step(self, meta: Meta | None = None, payload: Any = None) -> tuple[Meta, Tensors]:
         """Process one chunk; return its meta and this stage's outputs.
 
         The first stage needs ``meta`` and ``payload`` (e.g. token ids); later
         stages receive both meta and inputs, and check them against ``meta``
-        when given.
+        when given (and the tensors against ``expect(meta)``).
         """
         wait_start = time.perf_counter()
         if self.comm.is_first:
@@ -370,7 +413,8 @@ class StageRunner:
                 raise ValueError("the first stage needs the chunk's meta and payload")
             x = self.embed(meta, payload)
         else:
-            got, x = self.comm.recv_chunk()
+            expect = None if self.expect is None or meta is None else self.expect(meta)
+            got, x = self.comm.recv_chunk(expect=expect)
             if meta is not None and got != meta:
                 raise SPPProtocolError(
                     f"recv on the spp group: stage {self.comm.stage} expected {meta}, got {got}"
@@ -381,12 +425,13 @@ class StageRunner:
         end = time.perf_counter()
         if not self.comm.is_last:
             self.comm.send_chunk(meta, y)
-        self.timeline.append(ChunkTiming(meta, wait_start, start, end, time.perf_counter()))
+        if self.keep_timeline:
+            self.timeline.append(ChunkTiming(meta, wait_start, start, end, time.perf_counter()))
         if self.comm.is_first and self.on_stage_done is not None:
             self.on_stage_done(meta)
         return meta, y
 
-    def run(self, chunks: Iterable[tuple[ChunkMeta, Any]]) -> list[tuple[ChunkMeta, Tensors]]:
+    def run(self, chunks: Iterable[tuple[Meta, Any]]) -> list[tuple[Meta, Tensors]]:
         """Step through ``(meta, payload)`` chunks (later stages use the metas as
         checks and ignore payloads), then drain the sends."""
         out = [self.step(meta, payload) for meta, payload in chunks]

@@ -14,6 +14,14 @@ chunk therefore starts with one header of ``HEADER_WORDS`` int64 words::
     [-1] MAGIC again (a short message leaves it zero)
 
 Tensors follow in sorted-name order, each sent ``.contiguous()``.
+
+A :class:`MicroBatch` (the chunks of several sequences that one forward pass
+runs together) travels under one header whose meta is its summary
+(:meth:`MicroBatch.summary`: ``seq_id`` :data:`MICRO_BATCH_SEQ`, ``chunk_idx``
+the micro-batch's index in the stream, ``start_pos`` the stream's tokens before
+it, ``num_tokens`` its tokens), with its members' metas as one more tensor,
+``_chunks`` (int64 ``[n, 6]``: seq_id, chunk_idx, start_pos, num_tokens,
+is_last, kind per row, in batch order).
 """
 
 from __future__ import annotations
@@ -77,6 +85,73 @@ class ChunkMeta:
         for name in ("chunk_idx", "start_pos", "num_tokens"):
             if getattr(self, name) < 0:
                 raise ChunkHeaderError(f"ChunkMeta.{name} must be >= 0, got {getattr(self, name)}")
+
+
+#: the ``seq_id`` of a micro-batch's summary header (plain chunks use ids >= 0)
+MICRO_BATCH_SEQ = -1
+#: the reserved tensor that carries a micro-batch's member metas
+CHUNKS_TENSOR = "_chunks"
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """The chunks of several sequences that cross a stage together, in batch order.
+
+    ``index`` is the micro-batch's position in its stream (0, 1, ...) and
+    ``stream_pos`` the tokens the stream carried before it: together they let
+    the receiver check that micro-batches arrive in order, as it checks each
+    member sequence's chunks. Rows of the tensors follow ``chunks``.
+    """
+
+    index: int
+    stream_pos: int
+    chunks: tuple[ChunkMeta, ...]
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            raise ChunkHeaderError("a MicroBatch needs at least one chunk")
+        for c in self.chunks:
+            if not isinstance(c, ChunkMeta) or c.seq_id < 0:
+                raise ChunkHeaderError(f"MicroBatch members need seq_id >= 0, got {c!r}")
+        seqs = [c.seq_id for c in self.chunks]
+        if len(set(seqs)) != len(seqs):
+            raise ChunkHeaderError(f"a MicroBatch holds one chunk per sequence, got seqs {seqs}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def summary(self) -> ChunkMeta:
+        """The meta its header carries."""
+        return ChunkMeta(MICRO_BATCH_SEQ, self.index, self.stream_pos, self.num_tokens)
+
+    def chunks_tensor(self) -> torch.Tensor:
+        """int64 ``[n, 6]``: one row per member (see the module docstring)."""
+        rows = [
+            [c.seq_id, c.chunk_idx, c.start_pos, c.num_tokens, int(c.is_last), c.kind]
+            for c in self.chunks
+        ]
+        return torch.tensor(rows, dtype=torch.int64)
+
+    @classmethod
+    def from_parts(cls, summary: ChunkMeta, rows: torch.Tensor) -> MicroBatch:
+        """Rebuild a received micro-batch; ChunkHeaderError if the parts disagree."""
+        if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != 6:
+            raise ChunkHeaderError(
+                f"{CHUNKS_TENSOR} must be int64 [n, 6], got {rows.dtype} {list(rows.shape)}"
+            )
+        chunks = []
+        for seq, idx, pos, n, last, kind in rows.tolist():
+            if last not in (0, 1):
+                raise ChunkHeaderError(f"{CHUNKS_TENSOR}: is_last must be 0 or 1, got {last}")
+            chunks.append(ChunkMeta(seq, idx, pos, n, is_last=bool(last), kind=kind))
+        batch = cls(summary.chunk_idx, summary.start_pos, tuple(chunks))
+        if batch.num_tokens != summary.num_tokens:
+            raise ChunkHeaderError(
+                f"micro-batch header announces {summary.num_tokens} tokens, its chunks "
+                f"hold {batch.num_tokens}"
+            )
+        return batch
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from medha_parallel.spp_header import (
     MAX_TENSORS,
     ChunkHeaderError,
     ChunkMeta,
+    MicroBatch,
     decode_header,
     encode_header,
 )
@@ -87,6 +88,21 @@ def test_header_rejects_bad_input_with_clear_errors() -> None:
         encode_header(meta, {f"t{i}": torch.zeros(1) for i in range(MAX_TENSORS + 1)})
     with pytest.raises(ChunkHeaderError, match="chunk_idx"):
         ChunkMeta(seq_id=0, chunk_idx=-1, start_pos=0, num_tokens=1)
+
+
+def test_micro_batch_parts_round_trip_and_reject_bad_input() -> None:
+    chunks = (ChunkMeta(5, 2, 64, 32), ChunkMeta(9, 7, 300, 1, is_last=True, kind=1))
+    batch = MicroBatch(3, 1000, chunks)
+    assert batch.num_tokens == 33 and batch.summary() == ChunkMeta(-1, 3, 1000, 33)
+    assert MicroBatch.from_parts(batch.summary(), batch.chunks_tensor()) == batch
+    with pytest.raises(ChunkHeaderError, match="announces 34 tokens"):
+        MicroBatch.from_parts(ChunkMeta(-1, 3, 1000, 34), batch.chunks_tensor())
+    with pytest.raises(ChunkHeaderError, match="one chunk per sequence"):
+        MicroBatch(0, 0, (ChunkMeta(5, 0, 0, 1), ChunkMeta(5, 1, 1, 1)))
+    with pytest.raises(ChunkHeaderError, match="seq_id >= 0"):
+        MicroBatch(0, 0, (ChunkMeta(-1, 0, 0, 1),))
+    with pytest.raises(ChunkHeaderError, match="at least one chunk"):
+        MicroBatch(0, 0, ())
 
 
 def test_toy_model_chunked_equals_full(one_thread) -> None:
@@ -243,6 +259,11 @@ def _errors(rank: int, world_size: int, init: str, flag: str) -> dict:
         comm.send_chunk(ChunkMeta(12, 2, 8, 4), h)  # chunk 1 skipped
         comm.send_chunk(ChunkMeta(13, 1, 4, 4), h)  # a sequence starting mid-way
         comm.send_chunk(ChunkMeta(14, 0, 0, 4), h)  # the stream is still in step
+        record("reserved", lambda: comm.send_chunk(ChunkMeta(-1, 0, 0, 4), h))
+        mb = (ChunkMeta(20, 0, 0, 3), ChunkMeta(21, 0, 5, 1, is_last=True, kind=1))
+        comm.send_chunk(MicroBatch(0, 0, mb), h)  # two sequences in one forward pass
+        mb = (ChunkMeta(20, 1, 3, 2), ChunkMeta(21, 2, 6, 2))  # seq 21 skips chunk 1
+        comm.send_chunk(MicroBatch(1, 4, mb), h)
         comm.drain()
         out["inflight"] = comm.inflight
         deadline = time.monotonic() + 30  # stay alive (PG open) until rank 1 timed out
@@ -256,6 +277,9 @@ def _errors(rank: int, world_size: int, init: str, flag: str) -> dict:
         record("skipped", comm.recv_chunk)
         record("midway", comm.recv_chunk)
         record("still_in_step", lambda: comm.recv_chunk(expect={"hidden": (4, 16)}))
+        got = comm.recv_chunk(expect={"hidden": (4, 16)})
+        out["micro_batch"] = (got[0], sorted(got[1]))
+        record("mb_skipped", comm.recv_chunk)
         t = time.perf_counter()
         record("timeout", comm.recv_chunk)  # nobody sends: the group timeout fires
         out["timeout_s"] = time.perf_counter() - t
@@ -278,6 +302,16 @@ def test_spp_failures_raise_clear_errors_and_do_not_hang(tmp_path: Path) -> None
     name, _, msg = s1["midway"]
     assert name == "SPPProtocolError" and "expected 0" in msg
     assert s1["still_in_step"] is None
+    name, _, msg = s0["reserved"]
+    assert name == "ChunkHeaderError" and "reserved" in msg
+    meta, names = s1["micro_batch"]
+    assert names == ["hidden"] and isinstance(meta, MicroBatch)
+    assert [(c.seq_id, c.start_pos, c.num_tokens, c.is_last) for c in meta.chunks] == [
+        (20, 0, 3, False),
+        (21, 5, 1, True),
+    ]
+    name, _, msg = s1["mb_skipped"]
+    assert name == "SPPProtocolError" and "seq 21 expected chunk_idx 1" in msg
     name, is_comm, msg = s1["timeout"]
     assert name == "CommunicationError" and is_comm
     assert "spp" in msg and "recv" in msg and "Timed out" in msg
