@@ -10,9 +10,10 @@ worker process (:mod:`medha_runtime.worker`).
   the layers.
 - **SPP**: stage ``s`` holds layers :func:`stage_layers` ``(s)`` and the KV of
   those layers only. Stage 0 embeds the batch's tokens; every non-last stage
-  sends its hidden states for the whole batch to the next stage
-  (``SPPCommunicator.send_chunk``), which receives them (``recv_chunk``). The
-  last stage computes the logits of the sampled rows.
+  sends its hidden states for the whole batch to the next stage, under a
+  header naming each request's chunk (:class:`~medha_runtime.stage.PipelineStage`:
+  ``medha_parallel``'s ``StageRunner`` with order checks on), without waiting
+  for the send. The last stage computes the logits of the sampled rows.
 - **KVP**: every KVP group runs every token of the batch through its linear
   layers (they are replicated across KVP groups: only attention is split).
   Group ``g`` builds its own :class:`~medha_runtime.model.ForwardBatch`: RoPE
@@ -41,10 +42,8 @@ from typing import NamedTuple
 import torch
 
 from medha_parallel import (
-    ChunkMeta,
     KVPCommunicator,
     ParallelState,
-    SPPCommunicator,
     TPCommunicator,
 )
 from medha_parallel.kvp import KVPAttentionPlan, kvp_paged_attention, plan_kvp_attention
@@ -52,6 +51,7 @@ from medha_runtime.cpu_memory import keep_freed_memory
 from medha_runtime.model import ForwardBatch, KVCache, load_model
 from medha_runtime.plan import BlockTables, StepPlan
 from medha_runtime.sampling import Sampled, Sampler, logit_rows, sample_step
+from medha_runtime.stage import PipelineStage
 
 
 @dataclass(frozen=True)
@@ -331,14 +331,19 @@ class ModelRunner:
                 KVPCommunicator(state), backend=spec.attention_backend, strategy=spec.kvp_merge
             )
             self.model.set_attention(self.attention)
-        self.spp: SPPCommunicator | None = None
+        self.pipeline: PipelineStage | None = None
         if spec.spp > 1:
             assert state is not None
-            self.spp = SPPCommunicator(state, check_order=False)
+            self.pipeline = PipelineStage(
+                state,
+                self.model,
+                self.kv,
+                hidden_size=self.config.hidden_size,
+                max_inflight=max(2, spec.spp),
+            )
         is_sampler = stage == spec.spp - 1 and tp == 0 and group == 0
         self.sampler: Sampler | None = Sampler() if is_sampler else None
         self.tables = BlockTables()
-        self._chunks_sent = 0
 
     @property
     def is_sampler(self) -> bool:
@@ -349,6 +354,9 @@ class ModelRunner:
         """Run one step; the sampling rank returns one :class:`Sampled` per sampled row."""
         self.tables.drop(plan.free)
         self.tables.drop(plan.finished)
+        if self.pipeline is not None:
+            self.pipeline.forget(plan.free)
+            self.pipeline.forget(plan.finished)
         if self.sampler is not None:
             self.sampler.forget(plan.finished)
         for c in plan.chunks:
@@ -359,6 +367,8 @@ class ModelRunner:
         finally:
             if plan.release_after:
                 self.tables.drop(plan.release_after)
+                if self.pipeline is not None:
+                    self.pipeline.forget(plan.release_after)
                 if self.sampler is not None:
                     self.sampler.forget(plan.release_after)
 
@@ -375,22 +385,12 @@ class ModelRunner:
         )
         if self.attention is not None:
             self.attention.prepare(shards)
-        hidden = None
-        spp = self.spp
-        if spp is not None and not spp.is_first:
-            _, tensors = spp.recv_chunk(
-                expect={"hidden": (batch.num_tokens, self.config.hidden_size)}
-            )
-            hidden = tensors["hidden"]
-        out = self.model(batch, self.kv, hidden)
-        if spp is not None and not spp.is_last:
-            meta = ChunkMeta(
-                seq_id=0, chunk_idx=self._chunks_sent, start_pos=0, num_tokens=batch.num_tokens
-            )
-            self._chunks_sent += 1
-            spp.send_chunk(meta, {"hidden": out})
-            spp.drain()
-            return None
+        if self.pipeline is None:
+            out = self.model(batch, self.kv)
+        else:
+            out = self.pipeline.run(plan, batch)  # non-last stages: sent on, not awaited
+            if not self.pipeline.is_last:
+                return None
         if self.sampler is None:
             return None
         return sample_step(self.sampler, out, plan.chunks)  # type: ignore[return-value]
