@@ -25,8 +25,6 @@ from typing import Any
 
 import tokenizers
 
-from medha_runtime.model.errors import ConfigError, MissingFileError
-
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -100,11 +98,11 @@ class Tokenizer:
         directory = Path(path)
         file = directory / TOKENIZER_FILE
         if not file.is_file():
-            raise MissingFileError(f"{file} not found: the tokenizer needs a tokenizer.json")
+            raise _missing_file_error(f"{file} not found: the tokenizer needs a tokenizer.json")
         try:
             tok = tokenizers.Tokenizer.from_file(str(file))
         except Exception as exc:
-            raise ConfigError(f"{file}: cannot be read by tokenizers ({exc})") from None
+            raise _config_error(f"{file}: cannot be read by tokenizers ({exc})") from None
         tcfg = _read_json(directory / TOKENIZER_CONFIG_FILE)
         gcfg = _read_json(directory / GENERATION_CONFIG_FILE)
         template_file = directory / CHAT_TEMPLATE_FILE
@@ -233,15 +231,29 @@ class DetokenizeState:
         return new
 
 
+def _config_error(message: str) -> Exception:
+    # imported here: medha_runtime.model imports torch, and the HTTP front end uses
+    # this module without it
+    from medha_runtime.model.errors import ConfigError
+
+    return ConfigError(message)
+
+
+def _missing_file_error(message: str) -> Exception:
+    from medha_runtime.model.errors import MissingFileError
+
+    return MissingFileError(message)
+
+
 def _read_json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         return {}
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{file}: invalid JSON ({exc})") from None
+        raise _config_error(f"{file}: invalid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{file}: expected a JSON object")
+        raise _config_error(f"{file}: expected a JSON object")
     return data
 
 
@@ -252,8 +264,8 @@ def _pick_template(value: Any, source: Path) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
         if "default" in named:
             return named["default"]
-        raise ConfigError(f"{source}: chat_template list has no 'default' entry ({list(named)})")
-    raise ConfigError(f"{source}: chat_template must be a string or a list, got {type(value)}")
+        raise _config_error(f"{source}: chat_template list has no 'default' entry ({list(named)})")
+    raise _config_error(f"{source}: chat_template must be a string or a list, got {type(value)}")
 
 
 def _raise_exception(message: str) -> None:

@@ -21,18 +21,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from medha_runtime.server.engine_proc import (
+from medha_runtime.server.engine_proc import EngineArgs, engine_main
+from medha_runtime.server.messages import (
     AbortRequest,
     AddFailed,
     AddRequest,
     Alive,
-    EngineArgs,
     EngineFailed,
     EngineReady,
     Heartbeat,
     RequestDelta,
     Shutdown,
-    engine_main,
 )
 
 #: the engine counts as dead when no heartbeat or pulse arrived for this long
@@ -69,6 +68,8 @@ class EngineClient:
         self.out_addr = f"ipc://{os.path.join(self._dir, 'from_engine')}"
         self.proc: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._aborts: set[asyncio.Task[Any]] = set()
+        self.started_at = time.time()
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -108,7 +109,7 @@ class EngineClient:
             asyncio.create_task(self._watch_loop()),
         ]
 
-    async def stop(self, timeout_s: float = 10.0) -> None:
+    async def stop(self, timeout_s: float = 2.0) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -121,10 +122,10 @@ class EngineClient:
             await loop.run_in_executor(None, self.proc.join, timeout_s)
             if self.proc.is_alive():
                 self.proc.terminate()
-                await loop.run_in_executor(None, self.proc.join, 5.0)
+                await loop.run_in_executor(None, self.proc.join, 1.0)
             if self.proc.is_alive():
                 self.proc.kill()
-                await loop.run_in_executor(None, self.proc.join, 5.0)
+                await loop.run_in_executor(None, self.proc.join, 1.0)
         self._fail_all("the server is shutting down")
         with contextlib.suppress(Exception):
             self._pull.close(linger=0)
@@ -186,9 +187,23 @@ class EngineClient:
         self.queues[msg.request_id] = (queue, index)
         await self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
+    def abort_soon(self, request_id: str) -> None:
+        """:meth:`abort` from synchronous code (a task this client keeps until it ran)."""
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    def fail_all(self, message: str) -> list[str]:
+        """End every pending request with ``message`` and abort it in the engine
+        (shutdown); returns their ids."""
+        ids = list(self.queues)
+        self._fail_all(message)
+        for rid in ids:
+            self.abort_soon(rid)
+        return ids
+
     async def abort(self, request_id: str) -> None:
-        if self.queues.pop(request_id, None) is None and self.dead is not None:
-            return
-        if self.dead is None:
+        self.queues.pop(request_id, None)
+        if self.dead is None and self.proc is not None:
             with contextlib.suppress(Exception):
                 await self._push.send(pickle.dumps(AbortRequest(request_id)))

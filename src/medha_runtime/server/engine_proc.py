@@ -1,15 +1,10 @@
 """The engine process: owns the :class:`~medha_runtime.engine.LLMEngine`, never serves HTTP.
 
 The HTTP process talks to it over two ZeroMQ PUSH/PULL sockets on ``ipc://``
-paths (pickled plain dataclasses):
-
-- HTTP -> engine: :class:`AddRequest`, :class:`AbortRequest`, :class:`Shutdown`;
-- engine -> HTTP: :class:`EngineReady` (or :class:`EngineFailed`) once, then
-  :class:`RequestDelta` s (new token ids and text, finish info),
-  :class:`AddFailed` for a request the engine refused, a
-  :class:`Heartbeat` with the scheduler's gauges every ``HEARTBEAT_S``
-  between steps, and an :class:`Alive` pulse every ``HEARTBEAT_S`` from a
-  thread (:mod:`medha_runtime.server.pulse`), which a long step cannot delay.
+paths, with the plain dataclasses of :mod:`medha_runtime.server.messages`
+(heartbeats and pulses every ``HEARTBEAT_S``). This module imports no torch
+at its top (the HTTP process imports it to start the engine process); the
+engine is imported inside :func:`engine_main`.
 
 The loop: drain incoming messages, run one ``step()`` when there is work,
 send every request's new tokens. A request's text is held back by the
@@ -30,94 +25,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from medha_runtime.config import EngineConfig
-from medha_runtime.executor import WorkerError
-from medha_runtime.sampling import SamplingParams
+from medha_runtime.server.messages import (
+    AbortRequest,
+    AddFailed,
+    AddRequest,
+    Alive,
+    EngineFailed,
+    EngineReady,
+    Heartbeat,
+    ModelInfo,
+    RequestDelta,
+    Shutdown,
+    TokenizerData,
+)
 from medha_runtime.server.pulse import Pulse
+
+__all__ = [
+    "AbortRequest",
+    "AddFailed",
+    "AddRequest",
+    "Alive",
+    "EngineArgs",
+    "EngineFailed",
+    "EngineReady",
+    "Heartbeat",
+    "RequestDelta",
+    "Shutdown",
+    "engine_main",
+]
 
 #: seconds between heartbeats
 HEARTBEAT_S = 0.25
-
-
-# ----------------------------------------------------------------- messages
-@dataclass
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-    priority: int = 0
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-@dataclass
-class EngineReady:
-    model: str
-    max_model_len: int
-    pid: int
-    dtype: str
-    layout: str
-
-
-@dataclass
-class EngineFailed:
-    message: str
-
-
-@dataclass
-class AddFailed:
-    request_id: str
-    message: str
-    bad_request: bool = True
-
-
-@dataclass
-class RequestDelta:
-    """New output of one request since its previous delta."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    #: per new token, ``{token_id: logprob}`` (chosen token first); None unless asked
-    logprobs: list[dict[int, float]] | None = None
-    #: on the first delta: whether the first token met the scheduler's TTFT deadline
-    deadline_met: bool | None = None
-    error: str | None = None
-
-
-@dataclass
-class Alive:
-    """Sent every ``HEARTBEAT_S`` by the engine's pulse thread, even mid-step."""
-
-
-@dataclass
-class Heartbeat:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    steps: int
-    error: str | None = None
-    #: relative step-time prediction errors of the steps since the last heartbeat
-    prediction_errors: list[float] = field(default_factory=list)
-    #: median relative prediction error of the last 100 steps
-    median_prediction_error: float | None = None
-    #: the prefill queue for predictive admission (``admission="reject"`` only)
-    queue: Any = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,6 +132,8 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
                 pid=os.getpid(),
                 dtype=engine.dtype,
                 layout=str(engine.layout),
+                info=_model_info(engine),
+                tokenizer=_tokenizer_data(engine.tokenizer),
             )
         )
         pulse = Pulse(ctx, out_addr, Alive(), period_s=HEARTBEAT_S)
@@ -215,8 +155,39 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
         pull.close(linger=0)
         push.close(linger=500)
         ctx.term()
-    if dead:
-        sys.exit(1)
+    # everything is shut down and saved: skip the interpreter's teardown, which takes
+    # seconds once torch is loaded (the server must stop within a few seconds)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if dead else 0)
+
+
+def _model_info(engine: Any) -> ModelInfo:
+    """The start-up summary's facts about a built engine."""
+    cache = engine.cache
+    return ModelInfo(
+        device=str(engine.spec.device),
+        policy=str(engine.scheduler_config.policy),
+        cost_model=type(engine.cost_model).__name__,
+        target_batch_time=float(engine.scheduler_config.target_batch_time),
+        kv_pool_tokens=int(cache.num_blocks_per_group * cache.block_size),
+        kvp_group_tokens=int(cache.max_tokens_per_group),
+        block_size=int(cache.block_size),
+        vocab_size=int(engine.config.vocab_size),
+    )
+
+
+def _tokenizer_data(tokenizer: Any) -> TokenizerData | None:
+    """The engine's tokenizer as plain data for the HTTP process (None: the model has none)."""
+    if tokenizer is None:
+        return None
+    return TokenizerData(
+        json=tokenizer.tokenizer.to_str(),
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        chat_template=tokenizer.chat_template,
+        stop_token_ids=tuple(tokenizer.stop_token_ids),
+    )
 
 
 class _EngineDead(RuntimeError):
@@ -225,6 +196,8 @@ class _EngineDead(RuntimeError):
 
 def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any, taker: Any = None) -> None:
     import zmq
+
+    from medha_runtime.executor import WorkerError
 
     tracks: dict[str, _Track] = {}
     last_beat = 0.0
@@ -318,11 +291,16 @@ def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send
         if not new_ids and not new_text and reason is None:
             continue  # a prefill chunk: nothing to say yet
         deadline_met = None
+        prompt_lps = None
         if not t.first_sent and new_ids:
             t.first_sent = True
             progress = engine.progress(rid)
             if progress is not None:
                 deadline_met = engine.now() <= progress.deadline
+                if progress.prompt_logprobs is not None:
+                    prompt_lps = [None, *(dict(e) for e in progress.prompt_logprobs)]
+            elif out is not None:
+                prompt_lps = out.prompt_logprobs
         new_lp = None
         if logprobs is not None:
             new_lp = [dict(e) for e in logprobs[t.tokens_sent : len(ids)]]
@@ -339,6 +317,7 @@ def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send
                 stop_reason,
                 new_lp,
                 deadline_met,
+                prompt_logprobs=prompt_lps,
             )
         )
         if reason is not None:
@@ -366,6 +345,8 @@ def _heartbeat(
         prediction_errors=feedback.drain(),
         median_prediction_error=feedback.median_error,
         queue=queue,
+        prefill_tokens=int(engine.stats.prefill_tokens),
+        decode_tokens=int(engine.stats.decode_tokens),
     )
 
 

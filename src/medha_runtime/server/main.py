@@ -1,9 +1,13 @@
-"""Start the server: build the app (which starts the engine process) and run uvicorn.
+"""Start the server: check what can fail at once, then the app (which starts the engine) and uvicorn.
 
-uvicorn handles SIGINT and SIGTERM: it stops accepting connections, gives
-in-flight requests ``graceful_s`` to finish, then the app's lifespan stops the
-engine process (which shuts its workers down); requests still pending get an
-error.
+Start-up errors come first, as one line each, before the engine starts: the
+port is bound here (a port in use fails within a second) and ``--device
+cuda`` is checked against the machine's NVIDIA devices.
+
+SIGINT and SIGTERM abort every in-flight request at once (non-streaming ones
+get a 503, streams an error event), then uvicorn stops accepting
+connections and the app's lifespan stops the engine process (which shuts its
+workers down): the process exits 0 within seconds, without a traceback.
 
 If the engine dies (or one of its workers does), pending requests get an
 error at once, new ones get 503 for ``exit_after_engine_death_s``, then the
@@ -14,12 +18,44 @@ prints it and exits with code 1) so a supervisor can restart it.
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
+import socket
 import sys
+from typing import Any
 
 from medha_runtime.server.app import ServerConfig, build_app
 from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from medha_runtime.server.client import EngineDeadError
 from medha_runtime.server.engine_proc import EngineArgs
+from medha_runtime.server.logs import setup_logging
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; OSError (one line) if it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = "the port is in use" if exc.errno in (98, 48) else exc.strerror or str(exc)
+        raise OSError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def check_device(device: str | None) -> None:
+    """Refuse ``cuda`` on a machine without an NVIDIA device (without importing torch)."""
+    if device != "cuda":
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        raise ValueError("--device cuda: CUDA_VISIBLE_DEVICES hides every GPU")
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/proc/driver/nvidia/version"):
+        raise ValueError("--device cuda: this machine has no NVIDIA GPU (no /dev/nvidia*)")
 
 
 def run_server(
@@ -30,34 +66,42 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
-    graceful_s: float = 5.0,
+    log_requests: bool = True,
+    graceful_s: float = 3.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     exit_after_engine_death_s: float | None = 2.0,
+    stats_interval_s: float = 10.0,
 ) -> None:
     import uvicorn
 
+    setup_logging(log_level)
+    check_device(engine.engine.device)
+    sock = bind_socket(host, port)
     config = ServerConfig(
         engine=engine,
         served_model_name=served_model_name,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         exit_after_engine_death_s=exit_after_engine_death_s,
+        log_requests=log_requests,
+        stats_interval_s=stats_interval_s,
+        address=f"http://{host}:{sock.getsockname()[1]}",
     )
     app = build_app(config)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
-            host=host,
-            port=port,
             log_level=log_level,
             timeout_graceful_shutdown=graceful_s,
             access_log=False,
-        )
+        ),
+        app,
     )
     app.state.request_exit = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises Ctrl-C once it stopped; uvicorn.run swallows it, so do we
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+        server.run(sockets=[sock])
+    sock.close()
     if app.state.start_error is not None:
         raise EngineDeadError(app.state.start_error)
     if not server.started:
@@ -67,3 +111,28 @@ def run_server(
         raise EngineDeadError(
             f"the engine died ({dead}); the server stopped so that it can be restarted"
         )
+
+
+def _uvicorn_server() -> Any:
+    import uvicorn
+
+    return uvicorn.Server
+
+
+class _Server(_uvicorn_server()):  # type: ignore[misc]
+    """uvicorn's server, plus: the first SIGINT/SIGTERM ends every in-flight request."""
+
+    def __init__(self, config: Any, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        # uvicorn raises the signal again once it stopped (exit status -15 for
+        # SIGTERM); this server handles it and exits 0
+        self._captured_signals.clear()
+        loop = getattr(self._app.state, "loop", None)
+        if first and loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._app.state.on_signal)

@@ -1,12 +1,42 @@
-"""Request bodies (OpenAI's fields, vLLM's extensions, Medha's SLO fields) and error bodies."""
+"""Request bodies (OpenAI's fields, vLLM's extensions, Medha's SLO fields) and error bodies.
+
+Every field is honoured or refused. :func:`check_request` refuses (HTTP 400,
+naming the field) what Medha does not implement: tools and function calls,
+a ``response_format`` other than text, content parts other than text,
+``suffix``, ``best_of`` other than ``n``, beam search, guided decoding, and
+the like; also unknown message roles and messages without content. A field
+nobody knows passes, as vLLM lets it pass, and is logged at warning level
+once per name (:func:`unknown_fields`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenIds = list[int]
+
+#: chat roles the templates know
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class APIError(Exception):
+    """Answered as an OpenAI error body with HTTP ``status``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.logged = False
+
+
+class RefusedField(ValueError):
+    """A request field Medha does not implement (or a value it cannot honour)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -16,26 +46,33 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # unknown fields are accepted (and ignored), as vLLM does
+    # unknown fields pass (vLLM lets them pass); check_request refuses known ones we lack
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=128)
     stop: Union[str, list[str], None] = None  # noqa: UP007
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the caller's records: nothing to do
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM extensions
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False
     # Medha: fed to the scheduler (priority: lower runs earlier, vLLM's meaning)
     ttft_slo_ms: float | None = Field(default=None, gt=0)
     tpot_slo_ms: float | None = Field(default=None, gt=0)
@@ -46,12 +83,14 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]  # noqa: UP007
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    add_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[dict[str, Any]], None] = None  # noqa: UP007
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -80,3 +119,138 @@ class DetokenizeRequest(BaseModel):
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------ refusals
+def _absent(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in allowed
+
+
+#: fields OpenAI or vLLM define that Medha does not implement: the value each
+#: may take (its "off" value); any other value is refused
+_NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_absent, "tool calling is not supported"),
+    "tool_choice": (_is("none"), "tool calling is not supported"),
+    "parallel_tool_calls": (lambda v: True, ""),
+    "functions": (_absent, "function calling is not supported"),
+    "function_call": (_is("none"), "function calling is not supported"),
+    "suffix": (_is(""), "suffix (insertion) is not supported"),
+    "use_beam_search": (_is(False), "beam search is not supported"),
+    "length_penalty": (_is(1, 1.0), "length_penalty needs beam search, which is not supported"),
+    "guided_json": (_absent, "guided decoding is not supported"),
+    "guided_regex": (_absent, "guided decoding is not supported"),
+    "guided_choice": (_absent, "guided decoding is not supported"),
+    "guided_grammar": (_absent, "guided decoding is not supported"),
+    "guided_decoding_backend": (_absent, "guided decoding is not supported"),
+    "guided_whitespace_pattern": (_absent, "guided decoding is not supported"),
+    "structured_outputs": (_absent, "structured outputs are not supported"),
+    "allowed_token_ids": (_absent, "allowed_token_ids is not supported"),
+    "bad_words": (_absent, "bad_words is not supported"),
+    "logits_processors": (_absent, "logits_processors is not supported"),
+    "truncate_prompt_tokens": (_absent, "truncate_prompt_tokens is not supported"),
+    "spaces_between_special_tokens": (_is(True), "only spaces_between_special_tokens=true"),
+    "continue_final_message": (_is(False), "continue_final_message is not supported"),
+    "chat_template": (_absent, "a request's own chat_template is not supported"),
+    "chat_template_kwargs": (_absent, "chat_template_kwargs is not supported"),
+    "documents": (_absent, "documents are not supported"),
+    "mm_processor_kwargs": (_absent, "multimodal inputs are not supported"),
+    "audio": (_absent, "audio output is not supported"),
+    "modalities": (lambda v: v is None or list(v) == ["text"], "only the text modality"),
+    "prediction": (_absent, "predicted outputs are not supported"),
+    "web_search_options": (_absent, "web search is not supported"),
+    "reasoning_effort": (_absent, "reasoning_effort is not supported"),
+    "store": (_is(False), "stored completions are not supported"),
+    "logprobs_processors": (_absent, "logprobs_processors is not supported"),
+    "kv_transfer_params": (_absent, "KV transfer is not supported"),
+}
+
+
+def check_request(body: _Common, *, chat: bool) -> None:
+    """Raise :class:`RefusedField` for a field or value Medha does not implement."""
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        rule = _NOT_IMPLEMENTED.get(name)
+        if rule is not None and not rule[0](value):
+            raise RefusedField(name, f"{name}: {rule[1]}")
+    fmt = extra.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise RefusedField(
+            "response_format",
+            f"response_format: only {{'type': 'text'}} is supported, got type {kind!r}",
+        )
+    best_of = extra.get("best_of")
+    if best_of is not None and best_of != body.n:
+        raise RefusedField(
+            "best_of", f"best_of: only best_of equal to n ({body.n}) is supported, got {best_of!r}"
+        )
+    if body.stream_options is not None and not body.stream:
+        raise RefusedField("stream_options", "stream_options: only allowed when stream is true")
+    for key, value in (body.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise RefusedField(
+                "logit_bias", f"logit_bias: keys must be token ids, got {key!r}"
+            )
+        if not -100 <= value <= 100:
+            raise RefusedField(
+                "logit_bias", f"logit_bias: values must be in [-100, 100], got {value!r}"
+            )
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise RefusedField("top_logprobs", "top_logprobs: needs logprobs to be true")
+        if extra.get("echo"):
+            raise RefusedField("echo", "echo: not supported for chat completions")
+        if extra.get("add_special_tokens"):
+            raise RefusedField(
+                "add_special_tokens", "add_special_tokens: the chat template adds them"
+            )
+        check_messages(body.messages)
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Raise :class:`RefusedField` for a role, content part or message field we lack."""
+    for i, m in enumerate(messages):
+        at = f"messages[{i}]"
+        if m.role not in ROLES:
+            raise RefusedField(
+                f"{at}.role",
+                f"{at}.role: unknown role {m.role!r}; known: {', '.join(ROLES)}",
+            )
+        for name in ("tool_calls", "function_call", "tool_call_id", "audio", "refusal"):
+            if not _absent((m.model_extra or {}).get(name)):
+                raise RefusedField(f"{at}.{name}", f"{at}.{name}: not supported")
+        if m.content is None:
+            raise RefusedField(f"{at}.content", f"{at}.content: a message needs content")
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise RefusedField(
+                        f"{at}.content[{j}].type",
+                        f"{at}.content[{j}]: only text parts are supported, got type {kind!r}",
+                    )
+
+
+#: fields of every kind that are known but need no check (their meaning is
+#: honoured elsewhere, or they only matter with a field that is refused)
+_KNOWN = {"response_format", "best_of", "echo", "add_special_tokens"}
+
+
+def unknown_fields(body: BaseModel) -> list[str]:
+    """Names in the request (and its stream options) that no rule knows."""
+    names = [
+        n for n in (body.model_extra or {}) if n not in _NOT_IMPLEMENTED and n not in _KNOWN
+    ]
+    opts = getattr(body, "stream_options", None)
+    if opts is not None:
+        names += [f"stream_options.{n}" for n in (opts.model_extra or {})]
+    for m in getattr(body, "messages", None) or ():
+        names += [f"messages[].{n}" for n in (m.model_extra or {}) if n not in _MESSAGE_FIELDS]
+    return names
+
+
+_MESSAGE_FIELDS = {"tool_calls", "function_call", "tool_call_id", "audio", "refusal"}

@@ -1,0 +1,130 @@
+"""OpenAI response shapes, as pure functions of plain data (no I/O, no engine).
+
+Tokens are shown through a :class:`TokenText`: a token's own string (see
+:mod:`medha_runtime.server.tokens`; ``token_id:N`` with
+``return_tokens_as_token_ids``) and its real bytes. A logprobs entry is
+``{token_id: logprob}`` holding the chosen (or prompt) token and the top-k
+alternatives; ``None`` stands for the first prompt token, which has no
+logprob.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Entry = dict[int, float]
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """How tokens are written: ``text(id)`` and ``raw(id)`` (bytes)."""
+
+    text: Callable[[int], str]
+    raw: Callable[[int], bytes]
+
+    @classmethod
+    def as_ids(cls) -> TokenText:
+        """``token_id:N`` strings (vLLM's ``return_tokens_as_token_ids``)."""
+        return cls(lambda t: f"token_id:{t}", lambda t: f"token_id:{t}".encode())
+
+
+def _top(entry: Entry, k: int | None = None) -> list[tuple[int, float]]:
+    """The entry's tokens, most likely first (``k`` of them if given)."""
+    items = sorted(entry.items(), key=lambda kv: -kv[1])
+    return items if k is None else items[:k]
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[Entry | None],
+    tokens: TokenText,
+    *,
+    top: int,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for ``token_ids`` (one entry each)."""
+    strs, lps, tops, offsets = [], [], [], []
+    pos = text_offset
+    for tok, e in zip(token_ids, entries, strict=True):
+        s = tokens.text(tok)
+        strs.append(s)
+        offsets.append(pos)
+        pos += len(s)
+        if e is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(e.get(tok))
+        alts = {tokens.text(t): lp for t, lp in _top(e, top)} if top else {}
+        alts.setdefault(s, e.get(tok))  # the chosen token is always listed (OpenAI's shape)
+        tops.append(alts)
+    return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], entries: Sequence[Entry], tokens: TokenText, *, top: int
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object: per token its string, logprob, bytes and top list."""
+    content = []
+    for tok, e in zip(token_ids, entries, strict=True):
+        content.append(
+            {
+                "token": tokens.text(tok),
+                "logprob": e.get(tok),
+                "bytes": list(tokens.raw(tok)),
+                "top_logprobs": [
+                    {"token": tokens.text(t), "logprob": lp, "bytes": list(tokens.raw(t))}
+                    for t, lp in _top(e, top)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def prompt_logprobs(
+    entries: Sequence[Entry | None], tokens: TokenText, *, top: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token ``{id: {logprob, rank, decoded_token}}``.
+
+    ``rank`` (1: the most likely) is known for the ``top`` most likely tokens;
+    a prompt token outside them has rank None.
+    """
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        first = next(iter(e))
+        ranks: dict[int, int | None] = {t: r for r, (t, _) in enumerate(_top(e), start=1)}
+        if len(e) > top:  # the prompt token is not among the top ones
+            ranks[first] = None
+        out.append(
+            {
+                str(t): {"logprob": lp, "rank": ranks[t], "decoded_token": tokens.text(t)}
+                for t, lp in e.items()
+            }
+        )
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached`` fills ``prompt_tokens_details.cached_tokens``."""
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,452 @@
+"""The OpenAI endpoints: validate a request, submit it, answer it (JSON or SSE).
+
+:class:`Frontend` holds what the handlers share (the engine client, the
+metrics, the tokenizer the engine sent, the served name); the shapes of the
+answers come from :mod:`medha_runtime.server.formatting` and the following
+of engine requests from :mod:`medha_runtime.server.streams`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from medha_runtime.sampling_params import SamplingParams
+from medha_runtime.server import formatting as fmt
+from medha_runtime.server.admission import AdmissionGate
+from medha_runtime.server.client import EngineClient
+from medha_runtime.server.logs import access_line, logger
+from medha_runtime.server.metrics import ServerMetrics
+from medha_runtime.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    RefusedField,
+    check_messages,
+    check_request,
+    error_body,
+    unknown_fields,
+)
+from medha_runtime.server.streams import Prompt, Run, Sub
+from medha_runtime.server.tokens import FrontTokenizer
+from medha_runtime.tokenizer import ChatTemplateError
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class Frontend:
+    """State shared by the endpoints. ``tokenizer`` is set once the engine is ready."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        metrics: ServerMetrics,
+        admission: AdmissionGate,
+        *,
+        model_name: str,
+        log_requests: bool = True,
+    ) -> None:
+        self.client, self.metrics, self.admission = client, metrics, admission
+        self.model_name = model_name
+        self.log_requests = log_requests
+        self.tokenizer: FrontTokenizer | None = None
+        self.shutting_down = False
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------- checks
+    @property
+    def max_model_len(self) -> int:
+        ready = self.client.ready
+        return ready.max_model_len if ready is not None else 0
+
+    @property
+    def vocab_size(self) -> int | None:
+        ready = self.client.ready
+        return ready.info.vocab_size if ready is not None and ready.info is not None else None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                f"The model `{name}` does not exist: this server serves `{self.model_name}`.",
+                404,
+                "model",
+            )
+
+    def check_alive(self) -> None:
+        c = self.client
+        if self.shutting_down:
+            raise APIError("the server is shutting down", 503)
+        if c.dead is not None or c.ready is None:
+            raise APIError(f"the engine is not available: {c.dead or 'starting'}", 503)
+
+    def check_fields(self, body: Any, chat: bool) -> None:
+        try:
+            check_request(body, chat=chat)
+        except RefusedField as exc:
+            raise APIError(str(exc), 400, exc.param) from None
+        for name in unknown_fields(body):
+            if name not in self._warned:
+                self._warned.add(name)
+                logger.warning(
+                    "request field %r is not known to Medha and is ignored (as vLLM does); "
+                    "this warning is logged once per field name",
+                    name,
+                )
+
+    def need_tokenizer(self) -> FrontTokenizer:
+        if self.tokenizer is None:
+            raise APIError(
+                f"model {self.model_name!r} has no tokenizer: pass prompts as token ids"
+            )
+        return self.tokenizer
+
+    def token_text(self, as_ids: bool = False) -> fmt.TokenText:
+        tok = self.tokenizer
+        if as_ids or tok is None:
+            return fmt.TokenText.as_ids()
+        return fmt.TokenText(tok.token_str, tok.token_bytes)
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        try:
+            check_messages(messages)
+        except RefusedField as exc:
+            raise APIError(str(exc), 400, exc.param) from None
+        tok = self.need_tokenizer()
+        conv = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(str(p["text"]) for p in content)
+            turn: dict[str, Any] = {"role": m.role, "content": content}
+            if m.name is not None:
+                turn["name"] = m.name
+            conv.append(turn)
+        try:
+            return list(
+                tok.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            )
+        except ChatTemplateError as exc:
+            raise APIError(str(exc), 400, "messages") from None
+
+    def check_lengths(self, n: int, max_tokens: int | None) -> None:
+        limit = self.max_model_len
+        if n >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {n} input tokens. Please reduce the length of the input messages.",
+                400,
+                "input_tokens",
+            )
+        if max_tokens is not None and n + max_tokens > limit:
+            raise APIError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has {n} "
+                f"input tokens ({max_tokens} > {limit} - {n}).",
+                400,
+                "max_tokens",
+            )
+
+    def sampling(
+        self, body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=0 if body.top_k is None else body.top_k,
+                min_p=0.0 if body.min_p is None else body.min_p,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if body.repetition_penalty is None else body.repetition_penalty
+                ),
+                logit_bias=body.logit_bias,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                stop=() if body.stop is None else body.stop,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(message, 400, message.split(" ", 1)[0].rstrip(":")) from None
+
+    # ---------------------------------------------------------------- runs
+    def access(self, run: Run, status: int) -> None:
+        if not self.log_requests:
+            return
+        reasons = sorted({s.finish_reason for s in run.subs if s.finish_reason})
+        logger.info(
+            access_line(
+                request_id=run.id,
+                route=run.route,
+                status=status,
+                prompt_tokens=run.prompt_tokens,
+                output_tokens=run.completion_tokens,
+                ttft_s=None if run.first_token is None else run.first_token - run.arrival,
+                e2e_s=time.monotonic() - run.arrival,
+                finish=",".join(reasons) or None,
+            )
+        )
+
+    def access_error(self, route: str, status: int, message: str) -> None:
+        if self.log_requests:
+            logger.info("- %s %d error=%s", route, status, message)
+
+    async def start(
+        self,
+        request: Request,
+        body: Any,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        *,
+        chat: bool,
+    ) -> Run:
+        self.check_alive()
+        self.admission.check(body.ttft_slo_ms, [len(p.ids) for p in prompts])
+        run = Run(
+            self.client,
+            self.metrics,
+            route=request.url.path,
+            prefix="chatcmpl-" if chat else "cmpl-",
+            access=self.access,
+        )
+
+        def make(i: int, sub: Sub) -> dict[str, Any]:
+            p = params if body.seed is None or i == 0 else params.replace(seed=body.seed + i)
+            return {
+                "params": p,
+                "ttft_slo_s": None if body.ttft_slo_ms is None else body.ttft_slo_ms / 1e3,
+                "tpot_slo_s": None if body.tpot_slo_ms is None else body.tpot_slo_ms / 1e3,
+                "priority": body.priority,
+            }
+
+        await run.submit(prompts, body.n, make)
+        run.watch(request.receive)
+        return run
+
+    async def answer(self, run: Run, body: Any, chat: bool) -> Any:
+        """The JSON response, or a streaming one."""
+        if body.stream:
+            return StreamingResponse(
+                self.stream(run, body, chat),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            await run.collect()
+        except APIError as exc:
+            run.finish(exc.status)
+            exc.logged = True  # the run wrote the access line
+            raise
+        run.finish(200)
+        if run.disconnected:
+            return None
+        tt = self.token_text(body.return_tokens_as_token_ids)
+        if chat:
+            return self.chat_response(run, body, tt)
+        return self.completion_response(run, body, tt)
+
+    # ------------------------------------------------------------ responses
+    def completion_choice(self, s: Sub, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
+        text, ids, entries = s.text, list(s.tokens), list(s.logprobs)
+        if body.echo:
+            text = self.prompt_text(s) + text
+            ids = s.prompt_ids + ids
+            entries = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + entries
+        c: dict[str, Any] = {"index": s.index, "text": text, "logprobs": None}
+        if body.logprobs is not None:
+            c["logprobs"] = fmt.completion_logprobs(ids, entries, tt, top=body.logprobs)
+        c["finish_reason"], c["stop_reason"] = s.finish_reason, s.stop_reason
+        if body.prompt_logprobs is not None and s.prompt_logprobs is not None:
+            c["prompt_logprobs"] = fmt.prompt_logprobs(
+                s.prompt_logprobs, tt, top=body.prompt_logprobs
+            )
+        return c
+
+    def prompt_text(self, s: Sub) -> str:
+        if s.prompt_text is not None:
+            return s.prompt_text
+        return self.need_tokenizer().decode(s.prompt_ids, skip_special_tokens=False)
+
+    def completion_response(self, run: Run, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
+        return {
+            "id": run.id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [self.completion_choice(s, body, tt) for s in run.subs],
+            "usage": fmt.usage(run.prompt_tokens, run.completion_tokens),
+        }
+
+    def chat_response(self, run: Run, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
+        choices = []
+        for s in run.subs:
+            c: dict[str, Any] = {
+                "index": s.index,
+                "message": {"role": "assistant", "content": s.text},
+                "logprobs": None,
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+            }
+            if body.logprobs:
+                c["logprobs"] = fmt.chat_logprobs(
+                    s.tokens, s.logprobs, tt, top=body.top_logprobs or 0
+                )
+            choices.append(c)
+        out = {
+            "id": run.id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": fmt.usage(run.prompt_tokens, run.completion_tokens),
+        }
+        first = run.subs[0]
+        if body.prompt_logprobs is not None and first.prompt_logprobs is not None:
+            out["prompt_logprobs"] = fmt.prompt_logprobs(
+                first.prompt_logprobs, tt, top=body.prompt_logprobs
+            )
+        return out
+
+    # ------------------------------------------------------------ streaming
+    def chunk_choice(
+        self, s: Sub, new_text: str, new_ids: list[int], new_lps: list[Any], body: Any,
+        chat: bool, tt: fmt.TokenText,
+    ) -> dict[str, Any]:  # fmt: skip
+        first = not s.sent_first
+        if chat:
+            d: dict[str, Any] = {"role": "assistant"} if first else {}
+            d["content"] = new_text
+            c: dict[str, Any] = {"index": s.index, "delta": d, "logprobs": None}
+            if body.logprobs and new_lps:
+                c["logprobs"] = fmt.chat_logprobs(new_ids, new_lps, tt, top=body.top_logprobs or 0)
+        else:
+            offset = s.emitted
+            if body.echo and first:
+                new_text = self.prompt_text(s) + new_text
+                new_ids = s.prompt_ids + new_ids
+                new_lps = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + new_lps
+            c = {"index": s.index, "text": new_text, "logprobs": None}
+            if body.logprobs is not None and new_ids and len(new_lps) == len(new_ids):
+                c["logprobs"] = fmt.completion_logprobs(
+                    new_ids, new_lps, tt, top=body.logprobs, text_offset=offset
+                )
+            s.emitted += len(new_text)
+        c["finish_reason"] = None
+        if first and body.prompt_logprobs is not None and s.prompt_logprobs is not None:
+            c["prompt_logprobs"] = fmt.prompt_logprobs(
+                s.prompt_logprobs, tt, top=body.prompt_logprobs
+            )
+        s.sent_first = True
+        return c
+
+    async def stream(self, run: Run, body: Any, chat: bool) -> AsyncIterator[str]:
+        tt = self.token_text(body.return_tokens_as_token_ids)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": run.id, "object": obj, "created": int(time.time()), "model": self.model_name}
+        opts = body.stream_options
+        continuous = bool(opts and opts.continuous_usage_stats)
+        status = 200
+        try:
+            async for s, delta, before in run.deltas():
+                if not delta.new_token_ids and not delta.new_text and delta.finish_reason is None:
+                    continue  # a prefill chunk: nothing generated yet
+                # a token whose text is held back (part of a character, or of a possible
+                # stop string) still gets a chunk, with empty text, as vLLM sends it
+                choice = self.chunk_choice(
+                    s, delta.new_text, s.tokens[before:], list(delta.logprobs or []), body, chat, tt
+                )
+                if delta.finish_reason is not None:
+                    choice["finish_reason"] = delta.finish_reason
+                    choice["stop_reason"] = delta.stop_reason
+                chunk: dict[str, Any] = {**base, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = fmt.usage(s.num_prompt_tokens, len(s.tokens))
+                yield fmt.sse(chunk)
+            if run.disconnected:
+                return
+            if opts and opts.include_usage:
+                u = fmt.usage(run.prompt_tokens, run.completion_tokens)
+                yield fmt.sse({**base, "choices": [], "usage": u})
+            yield fmt.SSE_DONE
+        except APIError as exc:
+            status = exc.status
+            yield fmt.sse(error_body(exc.message, ERROR_TYPES.get(status, "APIError"), status))
+            yield fmt.SSE_DONE
+        finally:
+            run.finish(status)
+
+    # ------------------------------------------------------------- endpoints
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self.check_model(body.model)
+        self.check_fields(body, chat=False)
+        prompts = self.completion_prompts(body)
+        for p in prompts:
+            self.check_lengths(len(p.ids), body.max_tokens)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        want = [body.prompt_logprobs]
+        if body.echo and body.logprobs is not None:
+            want.append(body.logprobs)  # echoed prompt tokens get their logprobs too
+        pl = max((w for w in want if w is not None), default=None)
+        params = self.sampling(body, max_tokens, body.logprobs, pl)
+        run = await self.start(request, body, prompts, params, chat=False)
+        return await self.answer(run, body, chat=False)
+
+    def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
+        p = body.prompt
+        if isinstance(p, str):
+            raw: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            raw = [list(p)]
+        else:
+            raw = list(p)
+        if not raw:
+            raise APIError("prompt must not be empty", 400, "prompt")
+        prompts = []
+        for x in raw:
+            if isinstance(x, str):
+                if not x:
+                    raise APIError("the prompt is an empty string", 400, "prompt")
+                tok = self.need_tokenizer()
+                prompts.append(Prompt(x, tok.encode(x, add_special_tokens=body.add_special_tokens)))
+            else:
+                prompts.append(Prompt(None, list(x)))
+        for q in prompts:
+            if not q.ids:
+                raise APIError("the prompt is empty: it needs at least one token", 400, "prompt")
+        return prompts
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        self.check_model(body.model)
+        self.check_fields(body, chat=True)
+        ids = self.chat_ids(body.messages, body.add_generation_prompt)
+        mt = body.max_completion_tokens
+        if mt is None:
+            mt = body.max_tokens
+        self.check_lengths(len(ids), mt)
+        max_tokens = self.max_model_len - len(ids) if mt is None else mt
+        lp = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling(body, max_tokens, lp, body.prompt_logprobs)
+        run = await self.start(request, body, [Prompt(None, ids)], params, chat=True)
+        return await self.answer(run, body, chat=True)
