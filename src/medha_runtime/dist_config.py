@@ -27,9 +27,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-#: control messages (the first element of each broadcast tuple)
-STEP, PING, SHUTDOWN = "step", "ping", "shutdown"
-
 
 @dataclass(frozen=True, kw_only=True)
 class DistConfig:

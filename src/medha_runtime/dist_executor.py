@@ -5,14 +5,21 @@ through ``env://`` (see :mod:`medha_runtime.dist_config`), starts the other
 ranks of its own node as worker processes (:mod:`medha_runtime.dist_worker`;
 ranks on other nodes are started there by ``medha-runtime serve --node-rank R``
 or by torchrun), and broadcasts the :class:`~medha_runtime.runner.RunnerSpec`
-over a gloo control group. Then each step:
+over a gloo control group. Every other rank runs the one worker loop
+(:func:`medha_runtime.worker.serve`) over
+:class:`~medha_runtime.transport.DistTransport`. Then each step:
 
-1. the pickled :class:`~medha_runtime.plan.StepPlan` is broadcast from rank 0
-   over the control group;
+1. a :class:`~medha_runtime.messages.Step` is broadcast from rank 0 over the
+   control group;
 2. rank 0 runs its share in this process (its own ``ModelRunner``) while the
    other ranks run theirs (the collectives inside the model line up);
-3. if the sampling rank is not rank 0 it sends its sampled rows to rank 0 over
-   the control group.
+3. if the sampling rank is not rank 0 it sends its
+   :class:`~medha_runtime.messages.Done` (the sampled rows) to rank 0 over the
+   control group.
+
+Steps run one at a time here (:meth:`~DistributedExecutor.submit` returns
+once the step is done): the driver's own rank works in the driver's thread,
+so a second batch cannot enter stage 0 while it runs.
 
 While idle the driver broadcasts a keepalive every ``keepalive_s`` from a
 background thread (steps and keepalives never overlap: one lock). A worker
@@ -31,9 +38,6 @@ import time
 from typing import Any
 
 from medha_runtime.dist_config import (
-    PING,
-    SHUTDOWN,
-    STEP,
     DistConfig,
     build_rank,
     join_world,
@@ -41,13 +45,14 @@ from medha_runtime.dist_config import (
     set_threads,
 )
 from medha_runtime.dist_worker import start_workers
-from medha_runtime.executor import WorkerError, join_or_kill
+from medha_runtime.executor import SyncEvents, WorkerError, join_or_kill
+from medha_runtime.messages import Done, Failed, Ping, Shutdown, Step, ToWorker
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import RunnerSpec
 from medha_runtime.sampling import Sampled
 
 
-class DistributedExecutor:
+class DistributedExecutor(SyncEvents):
     """Rank 0 of a ``torch.distributed`` world (see the module docstring).
 
     Args:
@@ -63,6 +68,7 @@ class DistributedExecutor:
                 f"the layout tp*spp*kvp={spec.world_size} does not match the distributed "
                 f"world size {config.world_size}"
             )
+        super().__init__()
         self.spec, self.config = spec, config
         self.join_timeout_s = join_timeout_s
         self.failed: str | None = None
@@ -107,13 +113,13 @@ class DistributedExecutor:
         self._thread.daemon = True
         self._thread.start()
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: ToWorker) -> None:
         import torch.distributed as dist
 
         dist.broadcast_object_list([msg], src=0, group=self.control)
         self._last = time.monotonic()
 
-    def execute(self, plan: StepPlan) -> list[Sampled]:
+    def _run(self, plan: StepPlan) -> list[Sampled] | None:
         """Run one step on every rank; return the sampled rows in plan order."""
         import torch.distributed as dist
 
@@ -123,19 +129,27 @@ class DistributedExecutor:
             raise WorkerError("the executor was shut down")
         with self._lock:
             try:
-                self._send((STEP, plan))
+                self._send(Step(plan))
                 result = self.runner.execute(plan)
                 if self.sampler_rank != 0:
                     box: list[Any] = [None]
                     dist.recv_object_list(box, src=self.sampler_rank, group=self.control)
-                    result = box[0]
+                    reply = box[0]
+                    if isinstance(reply, Failed):
+                        self.failed = f"step {plan.step_id} failed: {reply.error}"
+                        raise WorkerError(self.failed)
+                    if not isinstance(reply, Done) or reply.step_id != plan.step_id:
+                        raise RuntimeError(f"the sampling rank answered {reply!r}")
+                    result = reply.result
+            except WorkerError:
+                raise
             except Exception as exc:
                 self.failed = (
                     f"step {plan.step_id} failed: {type(exc).__name__}: {exc} (a worker rank "
                     "died or failed: its stderr, on its node, has details)"
                 )
                 raise WorkerError(self.failed) from None
-        return [] if result is None else result
+        return result
 
     def _keepalive(self) -> None:
         period = self.config.keepalive_s
@@ -147,7 +161,7 @@ class DistributedExecutor:
                 continue
             try:
                 if not self._stop.is_set() and self.failed is None:
-                    self._send((PING,))
+                    self._send(Ping())
             except Exception as exc:
                 self.failed = f"a worker rank is gone: {type(exc).__name__}: {exc}"
                 return
@@ -172,7 +186,7 @@ class DistributedExecutor:
         if self.failed is None:
             with self._lock:
                 try:
-                    self._send((SHUTDOWN,))
+                    self._send(Shutdown())
                 except Exception as exc:
                     self.failed = f"shutdown: {type(exc).__name__}: {exc}"
         self._close()

@@ -3,9 +3,11 @@
 - :func:`worker_main`: one rank. It joins the world (:func:`join_world`),
   receives the :class:`~medha_runtime.runner.RunnerSpec` from the driver,
   builds its :class:`~medha_runtime.runner.ModelRunner`, reports ready, then
-  runs each broadcast step plan (the sampling rank sends its sampled rows
-  back to rank 0) until a shutdown message (exit status 0) or until the
-  driver or a peer is gone (status 1, the reason on stderr).
+  serves the one worker loop (:func:`medha_runtime.worker.serve`) over the
+  control group (:class:`~medha_runtime.transport.DistTransport`: the sampling
+  rank sends its sampled rows back to rank 0) until a shutdown message (exit
+  status 0) or until the driver or a peer is gone (status 1, the reason on
+  stderr).
 - :func:`start_workers`: worker processes for some ranks on this node
   (forkserver start method, daemonic).
 - :func:`run_node`: a node other than the driver's (``--node-rank R > 0``):
@@ -18,14 +20,10 @@ from __future__ import annotations
 
 import signal
 import sys
-import traceback
 from multiprocessing.connection import wait
 from typing import Any
 
 from medha_runtime.dist_config import (
-    PING,
-    SHUTDOWN,
-    STEP,
     DistConfig,
     build_rank,
     join_world,
@@ -33,6 +31,8 @@ from medha_runtime.dist_config import (
     set_threads,
 )
 from medha_runtime.executor import join_or_kill
+from medha_runtime.transport import DistTransport
+from medha_runtime.worker import serve
 
 #: how long the other ranks of a node may take to end once one of them failed
 GRACE_S = 10.0
@@ -54,35 +54,16 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
         if runner is None:
             _say(rank, f"failed to start:\n{error}")
             return 1
-        return _serve(runner, control, rank)
+        transport = DistTransport(control, rank=rank, replies=runner.is_sampler and rank != 0)
+        code = serve(runner, transport, rank=rank)
+        if code:
+            _say(rank, "stopping: the driver or a peer rank is gone, or a step failed (see above)")
+        return code
     except Exception as exc:
         _say(rank, f"stopping: the driver or a peer rank is gone ({type(exc).__name__}: {exc})")
         return 1
     finally:
         leave_world()
-
-
-def _serve(runner: Any, control: Any, rank: int) -> int:
-    import torch.distributed as dist
-
-    sender = runner.is_sampler and rank != 0
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
-        msg = box[0]
-        if msg[0] == SHUTDOWN:
-            return 0
-        if msg[0] == PING:
-            continue
-        if msg[0] != STEP:
-            raise RuntimeError(f"unknown control message {msg[0]!r}")
-        try:
-            result = runner.execute(msg[1])
-        except Exception:
-            _say(rank, f"step {msg[1].step_id} failed:\n{traceback.format_exc()}")
-            return 1
-        if sender:
-            dist.send_object_list([result], dst=0, group=control)
 
 
 def _say(rank: int, text: str) -> None:

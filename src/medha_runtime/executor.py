@@ -1,23 +1,33 @@
 """Executors: run :class:`~medha_runtime.plan.StepPlan` s on one process or on one
 process per rank.
 
+Every executor has one interface (:class:`Executor`): :meth:`~Executor.submit`
+ships a plan to every rank without waiting, :meth:`~Executor.next_event`
+returns what happened next, in order: :class:`StageCleared` (the batch left
+pipeline stage 0: with SPP the next batch may enter it) and then
+:class:`StepDone` (every rank finished; the sampled rows). Batches finish in
+the order they were submitted. :meth:`~Executor.execute` is submit-and-wait
+for one batch when nothing else is in flight.
+
 - :class:`InProcessExecutor` (world size 1): a :class:`~medha_runtime.runner.ModelRunner`
-  in the caller's process; no worker, no ``torch.distributed``.
+  in the caller's process; :meth:`submit` runs the step at once.
 - :class:`MultiprocExecutor` (world size > 1): one worker process per rank,
   started with ``torch.multiprocessing``'s forkserver method, joined into one
   ``torch.distributed`` group (gloo on CPUs, NCCL on GPUs) through a
-  ``file://`` rendezvous in a private temporary directory. The driver (the
-  caller's process; it is no rank) owns the scheduler and talks to each
-  worker over its own ``multiprocessing`` pipe (pickled plain data, no extra
-  dependency): it sends every step's plan to every worker and waits for every
-  worker's reply; the sampling rank's reply carries the sampled tokens.
+  ``file://`` rendezvous in a private temporary directory. Each worker runs
+  :func:`medha_runtime.worker.serve` over its own ``multiprocessing`` pipe
+  (typed messages, :mod:`medha_runtime.messages`). The driver (the caller's
+  process; it is no rank) sends each plan to every worker (pickled once) and
+  reads replies as they come: stage 0's ranks reply when their share is done
+  (their hidden states are posted to stage 1), so up to ``spp`` batches can be
+  in flight, one per stage; the sampling rank's reply carries the tokens.
 
   Failures surface as :class:`WorkerError` in the driver, never as a hang:
   a worker that raises sends its traceback; a worker that dies is seen
-  through its process sentinel within ``poll_s``; a step that takes longer
-  than ``step_timeout_s`` fails. Ranks blocked in a collective with a dead
-  peer give up after the collective timeout (``RunnerSpec.timeout_s``). After
-  a failure every worker is killed and the executor refuses further steps.
+  through its process sentinel within ``poll_s``; a wait with no reply from
+  any rank for ``step_timeout_s`` fails. Ranks blocked in a collective with a
+  dead peer give up after the collective timeout (``RunnerSpec.timeout_s``).
+  After a failure every worker is killed and the executor refuses further steps.
 
   :meth:`MultiprocExecutor.shutdown` sends a shutdown message, joins the
   workers (``join_timeout_s``), kills stragglers and removes the temporary
@@ -27,10 +37,6 @@ process per rank.
 - :class:`~medha_runtime.dist_executor.DistributedExecutor` (several nodes, or
   torchrun): the driver is rank 0 of an ``env://`` world; see
   :func:`make_executor`.
-
-Batches are not overlapped: a step is issued to every rank and its results
-are awaited before the next step is formed (SPP stages therefore work one
-batch at a time in this version).
 """
 
 from __future__ import annotations
@@ -41,11 +47,13 @@ import pickle
 import shutil
 import tempfile
 import time
-import traceback
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, Protocol
 
-from medha_runtime.dist_config import DistConfig, set_threads
+from medha_runtime.dist_config import DistConfig
+from medha_runtime.messages import Done, Failed, Ready, Shutdown, Step
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import ModelRunner, RunnerSpec
 from medha_runtime.sampling import Sampled
@@ -55,13 +63,44 @@ class WorkerError(RuntimeError):
     """A worker failed, died or timed out; the executor is unusable afterwards."""
 
 
+@dataclass(frozen=True, slots=True)
+class StageCleared:
+    """Batch ``step_id`` left pipeline stage 0 (every stage-0 rank is done with it)."""
+
+    step_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """Batch ``step_id`` finished on every rank; ``result`` holds the sampled rows in plan order."""
+
+    step_id: int
+    result: list[Sampled]
+
+
+StepEvent = StageCleared | StepDone
+
+
 class Executor(Protocol):
     spec: RunnerSpec
     #: why the workers can run no more steps, or None
     failed: str | None
 
+    @property
+    def in_flight(self) -> int:
+        """Batches submitted whose :class:`StepDone` was not yet returned."""
+        ...
+
+    def submit(self, plan: StepPlan) -> None:
+        """Ship one step to every rank without waiting for it."""
+        ...
+
+    def next_event(self) -> StepEvent:
+        """The next :class:`StageCleared` or :class:`StepDone` (blocking; a batch is in flight)."""
+        ...
+
     def execute(self, plan: StepPlan) -> list[Sampled]:
-        """Run one step on every rank; return the sampled rows in plan order."""
+        """Run one step on every rank (nothing else in flight); return the sampled rows."""
         ...
 
     def check_workers(self) -> None:
@@ -71,12 +110,48 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-class InProcessExecutor:
+class SyncEvents:
+    """For executors whose :meth:`submit` runs the whole step before returning:
+    the events wait in a queue."""
+
+    def __init__(self) -> None:
+        self._events: deque[StepEvent] = deque()
+        self._submitted = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._submitted
+
+    def _completed(self, plan: StepPlan, result: list[Sampled] | None) -> None:
+        self._submitted += 1
+        self._events.append(StageCleared(plan.step_id))
+        self._events.append(StepDone(plan.step_id, [] if result is None else result))
+
+    def next_event(self) -> StepEvent:
+        if not self._events:
+            raise RuntimeError("next_event: no batch in flight")
+        event = self._events.popleft()
+        if isinstance(event, StepDone):
+            self._submitted -= 1
+        return event
+
+    def submit(self, plan: StepPlan) -> None:
+        self._completed(plan, self._run(plan))  # type: ignore[attr-defined]
+
+    def execute(self, plan: StepPlan) -> list[Sampled]:
+        if self._submitted:
+            raise RuntimeError("execute: other batches are in flight")
+        result = self._run(plan)  # type: ignore[attr-defined]
+        return [] if result is None else result
+
+
+class InProcessExecutor(SyncEvents):
     """The whole model in the caller's process (tp = spp = kvp = 1)."""
 
     def __init__(self, spec: RunnerSpec) -> None:
         if spec.world_size != 1:
             raise ValueError(f"InProcessExecutor runs one rank, the layout has {spec.world_size}")
+        super().__init__()
         self.spec = spec
         self.runner = ModelRunner(spec)
         self.closed = False
@@ -85,68 +160,23 @@ class InProcessExecutor:
     def check_workers(self) -> None:
         """Nothing to check: the model runs in this process."""
 
-    def execute(self, plan: StepPlan) -> list[Sampled]:
+    def _run(self, plan: StepPlan) -> list[Sampled] | None:
         if self.closed:
             raise WorkerError("the executor was shut down")
-        result = self.runner.execute(plan)
-        return [] if result is None else result
+        return self.runner.execute(plan)
 
     def shutdown(self) -> None:
         self.closed = True
 
 
-def _worker_main(rank: int, spec: RunnerSpec, init_method: str, conn: Connection) -> None:
-    """A worker process: join the group, build the rank's runner, serve plans until told to stop."""
-    import torch
+@dataclass
+class _Pending:
+    """A submitted batch: the ranks still owing a reply, the sampled rows once they come."""
 
-    state = None
-    try:
-        set_threads(spec, spec.world_size)
-        from medha_parallel import ParallelLayout, ParallelState
-        from medha_runtime.runner import resolve_device
-
-        if resolve_device(spec.device) == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        layout = ParallelLayout(tp=spec.tp, spp=spec.spp, kvp=spec.kvp)
-        state = ParallelState.initialize(
-            layout,
-            init_method=init_method,
-            rank=rank,
-            world_size=spec.world_size,
-            timeout_s=spec.timeout_s,
-        )
-        runner = ModelRunner(spec, state)
-        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "sampler": runner.is_sampler}))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", f"rank {rank} failed to start:\n{traceback.format_exc()}"))
-        _destroy(state)
-        return
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break  # the driver is gone
-            if msg[0] == "shutdown":
-                break
-            try:
-                result = runner.execute(msg[1])
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    conn.send(("error", f"rank {rank} failed:\n{traceback.format_exc()}"))
-                break
-            conn.send(("ok", result))
-    finally:
-        _destroy(state)
-        with contextlib.suppress(Exception):
-            conn.close()
-
-
-def _destroy(state: Any) -> None:
-    if state is not None:
-        with contextlib.suppress(Exception):
-            state.destroy()
+    waiting: set[int]
+    stage0: set[int]
+    cleared: bool = False
+    result: list[Sampled] = field(default_factory=list)
 
 
 class MultiprocExecutor:
@@ -155,7 +185,7 @@ class MultiprocExecutor:
     Args:
         spec: the layout and what every rank builds.
         start_timeout_s: bound on starting every worker and loading the model.
-        step_timeout_s: bound on one step.
+        step_timeout_s: bound on a wait in which no rank replies.
         join_timeout_s: how long shutdown waits before killing workers.
         poll_s: how often a wait checks that every worker is still alive.
     """
@@ -177,18 +207,22 @@ class MultiprocExecutor:
         self.poll_s = poll_s
         self.closed = False
         self.failed: str | None = None
+        self._pending: OrderedDict[int, _Pending] = OrderedDict()
+        self._events: deque[StepEvent] = deque()
         self._tmpdir = tempfile.mkdtemp(prefix="medha-runtime-")
         init = f"file://{os.path.join(self._tmpdir, 'rendezvous')}"
         ctx = mp.get_context("forkserver")
         with contextlib.suppress(Exception):  # only effective before the forkserver starts
-            ctx.set_forkserver_preload(["medha_runtime.executor"])
+            ctx.set_forkserver_preload(["medha_runtime.worker"])
+        from medha_runtime.worker import pipe_worker_main
+
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         try:
             for rank in range(spec.world_size):
                 parent, child = ctx.Pipe(duplex=True)
                 p = ctx.Process(
-                    target=_worker_main,
+                    target=pipe_worker_main,
                     args=(rank, spec, init, child),
                     name=f"medha-worker-{rank}",
                     daemon=True,
@@ -197,12 +231,9 @@ class MultiprocExecutor:
                 child.close()
                 self.processes.append(p)
                 self.conns.append(parent)
-            infos = self._gather(
-                start_timeout_s,
-                "starting the workers (their stderr has details; a script that starts "
-                "workers needs an `if __name__ == '__main__':` guard)",
-            )
-            self.sampler_rank = next(r for r, info in enumerate(infos) if info["sampler"])
+            ready = self._gather_ready(start_timeout_s)
+            self.sampler_rank = next(r.rank for r in ready if r.sampler)
+            self.stage0 = frozenset(r.rank for r in ready if r.stage == 0)
         except BaseException:
             self._kill()
             raise
@@ -211,15 +242,25 @@ class MultiprocExecutor:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def execute(self, plan: StepPlan) -> list[Sampled]:
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _check_usable(self) -> None:
         if self.failed is not None:
             raise WorkerError(f"the workers failed earlier: {self.failed}")
         if self.closed:
             raise WorkerError("the executor was shut down")
-        message = pickle.dumps(("step", plan), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def submit(self, plan: StepPlan) -> None:
+        """Send the plan to every worker (pickled once) and return."""
+        self._check_usable()
+        if plan.step_id in self._pending:
+            raise ValueError(f"step {plan.step_id} is already in flight")
+        message = pickle.dumps(Step(plan), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send_bytes(message)  # pickled once for every rank
+                conn.send_bytes(message)
             except (BrokenPipeError, EOFError, OSError) as exc:
                 if not self.processes[rank].is_alive():
                     code = self._exitcode(rank)
@@ -227,38 +268,101 @@ class MultiprocExecutor:
                         f"worker rank {rank} died before step {plan.step_id} (exit code {code})"
                     )
                 self._fail(f"worker rank {rank} is unreachable ({exc!r})")
-        results = self._gather(self.step_timeout_s, f"step {plan.step_id}")
-        result = results[self.sampler_rank]
-        return [] if result is None else result
+        self._pending[plan.step_id] = _Pending(set(range(len(self.conns))), set(self.stage0))
 
-    def _gather(self, timeout_s: float, what: str) -> list[Any]:
-        """One reply from every worker, or a WorkerError."""
-        replies: dict[int, Any] = {}
-        pending = dict(enumerate(self.conns))
-        deadline = time.monotonic() + timeout_s
-        while pending:
+    def next_event(self) -> StepEvent:
+        """The next :class:`StageCleared` or :class:`StepDone`, or a WorkerError."""
+        self._check_usable()
+        if self._events:
+            return self._events.popleft()
+        if not self._pending:
+            raise RuntimeError("next_event: no batch in flight")
+        oldest = next(iter(self._pending))
+        deadline = time.monotonic() + self.step_timeout_s
+        while not self._events:
             left = deadline - time.monotonic()
             if left <= 0:
-                ranks = sorted(pending)
+                waiting = sorted(self._pending[oldest].waiting)
+                self._fail(
+                    f"step {oldest} timed out after {self.step_timeout_s:.0f}s waiting for "
+                    f"ranks {waiting}"
+                )
+            ready = wait(self.conns, timeout=min(self.poll_s, left))
+            for conn in ready:
+                rank = self.conns.index(conn)  # type: ignore[arg-type]
+                self._on_reply(rank, self._recv(rank, f"step {oldest}"))
+            if ready:
+                deadline = time.monotonic() + self.step_timeout_s
+            self._check_alive(f"step {oldest}")
+        return self._events.popleft()
+
+    def execute(self, plan: StepPlan) -> list[Sampled]:
+        """Run one step with nothing else in flight; the sampled rows in plan order."""
+        if self._pending:
+            raise RuntimeError("execute: other batches are in flight")
+        self.submit(plan)
+        while True:
+            event = self.next_event()
+            if isinstance(event, StepDone):
+                return event.result
+
+    def _recv(self, rank: int, what: str) -> Any:
+        try:
+            return self.conns[rank].recv()
+        except (EOFError, OSError):
+            code = self._exitcode(rank)
+            self._fail(f"worker rank {rank} died during {what} (exit code {code})")
+
+    def _on_reply(self, rank: int, msg: Any) -> None:
+        if isinstance(msg, Failed):
+            self._fail(msg.error)
+        if not isinstance(msg, Done) or msg.step_id not in self._pending:
+            self._fail(f"worker rank {rank} sent {msg!r}, which answers no step in flight")
+        pend = self._pending[msg.step_id]
+        pend.waiting.discard(rank)
+        pend.stage0.discard(rank)
+        if rank == self.sampler_rank and msg.result is not None:
+            pend.result = msg.result
+        if not pend.cleared and not pend.stage0:
+            pend.cleared = True
+            self._events.append(StageCleared(msg.step_id))
+        while self._pending:
+            step_id, first = next(iter(self._pending.items()))
+            if first.waiting:
+                break
+            del self._pending[step_id]
+            self._events.append(StepDone(step_id, first.result))
+
+    def _gather_ready(self, timeout_s: float) -> list[Ready]:
+        """A :class:`Ready` from every worker, or a WorkerError."""
+        what = (
+            "starting the workers (their stderr has details; a script that starts "
+            "workers needs an `if __name__ == '__main__':` guard)"
+        )
+        replies: dict[int, Ready] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(self.conns):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(set(range(len(self.conns))) - set(replies))
                 self._fail(f"{what} timed out after {timeout_s:.0f}s waiting for ranks {ranks}")
-            ready = wait(list(pending.values()), timeout=min(self.poll_s, left))
-            for rank, conn in list(pending.items()):
-                if conn not in ready:
-                    continue
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError):
-                    code = self._exitcode(rank)
-                    self._fail(f"worker rank {rank} died during {what} (exit code {code})")
-                if kind == "error":
-                    self._fail(f"{what}: {payload}")
-                replies[rank] = payload
-                del pending[rank]
-            for rank in pending:
-                if not self.processes[rank].is_alive():
-                    code = self._exitcode(rank)
-                    self._fail(f"worker rank {rank} died during {what} (exit code {code})")
+            pending = [c for r, c in enumerate(self.conns) if r not in replies]
+            for conn in wait(pending, timeout=min(self.poll_s, left)):
+                rank = self.conns.index(conn)  # type: ignore[arg-type]
+                msg = self._recv(rank, what)
+                if isinstance(msg, Failed):
+                    self._fail(f"{what}: {msg.error}")
+                if not isinstance(msg, Ready):
+                    self._fail(f"{what}: worker rank {rank} sent {msg!r} before Ready")
+                replies[rank] = msg
+            self._check_alive(what, skip=set(replies))
         return [replies[r] for r in range(len(self.conns))]
+
+    def _check_alive(self, what: str, skip: frozenset[int] | set[int] = frozenset()) -> None:
+        for rank, p in enumerate(self.processes):
+            if rank not in skip and not p.is_alive():
+                code = self._exitcode(rank)
+                self._fail(f"worker rank {rank} died during {what} (exit code {code})")
 
     def check_workers(self) -> None:
         """Notice a worker that died between steps: set :attr:`failed`, kill the rest."""
@@ -301,7 +405,7 @@ class MultiprocExecutor:
             return
         for conn in self.conns:
             with contextlib.suppress(Exception):
-                conn.send(("shutdown", None))
+                conn.send(Shutdown())
         join_or_kill(self.processes, self.join_timeout_s)
         self._close()
 

@@ -1,0 +1,108 @@
+"""The worker loop every rank runs, whatever carries its messages.
+
+:func:`serve` takes a built :class:`~medha_runtime.runner.ModelRunner` and a
+:class:`~medha_runtime.transport.WorkerTransport` and answers the driver's
+messages (:mod:`medha_runtime.messages`) in order until told to stop:
+
+- :class:`~medha_runtime.messages.Step`: run the plan, reply
+  :class:`~medha_runtime.messages.Done` (the sampling rank's carries the
+  sampled rows), or :class:`~medha_runtime.messages.Failed` with the
+  traceback and stop;
+- :class:`~medha_runtime.messages.Ping`: nothing;
+- :class:`~medha_runtime.messages.Shutdown`: stop (status 0).
+
+A closed transport (the driver is gone) stops the loop with status 1.
+
+:func:`pipe_worker_main` is one worker process of a
+:class:`~medha_runtime.executor.MultiprocExecutor`: it joins the group through
+a ``file://`` rendezvous, builds the rank's runner, says
+:class:`~medha_runtime.messages.Ready` and serves over its pipe. The
+multi-node ranks (:mod:`medha_runtime.dist_worker`) serve the same loop over
+:class:`~medha_runtime.transport.DistTransport`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from medha_runtime.messages import Done, Failed, Ping, Ready, Shutdown, Step
+from medha_runtime.transport import PipeTransport, TransportClosed, WorkerTransport
+
+
+def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
+    """Answer the driver until a shutdown (returns 0) or a failure (returns 1)."""
+    while True:
+        try:
+            msg = transport.recv()
+        except TransportClosed:
+            return 1
+        if isinstance(msg, Shutdown):
+            return 0
+        if isinstance(msg, Ping):
+            continue
+        if not isinstance(msg, Step):
+            _reply(transport, Failed(rank, f"rank {rank}: unknown message {msg!r}"))
+            return 1
+        try:
+            result = runner.execute(msg.plan)
+        except BaseException:
+            error = f"rank {rank} failed in step {msg.plan.step_id}:\n{traceback.format_exc()}"
+            _reply(transport, Failed(rank, error))
+            return 1
+        if not _reply(transport, Done(rank, msg.plan.step_id, result)):
+            return 1
+
+
+def _reply(transport: WorkerTransport, msg: Done | Failed) -> bool:
+    try:
+        transport.send(msg)
+    except TransportClosed:
+        return False
+    return True
+
+
+def pipe_worker_main(rank: int, spec: Any, init_method: str, conn: Connection) -> None:
+    """One worker process: join the group, build the rank's runner, serve the pipe."""
+    import torch
+
+    from medha_runtime.dist_config import set_threads
+
+    transport = PipeTransport(conn)
+    state = None
+    try:
+        set_threads(spec, spec.world_size)
+        from medha_parallel import ParallelLayout, ParallelState
+        from medha_runtime.runner import ModelRunner, resolve_device
+
+        if resolve_device(spec.device) == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        layout = ParallelLayout(tp=spec.tp, spp=spec.spp, kvp=spec.kvp)
+        state = ParallelState.initialize(
+            layout,
+            init_method=init_method,
+            rank=rank,
+            world_size=spec.world_size,
+            timeout_s=spec.timeout_s,
+        )
+        runner = ModelRunner(spec, state)
+        transport.send(Ready(rank, os.getpid(), runner.stage, runner.is_sampler))
+    except BaseException:
+        _reply(transport, Failed(rank, f"rank {rank} failed to start:\n{traceback.format_exc()}"))
+        _destroy(state)
+        return
+    try:
+        serve(runner, transport, rank=rank)
+    finally:
+        _destroy(state)
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def _destroy(state: Any) -> None:
+    if state is not None:
+        with contextlib.suppress(Exception):
+            state.destroy()
