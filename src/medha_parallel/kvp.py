@@ -39,7 +39,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from medha_kernels import PagedAttentionPlan, chunked_prefill_attention, plan_paged_attention
+from medha_kernels import (
+    PagedAttentionPlan,
+    chunked_prefill_attention,
+    merge_states,
+    plan_paged_attention,
+)
+from medha_parallel import shm
 from medha_parallel.compat import all_gather_concat
 from medha_parallel.errors import named_comm
 from medha_parallel.merge import merge_partials, merge_weights, weighted_output
@@ -54,17 +60,31 @@ AG_ALL_MAX_BYTES = 1 << 20
 class KVPCommunicator:
     """Query replication and partial-attention merging over a KVP group prefix.
 
+    Args:
+        state: this rank's parallel state.
+        shared_memory: whole-group all-gathers of at most
+            :data:`AG_ALL_MAX_BYTES` go through shared memory
+            (:class:`~medha_parallel.shm.ShmAllGather`) instead of the process
+            group; default: with gloo on a supported platform. Set up by the
+            first such all-gather, collectively; used only where every rank
+            of the group runs on this host.
+
     Attributes:
         size: the KVP degree.
         index: this rank's KVP group (0 holds the oldest KV).
     """
 
-    def __init__(self, state: ParallelState) -> None:
+    def __init__(self, state: ParallelState, *, shared_memory: bool | None = None) -> None:
         self.size = state.layout.kvp
         self.index = state.coords.kvp
         self._groups: dict[int, dist.ProcessGroup | None] = dict(state.kvp_prefix)
         if self.size > 1:
             self._groups[self.size] = state.kvp_group
+        self._timeout_s = state.timeout.total_seconds()
+        if shared_memory is None:
+            shared_memory = state.backend == "gloo" and shm.supported()
+        # None: not set up yet (the first whole-group all-gather does, collectively)
+        self._shm: shm.ShmAllGather | bool | None = None if shared_memory else False
 
     def __repr__(self) -> str:
         return f"KVPCommunicator(index={self.index}, size={self.size})"
@@ -141,13 +161,48 @@ class KVPCommunicator:
             small = out.numel() * 4 <= AG_ALL_MAX_BYTES
             strategy = "ag_all" if active == 2 or small else "ag_lse_ar"
         if strategy == "ag_all":
-            return _merge_gathered(out, lse, active, group)
-        lses = _all_gather(lse.detach().float(), active, group, "merge[ag_lse_ar].all_gather_lse")
+            return self._merge_gathered(out, lse, active)
+        lses = self._all_gather(lse.detach().float(), active, "merge[ag_lse_ar].all_gather_lse")
         w, lse_global = merge_weights(lses)
         partial = weighted_output(out.detach(), w[self.index])
         with named_comm("kvp", "merge[ag_lse_ar].all_reduce_out"):
             dist.all_reduce(partial, group=group)
         return partial.to(out.dtype), lse_global
+
+    def _merge_gathered(
+        self, out: torch.Tensor, lse: torch.Tensor, active: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ag_all``: one all-gather of ``[num_q, num_heads, head_dim + 1]`` states (out,
+        then LSE; fp32, or fp64 for fp64 outputs), merged locally."""
+        dtype = torch.promote_types(out.dtype, torch.float32)
+        packed = torch.cat((out.detach().to(dtype), lse.detach().to(dtype).unsqueeze(-1)), dim=-1)
+        states = self._all_gather(packed, active, "merge[ag_all].all_gather")
+        if dtype == torch.float32:  # medha_kernels' merge (native on the CPU), tokens first
+            v, s = states[..., :-1].transpose(0, 1), states[..., -1].transpose(0, 1)
+            merged, lse_global = merge_states(v, s)
+        else:
+            merged, lse_global = merge_partials(states[..., :-1], states[..., -1])
+        return merged.to(out.dtype), lse_global.float()
+
+    def _all_gather(self, x: torch.Tensor, n: int, op: str) -> torch.Tensor:
+        """Stack ``x`` from the first ``n`` groups into ``[n, *x.shape]``."""
+        group = self._groups.get(n)
+        x = x.contiguous()
+        with named_comm("kvp", op):
+            if n == self.size and self._shm is None:
+                self._shm = shm.ShmAllGather.create(
+                    group, slot_bytes=AG_ALL_MAX_BYTES, timeout_s=self._timeout_s
+                )
+            if n == self.size and isinstance(self._shm, shm.ShmAllGather) and self._shm.fits(x):
+                return self._shm.all_gather(x, op)
+            out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+            all_gather_concat(out, x, group)  # gloo needs a dim-0 concatenation
+        return out.view(n, *x.shape)
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether whole-group all-gathers go through shared memory (after the first)."""
+        return isinstance(self._shm, shm.ShmAllGather)
 
     def _check_active(self, active: int) -> None:
         if not 1 <= active <= self.size:
@@ -161,27 +216,6 @@ class KVPCommunicator:
                 "callers must skip it"
             )
         return self._groups.get(active)
-
-
-def _merge_gathered(
-    out: torch.Tensor, lse: torch.Tensor, n: int, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ag_all``: one all-gather of ``[num_q, num_heads, head_dim + 1]`` states (out, then
-    LSE; fp32, or fp64 for fp64 outputs), merged locally."""
-    dtype = torch.promote_types(out.dtype, torch.float32)
-    packed = torch.cat((out.detach().to(dtype), lse.detach().to(dtype).unsqueeze(-1)), dim=-1)
-    states = _all_gather(packed, n, group, "merge[ag_all].all_gather")
-    merged, lse_global = merge_partials(states[..., :-1], states[..., -1])
-    return merged.to(out.dtype), lse_global.float()
-
-
-def _all_gather(x: torch.Tensor, n: int, group: dist.ProcessGroup | None, op: str) -> torch.Tensor:
-    """Stack ``x`` from ``n`` ranks into ``[n, *x.shape]`` (gloo needs a dim-0 concatenation)."""
-    x = x.contiguous()
-    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    with named_comm("kvp", op):
-        all_gather_concat(out, x, group)
-    return out.view(n, *x.shape)
 
 
 def kvp_attention(

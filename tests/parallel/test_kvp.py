@@ -7,6 +7,9 @@ the chunk's own keys and attends causally.
 
 from __future__ import annotations
 
+import itertools
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -194,6 +197,10 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
             backend="torch",
         )
     res["paged"] = _paged_batches(comm)
+    res["shm"] = comm.uses_shared_memory
+    gloo = KVPCommunicator(state, shared_memory=False)
+    res["paged_gloo"] = _paged_batches(gloo)
+    res["gloo_shm"] = gloo.uses_shared_memory
     # active == 1: group 0 alone, no collective; group 1 must be refused.
     out, lse = torch.randn(3, 4, 8), torch.randn(3, 4)
     if comm.is_active(1):
@@ -204,6 +211,26 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
             comm.merge(out, lse, active=1)
         except ValueError as exc:
             res["active1"] = str(exc)
+
+    # Shared memory set up by one merge on both groups, then group 1 skips the
+    # next: group 0's wait must end in a CommunicationError after the 2 s timeout.
+    shared = KVPCommunicator(
+        ParallelState.initialize(layout, init_method=init, rank=rank, timeout_s=2)
+    )
+    shared.merge(out, lse.float(), active=2)
+    shm_flag = Path(init.removeprefix("file://")).with_name("kvp_shm_timeout_seen")
+    if rank == 0 and shared.uses_shared_memory:
+        start = time.monotonic()
+        try:
+            shared.merge(out, lse.float(), active=2)
+            res["shm_timeout"] = None
+        except CommunicationError as exc:
+            res["shm_timeout"] = (str(exc), time.monotonic() - start)
+        shm_flag.touch()
+    elif shared.uses_shared_memory:
+        deadline = time.monotonic() + 60
+        while not shm_flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     # Groups rebuilt with a 3 s timeout: group 1 skips the merge, group 0 must
     # get a CommunicationError (not hang); group 1 waits for it, then exits.
@@ -338,10 +365,10 @@ def test_kvp2_paged_batches_equal_full_attention(kvp2) -> None:
             base.append(_baseline(q[start:end], k, v, q_pos=start))
         ref_out, ref_lse = (torch.cat(x) for x in zip(*truth, strict=True))
         base_out, base_lse = (torch.cat(x) for x in zip(*base, strict=True))
-        for res in kvp2:
+        for res, transport in itertools.product(kvp2, ("paged", "paged_gloo")):
             for strategy in STRATEGIES:
-                out, lse = res["paged"][batch, strategy]
-                what = f"group {res['index']} {batch} {strategy}"
+                out, lse = res[transport][batch, strategy]
+                what = f"group {res['index']} {batch} {strategy} {transport}"
                 assert_twice_torch(out, ref_out, base_out, what=f"{what} output")
                 assert_twice_torch(lse, ref_lse, base_lse, what=f"{what} LSE")
     # group 0: prefill on a full shard (non-causal), the rest causal; group 1 lacks
@@ -364,6 +391,21 @@ def test_plan_kvp_attention_refuses_inconsistent_sequences() -> None:
 def test_kvp2_single_active_group_is_a_no_op_and_others_are_refused(kvp2) -> None:
     assert kvp2[0]["active1"] is True
     assert "outside the active prefix" in kvp2[1]["active1"]
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() != "x86_64",
+    reason="the shared-memory all-gather needs Linux on x86-64",
+)
+def test_kvp2_whole_group_merges_go_through_shared_memory_and_time_out(kvp2) -> None:
+    assert [res["shm"] for res in kvp2] == [True, True]
+    assert [res["gloo_shm"] for res in kvp2] == [False, False]  # shared_memory=False
+    outcome = kvp2[0]["shm_timeout"]
+    assert outcome is not None, "a shared-memory merge with a missing peer returned"
+    message, elapsed = outcome
+    assert "merge[ag_all].all_gather on the kvp group failed" in message
+    assert "did not arrive within 2 s" in message
+    assert 1.5 < elapsed < 30.0, f"expected the 2 s group timeout, took {elapsed:.1f}s"
 
 
 def test_kvp_timeout_raises_communication_error_naming_group_and_op(kvp2) -> None:
