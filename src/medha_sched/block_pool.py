@@ -1,9 +1,19 @@
-"""One KVP group's pool of KV blocks, with ownership tracking.
+"""One KVP group's pool of KV blocks: reference counts and a prefix cache.
 
-Free block ids sit on a stack (lowest ids on top at the start), so the same
-sequence of calls always gives the same block ids, in O(1) per block. Every owned
-block records its owner, which makes a block owned twice or freed twice
-impossible rather than merely unlikely.
+A block is in exactly one of three states:
+
+- *free*: on a stack (lowest ids on top at the start), so the same sequence
+  of calls always gives the same block ids, in O(1) per block;
+- *held*: referenced by one or more requests (a reference count >= 1);
+- *cached*: held by nobody but still holding the KV of a full block whose
+  content hash is known. It stays cached until a block is needed and no free
+  one is left; then the least recently released cached block is evicted
+  (its hash forgotten) and handed out.
+
+A hash maps to at most one block of the pool. Releasing a block that is not
+held, or more often than it was taken, raises AssertionError rather than
+corrupting the counts. Without hashes (prefix caching off) no block is ever
+cached and the pool behaves exactly as a plain free stack.
 """
 
 from __future__ import annotations
@@ -14,86 +24,164 @@ from collections.abc import Hashable, Iterable, Sequence
 class BlockPool:
     """Block ids ``0 .. num_blocks - 1`` of one group."""
 
-    __slots__ = ("_free", "_owner", "group", "num_allocs", "num_blocks", "num_frees")
+    __slots__ = (
+        "_block_of",
+        "_cached",
+        "_free",
+        "_hash_of",
+        "_ref",
+        "group",
+        "num_allocs",
+        "num_blocks",
+        "num_evictions",
+        "num_frees",
+    )
 
     def __init__(self, group: int, num_blocks: int) -> None:
         self.group = group
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
-        self._owner: dict[int, Hashable] = {}
-        self.num_allocs = 0  # blocks handed out, ever
-        self.num_frees = 0  # blocks returned, ever
+        self._ref: dict[int, int] = {}  # held block -> reference count (>= 1)
+        self._hash_of: dict[int, Hashable] = {}  # block -> content hash (held or cached)
+        self._block_of: dict[Hashable, int] = {}  # content hash -> block
+        self._cached: dict[int, None] = {}  # unreferenced hashed blocks, LRU first
+        self.num_allocs = 0  # references handed out, ever (fresh blocks and hits)
+        self.num_frees = 0  # references returned, ever
+        self.num_evictions = 0  # cached blocks reused for other content, ever
 
     @property
     def num_free(self) -> int:
-        """Blocks not owned by any request."""
-        return len(self._free)
+        """Blocks a new allocation may take: free plus cached (evictable)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        """Blocks owned by some request."""
-        return len(self._owner)
+        """Blocks held by some request."""
+        return len(self._ref)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks held by nobody that still hold reusable KV."""
+        return len(self._cached)
+
+    def _take(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise AssertionError(
+                f"group {self.group}: {count} blocks asked, only {self.num_free} free"
+            )
+        free = self._free
+        fresh = min(count, len(free))
+        blocks = list(reversed(free[len(free) - fresh :])) if fresh else []
+        del free[len(free) - fresh :]
+        for _ in range(count - fresh):  # evict, least recently released first
+            block = next(iter(self._cached))
+            del self._cached[block]
+            del self._block_of[self._hash_of.pop(block)]
+            self.num_evictions += 1
+            blocks.append(block)
+        return blocks
 
     def allocate(self, owner: Hashable, count: int) -> tuple[int, ...]:
-        """Give ``count`` free blocks to ``owner`` (most recently freed first)."""
-        if count > len(self._free):
-            raise AssertionError(
-                f"group {self.group}: {count} blocks asked, only {len(self._free)} free"
-            )
+        """Give ``count`` blocks to ``owner``: free ones (most recently freed
+        first), then evicted cached ones."""
         if count == 0:
             return ()
-        blocks = tuple(reversed(self._free[-count:]))
-        del self._free[-count:]
-        self._owner.update(dict.fromkeys(blocks, owner))
+        blocks = self._take(count)
+        self._ref.update(dict.fromkeys(blocks, 1))
         self.num_allocs += count
-        return blocks
+        return tuple(blocks)
 
     def allocate_each(self, owners: Sequence[Hashable]) -> tuple[int, ...]:
-        """One free block for each of ``owners``, in order: the blocks that
+        """One block for each of ``owners``, in order: the blocks that
         ``allocate(owner, 1)`` called for each owner in turn would give."""
-        count = len(owners)
-        if count > len(self._free):
-            raise AssertionError(
-                f"group {self.group}: {count} blocks asked, only {len(self._free)} free"
-            )
-        if count == 0:
-            return ()
-        blocks = tuple(reversed(self._free[-count:]))
-        del self._free[-count:]
-        self._owner.update(zip(blocks, owners, strict=True))
-        self.num_allocs += count
-        return blocks
+        return self.allocate(None, len(owners))
 
     def release(self, owner: Hashable, blocks: Iterable[int]) -> None:
-        """Return ``blocks`` to the pool; each must be owned by ``owner``."""
-        owners = self._owner
-        released = []
+        """Drop one reference to each of ``blocks``; a block nobody holds
+        becomes cached if it has a hash, else free."""
+        blocks = list(blocks)
+        ref = self._ref
+        counts: dict[int, int] = {}
         for block in blocks:
-            if owners.pop(block, _NOBODY) != owner:
-                for done in released:  # undo, so the pool stays consistent
-                    owners[done] = owner
-                raise AssertionError(f"group {self.group}: block {block} is not owned by {owner!r}")
-            released.append(block)
-        self._free.extend(reversed(released))
-        self.num_frees += len(released)
+            counts[block] = counts.get(block, 0) + 1
+        for block, n in counts.items():
+            if ref.get(block, 0) < n:
+                raise AssertionError(
+                    f"group {self.group}: block {block} released by {owner!r} more often than held"
+                )
+        freed = []
+        for block in blocks:
+            left = ref[block] - 1
+            if left:
+                ref[block] = left
+                continue
+            del ref[block]
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                freed.append(block)
+        self._free.extend(reversed(freed))
+        self.num_frees += len(blocks)
 
-    def owner_of(self, block: int) -> Hashable | None:
-        """The request owning ``block``, or None when it is free."""
-        return self._owner.get(block)
+    # ------------------------------------------------------------ prefix cache
+    def lookup(self, block_hash: Hashable) -> int | None:
+        """The block holding content ``block_hash`` (held or cached), or None."""
+        return self._block_of.get(block_hash)
+
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` is held by nobody but keeps its KV."""
+        return block in self._cached
+
+    def acquire(self, block: int) -> None:
+        """Take one more reference to a held or cached block (a cache hit)."""
+        if block in self._cached:
+            del self._cached[block]
+            self._ref[block] = 1
+        elif block in self._ref:
+            self._ref[block] += 1
+        else:
+            raise AssertionError(f"group {self.group}: block {block} is free, not cached")
+        self.num_allocs += 1
+
+    def register(self, block: int, block_hash: Hashable) -> bool:
+        """Record that held ``block`` now holds the full content ``block_hash``.
+
+        Returns False (changing nothing) when another block already holds
+        that content or ``block`` already has a hash: a hash names at most
+        one block, and a block's content never changes once full.
+        """
+        if block not in self._ref:
+            raise AssertionError(f"group {self.group}: block {block} is not held")
+        if block_hash in self._block_of or block in self._hash_of:
+            return False
+        self._block_of[block_hash] = block
+        self._hash_of[block] = block_hash
+        return True
+
+    def ref_count(self, block: int) -> int:
+        """References to ``block`` (0 when free or cached)."""
+        return self._ref.get(block, 0)
+
+    def hash_of(self, block: int) -> Hashable | None:
+        return self._hash_of.get(block)
 
     def check(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""
-        free = set(self._free)
+        free, held, cached = set(self._free), self._ref.keys(), self._cached.keys()
         g = self.group
         assert len(free) == len(self._free), f"group {g}: a block is free twice"
-        assert not free & self._owner.keys(), f"group {g}: block both free and owned"
-        assert free | self._owner.keys() == set(range(self.num_blocks)), (
-            f"group {g}: free + used blocks are not exactly 0..{self.num_blocks - 1}"
+        assert not free & held and not free & cached and not held & cached, (
+            f"group {g}: a block is in two of free/held/cached"
         )
-        assert self.num_free + self.num_used == self.num_blocks, f"group {g}: free+used!=total"
-        assert self.num_allocs - self.num_frees == self.num_used, (
-            f"group {g}: {self.num_allocs} allocs - {self.num_frees} frees != {self.num_used} used"
+        assert free | held | cached == set(range(self.num_blocks)), (
+            f"group {g}: free + held + cached blocks are not exactly 0..{self.num_blocks - 1}"
         )
-
-
-_NOBODY = object()
+        assert all(n >= 1 for n in self._ref.values()), f"group {g}: a held block has no reference"
+        assert all(b in self._hash_of for b in cached), f"group {g}: a cached block has no hash"
+        assert not free & self._hash_of.keys(), f"group {g}: a free block keeps a hash"
+        assert len(self._block_of) == len(self._hash_of), f"group {g}: hash maps disagree"
+        for h, b in self._block_of.items():
+            assert self._hash_of.get(b) == h, f"group {g}: hash maps disagree on block {b}"
+        assert self.num_allocs - self.num_frees == sum(self._ref.values()), (
+            f"group {g}: {self.num_allocs} references taken - {self.num_frees} returned != held"
+        )

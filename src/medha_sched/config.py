@@ -59,12 +59,16 @@ class CacheConfig:
             ``block_size``.
         watermark: fraction of each group's blocks an admission must leave
             free, as head-room for decodes to grow.
+        enable_prefix_caching: share the KV blocks of prompt prefixes
+            computed before (see :mod:`medha_sched.kv_memory`); off by
+            default here, on by default in the runtime.
     """
 
     block_size: int = 16
     num_blocks_per_group: int = 4096
     max_tokens_per_group: int | None = None
     watermark: float = 0.01
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, minimum=1)
@@ -84,6 +88,10 @@ class CacheConfig:
         _check_float("watermark", self.watermark, minimum=0.0)
         if self.watermark >= 1.0:
             raise ValueError(f"watermark must be < 1, got {self.watermark!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
 
     @property
     def group_token_limit(self) -> int:
@@ -119,6 +127,9 @@ class SchedulerConfig:
         min_deadline: floor of the derived TTFT deadline, seconds.
         max_consecutive_skips: prefill candidates passed over in a row before
             the packer stops looking (bounds the work of one decision).
+        cache_aware_slack: with prefix caching, price a request's prefill
+            work (its deadline, LARS slack, SRPT) by its uncached tokens;
+            False prices it by prompt length (the baseline peers use).
     """
 
     policy: str = "lars"
@@ -132,6 +143,7 @@ class SchedulerConfig:
     deadline_multiplier: float = 1.5
     min_deadline: float = 0.5
     max_consecutive_skips: int = 16
+    cache_aware_slack: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy:
@@ -153,6 +165,10 @@ class SchedulerConfig:
         _check_float("deadline_multiplier", self.deadline_multiplier, minimum=0.0, strict=True)
         _check_float("min_deadline", self.min_deadline, minimum=0.0)
         _check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
+        if not isinstance(self.cache_aware_slack, bool):
+            raise ValueError(
+                f"cache_aware_slack must be True or False, got {self.cache_aware_slack!r}"
+            )
 
     @property
     def adaptive(self) -> bool:

@@ -14,6 +14,19 @@ head-room is kept exactly so running requests can grow.
 
 Group choice is deterministic: groups with the most free blocks first, ties
 to the lowest id; full shards take the roomiest groups, the tail the next.
+
+Prefix caching (``cache.enable_prefix_caching``): a full block whose KV has
+been computed is registered under its content hash (see
+:mod:`medha_sched.prefix_hash`) in its group's pool. An admission given the
+prompt's block hashes first looks for its longest cached prefix: shard by
+shard (shard ``i`` covers positions ``[i*G, (i+1)*G)`` whatever the request,
+so a shared prefix lies in the same shards), the group holding the longest
+run of the shard's hashes. Those blocks are shared (reference-counted), the
+shards they lie in are pinned to their groups, and only the rest of the
+prompt is reserved. The hit stops one token short of the prompt, so a
+request always computes at least its last prompt token. Freeing a request
+(finish or preemption) drops references; a block nobody holds keeps its KV
+until a pool runs out of free blocks and evicts it (LRU, per group).
 """
 
 from __future__ import annotations
@@ -37,6 +50,12 @@ class _Entry:
     blocks: list[list[int]]  # per shard
     tokens: int  # tokens the request was sized for
     pending: dict[int, list[int]] = field(default_factory=dict)  # group -> new blocks
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    registered: int = 0  # leading blocks offered to the prefix cache so far
+
+
+#: ``(group, block ids)`` of one shard's cached run, in shard order
+_Hit = tuple[int, list[int]]
 
 
 class KVBlockManager:
@@ -74,10 +93,74 @@ class KVBlockManager:
             return None
         return order
 
-    def _plan_admit(self, num_tokens: int, free: Sequence[int]) -> list[int] | None:
+    def _plan_admit(
+        self, num_tokens: int, free: Sequence[int], hits: Sequence[_Hit] = ()
+    ) -> list[int] | None:
+        """Groups of a ``num_tokens``-token prompt in shard order, or None.
+
+        The shards of ``hits`` are pinned to their groups; their cached blocks
+        are shared, so only the rest of each such shard is allocated (a hit
+        block that is now cached stops counting as free once taken).
+        """
         _check_tokens(num_tokens)
         needs = [self._blocks_for(t) for t in self._split(num_tokens, -(-num_tokens // self._g))]
-        return self._pick(free, range(self.num_groups), needs, self.cache.watermark_blocks)
+        reserve = self.cache.watermark_blocks
+        pinned = []
+        for (group, blocks), need in zip(hits, needs, strict=False):
+            pool = self._pools[group]
+            taken = sum(1 for b in blocks if pool.is_cached(b))
+            if free[group] - taken - (need - len(blocks)) < reserve:
+                return None
+            pinned.append(group)
+        rest = needs[len(pinned) :]
+        if not rest:
+            return pinned
+        others = self._pick(
+            free, (g for g in range(self.num_groups) if g not in pinned), rest, reserve
+        )
+        return None if others is None else pinned + others
+
+    def _match(self, block_hashes: Sequence[Hashable], num_tokens: int) -> list[_Hit]:
+        """The longest cached prefix of a prompt, as runs of blocks per shard.
+
+        Shard by shard, the group (not used by an earlier shard) holding the
+        longest run of the shard's hashes; a run shorter than the shard ends
+        the prefix. At most ``num_tokens - 1`` tokens are matched.
+        """
+        if not self.cache.enable_prefix_caching or not block_hashes:
+            return []
+        limit = min(len(block_hashes), (num_tokens - 1) // self._bs)
+        per_shard = self._g // self._bs
+        hits: list[_Hit] = []
+        used: set[int] = set()
+        k = 0
+        while k < limit:
+            end = min(limit, k + per_shard)
+            best: _Hit | None = None
+            for group, pool in enumerate(self._pools):
+                if group in used:
+                    continue
+                run = []
+                for i in range(k, end):
+                    block = pool.lookup(block_hashes[i])
+                    if block is None:
+                        break
+                    run.append(block)
+                if run and (best is None or len(run) > len(best[1])):
+                    best = (group, run)
+            if best is None:
+                break
+            hits.append(best)
+            used.add(best[0])
+            k += len(best[1])
+            if k < end:
+                break
+        return hits
+
+    def cached_prefix_tokens(self, block_hashes: Sequence[Hashable], num_tokens: int) -> int:
+        """Tokens of a ``num_tokens``-token prompt the prefix cache holds now
+        (a look only: nothing is taken, and an admission may find less)."""
+        return sum(len(run) for _, run in self._match(block_hashes, num_tokens)) * self._bs
 
     def _free_counts(self) -> list[int]:
         return [pool.num_free for pool in self._pools]
@@ -96,43 +179,116 @@ class KVBlockManager:
         return len(self._entry(request_id).blocks[-1])
 
     def _grant(self, rid: Hashable, entry: _Entry, shard: int, count: int) -> None:
+        if count <= 0:
+            return
         group = entry.groups[shard]
         new = self._pools[group].allocate(rid, count)
         entry.blocks[shard].extend(new)
         entry.pending.setdefault(group, []).extend(new)
         self._holders[group].add(rid)
 
-    def can_admit(self, num_tokens: int) -> bool:
+    def can_admit(self, num_tokens: int, block_hashes: Sequence[Hashable] = ()) -> bool:
         """Whether :meth:`admit` of ``num_tokens`` tokens would succeed now."""
-        return self._plan_admit(num_tokens, self._free_counts()) is not None
+        return self.plan_admit(num_tokens, block_hashes) is not None
 
-    def plan_admit(self, num_tokens: int) -> tuple[int, ...] | None:
+    def plan_admit(
+        self, num_tokens: int, block_hashes: Sequence[Hashable] = ()
+    ) -> tuple[int, ...] | None:
         """The groups :meth:`admit` would give a prompt now, in shard order, or None."""
-        groups = self._plan_admit(num_tokens, self._free_counts())
-        return None if groups is None else tuple(groups)
+        plan = self._plan_cached(num_tokens, block_hashes)
+        return None if plan is None else tuple(plan[0])
+
+    def plan_admit_cached(
+        self, num_tokens: int, block_hashes: Sequence[Hashable] = ()
+    ) -> tuple[tuple[int, ...], int] | None:
+        """``(groups, cached tokens)`` :meth:`admit` would give a prompt now, or None."""
+        plan = self._plan_cached(num_tokens, block_hashes)
+        if plan is None:
+            return None
+        groups, hits = plan
+        return tuple(groups), sum(len(run) for _, run in hits) * self._bs
+
+    def _plan_cached(
+        self, num_tokens: int, block_hashes: Sequence[Hashable]
+    ) -> tuple[list[int], list[_Hit]] | None:
+        """Groups and cache hits of an admission; without the hits when the
+        pinned groups lack room for the rest of their shards."""
+        free = self._free_counts()
+        hits = self._match(block_hashes, num_tokens)
+        if hits:
+            groups = self._plan_admit(num_tokens, free, hits)
+            if groups is not None:
+                return groups, hits
+        groups = self._plan_admit(num_tokens, free)
+        return None if groups is None else (groups, [])
 
     def can_ever_admit(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` tokens could be admitted into empty memory."""
         empty = [self.cache.num_blocks_per_group] * self.num_groups
         return self._plan_admit(num_tokens, empty) is not None
 
-    def admit(self, request_id: Hashable, num_tokens: int) -> bool:
+    def admit(
+        self, request_id: Hashable, num_tokens: int, block_hashes: Sequence[Hashable] = ()
+    ) -> bool:
         """Reserve blocks for a whole ``num_tokens``-token prompt.
 
-        Returns False, changing nothing, if it does not fit while leaving the
-        watermark free on each touched group. Raises SchedulerError (a
-        ValueError) if ``request_id`` already holds blocks.
+        With ``block_hashes`` (the prompt's full blocks, see
+        :mod:`medha_sched.prefix_hash`) and prefix caching on, the longest
+        cached prefix is shared instead of allocated;
+        :meth:`cached_tokens` says how long it is. Returns False, changing
+        nothing, if it does not fit while leaving the watermark free on each
+        touched group. Raises SchedulerError (a ValueError) if
+        ``request_id`` already holds blocks.
         """
         if request_id in self._entries:
             raise SchedulerError(f"request {request_id!r} is already admitted")
-        groups = self._plan_admit(num_tokens, self._free_counts())
-        if groups is None:
+        plan = self._plan_cached(num_tokens, block_hashes)
+        if plan is None:
             return False
+        groups, hits = plan
         entry = _Entry(groups=tuple(groups), blocks=[[] for _ in groups], tokens=num_tokens)
         self._entries[request_id] = entry
+        for shard, (group, run) in enumerate(hits):  # before allocating: never evict a hit
+            pool = self._pools[group]
+            for block in run:
+                pool.acquire(block)
+            entry.blocks[shard].extend(run)
+            entry.pending.setdefault(group, []).extend(run)
+            self._holders[group].add(request_id)
+        hit_blocks = sum(len(run) for _, run in hits)
+        entry.cached_tokens = hit_blocks * self._bs
+        entry.registered = hit_blocks
         for shard, tokens in enumerate(self._split(num_tokens, len(groups))):
-            self._grant(request_id, entry, shard, self._blocks_for(tokens))
+            self._grant(
+                request_id, entry, shard, self._blocks_for(tokens) - len(entry.blocks[shard])
+            )
         return True
+
+    def cached_tokens(self, request_id: Hashable) -> int:
+        """Prompt tokens the request found in the prefix cache when admitted."""
+        return self._entry(request_id).cached_tokens
+
+    def register_blocks(
+        self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: int
+    ) -> None:
+        """Offer the request's full blocks within its first ``num_tokens``
+        positions (KV computed on every stage) to the prefix cache.
+
+        ``block_hashes`` gives at least the hashes of those blocks it knows;
+        blocks offered before are skipped, so the cost is the new blocks.
+        A no-op with prefix caching off.
+        """
+        if not self.cache.enable_prefix_caching:
+            return
+        entry = self._entry(request_id)
+        upto = min(len(block_hashes), num_tokens // self._bs)
+        per_shard = self._g // self._bs
+        for k in range(entry.registered, upto):
+            shard, index = divmod(k, per_shard)
+            if shard >= len(entry.groups) or index >= len(entry.blocks[shard]):
+                break
+            self._pools[entry.groups[shard]].register(entry.blocks[shard][index], block_hashes[k])
+            entry.registered = k + 1
 
     def ensure_capacity(self, request_id: Hashable, num_tokens: int) -> bool:
         """Grow the request block by block until it holds ``num_tokens`` tokens.
@@ -297,19 +453,38 @@ class KVBlockManager:
         """Blocks returned, ever, over all groups."""
         return sum(pool.num_frees for pool in self._pools)
 
+    def num_cached_blocks(self, group: int) -> int:
+        """Blocks of ``group`` held by nobody that keep reusable KV."""
+        return self._pools[group].num_cached
+
+    def ref_count(self, group: int, block: int) -> int:
+        """Requests holding ``block`` of ``group``."""
+        return self._pools[group].ref_count(block)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken."""
         for pool in self._pools:
             pool.check()
-        seen: list[dict[int, Hashable]] = [{} for _ in self._pools]
+        refs: list[dict[int, int]] = [{} for _ in self._pools]
+        holders: list[set[Hashable]] = [set() for _ in self._pools]
         for rid, entry in self._entries.items():
-            self._check_entry(rid, entry, seen)
+            self._check_entry(rid, entry, refs, holders)
         for group, pool in enumerate(self._pools):
-            assert len(seen[group]) == pool.num_used, f"group {group}: owned blocks leaked"
-            holders = set(seen[group].values())
-            assert holders == self._holders[group], f"group {group}: holders out of date"
+            assert len(refs[group]) == pool.num_used, f"group {group}: held blocks leaked"
+            for block, n in refs[group].items():
+                assert pool.ref_count(block) == n, (
+                    f"group {group}: block {block} has {pool.ref_count(block)} references, "
+                    f"{n} holders"
+                )
+            assert holders[group] == self._holders[group], f"group {group}: holders out of date"
 
-    def _check_entry(self, rid: Hashable, entry: _Entry, seen: list[dict[int, Hashable]]) -> None:
+    def _check_entry(
+        self,
+        rid: Hashable,
+        entry: _Entry,
+        refs: list[dict[int, int]],
+        holders: list[set[Hashable]],
+    ) -> None:
         assert len(set(entry.groups)) == len(entry.groups), f"{rid!r}: a group holds two shards"
         assert len(entry.groups) == len(entry.blocks) >= 1, f"{rid!r}: bad shard lists"
         split = self._split(entry.tokens, len(entry.groups))
@@ -318,9 +493,10 @@ class KVBlockManager:
             assert self._blocks_for(tokens) <= len(blocks) <= self._g // self._bs, (
                 f"{rid!r}: shard {shard} has {len(blocks)} blocks for {tokens} tokens"
             )
+            assert len(set(blocks)) == len(blocks), f"{rid!r}: a block twice in shard {shard}"
             for block in blocks:
-                assert block not in seen[group], f"group {group}: block {block} owned twice"
-                assert self._pools[group].owner_of(block) == rid, f"{rid!r}: block {block} lost"
-                seen[group][block] = rid
+                refs[group][block] = refs[group].get(block, 0) + 1
+            if blocks:
+                holders[group].add(rid)
         for shard, blocks in enumerate(entry.blocks[:-1]):
             assert len(blocks) * self._bs == self._g, f"{rid!r}: non-tail shard {shard} not full"

@@ -50,6 +50,16 @@ class Request:
             D = max(m * p, min_deadline) at arrival.
         tpot_slo: per-token latency target in seconds, or ``None``.
         priority: strict class; lower numbers are served first.
+        prefix_id, prefix_tokens: for requests without token ids
+            (simulation): the first ``prefix_tokens`` prompt tokens are those
+            of a token stream shared by every request naming ``prefix_id``,
+            so the prefix cache can find them (see
+            :mod:`medha_sched.prefix_hash`).
+        prefix_caching: look the prompt up in the prefix cache (a request
+            that needs every prompt position computed, say for prompt
+            logprobs, opts out; its KV is still offered to the cache).
+        num_cached_tokens: prompt tokens found in the prefix cache at the
+            latest admission; the prefill starts after them.
     """
 
     request_id: str
@@ -72,6 +82,12 @@ class Request:
     remaining_work: float = 0.0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    prefix_id: str | None = None
+    prefix_tokens: int = 0
+    prefix_caching: bool = True
+    num_cached_tokens: int = 0
+    # Content hashes of the request's full blocks known so far (prefix caching).
+    block_hashes: list = field(default_factory=list, init=False, repr=False)
     # Cursor bases (see the properties below) and the decode lane that moves
     # them, if any: anything with ``issued``, ``cleared`` and ``computed`` counts.
     _scheduled: int = field(default=0, init=False, repr=False)
@@ -108,6 +124,16 @@ class Request:
                 raise ValueError(f"request {self.request_id!r}: {name} must be > 0, got {value!r}")
         if not isinstance(self.priority, int):
             raise ValueError(f"request {self.request_id!r}: priority must be an int")
+        if self.prefix_id is not None and not isinstance(self.prefix_id, str):
+            raise ValueError(
+                f"request {self.request_id!r}: prefix_id must be a string, got {self.prefix_id!r}"
+            )
+        pt = self.prefix_tokens
+        if not isinstance(pt, int) or isinstance(pt, bool) or not 0 <= pt <= self.num_prompt_tokens:
+            raise ValueError(
+                f"request {self.request_id!r}: prefix_tokens must be an integer in "
+                f"0..{self.num_prompt_tokens} (the prompt's length), got {pt!r}"
+            )
         if self.num_prefill_tokens == 0:
             self.num_prefill_tokens = self.num_prompt_tokens
 

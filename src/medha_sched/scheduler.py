@@ -28,6 +28,7 @@ from medha_sched.output import BatchResult, BlockGrant, ScheduledChunk, Schedule
 from medha_sched.packer import ChunkSizer, Draft
 from medha_sched.policies import get_policy
 from medha_sched.prefill_cache import PrefillTimeCache
+from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
 from medha_sched.request import Request, RequestStatus
 
@@ -80,6 +81,10 @@ class Scheduler:
         self._seq_of: dict[str, int] = {}
         # per-token latency targets of running requests past their prefill
         self._tpot: dict[str, float] = {}
+        self._caching = self.cache.enable_prefix_caching
+        # prefix cache lookups at admission, in prompt tokens (vLLM's counters)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ----------------------------------------------------------------- intake
     @property
@@ -107,6 +112,13 @@ class Scheduler:
         # the feasibility check below sees every position the prompt covers.
         p = self.prefill_times.remaining_time(request.num_prefill_tokens, 0)
         self._check_fits(request)
+        if self._caching and self.config.cache_aware_slack:
+            # only the uncached part is work (the hit is a look: admission may find less)
+            cached = self.memory.cached_prefix_tokens(
+                self._lookup_hashes(request), request.num_prefill_tokens
+            )
+            if cached:
+                p = self.prefill_times.remaining_time(request.num_prefill_tokens, cached)
         if request.ttft_slo is not None:
             d = request.ttft_slo
         else:
@@ -247,10 +259,13 @@ class Scheduler:
             self._lanes.leave(request)
         self._tpot.pop(rid, None)
         del self._seq_of[rid]
+        if self._caching:
+            self._register(request)  # what it computed stays cached: recompute may hit it
         self.memory.free(rid)
         del self._running[rid]
         request.num_prefill_tokens = request.num_tokens
         request.num_scheduled_tokens = request.num_stage0_tokens = request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -339,11 +354,19 @@ class Scheduler:
     def _try_prefill(self, request: Request, draft: Draft, now: float) -> bool:
         rid = request.request_id
         admitted = rid in self._running
-        groups = (
-            self.memory.groups_of(rid)
-            if admitted
-            else self.memory.plan_admit(request.num_prefill_tokens)
-        )
+        cached, hashes = 0, ()
+        if admitted:
+            groups = self.memory.groups_of(rid)
+        elif self._caching:
+            hashes = self._lookup_hashes(request)
+            plan = self.memory.plan_admit_cached(request.num_prefill_tokens, hashes)
+            if plan is None:
+                return False  # no memory for the rest of the prompt yet
+            groups, cached = plan
+            # the cached prefix counts as computed: the first chunk starts after it
+            self._set_cursors(request, cached)
+        else:
+            groups = self.memory.plan_admit(request.num_prefill_tokens)
         if groups is None:
             return False  # no memory for the whole prompt yet
         if self.config.adaptive:
@@ -351,10 +374,17 @@ class Scheduler:
         else:
             n, is_long = self._sizer.fixed(request, draft), False
         if n == 0:
+            if cached:
+                self._set_cursors(request, 0)
             return False
         if not admitted:
-            ok = self.memory.admit(rid, request.num_prefill_tokens)
+            ok = self.memory.admit(rid, request.num_prefill_tokens, hashes)
             assert ok and self.memory.groups_of(rid) == groups, "admission differs from its plan"
+            if self._caching:
+                assert self.memory.cached_tokens(rid) == cached, "cache hit differs from its plan"
+                request.num_cached_tokens = cached
+                self.prefix_cache_queries += request.num_prefill_tokens
+                self.prefix_cache_hits += cached
             self._running[rid] = request
             self._seq += 1
             self._seq_of[rid] = self._seq
@@ -513,8 +543,11 @@ class Scheduler:
             self._end_decodes(lane, result, finished)
             if lane not in self._lanes.ready:
                 lane = None  # every decode finished: the lane is gone
+        caching = self._caching
         for r, _, n, samples in batch.entries:
             r.num_computed_tokens += n
+            if caching and r.request_id in self._running:
+                self._register(r)  # its KV ran on every stage: the next request may use it
             status = self._after_compute(r, samples, result)
             if status is not None:
                 self._finish(r, status)
@@ -590,9 +623,41 @@ class Scheduler:
                 queue.push(request)
 
     def _refresh_work(self, request: Request) -> None:
-        request.remaining_work = self.prefill_times.remaining_time(
-            request.num_prefill_tokens, request.num_scheduled_tokens
-        )
+        done = request.num_scheduled_tokens
+        if not self.config.cache_aware_slack:
+            done -= request.num_cached_tokens  # priced as if the whole prompt were computed
+        request.remaining_work = self.prefill_times.remaining_time(request.num_prefill_tokens, done)
+
+    # ----------------------------------------------------------- prefix cache
+    def _hashes(self, request: Request, num_tokens: int) -> list:
+        """Content hashes of the request's full blocks among its first
+        ``num_tokens`` positions, as far as they are known (computed once)."""
+        hashes = request.block_hashes
+        bs = self.cache.block_size
+        want = num_tokens // bs
+        if len(hashes) >= want:
+            return hashes
+        if request.prompt_token_ids is not None:
+            extend_token_hashes(hashes, request.token_ids(len(hashes) * bs, want * bs), bs)
+        elif request.prefix_id is not None:
+            extend_stream_hashes(hashes, request.prefix_id, min(want, request.prefix_tokens // bs))
+        return hashes
+
+    def _lookup_hashes(self, request: Request) -> list:
+        """Hashes to look the request's prefill up with (none when it opts out)."""
+        if not request.prefix_caching:
+            return []
+        return self._hashes(request, request.num_prefill_tokens)
+
+    def _register(self, request: Request) -> None:
+        """Offer the request's computed full blocks to the prefix cache."""
+        done = request.num_computed_tokens
+        self.memory.register_blocks(request.request_id, self._hashes(request, done), done)
+
+    @staticmethod
+    def _set_cursors(request: Request, position: int) -> None:
+        request.num_scheduled_tokens = position
+        request.num_stage0_tokens = request.num_computed_tokens = position
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
@@ -603,6 +668,8 @@ class Scheduler:
         self._tpot.pop(rid, None)
         if rid in self._running:
             del self._seq_of[rid]
+            if self._caching:
+                self._register(request)  # decoded tokens' KV too
             self.memory.free(rid)
             del self._running[rid]
         request.status = status

@@ -72,6 +72,8 @@ class Checker:
             assert c.num_tokens >= 1
             assert not r.status.finished or c.request_id in s._requests
             expected = 0 if c.request_id in out.preempted else starts[c.request_id][1]
+            if expected == 0 and c.request_id not in ready:
+                expected = r.num_cached_tokens  # admitted now: the cached prefix is computed
             assert c.start == expected, "chunk must start at the issued cursor"
             if c.request_id not in ready:
                 assert c.start + c.num_tokens <= r.num_prefill_tokens, "chunk beyond prompt"
@@ -204,6 +206,8 @@ def _track_prefill(trace: Trace, out: ScheduleOutput, ready: dict, starts: dict)
         r = starts[c.request_id][0]
         if c.start == 0:
             total = c.num_tokens
+        elif c.request_id not in trace.prefill_sums and c.start == r.num_cached_tokens:
+            total = c.start + c.num_tokens  # the first chunk after a cache hit
         assert total == c.start + c.num_tokens, "chunks must be contiguous"
         trace.prefill_sums[c.request_id] = total
         if c.samples:
