@@ -36,8 +36,6 @@ import itertools
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,50 +44,21 @@ from pathlib import Path
 
 import httpx
 
+from medha_runtime.server.launch import LaunchError, ServerProcess, start_server, stop_server
 from medha_runtime.step_log import StepRecord, read_step_log
 
 PY = sys.executable
 VOCAB = 250  # tiny's vocabulary has 259 ids; stay below the special ones
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(flags: list[str], log: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [PY, "-m", "medha_runtime", "serve", "tiny", "--port", str(port), *flags]
-    print("$ " + " ".join(cmd), flush=True)
+def start_tiny(flags: list[str], log: Path, threads: int) -> ServerProcess:
+    """``serve tiny`` with ``threads`` torch threads; exits the benchmark if it cannot start."""
+    print("$ medha-runtime serve tiny " + " ".join(flags), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    f = log.open("w")
-    proc = subprocess.Popen(
-        cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    sys.exit(f"the server did not start; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    try:
+        return start_server("tiny", flags, log=log, env=env, timeout_s=600)
+    except LaunchError as exc:
+        sys.exit(str(exc))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -268,11 +237,11 @@ def run_long(args: argparse.Namespace, name: str, hog_after: float | None) -> di
     steps_path = out / f"{name}.steps.jsonl"
     flags = ["--max-model-len", str(args.long_tokens + 256), "--step-log", str(steps_path)]
     flags += ["--cost-model-out", str(out / f"{name}.online.json"), "--log-level", "warning"]
-    proc, url = start_server(flags, out / f"{name}.server.log", args.engine_threads)
+    server = start_tiny(flags, out / f"{name}.server.log", args.engine_threads)
     try:
-        run = asyncio.run(long_and_chats(args, url, hog_after))
+        run = asyncio.run(long_and_chats(args, server.url, hog_after))
     finally:
-        stop_server(proc)
+        stop_server(server)
     steps = read_step_log(steps_path)
     res = {**step_stats(steps, run["hog_at"]), **client_stats(run)}
     res["capacity_tokens_per_s"] = capacity_tokens_per_s(steps)
@@ -310,7 +279,8 @@ def run_admission(args: argparse.Namespace, capacity: float | None) -> dict:
     trace: list[dict] = []
     for mode in ("reject", "accept"):
         flags, log = servers[mode]
-        proc, url = start_server(flags, log, args.engine_threads)
+        server = start_tiny(flags, log, args.engine_threads)
+        url = server.url
         try:
             if not trace:
                 if capacity is None:
@@ -333,7 +303,7 @@ def run_admission(args: argparse.Namespace, capacity: float | None) -> dict:
             time.sleep(1.0)  # a heartbeat with the queue snapshot
             recs = asyncio.run(replay(args, url, trace))
         finally:
-            stop_server(proc)
+            stop_server(server)
         res[mode] = admission_stats(recs)
         (out / f"admission-{mode}.requests.json").write_text(json.dumps(recs))
         print(f"  admission {mode}: {json.dumps(res[mode])}", flush=True)

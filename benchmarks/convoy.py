@@ -40,16 +40,12 @@ import json
 import os
 import random
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
+from medha_runtime.server.launch import LaunchError, ServerProcess, start_server, stop_server
 from medha_runtime.step_log import check_predictions, read_step_log, step_overheads
 from medha_sched import TableCostModel
 from medha_sched.sim.metrics import percentile, read_requests
@@ -134,12 +130,6 @@ def admission_delay(probe_result: Path, steps: Path) -> float:
     return statistics.median(gaps)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _threads(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
@@ -151,35 +141,13 @@ def engine_env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
-def start_server(flags: list[str], log: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [PY, "-m", "medha_runtime", "serve", "tiny", "--port", str(port), *flags]
-    print("$ " + shlex.join(cmd), flush=True)
-    proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with code {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    sys.exit(f"the server did not become healthy; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+def start_tiny(flags: list[str], log: Path, env: dict[str, str]) -> ServerProcess:
+    """``serve tiny`` with ``flags``; exits the benchmark if it cannot start."""
+    print("$ medha-runtime serve tiny " + shlex.join(flags), flush=True)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        return start_server("tiny", flags, log=log, env=env, timeout_s=300)
+    except LaunchError as exc:
+        sys.exit(str(exc))
 
 
 def bench(url: str, trace: Path, result: Path, log: Path) -> None:
@@ -408,7 +376,7 @@ def main() -> None:
     for label, policy_flags in variants(args.chunk_size):
         if only and label not in only:
             continue
-        proc, url = start_server(
+        server = start_tiny(
             [
                 *policy_flags,
                 *common,
@@ -423,11 +391,11 @@ def main() -> None:
             engine_env(args.engine_threads),
         )
         try:
-            bench(url, probe, out / f"{label}.probe.json", out / f"{label}.probe.log")
+            bench(server.url, probe, out / f"{label}.probe.json", out / f"{label}.probe.log")
             result = out / f"{label}.bench.json"
-            bench(url, trace, result, out / f"{label}.bench.log")
+            bench(server.url, trace, result, out / f"{label}.bench.log")
         finally:
-            stop_server(proc)
+            stop_server(server)
         rows[label] = measured(result)
         rows[label]["steps"] = step_check(out / f"{label}.steps.jsonl", profile)
         delay = admission_delay(out / f"{label}.probe.json", out / f"{label}.steps.jsonl")

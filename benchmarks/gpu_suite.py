@@ -53,7 +53,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -876,37 +875,41 @@ def make_mixed_trace(plan: dict[str, Any], path: Path, seed: int = 0) -> None:
 
 def serve_and_replay(st, label, model, plan, profile, trace, work, env) -> dict[str, Any]:
     """Start ``serve`` under ``label``'s policy, replay the trace, stop; metrics and errors."""
+    from medha_runtime.server.launch import LaunchError, serve_command, start_server, stop_server
+
     policy = ["--policy", "lars-mp"] if label == "lars-mp" else ["--policy", "fcfs"]
     if label == "fcfs":
         policy += ["--chunk-size", "0"]
     steps = work / f"{label}.steps.jsonl"
-    port = _free_port()
-    cmd = [PY, "-m", "medha_runtime", "serve", model, "--port", str(port), *policy]
-    cmd += ["--dtype", plan["dtype"], "--device", "cpu" if plan["device"] == "cpu" else "cuda"]
-    cmd += ["--kv-cache-tokens", str(plan["kv_cache_tokens"])]
-    cmd += ["--max-model-len", str(plan["max_model_len"]), "--step-log", str(steps)]
-    cmd += ["--log-level", "warning"]
+    flags = [*policy, "--dtype", plan["dtype"]]
+    flags += ["--device", "cpu" if plan["device"] == "cpu" else "cuda"]
+    flags += ["--kv-cache-tokens", str(plan["kv_cache_tokens"])]
+    flags += ["--max-model-len", str(plan["max_model_len"]), "--step-log", str(steps)]
+    flags += ["--log-level", "warning"]
     spec = plan["server_cost_model"]
     if spec != "default" and ("{profile}" not in spec or profile is not None):
-        cmd += ["--cost-model", spec.format(profile=profile)]
+        flags += ["--cost-model", spec.format(profile=profile)]
     if plan.get("target_batch_time"):
-        cmd += ["--target-batch-time", str(plan["target_batch_time"])]
-    out: dict[str, Any] = {"command": shlex.join(cmd)}
-    out["cost_model"] = cmd[cmd.index("--cost-model") + 1] if "--cost-model" in cmd else "default"
-    st.log("$ " + out["command"])
+        flags += ["--target-batch-time", str(plan["target_batch_time"])]
+    out: dict[str, Any] = {"command": shlex.join(serve_command(model, 0, flags))}
+    out["cost_model"] = (
+        flags[flags.index("--cost-model") + 1] if "--cost-model" in flags else "default"
+    )
+    st.log("$ " + out["command"] + "  (port 0: a free one)")
     log = work / f"{label}.server.log"
-    proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-        start_new_session=True,
-    )  # fmt: skip
+    t0 = time.monotonic()
     try:
-        t0 = time.monotonic()
-        url = _wait_healthy(proc, port, deadline_s=min(240.0, st.left() - 60))
+        server = start_server(
+            model, flags, log=log, env=env, cwd=ROOT, timeout_s=min(240.0, st.left() - 60)
+        )
+    except LaunchError as exc:
         out["startup_s"] = round(time.monotonic() - t0, 1)
-        if url is None:
-            out["error"] = f"the server did not become healthy:\n{_tail(log)}"
-            st.log(out["error"])
-            return out
+        out["error"] = f"{exc}:\n{_tail(log)}"
+        st.log(out["error"])
+        return out
+    out["startup_s"] = round(time.monotonic() - t0, 1)
+    url = server.url
+    try:
         result = work / f"{label}.bench.json"
         cmd = [PY, "-m", "medha_runtime", "bench", "--base-url", url, "--dataset-name", "trace"]
         cmd += ["--dataset-path", str(trace), "--no-slo-fields", "--no-progress"]
@@ -919,44 +922,11 @@ def serve_and_replay(st, label, model, plan, profile, trace, work, env) -> dict[
         else:
             out["error"] = f"bench wrote no result ({rc}):\n{_tail(work / f'{label}.bench.log')}"
     finally:
-        _stop(proc)
+        stop_server(server)
     if steps.exists():
         out["cost_model_error"] = step_prediction_error(steps)
     st.log(f"{label}: {json.dumps({k: v for k, v in out.items() if k != 'command'})}")
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int, *, deadline_s: float) -> str | None:
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            return None
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return None
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _pct(values: list[float], q: float) -> float | None:
