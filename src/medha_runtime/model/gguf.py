@@ -140,11 +140,10 @@ class GGUFCheckpoint:
             )
         try:
             reader = _reader_class()(self.path)
-        except Exception as exc:  # the reader fails in many ways on a damaged file
-            why = (str(exc).splitlines() or [""])[0]
+        except Exception:  # the reader fails in many (NumPy-worded) ways on a damaged file
             raise CorruptFileError(
-                f"{self.path}: truncated or corrupt GGUF ({size} bytes): "
-                f"{type(exc).__name__}: {why}"
+                f"{self.path}: truncated or corrupt GGUF: its header and tensor table "
+                f"cannot be read from its {size:,} bytes (download the file again)"
             ) from None
         self._reader = reader
         self.fields = reader.fields
