@@ -45,14 +45,18 @@ def start_server(
     timeout_s: float = 60.0,
     model: str = "tiny",
     env: dict[str, str] | None = None,
+    stderr: int | None = None,
+    log_level: str = "warning",
 ) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "medha_runtime", "serve", model, "--port", str(port)]
-    cmd += ["--max-model-len", "256", "--kv-cache-tokens", "2048", "--log-level", "warning"]
+    cmd += ["--max-model-len", "256", "--kv-cache-tokens", "2048", "--log-level", log_level]
     if api_key:
         cmd += ["--api-key", api_key]
     cmd += list(extra)
-    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        cmd, start_new_session=True, env={**os.environ, **(env or {})}, stderr=stderr
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,0 +1,313 @@
+"""The OpenAI fields beyond the basics, with the ``openai`` client against a started server.
+
+Sampling extras change the output as they should, ``n`` and ``echo`` and
+``prompt_logprobs`` give OpenAI's (and vLLM's) shapes, fields Medha lacks
+are refused with a 400 naming them, a client that leaves aborts its request,
+SIGTERM ends in-flight requests and exits 0, and the HTTP process holds no
+torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY, Server, start_server, stop_server
+
+torch = pytest.importorskip("torch")
+
+PROMPT = "hi"
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
+def token_ids(server: Server, **kw: Any) -> list[int]:
+    """The generated token ids of one completion of ``PROMPT`` (greedy unless ``kw`` says)."""
+    extra = {"return_tokens_as_token_ids": True, **kw.pop("extra_body", {})}
+    kw = {"temperature": 0, "max_tokens": 24, **kw}
+    r = client(server).completions.create(
+        model="tiny", prompt=PROMPT, logprobs=0, extra_body=extra, **kw
+    )
+    return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+
+
+def repeats(ids: list[int]) -> int:
+    return len(ids) - len(set(ids))
+
+
+# ---------------------------------------------------------------- sampling
+def test_logit_bias_forces_a_token(server: Server) -> None:
+    greedy = token_ids(server, max_tokens=6)
+    assert set(greedy) != {72}
+    assert token_ids(server, max_tokens=6, logit_bias={"72": 100}) == [72] * 6
+    # a strong negative bias removes the greedy first token
+    assert token_ids(server, max_tokens=1, logit_bias={str(greedy[0]): -100})[0] != greedy[0]
+
+
+def test_penalties_reduce_repeats(server: Server) -> None:
+    greedy = token_ids(server)
+    assert repeats(greedy) >= 3  # the tiny model repeats itself
+    assert repeats(token_ids(server, extra_body={"repetition_penalty": 2.0})) < repeats(greedy)
+    assert repeats(token_ids(server, frequency_penalty=2.0)) < repeats(greedy)
+
+
+def test_min_p_one_is_greedy(server: Server) -> None:
+    greedy = token_ids(server)
+    assert token_ids(server, temperature=1.0, extra_body={"min_p": 1.0}) == greedy
+
+
+def test_n_gives_choices_reproducible_with_seed(server: Server) -> None:
+    c = client(server)
+
+    def run() -> Any:
+        return c.completions.create(
+            model="tiny", prompt=PROMPT, n=3, max_tokens=8, temperature=1.0, seed=7
+        )
+
+    a, b = run(), run()
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    texts = [ch.text for ch in a.choices]
+    assert texts == [ch.text for ch in b.choices]
+    assert len(set(texts)) > 1  # each sample has its own seed stream
+    one = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7)
+    assert one.choices[0].text == texts[0]
+    # OpenAI's counting: the prompt once, every choice's tokens
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens
+    assert a.usage.completion_tokens == 3 * 8
+
+
+def test_echo_with_logprobs(server: Server) -> None:
+    r = client(server).completions.create(
+        model="tiny", prompt="Hello", max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
+    ch = r.choices[0]
+    assert ch.text.startswith("Hello")
+    lp = ch.logprobs
+    n = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[1 : r.usage.prompt_tokens]) == "Hello"  # after BOS
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def teacher_forced(ids: list[int]) -> torch.Tensor:
+    """fp64 ``log_softmax`` of the tiny model's logits at every position, in one pass."""
+    from medha_runtime.model import ForwardBatch, load_model
+
+    model, _ = load_model("tiny", dtype="float32")
+    blocks = -(-len(ids) // 16)
+    kv = model.allocate_kv_cache(blocks, 16)
+    batch = ForwardBatch.build([ids], [0], [list(range(blocks))], block_size=16, sample=[True])
+    batch = dataclasses.replace(batch, sample_rows=torch.arange(len(ids)))
+    with torch.no_grad():
+        return torch.log_softmax(model(batch, kv).double(), dim=-1)
+
+
+def test_prompt_logprobs_equal_a_teacher_forced_forward(server: Server) -> None:
+    text = "The quick brown fox jumps"
+    r = client(server).completions.create(
+        model="tiny", prompt=text, max_tokens=1, extra_body={"prompt_logprobs": 3}
+    )
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    ids = [256, *text.encode()]  # the tiny tokenizer: BOS, then bytes
+    assert len(pl) == len(ids) and pl[0] is None
+    want = teacher_forced(ids)
+    got = torch.tensor([e[str(t)]["logprob"] for e, t in zip(pl[1:], ids[1:], strict=True)])
+    ref = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    # the same fp32 model, batched differently: errors of a few fp32 ulps of the largest value
+    tol = 64 * torch.finfo(torch.float32).eps * float(ref.abs().max())
+    assert float((got.double() - ref).abs().max()) <= tol
+    for e, row in zip(pl[1:], want[:-1], strict=True):  # the top 3 are the model's top 3
+        top = sorted(
+            ((int(k), v) for k, v in e.items() if v["rank"] is not None and v["rank"] <= 3),
+            key=lambda kv: kv[1]["rank"],
+        )
+        assert [k for k, _ in top] == row.topk(3).indices.tolist()
+
+
+def test_continuous_usage_stats(server: Server) -> None:
+    stream = client(server).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_top_logprobs_keyed_by_each_token(server: Server) -> None:
+    r = client(server).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    for pos in r.choices[0].logprobs.content:
+        names = [t.token for t in pos.top_logprobs]
+        assert len(names) == len(set(names)) == 5  # no two tokens share a key
+        assert pos.token == names[0]  # greedy: the chosen token heads its own list
+        for t in [pos, *pos.top_logprobs]:
+            if t.token.startswith("bytes:"):  # part of a character: its real byte
+                assert t.bytes == [int(t.token[len("bytes:\\x") :], 16)]
+            else:
+                assert bytes(t.bytes).decode() == t.token
+
+
+# ---------------------------------------------------------------- refusals
+REFUSED = [
+    ("tools", "chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("response_format", "chat", {"response_format": {"type": "json_object"}}),
+    ("image_url", "chat",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+    ("role", "chat", {"messages": [{"role": "wizard", "content": "hi"}]}),
+    ("content", "chat", {"messages": [{"role": "user"}]}),
+    ("continue_final_message", "chat", {"continue_final_message": True}),
+    ("suffix", "completions", {"suffix": "end"}),
+    ("best_of", "completions", {"best_of": 3}),
+    ("use_beam_search", "completions", {"use_beam_search": True}),
+    ("stream_options", "completions", {"stream_options": {"include_usage": True}}),
+    ("logit_bias", "completions", {"logit_bias": {"H": 5}}),
+    ("top_logprobs", "chat", {"top_logprobs": 2}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "route", "body"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_fields_we_lack_are_refused(server: Server, field: str, route: str, body: dict) -> None:
+    c = client(server)
+    base: dict[str, Any] = {"model": "tiny", "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError) as err:
+        if route == "chat":
+            kw = {"messages": [{"role": "user", "content": "hi"}], **body}
+            messages = kw.pop("messages")
+            c.chat.completions.create(**base, messages=messages, extra_body=kw)
+        else:
+            c.completions.create(**base, prompt=PROMPT, extra_body=body)
+    assert field in err.value.body["message"]
+    param = {"image_url": "messages[0].content[0].type", "role": "messages[0].role"}
+    param["content"] = "messages[0].content"
+    assert err.value.body["param"] == param.get(field, field)
+
+
+def test_only_the_served_name_is_accepted(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="tiny-other", prompt=PROMPT, max_tokens=1)
+
+
+# ---------------------------------------------------------- disconnects, exit
+def finished(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "medha:request_success_total":
+                out[s.labels["finished_reason"]] = s.value
+            elif s.name == "medha:kv_cache_usage_perc":
+                out["kv"] = s.value
+    return out
+
+
+def test_non_streaming_disconnect_frees_kv_and_counts_an_abort(server: Server) -> None:
+    before = finished(server)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=0.5
+        )
+    left = time.monotonic()
+    while True:
+        now = finished(server)
+        if now["abort"] == before["abort"] + 1 and now["kv"] == 0.0:
+            break
+        assert time.monotonic() - left < 1.0, f"not aborted 1 s after the disconnect: {now}"
+        time.sleep(0.02)
+    assert now["length"] == before["length"]  # it did not run to its 200 tokens
+
+
+def _orphan(port: int, stream: bool) -> socket.socket:
+    """A request whose client never reads its answer."""
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": stream}
+    ).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return s
+
+
+def test_log_lines_and_sigterm_with_orphaned_requests(tmp_path: Any) -> None:
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    s = start_server(stderr=log, log_level="info")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", timeout=60, max_retries=0)
+        for _ in range(2):  # an unknown field: one warning, whatever the count
+            c.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"no_such_field": 1}
+            )
+        maps = open(f"/proc/{s.proc.pid}/maps").read()  # the HTTP process
+        assert "libtorch" not in maps
+        port = int(s.url.rsplit(":", 1)[1])
+        socks = [_orphan(port, stream=i % 2 == 1) for i in range(4)]
+        time.sleep(1.0)  # running in the engine
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(timeout=10)
+        took = time.monotonic() - t0
+        for sock in socks:
+            sock.close()
+    finally:
+        stop_server(s)
+    log.seek(0)
+    text = log.read()
+    assert rc == 0 and took < 5.0, (rc, took, text[-2000:])
+    assert "Traceback" not in text
+    assert "serving on http://127.0.0.1" in text and "KV pool" in text  # the start-up block
+    assert text.count("'no_such_field'") == 1
+    assert text.count("/v1/completions 200 prompt_tokens=") == 2  # access lines
+    assert "aborted 4 in-flight" in text
+
+
+def test_front_end_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "import medha_runtime.cli, medha_runtime.server\n"
+        "from medha_runtime.server import app, routes, streams, formatting, tokens\n"
+        "from medha_runtime.server.app import ServerConfig, build_app\n"
+        "from medha_runtime.server.engine_proc import EngineArgs\n"
+        "build_app(ServerConfig(engine=EngineArgs()))\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+del tempfile
