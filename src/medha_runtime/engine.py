@@ -12,7 +12,11 @@ One :meth:`LLMEngine.step`:
 4. ``scheduler.on_batch_end`` gets the tokens and the requests the engine
    stopped; ``max_tokens`` is the scheduler's (``finish_reason="length"``).
 
-Batches are not overlapped (one in flight at a time, also with SPP).
+Stream pipelining: with ``spp > 1`` up to ``spp`` batches are in flight (see
+:meth:`LLMEngine.step`); the engine calls ``scheduler.on_stage_end`` when a
+batch clears stage 0 and forms the next batch then, while the earlier one runs
+on the later stages. :attr:`LLMEngine.pipeline_depth` = 1 runs one batch at a
+time (the old pipeline).
 
 The cost model learns: by default (``cost_model=None`` or ``"online"``) the
 start-up calibration seeds an :class:`~medha_sched.cost.online.OnlineCostModel`
@@ -32,6 +36,7 @@ import dataclasses
 import itertools
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -40,7 +45,7 @@ import torch
 
 from medha_runtime.config import EngineConfig
 from medha_runtime.cost_feedback import CostFeedback
-from medha_runtime.executor import WorkerError, make_executor
+from medha_runtime.executor import StepDone, WorkerError, make_executor
 from medha_runtime.model import ModelConfig, load_config
 from medha_runtime.model.errors import MissingFileError
 from medha_runtime.model.names import resolve_model
@@ -122,6 +127,7 @@ class EngineStats:
         decode_tokens: decode steps run.
         sharded_chunks: chunks whose request spanned more than one KVP group.
         preemptions: requests preempted by recompute.
+        max_in_flight: the most batches that were in flight at once (stream pipelining).
     """
 
     steps: int = 0
@@ -129,6 +135,18 @@ class EngineStats:
     decode_tokens: int = 0
     sharded_chunks: int = 0
     preemptions: int = 0
+    max_in_flight: int = 0
+
+
+@dataclass
+class _InFlight:
+    """A batch the executor runs: its schedule, and when it was formed and shipped."""
+
+    out: Any  # the ScheduleOutput
+    start: float  # engine clock at scheduling
+    scheduled: float  # perf_counter before scheduling
+    submitted: float  # perf_counter once shipped
+    cleared: float | None = None  # perf_counter when it left stage 0
 
 
 @dataclass
@@ -219,6 +237,8 @@ class LLMEngine:
         )
         self.dead: str | None = None
         self.stats = EngineStats()
+        self._inflight: OrderedDict[int, _InFlight] = OrderedDict()  # batches, oldest first
+        self._depth: int | None = None  # pipeline_depth (None: spp)
 
     # ------------------------------------------------------------------ setup
     def _resolve_cost_model(self, cost_model: CostModel | str) -> CostModel:
@@ -311,6 +331,8 @@ class LLMEngine:
             ttft_slo=ttft_slo,
             tpot_slo=tpot_slo,
             priority=priority,
+            # prompt logprobs need every prompt position run: no cache lookup
+            prefix_caching=params.prompt_logprobs is None,
         )
         try:
             self.scheduler.add_request(sched)
@@ -354,6 +376,21 @@ class LLMEngine:
             st.output_ids, st.text, st.logprobs, st.sched.deadline, st.prompt_logprobs
         )
 
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens an unfinished request found in the prefix cache (0 if unknown)."""
+        st = self._requests.get(request_id)
+        return 0 if st is None else min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache at admission, ever."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of :attr:`prefix_cache_queries`, tokens found cached (not computed)."""
+        return self.scheduler.prefix_cache_hits
+
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks in use, 0 to 1."""
@@ -384,34 +421,94 @@ class LLMEngine:
             raise WorkerError(f"the engine is unusable after an earlier failure: {self.dead}")
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of the requests it finished."""
+        """Advance until the oldest batch in flight ends; return the outputs of the
+        requests it finished (``[]`` when there was nothing to run).
+
+        Stream pipelining: up to :attr:`pipeline_depth` batches are in flight.
+        A new batch is formed once the newest one cleared pipeline stage 0
+        (``Scheduler.on_stage_end``): the next chunk of a prompt enters stage 0
+        while the previous chunk runs on the later stages, and the driver forms
+        and ships it while the ranks compute. Batches end in the order they were
+        issued; their tokens are sampled on the last stage and checked here.
+        """
         self._check_alive()
+        while True:
+            if self._may_issue() and not self._issue() and not self._inflight:
+                return self._idle()
+            try:
+                event = self.executor.next_event()
+            except WorkerError as exc:
+                self.dead = str(exc)
+                raise
+            if isinstance(event, StepDone):
+                return self._end_batch(event)
+            self._inflight[event.step_id].cleared = time.perf_counter()
+            self.scheduler.on_stage_end(event.step_id)
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches in flight at most: the layout's ``spp`` (1 turns stream pipelining off)."""
+        depth = self._depth
+        return self.layout.spp if depth is None else depth
+
+    @pipeline_depth.setter
+    def pipeline_depth(self, depth: int) -> None:
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"pipeline_depth must be an integer >= 1, got {depth!r}")
+        self._depth = depth
+
+    def _may_issue(self) -> bool:
+        inflight = self._inflight
+        if not inflight:
+            return True
+        if len(inflight) >= self.pipeline_depth:
+            return False
+        return next(reversed(inflight.values())).cleared is not None
+
+    def _idle(self) -> list[RequestOutput]:
+        self._idle_steps += 1
+        if self._requests and self._idle_steps % 10 == 0 and self.cost_feedback.rescue():
+            return []  # the learned model had priced every chunk out of T
+        if self._requests and self._idle_steps > 100:
+            raise RuntimeError(
+                f"the scheduler formed no batch for {self._idle_steps} steps with "
+                f"{len(self._requests)} requests waiting (not enough KV memory?)"
+            )
+        return []
+
+    def _issue(self) -> bool:
+        """Form the next batch and ship it; False if the scheduler formed none."""
         t0 = time.perf_counter()
         start = self._now()
         out = self.scheduler.schedule(start)
         if out.is_empty:
-            self._idle_steps += 1
-            if self._requests and self._idle_steps % 10 == 0 and self.cost_feedback.rescue():
-                return []  # the learned model had priced every chunk out of T
-            if self._requests and self._idle_steps > 100:
-                raise RuntimeError(
-                    f"the scheduler formed no batch for {self._idle_steps} steps with "
-                    f"{len(self._requests)} requests waiting (not enough KV memory?)"
-                )
-            return []
+            return False
         self._idle_steps = 0
+        plan = self._plan(out)
+        t1 = time.perf_counter()
+        try:
+            self.executor.submit(plan)
+        except WorkerError as exc:
+            self.dead = str(exc)
+            raise
+        self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
+        self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
+        return True
+
+    def _plan(self, out: Any) -> StepPlan:
+        """The batch as every rank's :class:`StepPlan` (counts it in :attr:`stats`)."""
         stats = self.stats
         stats.steps += 1
         stats.preemptions += len(out.preempted)
         chunks = []
         for c in out.chunks:
-            if c.start >= self._requests[c.request_id].sched.num_prefill_tokens:
+            st = self._requests[c.request_id]
+            if c.start >= st.sched.num_prefill_tokens:
                 stats.decode_tokens += 1
             else:
                 stats.prefill_tokens += c.num_tokens
             if len(c.kvp_groups) > 1:
                 stats.sharded_chunks += 1
-            st = self._requests[c.request_id]
             if len(c.token_ids) != c.num_tokens:
                 raise RuntimeError(f"scheduler chunk of {c.request_id!r} carries no token ids")
             sample = self._sample_spec(st) if c.samples else None
@@ -433,15 +530,15 @@ class LLMEngine:
             finished=tuple(self._pending_finished),
         )
         self._pending_free, self._pending_finished = [], []
-        t1 = time.perf_counter()
-        try:
-            sampled = self.executor.execute(plan)
-        except WorkerError as exc:
-            self.dead = str(exc)
-            raise
+        return plan
+
+    def _end_batch(self, event: StepDone) -> list[RequestOutput]:
+        """The oldest batch left the pipeline: tokens in, stops checked, finished requests out."""
         t2 = time.perf_counter()
-        sampled = self._take_prompt_logprobs(sampled)
-        self.cost_feedback.record(out, t2 - t1)
+        batch = self._inflight.pop(event.step_id)
+        out = batch.out
+        sampled = self._take_prompt_logprobs(event.result)
+        self.cost_feedback.record(out, t2 - batch.submitted)
         rows = [c for c in out.chunks if c.samples]
         if len(sampled) != len(rows):
             raise RuntimeError(f"step {out.batch_id}: {len(sampled)} samples for {len(rows)} rows")
@@ -453,7 +550,8 @@ class LLMEngine:
                 stopped.add(c.request_id)
         done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
         if self._step_log is not None:
-            self._step_log.record(out, (t0, t1, t2, time.perf_counter()), start)
+            marks = (batch.scheduled, batch.submitted, t2, time.perf_counter())
+            self._step_log.record(out, marks, batch.start)
         outputs = []
         for rid in done:
             st = self._requests[rid]
@@ -498,6 +596,7 @@ class LLMEngine:
             finished=st.finish_reason is not None,
             num_preemptions=st.sched.num_preemptions,
             prompt_logprobs=prompt_lps,
+            num_cached_tokens=min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens),
         )
 
     def _sample_spec(self, st: _RequestState) -> SampleSpec:

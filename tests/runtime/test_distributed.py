@@ -70,6 +70,9 @@ def test_spp2_matches_one_process_with_a_calibrated_cost_model(single) -> None:
         # the default: an online model seeded by the start-up calibration
         assert isinstance(llm.engine.cost_model, OnlineCostModel)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        # stream pipelining: a prompt's next chunk entered stage 0 while the
+        # previous one ran on stage 1 (real chunk headers, order checks on)
+        assert llm.engine.stats.max_in_flight == 2
         llm.shutdown()
         assert not _alive(pids)
         llm.shutdown()  # idempotent
