@@ -7,7 +7,7 @@ import torch
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.model import ForwardBatch, load_model
-from medha_runtime.sampling import Sampler, SampleSpec
+from medha_runtime.sampling import Penalties, Sampler, SampleSpec
 from medha_sched import AffineCostModel
 
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
@@ -251,3 +251,88 @@ def test_generate_checks_its_inputs(llm) -> None:
     out = llm.generate([[65] * 506], greedy(max_tokens=50, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
     assert not llm.engine.has_unfinished_requests()
+
+
+# ------------------------------------------------- penalties, bias, min_p
+def penalized_reference(
+    logits: torch.Tensor, prompt: list[int], output: list[int], pen: Penalties
+) -> torch.Tensor:
+    """vLLM's penalties for one row, token by token (float64)."""
+    row = logits.double().clone()
+    seen = set(prompt) | set(output)
+    for t in seen:
+        r = pen.repetition
+        row[t] = row[t] / r if row[t] > 0 else row[t] * r
+    for t in set(output):
+        row[t] -= pen.frequency * output.count(t) + pen.presence
+    return row
+
+
+def test_batched_penalties_match_a_per_token_reference() -> None:
+    g = torch.Generator().manual_seed(1)
+    vocab = 40
+    rows = [
+        ("a", [1, 2, 3], [4, 4, 5], Penalties(0.5, 0.25, 1.3)),
+        ("b", [7], [], Penalties(1.0, 0.0, 1.0)),
+        ("c", [2, 2, 9], [9, 9, 9, 1], Penalties(-0.5, 1.5, 0.7)),
+    ]
+    s = Sampler()
+    specs = [
+        spec(rid, temperature=0.0, penalties=pen, history=(tuple(p), tuple(o)))
+        for rid, p, o, pen in rows
+    ] + [spec("plain", temperature=0.0, logit_bias=((3, 2.5), (8, -1.0)))]
+    logits = torch.randn(len(specs), vocab, generator=g) * 3
+    got = s.process(logits, specs)
+    for i, (_, p, o, pen) in enumerate(rows):
+        want = penalized_reference(logits[i], p, o, pen)
+        # fp32 arithmetic on fp32 inputs: at most a few ulps from the float64 reference
+        tol = 4 * torch.finfo(torch.float32).eps * float(want.abs().max())
+        assert float((got[i].double() - want).abs().max()) <= tol
+    bias = torch.zeros(vocab)
+    bias[3], bias[8] = 2.5, -1.0
+    assert torch.equal(got[-1], logits[-1] + bias)
+
+
+def test_sampler_counts_its_own_tokens_between_steps() -> None:
+    """After the history, the sampler adds each token it samples: step k sees them all."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 30, generator=g)
+    pen = Penalties(0.0, 5.0, 1.0)  # strong: a token once chosen loses to others
+    s = Sampler()
+    prompt, out = [1, 2], []
+    for step in range(6):
+        history = (tuple(prompt), ()) if step == 0 else None
+        sp = spec("r", temperature=0.0, penalties=pen, history=history)
+        tok = s.sample(logits[step : step + 1], [sp])[0].token_id
+        want = int(penalized_reference(logits[step], prompt, out, pen).argmax())
+        assert tok == want
+        out.append(tok)
+    s.forget(["r"])
+    with pytest.raises(RuntimeError, match="history"):
+        s.sample(logits[:1], [spec("r", temperature=0.0, penalties=pen)])
+
+
+def test_min_p_one_keeps_only_the_top_token() -> None:
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(3))
+    s = Sampler()
+    specs = [spec(f"r{i}", temperature=1.5, min_p=1.0, seed=i) for i in range(8)]
+    assert [x.token_id for x in s.sample(logits, specs)] == logits.argmax(-1).tolist()
+
+
+def test_prompt_logprobs_survive_chunked_prefill() -> None:
+    """Prompt logprobs from 4-token chunks equal those of one whole-prompt chunk."""
+    from medha_runtime import LLM, SamplingParams
+
+    cost = "affine:base=0.01,per_token=0.0001,per_attn=0"
+    prompt = list(range(10, 40))
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    got = {}
+    for chunk in (4, None):
+        kw = {} if chunk is None else {"chunk_size": chunk}
+        with LLM("tiny", max_model_len=64, kv_cache_tokens=256, cost_model=cost, **kw) as llm:
+            got[chunk] = llm.generate([prompt], params)[0].prompt_logprobs
+    assert got[4][0] is None and len(got[4]) == len(prompt)
+    for a, b in zip(got[4][1:], got[None][1:], strict=True):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t] - b[t]) <= 1e-4 * max(1.0, abs(b[t]))
