@@ -323,7 +323,10 @@ def resolve_engine(
             "raise kv_cache_tokens or kvp_group_tokens"
         )
     cache = CacheConfig(
-        block_size=block, num_blocks_per_group=num_blocks, max_tokens_per_group=group_tokens
+        block_size=block,
+        num_blocks_per_group=num_blocks,
+        max_tokens_per_group=group_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     return ResolvedEngine(
         layout=c.layout,

@@ -65,3 +65,5 @@ class RequestOutput:
     finished: bool = False
     num_preemptions: int = 0
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+    #: prompt tokens whose KV came from the prefix cache (not computed for this request)
+    num_cached_tokens: int = 0
