@@ -4,6 +4,7 @@ Public ops (each takes ``backend="auto"``): :func:`merge_state`,
 :func:`merge_state_in_place`, :func:`merge_states`,
 :func:`chunked_prefill_attention`, :func:`paged_attention`,
 :func:`append_paged_kv`; :func:`available_backends` lists what runs here.
+:func:`linear` is ``F.linear`` with a native CPU path for decode batches.
 A step's layers share one :func:`plan_paged_attention` (validated once, no
 host sync per layer), each calling :meth:`PagedAttentionPlan.run`.
 LSE is natural-log fp32 ``[num_tokens, num_heads]``; an empty state is
@@ -14,6 +15,7 @@ from medha_kernels._checks import KernelInputError as KernelInputError
 from medha_kernels.attention import chunked_prefill_attention as chunked_prefill_attention
 from medha_kernels.attention import paged_attention as paged_attention
 from medha_kernels.backends import available_backends as available_backends
+from medha_kernels.linear import linear as linear
 from medha_kernels.merge import merge_state as merge_state
 from medha_kernels.merge import merge_state_in_place as merge_state_in_place
 from medha_kernels.merge import merge_states as merge_states

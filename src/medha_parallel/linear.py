@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from medha_kernels import linear
 from medha_parallel.tp import TPCommunicator
 
 
@@ -127,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
             ``[num_tokens, out_features // tp]`` (this rank's features), or
             ``[num_tokens, out_features]`` with ``gather_output``.
         """
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)  # F.linear, native for decode batches on CPUs
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -242,7 +242,7 @@ class RowParallelLinear(nn.Module):
         """
         if not self.input_is_parallel:
             x = x[..., self._cols]
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

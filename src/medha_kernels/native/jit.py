@@ -36,7 +36,15 @@ import torch
 logger = logging.getLogger("medha_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_CPU_FILES = ("merge.h", "attention.h", "bindings.cpp", "merge_cpu.cpp", "attention_cpu.cpp")
+_CPU_FILES = (
+    "merge.h",
+    "attention.h",
+    "linear.h",
+    "bindings.cpp",
+    "merge_cpu.cpp",
+    "attention_cpu.cpp",
+    "linear_cpu.cpp",
+)
 SOURCES = {"cpu": _CPU_FILES, "cuda": (*_CPU_FILES, "merge_cuda.cu")}
 _MARKER = ".medha_built"
 _LIB_EXT = ".pyd" if sys.platform == "win32" else ".so"

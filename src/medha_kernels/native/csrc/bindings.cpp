@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention.h"
+#include "linear.h"
 #include "merge.h"
 
 namespace medha {
@@ -157,6 +158,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("kv_lens"),
         py::arg("q_start"), py::arg("block_table"), py::arg("tasks"), py::arg("causal"),
         py::arg("sm_scale"), nogil);
+  m.def(
+      "linear_small_m",
+      [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+        TORCH_CHECK(x.is_cpu() && w.is_cpu(), "linear_small_m: CPU tensors only");
+        TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+                    "linear_small_m: fp32 only, got ", x.scalar_type(), " and ", w.scalar_type());
+        TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+                    "linear_small_m: expected x [M, K] and w [N, K], got ", x.sizes(), " and ",
+                    w.sizes());
+        TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_small_m: not contiguous");
+        if (bias.has_value()) {
+          TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                          bias->size(0) == w.size(0) && bias->is_contiguous() && bias->is_cpu(),
+                      "linear_small_m: bias must be a contiguous fp32 [", w.size(0), "]");
+        }
+        return medha::linear_small_m_cpu(x, w, bias);
+      },
+      "x [M, K] @ w [N, K]^T (+ bias) in fp32 on the CPU, w streamed once (small M).",
+      py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), nogil);
+  m.attr("linear_small_m_vectorized") = medha::linear_small_m_vectorized();
 #ifdef MEDHA_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -1,0 +1,77 @@
+"""``linear(x, weight, bias)``: ``x @ weight.T + bias``, with a native path for decode batches.
+
+A decode step multiplies a few token rows by every weight matrix once. For
+fp32 on the CPU with at most :data:`SMALL_M_MAX` rows, the native kernel
+(``native/csrc/linear_cpu.cpp``) streams each weight matrix once, in place,
+with register blocks of 3 weight rows x 4 token rows and a prefetch of the
+next rows; BLAS instead packs a panel of the weight every call, which at a
+handful of rows costs about as much as the product. Everything else (more
+rows, other dtypes or devices, autograd, no compiler here,
+``MEDHA_NATIVE_LINEAR=0``) goes to :func:`torch.nn.functional.linear`.
+
+See ``docs/benchmarks.md`` ("Decode against transformers") for the
+measurements behind the row limit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+#: most token rows the native kernel takes (BLAS wins on larger products)
+SMALL_M_MAX = 64
+
+
+@functools.cache
+def _native_module(cxx: str | None, path: str | None, enabled: str):
+    """The native extension if it has the vectorized kernel, else None (builds on first use)."""
+    del cxx, path  # cache keys
+    if enabled == "0":
+        return None
+    from medha_kernels import native
+
+    if not native.supports_device(torch.device("cpu")):
+        return None
+    module = native.get_module("cpu")
+    return module if getattr(module, "linear_small_m_vectorized", False) else None
+
+
+def native_linear_available() -> bool:
+    """Whether :func:`linear` runs small fp32 CPU products natively here (may build once)."""
+    return _module() is not None
+
+
+def _module():
+    env = os.environ
+    return _native_module(env.get("CXX"), env.get("PATH"), env.get("MEDHA_NATIVE_LINEAR", "1"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (:func:`torch.nn.functional.linear`'s contract).
+
+    Args:
+        x: ``[M, K]`` (or any ``[..., K]``, which goes to torch).
+        weight: ``[N, K]``.
+        bias: ``[N]`` or None.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    """
+    if (
+        x.dim() == 2
+        and 0 < x.shape[0] <= SMALL_M_MAX
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        module = _module()
+        if module is not None:
+            return module.linear_small_m(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,19 @@
+// Declarations for the small-M CPU linear layer (linear_cpu.cpp).
+//
+// x [M, K] and w [N, K] fp32, contiguous, on the CPU; bias [N] fp32 contiguous
+// or none (already validated). Returns x @ w^T + bias, [M, N] fp32.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace medha {
+
+at::Tensor linear_small_m_cpu(const at::Tensor& x, const at::Tensor& w,
+                              const std::optional<at::Tensor>& bias);
+
+// Whether this build has the AVX2/FMA kernel (else linear_small_m_cpu calls at::linear).
+bool linear_small_m_vectorized();
+
+}  // namespace medha
