@@ -269,7 +269,21 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         s.add_argument(flag, type=kind, default=default, help=text)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve_preflight(args: argparse.Namespace) -> Any:
+    """The HTTP server's socket, bound (and the device checked) before anything heavy
+    imports: a port in use is one line within a second. None where this process
+    serves no HTTP (a worker rank or a node R > 0)."""
+    import os
+
+    if _serve_role(args, os.environ)[0] != "server":
+        return None
+    from medha_runtime.server.startup import bind_socket, check_device
+
+    check_device(args.device)
+    return bind_socket(args.host, args.port)
+
+
+def _serve(args: argparse.Namespace, sock: Any = None) -> int:
     import os
 
     from medha_runtime.server import EngineArgs, run_server
@@ -292,6 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         log_requests=not args.disable_log_requests,
+        sock=sock,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
     return 0
@@ -473,6 +488,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from medha_sched.extras import MissingExtra
 
     args = build_parser().parse_args(argv)
+    sock = None
+    if args.command == "serve":
+        try:
+            sock = _serve_preflight(args)
+        except (ValueError, OSError) as exc:
+            print(f"medha-runtime serve: error: {exc}", file=sys.stderr)
+            return 1
     try:
         check_extras(args)
     except MissingExtra as exc:
@@ -482,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "profile":
             return _profile(args)
         if args.command == "serve":
-            return _serve(args)
+            return _serve(args, sock)
         if args.command == "download":
             return _download(args)
         if args.command == "bench":

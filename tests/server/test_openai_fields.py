@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -310,4 +309,16 @@ def test_front_end_imports_no_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-del tempfile
+
+def test_port_in_use_is_one_line_before_the_engine_starts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "medha_runtime", "serve", "tiny", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 1
+    want = f"medha-runtime serve: error: cannot listen on 127.0.0.1:{port}: the port is in use\n"
+    assert out.stderr == want

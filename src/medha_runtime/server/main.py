@@ -18,8 +18,6 @@ prints it and exits with code 1) so a supervisor can restart it.
 from __future__ import annotations
 
 import contextlib
-import glob
-import os
 import socket
 import sys
 from typing import Any
@@ -29,33 +27,7 @@ from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from medha_runtime.server.client import EngineDeadError
 from medha_runtime.server.engine_proc import EngineArgs
 from medha_runtime.server.logs import setup_logging
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``; OSError (one line) if it cannot be had."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        why = "the port is in use" if exc.errno in (98, 48) else exc.strerror or str(exc)
-        raise OSError(f"cannot listen on {host}:{port}: {why}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def check_device(device: str | None) -> None:
-    """Refuse ``cuda`` on a machine without an NVIDIA device (without importing torch)."""
-    if device != "cuda":
-        return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        raise ValueError("--device cuda: CUDA_VISIBLE_DEVICES hides every GPU")
-    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/proc/driver/nvidia/version"):
-        raise ValueError("--device cuda: this machine has no NVIDIA GPU (no /dev/nvidia*)")
+from medha_runtime.server.startup import bind_socket, check_device
 
 
 def run_server(
@@ -71,12 +43,16 @@ def run_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     exit_after_engine_death_s: float | None = 2.0,
     stats_interval_s: float = 10.0,
+    sock: socket.socket | None = None,
 ) -> None:
+    """Serve until SIGINT/SIGTERM. ``sock``: a socket :func:`bind_socket` made (the
+    command line binds it before it imports the server); else ``host:port`` is bound."""
     import uvicorn
 
     setup_logging(log_level)
     check_device(engine.engine.device)
-    sock = bind_socket(host, port)
+    if sock is None:
+        sock = bind_socket(host, port)
     config = ServerConfig(
         engine=engine,
         served_model_name=served_model_name,
