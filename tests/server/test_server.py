@@ -281,3 +281,33 @@ def test_sigterm_leaves_no_process() -> None:
     while any(alive(p) for p in kids + grandkids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in kids + grandkids)
+
+
+def test_prefix_cache_hits_give_the_same_greedy_text(server: Server) -> None:
+    """A repeated long prompt reuses its cached blocks (usage and the counters say
+    so) and gives the tokens its cold run gave: completions and chat."""
+    c = client(server)
+    queries0 = metric(server, "medha:prefix_cache_queries_total") or 0.0
+    hits0 = metric(server, "medha:prefix_cache_hits_total") or 0.0
+    doc = "prefix caching test: " + " ".join(f"w{i}" for i in range(20))
+    kw = {"model": "tiny", "max_tokens": 5, "temperature": 0}
+    cold = c.completions.create(prompt=doc, **kw)
+    warm = c.completions.create(prompt=doc, **kw)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < warm.usage.prompt_tokens
+    assert warm.choices[0].text == cold.choices[0].text
+    messages = [{"role": "user", "content": doc + " chat"}]
+    chat_cold = c.chat.completions.create(messages=messages, **kw)
+    chat_warm = c.chat.completions.create(messages=messages, **kw)
+    assert chat_cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert chat_warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert chat_warm.choices[0].message.content == chat_cold.choices[0].message.content
+    deadline = time.monotonic() + 10.0  # the counters follow the engine's heartbeats
+    while time.monotonic() < deadline:
+        hits = (metric(server, "medha:prefix_cache_hits_total") or 0.0) - hits0
+        if hits >= cached:
+            break
+        time.sleep(0.2)
+    assert hits >= cached
+    assert (metric(server, "medha:prefix_cache_queries_total") or 0.0) - queries0 >= hits

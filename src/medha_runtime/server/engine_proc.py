@@ -292,8 +292,10 @@ def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send
             continue  # a prefill chunk: nothing to say yet
         deadline_met = None
         prompt_lps = None
+        cached = 0
         if not t.first_sent and new_ids:
             t.first_sent = True
+            cached = engine.num_cached_tokens(rid) if out is None else out.num_cached_tokens
             progress = engine.progress(rid)
             if progress is not None:
                 deadline_met = engine.now() <= progress.deadline
@@ -318,6 +320,7 @@ def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send
                 new_lp,
                 deadline_met,
                 prompt_logprobs=prompt_lps,
+                num_cached_tokens=cached,
             )
         )
         if reason is not None:
@@ -347,6 +350,8 @@ def _heartbeat(
         queue=queue,
         prefill_tokens=int(engine.stats.prefill_tokens),
         decode_tokens=int(engine.stats.decode_tokens),
+        prefix_cache_queries=int(engine.prefix_cache_queries),
+        prefix_cache_hits=int(engine.prefix_cache_hits),
     )
 
 

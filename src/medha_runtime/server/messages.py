@@ -110,6 +110,8 @@ class RequestDelta:
     error: str | None = None
     #: on the first delta, when asked: None, then per prompt token ``{token_id: logprob}``
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: on the first delta: prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -134,3 +136,6 @@ class Heartbeat:
     #: prompt (prefill) and generated (decode) tokens run since the engine started
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    #: prompt tokens looked up in the prefix cache, and of those found, since the start
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

@@ -110,7 +110,20 @@ class ServerMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self.prefix_cache_queries = Counter(
+            "medha:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.prefix_cache_hits = Counter(
+            "medha:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV reused, not computed).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
 
     def on_heartbeat(self, beat: Heartbeat) -> None:
         self.running.set(beat.num_running)
@@ -119,6 +132,15 @@ class ServerMetrics:
         if beat.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(beat.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = beat.num_preemptions
+        queries, hits = self._prefix_seen
+        if beat.prefix_cache_queries > queries:
+            self.prefix_cache_queries.inc(beat.prefix_cache_queries - queries)
+        if beat.prefix_cache_hits > hits:
+            self.prefix_cache_hits.inc(beat.prefix_cache_hits - hits)
+        self._prefix_seen = (
+            max(queries, beat.prefix_cache_queries),
+            max(hits, beat.prefix_cache_hits),
+        )
         for error in beat.prediction_errors:
             self.prediction_error.observe(error)
         if beat.median_prediction_error is not None:

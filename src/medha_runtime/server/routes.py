@@ -296,7 +296,7 @@ class Frontend:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [self.completion_choice(s, body, tt) for s in run.subs],
-            "usage": fmt.usage(run.prompt_tokens, run.completion_tokens),
+            "usage": fmt.usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens),
         }
 
     def chat_response(self, run: Run, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
@@ -320,7 +320,7 @@ class Frontend:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": fmt.usage(run.prompt_tokens, run.completion_tokens),
+            "usage": fmt.usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens),
         }
         first = run.subs[0]
         if body.prompt_logprobs is not None and first.prompt_logprobs is not None:
@@ -382,12 +382,12 @@ class Frontend:
                     choice["stop_reason"] = delta.stop_reason
                 chunk: dict[str, Any] = {**base, "choices": [choice]}
                 if continuous:
-                    chunk["usage"] = fmt.usage(s.num_prompt_tokens, len(s.tokens))
+                    chunk["usage"] = fmt.usage(s.num_prompt_tokens, len(s.tokens), s.cached_tokens)
                 yield fmt.sse(chunk)
             if run.disconnected:
                 return
             if opts and opts.include_usage:
-                u = fmt.usage(run.prompt_tokens, run.completion_tokens)
+                u = fmt.usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
                 yield fmt.sse({**base, "choices": [], "usage": u})
             yield fmt.SSE_DONE
         except APIError as exc:

@@ -45,6 +45,7 @@ class Sub:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_first: bool = False
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     emitted: int = 0  # characters streamed so far (echoed prompt included)
 
     @property
@@ -139,6 +140,8 @@ class Run:
             m.deadline_missed.inc()
         if delta.prompt_logprobs is not None:
             sub.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens:
+            sub.cached_tokens = delta.num_cached_tokens
         sub.tokens.extend(delta.new_token_ids)
         sub.text += delta.new_text
         if delta.logprobs:
@@ -204,6 +207,14 @@ class Run:
         seen: dict[int, int] = {}
         for s in self.subs:
             seen[s.prompt_index] = s.num_prompt_tokens
+        return sum(seen.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache: each prompt once (its first run)."""
+        seen: dict[int, int] = {}
+        for s in self.subs:
+            seen.setdefault(s.prompt_index, s.cached_tokens)
         return sum(seen.values())
 
     @property
