@@ -54,13 +54,25 @@ def main() -> int:
         # the tiny model has random weights: the text is gibberish, the plumbing is real
         print("reply:", repr(reply.choices[0].message.content))
         print("usage:", reply.usage.model_dump())
+        # two samples with their own seed streams; vLLM's extensions go in extra_body
+        both = client.completions.create(
+            model="tiny",
+            prompt="Once upon a time",
+            n=2,
+            seed=1,
+            max_tokens=8,
+            logit_bias={"72": 5.0},  # token 72 is "H" in the tiny byte-level vocabulary
+            extra_body={"repetition_penalty": 1.3, "min_p": 0.05},
+        )
+        print("n=2:", [c.text for c in both.choices], both.usage.model_dump())
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # in-flight requests end, exit code 0
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    print("server exit code:", proc.returncode)
     return 0
 
 
