@@ -209,6 +209,10 @@ class MultiprocExecutor:
         self.failed: str | None = None
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self._events: deque[StepEvent] = deque()
+        #: the sampling rank's compute time in the last step it finished (seconds)
+        self.last_compute_s = 0.0
+        #: set to a list to collect ``(step_id, rank, compute_s, cpu_s)`` per reply
+        self.timings: list[tuple[int, int, float, float]] | None = None
         self._tmpdir = tempfile.mkdtemp(prefix="medha-runtime-")
         init = f"file://{os.path.join(self._tmpdir, 'rendezvous')}"
         ctx = mp.get_context("forkserver")
@@ -319,10 +323,14 @@ class MultiprocExecutor:
         if not isinstance(msg, Done) or msg.step_id not in self._pending:
             self._fail(f"worker rank {rank} sent {msg!r}, which answers no step in flight")
         pend = self._pending[msg.step_id]
+        if self.timings is not None:
+            self.timings.append((msg.step_id, rank, msg.compute_s, msg.cpu_s))
         pend.waiting.discard(rank)
         pend.stage0.discard(rank)
-        if rank == self.sampler_rank and msg.result is not None:
-            pend.result = msg.result
+        if rank == self.sampler_rank:
+            self.last_compute_s = msg.compute_s
+            if msg.result is not None:
+                pend.result = msg.result
         if not pend.cleared and not pend.stage0:
             pend.cleared = True
             self._events.append(StageCleared(msg.step_id))

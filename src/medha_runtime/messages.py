@@ -67,11 +67,15 @@ class Done:
         rank: the worker's global rank.
         step_id: the plan's ``step_id``.
         result: the sampled rows (the sampling rank) or None (every other rank).
+        compute_s: the wall seconds the rank spent running the step.
+        cpu_s: the CPU seconds of the rank's thread in that time.
     """
 
     rank: int
     step_id: int
     result: list[Any] | None = None
+    compute_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -47,13 +48,17 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
         if not isinstance(msg, Step):
             _reply(transport, Failed(rank, f"rank {rank}: unknown message {msg!r}"))
             return 1
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             result = runner.execute(msg.plan)
         except BaseException:
             error = f"rank {rank} failed in step {msg.plan.step_id}:\n{traceback.format_exc()}"
             _reply(transport, Failed(rank, error))
             return 1
-        if not _reply(transport, Done(rank, msg.plan.step_id, result)):
+        done = Done(
+            rank, msg.plan.step_id, result, time.perf_counter() - t0, time.thread_time() - c0
+        )
+        if not _reply(transport, done):
             return 1
 
 
