@@ -100,6 +100,8 @@ class StatsLogger:
 
     def on_heartbeat(self, beat: Heartbeat) -> None:
         self.beat = beat
+        if self._last is None:  # the first beat is the baseline of the first line
+            self._last = (time.monotonic(), beat.prefill_tokens, beat.decode_tokens)
 
     def line(self, now: float) -> str | None:
         """The statistics since the previous call, or None when there was nothing to say."""
