@@ -123,7 +123,7 @@ class Sampler:
     def process(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
         """Step 1 of the module docstring on fp32 ``[S, V]`` logits (a new tensor)."""
         logits = logits.float().clone()
-        rows, vocab, device = logits.shape[0], logits.shape[1], logits.device
+        vocab, device = logits.shape[1], logits.device
         bias_r: list[int] = []
         bias_t: list[int] = []
         bias_v: list[float] = []

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from medha_runtime.server.engine_proc import EngineArgs as EngineArgs
     from medha_runtime.server.main import run_server as run_server
 
-_LAZY = {"EngineArgs": "medha_runtime.server.engine_proc", "run_server": "medha_runtime.server.main"}
+_LAZY = {
+    "EngineArgs": "medha_runtime.server.engine_proc",
+    "run_server": "medha_runtime.server.main",
+}
 
 __all__ = ["EngineArgs", "run_server"]
 

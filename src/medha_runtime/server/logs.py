@@ -83,10 +83,13 @@ def access_line(
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.1f}ms"
 
+    def n(x: int | None) -> str:
+        return "-" if x is None else str(x)
+
     return (
-        f"{request_id} {route} {status} prompt_tokens={'-' if prompt_tokens is None else prompt_tokens}"
-        f" output_tokens={'-' if output_tokens is None else output_tokens} ttft={ms(ttft_s)}"
-        f" e2e={ms(e2e_s)} finish={finish or '-'}"
+        f"{request_id} {route} {status} prompt_tokens={n(prompt_tokens)}"
+        f" output_tokens={n(output_tokens)} ttft={ms(ttft_s)} e2e={ms(e2e_s)}"
+        f" finish={finish or '-'}"
     )
 
 

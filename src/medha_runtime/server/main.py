@@ -1,4 +1,4 @@
-"""Start the server: check what can fail at once, then the app (which starts the engine) and uvicorn.
+"""Start the server: check what fails at once, then the app (which starts the engine), uvicorn.
 
 Start-up errors come first, as one line each, before the engine starts: the
 port is bound here (a port in use fails within a second) and ``--device

@@ -192,9 +192,7 @@ def check_request(body: _Common, *, chat: bool) -> None:
         raise RefusedField("stream_options", "stream_options: only allowed when stream is true")
     for key, value in (body.logit_bias or {}).items():
         if not key.strip().isdigit():
-            raise RefusedField(
-                "logit_bias", f"logit_bias: keys must be token ids, got {key!r}"
-            )
+            raise RefusedField("logit_bias", f"logit_bias: keys must be token ids, got {key!r}")
         if not -100 <= value <= 100:
             raise RefusedField(
                 "logit_bias", f"logit_bias: values must be in [-100, 100], got {value!r}"
@@ -242,9 +240,7 @@ _KNOWN = {"response_format", "best_of", "echo", "add_special_tokens"}
 
 def unknown_fields(body: BaseModel) -> list[str]:
     """Names in the request (and its stream options) that no rule knows."""
-    names = [
-        n for n in (body.model_extra or {}) if n not in _NOT_IMPLEMENTED and n not in _KNOWN
-    ]
+    names = [n for n in (body.model_extra or {}) if n not in _NOT_IMPLEMENTED and n not in _KNOWN]
     opts = getattr(body, "stream_options", None)
     if opts is not None:
         names += [f"stream_options.{n}" for n in (opts.model_extra or {})]

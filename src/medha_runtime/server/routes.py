@@ -108,9 +108,7 @@ class Frontend:
 
     def need_tokenizer(self) -> FrontTokenizer:
         if self.tokenizer is None:
-            raise APIError(
-                f"model {self.model_name!r} has no tokenizer: pass prompts as token ids"
-            )
+            raise APIError(f"model {self.model_name!r} has no tokenizer: pass prompts as token ids")
         return self.tokenizer
 
     def token_text(self, as_ids: bool = False) -> fmt.TokenText:

@@ -87,9 +87,11 @@ class FrontTokenizer:
         if piece is None:
             return b""
         if "ByteLevel" in self._kinds:
-            return bytes(_UNICODE_TO_BYTE.get(ch, 0) for ch in piece) if all(
-                ch in _UNICODE_TO_BYTE for ch in piece
-            ) else piece.encode()
+            return (
+                bytes(_UNICODE_TO_BYTE.get(ch, 0) for ch in piece)
+                if all(ch in _UNICODE_TO_BYTE for ch in piece)
+                else piece.encode()
+            )
         if "ByteFallback" in self._kinds or "Metaspace" in self._kinds or "Replace" in self._kinds:
             m = _BYTE_PIECE.match(piece)
             if m:
