@@ -4,6 +4,7 @@
     medha-sim run --trace trace.jsonl --policy lars-mp \\
         --cost-model roofline:model=llama3-8b,gpu=a100 --tp 8 --spp 2 \\
         --target-batch-time 0.05 --out runs/lars-mp
+    medha-sim sessions --sessions 8 --turns 4 --qps 0.05 --doc-tokens 16384 --out chat.jsonl
     medha-sim plot runs/fcfs runs/lars-mp --out ttft.png
     medha-sim compare --qps 0.25,0.75 --duration 300 --out sweep
 
@@ -137,6 +138,19 @@ def _add_replica_options(p: argparse.ArgumentParser) -> None:
         help="time from a request's arrival until the scheduler sees it (a real server's "
         "HTTP, tokenisation and IPC); latencies still count from the arrival (default 0)",
     )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prefixes shared through the trace's prefix_id (default: on)",
+    )
+    g.add_argument(
+        "--slack",
+        choices=("cache-aware", "length"),
+        default="cache-aware",
+        help="price a prefill (deadline, LARS slack, SRPT) by its uncached tokens or by its "
+        "prompt length (default cache-aware)",
+    )
 
 
 def _add_workload_options(p: argparse.ArgumentParser, *, qps: bool) -> None:
@@ -214,6 +228,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_options(gen, qps=True)
     gen.add_argument("--out", required=True, type=Path, metavar="FILE", help="JSONL file")
 
+    ses = sub.add_parser(
+        "sessions",
+        help="generate multi-turn sessions",
+        description="Generate multi-turn sessions over long documents: every turn resends "
+        "the session so far (prefix_id = the session) plus a new question.",
+    )
+    ses.add_argument("--sessions", type=_int_at_least(1), required=True, metavar="N")
+    ses.add_argument("--turns", type=_int_at_least(1), required=True, metavar="K")
+    ses.add_argument("--qps", type=_positive_float, required=True, help="sessions opened per s")
+    ses.add_argument(
+        "--doc-tokens",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="document length (default: Medha-SWE prompt lengths)",
+    )
+    ses.add_argument(
+        "--question-tokens", type=_int_at_least(1), default=64, metavar="N", help="(default 64)"
+    )
+    ses.add_argument(
+        "--output-tokens",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="answer length (default: ShareGPT4 output lengths)",
+    )
+    ses.add_argument(
+        "--think",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="mean seconds between turns (default 30)",
+    )
+    ses.add_argument("--max-context", type=_int_at_least(2), default=1 << 20, metavar="N")
+    ses.add_argument("--seed", type=_int_at_least(0), default=0)
+    ses.add_argument("--out", required=True, type=Path, metavar="FILE", help="JSONL file")
+
     plot = sub.add_parser(
         "plot", help="plot runs", description="TTFT/TPOT CDFs and TTFT over time."
     )
@@ -262,6 +313,8 @@ def _replica_spec(args: argparse.Namespace, **extra: Any) -> Any:
         max_tokens_per_group=args.max_tokens_per_group,
         long_threshold=args.long_threshold,
         admission_delay_s=args.admission_delay,
+        prefix_caching=args.enable_prefix_caching,
+        slack=args.slack,
         **extra,
     )
     spec.build()  # validate every option before any work
@@ -354,6 +407,31 @@ def cmd_gen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from medha_sched.sim.trace import write_trace
+    from medha_sched.sim.workload import SessionSpec, generate_sessions
+
+    try:
+        spec = SessionSpec(
+            num_sessions=args.sessions,
+            turns=args.turns,
+            qps=args.qps,
+            doc_tokens=args.doc_tokens,
+            question_tokens=args.question_tokens,
+            output_tokens=args.output_tokens,
+            think_s=args.think,
+            max_context=args.max_context,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    trace = generate_sessions(spec)
+    n = write_trace(args.out, trace)
+    span = trace[-1].arrival_s if trace else 0.0
+    print(f"wrote {n} turns of {args.sessions} sessions arriving over {span:.1f} s to {args.out}")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from medha_sched.sim.plot import plot_runs
 
@@ -411,11 +489,18 @@ def _check_variant(base: Any, policy: str, chunk: int | None) -> None:
         ) from None
 
 
-COMMANDS = {"run": cmd_run, "gen": cmd_gen, "plot": cmd_plot, "compare": cmd_compare}
+COMMANDS = {
+    "run": cmd_run,
+    "gen": cmd_gen,
+    "sessions": cmd_sessions,
+    "plot": cmd_plot,
+    "compare": cmd_compare,
+}
 #: the third-party modules each command needs, all from the ``sim`` extra
 NEEDS = {
     "run": ("numpy", "tqdm"),
     "gen": ("numpy",),
+    "sessions": ("numpy",),
     "plot": ("numpy", "matplotlib"),
     "compare": ("numpy", "matplotlib", "tqdm"),
 }

@@ -74,12 +74,16 @@ class SimResult:
         iterations: one per issued (non-empty) batch, in issue order.
         end_s: simulated time of the last event.
         wall_s: wall-clock seconds the simulation took.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache.
+        prefix_cache_hits: of those, tokens found cached (not computed).
     """
 
     records: list[RequestRecord]
     iterations: list[IterationRecord]
     end_s: float
     wall_s: float
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Simulator:
@@ -156,7 +160,14 @@ class Simulator:
                 f"the scheduler stopped making progress at t={self.now:.3f}s with "
                 f"{len(self._live)} requests unfinished (e.g. {stuck})"
             )
-        return SimResult(self.records, self.iterations, self.now, _time.perf_counter() - wall)
+        return SimResult(
+            self.records,
+            self.iterations,
+            self.now,
+            _time.perf_counter() - wall,
+            self.sched.prefix_cache_queries,
+            self.sched.prefix_cache_hits,
+        )
 
     # ------------------------------------------------------------- plumbing
     def push(self, event: Event) -> None:
@@ -196,6 +207,8 @@ class Simulator:
             ttft_slo=t.ttft_slo_s,
             tpot_slo=t.tpot_slo_s,
             priority=t.priority,
+            prefix_id=t.prefix_id,
+            prefix_tokens=t.prefix_tokens,
         )
         self._push_next_arrival()  # first: it may arrive at this same instant
         try:

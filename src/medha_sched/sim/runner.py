@@ -71,6 +71,9 @@ class RunSpec:
         block_size: tokens per KV block.
         admission_delay_s: seconds from a request's arrival until the scheduler
             sees it (see :class:`~medha_sched.sim.engine.Simulator`).
+        prefix_caching: reuse the KV of shared prefixes (trace ``prefix_id``).
+        slack: ``"cache-aware"`` prices a prefill by its uncached tokens,
+            ``"length"`` by its prompt length (deadlines, LARS, SRPT).
     """
 
     policy: str = "lars-mp"
@@ -85,6 +88,8 @@ class RunSpec:
     long_threshold: int = 32768
     block_size: int = 16
     admission_delay_s: float = 0.0
+    prefix_caching: bool = True
+    slack: str = "cache-aware"
 
     def build(self) -> tuple[SchedulerConfig, CostModel, CacheConfig]:
         """The scheduler config, cost model and cache; raises :class:`OptionError`."""
@@ -105,6 +110,7 @@ class RunSpec:
             target_batch_time=self.target_batch_time,
             chunk_size=self.chunk_size,
             long_prefill_threshold=self.long_threshold,
+            cache_aware_slack=self._cache_aware_slack(),
         )
         if not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < self.block_size:
             raise OptionError(
@@ -116,8 +122,14 @@ class RunSpec:
             block_size=self.block_size,
             num_blocks_per_group=self.kv_cache_tokens // self.block_size,
             max_tokens_per_group=self.max_tokens_per_group,
+            enable_prefix_caching=self.prefix_caching,
         )
         return config, model, cache
+
+    def _cache_aware_slack(self) -> bool:
+        if self.slack not in ("cache-aware", "length"):
+            raise OptionError(f"--slack must be 'cache-aware' or 'length', got {self.slack!r}")
+        return self.slack == "cache-aware"
 
     @property
     def label(self) -> str:
@@ -185,6 +197,12 @@ def summary_of(
             num_stages=spec.spp,
         )
     )
+    queries, hits = result.prefix_cache_queries, result.prefix_cache_hits
+    summary["prefix_cache"] = {
+        "query_tokens": queries,
+        "hit_tokens": hits,
+        "hit_rate": hits / queries if queries else None,
+    }
     summary["simulated_s"] = result.end_s
     summary["sim_wall_s"] = result.wall_s
     return summary

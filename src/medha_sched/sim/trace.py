@@ -8,9 +8,13 @@ Required: ``id`` (non-empty string, unique in the file), ``arrival_s``
 (finite number >= 0, seconds), ``prompt_tokens`` and ``output_tokens``
 (integers >= 1). Optional: ``ttft_slo_s`` and ``tpot_slo_s`` (numbers > 0,
 seconds; without ``ttft_slo_s`` the scheduler derives the deadline) and
-``priority`` (integer, lower is served first). Other keys are ignored, so a
-trace may carry annotations. Blank lines are skipped. Lines need not be in
-arrival order.
+``priority`` (integer, lower is served first); ``prefix_id`` (non-empty
+string) with ``prefix_tokens`` (integer, 0 to ``prompt_tokens``): the
+prompt's first ``prefix_tokens`` tokens are those of a token stream shared
+by every request naming ``prefix_id`` (a document, a repository, a chat
+session's history), so the simulated prefix cache can reuse their KV.
+Other keys are ignored, so a trace may carry annotations. Blank lines are
+skipped. Lines need not be in arrival order.
 
 Any bad line raises :class:`TraceError` naming the file, the line number and
 the field, e.g. ``trace.jsonl line 7: prompt_tokens must be an integer >= 1,
@@ -42,6 +46,8 @@ class TraceRequest:
         ttft_slo_s: TTFT deadline relative to arrival, or ``None`` to derive it.
         tpot_slo_s: per-output-token latency target, or ``None``.
         priority: strict class; lower numbers are served first.
+        prefix_id: the shared token stream the prompt starts with, or ``None``.
+        prefix_tokens: how many of the prompt's first tokens come from it.
     """
 
     id: str
@@ -51,6 +57,8 @@ class TraceRequest:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     priority: int = 0
+    prefix_id: str | None = None
+    prefix_tokens: int = 0
 
     def to_json(self) -> dict[str, object]:
         """The trace line as a dict; optional fields only when set."""
@@ -66,6 +74,9 @@ class TraceRequest:
             line["tpot_slo_s"] = self.tpot_slo_s
         if self.priority:
             line["priority"] = self.priority
+        if self.prefix_id is not None:
+            line["prefix_id"] = self.prefix_id
+            line["prefix_tokens"] = self.prefix_tokens
         return line
 
 
@@ -107,14 +118,18 @@ def parse_line(line: str, *, where: str = "trace line") -> TraceRequest:
     rid = obj["id"]
     if not isinstance(rid, str) or not rid:
         raise TraceError(f"{where}: id must be a non-empty string, got {rid!r}")
+    prompt_tokens = _count(obj, "prompt_tokens", where)
+    prefix_id, prefix_tokens = _prefix(obj, where, prompt_tokens)
     return TraceRequest(
         id=rid,
         arrival_s=_number(obj, "arrival_s", where, minimum=0.0, strict=False),
-        prompt_tokens=_count(obj, "prompt_tokens", where),
+        prompt_tokens=prompt_tokens,
         output_tokens=_count(obj, "output_tokens", where),
         ttft_slo_s=_optional_number(obj, "ttft_slo_s", where),
         tpot_slo_s=_optional_number(obj, "tpot_slo_s", where),
         priority=_priority(obj, where),
+        prefix_id=prefix_id,
+        prefix_tokens=prefix_tokens,
     )
 
 
@@ -157,6 +172,27 @@ def _count(obj: dict, key: str, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise TraceError(f"{where}: {key} must be an integer >= 1, got {value!r}")
     return value
+
+
+def _prefix(obj: dict, where: str, prompt_tokens: int) -> tuple[str | None, int]:
+    prefix_id, tokens = obj.get("prefix_id"), obj.get("prefix_tokens")
+    if prefix_id is None and tokens is None:
+        return None, 0
+    if prefix_id is None or tokens is None:
+        have, missing = ("prefix_id", "prefix_tokens")
+        if prefix_id is None:
+            have, missing = missing, have
+        raise TraceError(f"{where}: {have} needs {missing} too")
+    if not isinstance(prefix_id, str) or not prefix_id:
+        raise TraceError(f"{where}: prefix_id must be a non-empty string, got {prefix_id!r}")
+    if _is_number(tokens) and isinstance(tokens, float) and tokens.is_integer():
+        tokens = int(tokens)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= prompt_tokens:
+        raise TraceError(
+            f"{where}: prefix_tokens must be an integer from 0 to prompt_tokens "
+            f"({prompt_tokens}), got {tokens!r}"
+        )
+    return prefix_id, tokens
 
 
 def _priority(obj: dict, where: str) -> int:

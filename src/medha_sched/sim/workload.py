@@ -233,3 +233,97 @@ def long_lengths(
 
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionSpec:
+    """Multi-turn sessions over long documents: what ``generate_sessions`` draws.
+
+    Session ``i`` opens at a Poisson arrival (rate ``qps``) with a prompt of
+    its document plus a question; each later turn arrives an exponential
+    think time after the previous one and resends everything so far (the
+    document, every question and answer) plus a new question. Every turn's
+    whole prompt lies on the session's token stream (``prefix_id`` =
+    session id, ``prefix_tokens`` = the prompt), so a turn can reuse the KV
+    of the previous turn's prompt; the previous answer and the new question
+    are new work.
+
+    Attributes:
+        num_sessions: sessions to open.
+        turns: turns per session.
+        qps: session openings per second.
+        doc_tokens: document length; ``None`` draws Medha-SWE prompt lengths.
+        question_tokens: tokens each turn adds to the prompt.
+        output_tokens: answer length; ``None`` draws ShareGPT4 output lengths.
+        think_s: mean seconds between a session's turns.
+        max_context: longest request, prompt + output tokens (later turns
+            are dropped once a session would exceed it).
+        seed: random seed.
+    """
+
+    num_sessions: int
+    turns: int
+    qps: float
+    doc_tokens: int | None = None
+    question_tokens: int = 64
+    output_tokens: int | None = None
+    think_s: float = 30.0
+    max_context: int = DEFAULT_MAX_CONTEXT
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_sessions", "turns", "question_tokens", "max_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("doc_tokens", "output_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if not (_finite(self.qps) and self.qps > 0):
+            raise ValueError(f"qps must be a finite number > 0, got {self.qps!r}")
+        if not (_finite(self.think_s) and self.think_s >= 0):
+            raise ValueError(f"think_s must be a finite number >= 0, got {self.think_s!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+
+def generate_sessions(spec: SessionSpec, *, id_prefix: str = "s") -> list[TraceRequest]:
+    """Every turn of every session, in arrival order (deterministic in ``spec``)."""
+    starts_ss, docs_ss, outs_ss, think_ss = np.random.SeedSequence(spec.seed).spawn(4)
+    starts = arrival_times(
+        np.random.default_rng(starts_ss), spec.qps, num_requests=spec.num_sessions
+    )
+    n, k = spec.num_sessions, spec.turns
+    if spec.doc_tokens is None:
+        docs = MEDHA_SWE_PROMPT.sample(np.random.default_rng(docs_ss), n)
+    else:
+        docs = np.full(n, spec.doc_tokens, dtype=np.int64)
+    if spec.output_tokens is None:
+        outs = SHAREGPT4_OUTPUT.sample(np.random.default_rng(outs_ss), n * k).reshape(n, k)
+    else:
+        outs = np.full((n, k), spec.output_tokens, dtype=np.int64)
+    gaps = np.random.default_rng(think_ss).exponential(spec.think_s, size=(n, k))
+    width = len(str(max(n - 1, 0)))
+    out: list[TraceRequest] = []
+    for i in range(n):
+        sid = f"{id_prefix}{i:0{width}d}"
+        t, prompt = float(starts[i]), int(docs[i]) + spec.question_tokens
+        for turn in range(k):
+            output = int(outs[i, turn])
+            if prompt + output > spec.max_context:
+                break
+            out.append(
+                TraceRequest(
+                    id=f"{sid}t{turn}",
+                    arrival_s=round(t, 6),
+                    prompt_tokens=prompt,
+                    output_tokens=output,
+                    prefix_id=sid,
+                    prefix_tokens=prompt,
+                )
+            )
+            t += float(gaps[i, turn])
+            prompt += output + spec.question_tokens
+    out.sort(key=lambda r: (r.arrival_s, r.id))
+    return out
