@@ -12,8 +12,12 @@ ship, read the tokens back, detokenize, stop checks, ``on_batch_end``).
 processes (the compute time is then the sampling rank's, read from its
 reply, and the overhead also holds the pipe round trip).
 
-It prints the median and mean overhead share and the CPU time of the driver
-per step (this process's thread clock), which a busy machine distorts less.
+It prints the median share of each step's wall time in which the rank did
+not compute, and the driver's serial work measured directly: from the moment
+a batch's tokens come back to the moment the next batch is submitted (the
+rest of the driver's work, detokenizing, runs while the rank computes). Its
+CPU time (the driver thread's clock) against the rank's is the figure a busy
+machine distorts least.
 
     python benchmarks/driver_overhead.py
     python benchmarks/driver_overhead.py --layout tp2
@@ -31,6 +35,7 @@ import torch
 
 from medha_runtime import SamplingParams
 from medha_runtime.engine import LLMEngine
+from medha_runtime.executor import StepDone
 from medha_sched import AffineCostModel
 
 
@@ -53,10 +58,12 @@ def main() -> None:
         max_batch_requests=args.requests,
         cost_model=AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9),
     )
-    compute: list[float] = []
-    compute_cpu: list[float] = []
+    compute: list[float] = []  # the rank's wall seconds per step
+    compute_cpu: list[float] = []  # the rank's CPU seconds per step
+    gaps: list[tuple[float, float]] = []  # driver alone: a batch's end to the next submit
+    ex = engine.executor
     if tp == 1:
-        runner = engine.executor.runner  # type: ignore[attr-defined]
+        runner = ex.runner  # type: ignore[attr-defined]
         execute = runner.execute
 
         def timed(plan):  # type: ignore[no-untyped-def]
@@ -68,6 +75,24 @@ def main() -> None:
                 compute_cpu.append(time.thread_time() - c)
 
         runner.execute = timed
+    else:
+        ex.timings = []  # type: ignore[attr-defined]
+    ended: list[tuple[float, float]] = []
+    next_event, submit = ex.next_event, ex.submit
+
+    def on_event():  # type: ignore[no-untyped-def]
+        event = next_event()
+        if isinstance(event, StepDone):
+            ended.append((time.perf_counter(), time.thread_time()))
+        return event
+
+    def on_submit(plan):  # type: ignore[no-untyped-def]
+        if ended:
+            t, c = ended.pop()
+            gaps.append((time.perf_counter() - t, time.thread_time() - c))
+        return submit(plan)
+
+    ex.next_event, ex.submit = on_event, on_submit  # type: ignore[method-assign]
     try:
         rng = random.Random(0)
         params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
@@ -75,41 +100,41 @@ def main() -> None:
             engine.add_request([rng.randrange(0, 256) for _ in range(args.prompt)], params)
         while engine.stats.decode_tokens < args.requests:  # prefill, first decodes
             engine.step()
-        walls, shares, cpu = [], [], []
+        walls = []
+        gaps.clear()
         last = time.perf_counter()
         for _ in range(args.steps):
-            c0 = time.thread_time()
             before = engine.stats.decode_tokens
             engine.step()
             now = time.perf_counter()
-            cpu.append(time.thread_time() - c0)
             assert engine.stats.decode_tokens - before == args.requests, "not a full decode step"
-            wall = now - last
+            walls.append(now - last)
             last = now
-            rank = compute[-1] if tp == 1 else engine.executor.last_compute_s  # type: ignore[attr-defined]
-            walls.append(wall)
-            shares.append(max(0.0, wall - rank) / wall)
-        cpu_share = None
-        if tp == 1:  # one thread does both, one after the other: CPU shares are load-proof
-            ranks = compute_cpu[-args.steps :]
-            cpu_share = [(c - r) / c for c, r in zip(cpu, ranks, strict=True)]
-            cpu = [c - r for c, r in zip(cpu, ranks, strict=True)]
+        if tp == 1:
+            rank_wall, rank_cpu = compute[-args.steps :], compute_cpu[-args.steps :]
+        else:
+            sampler = ex.sampler_rank  # type: ignore[attr-defined]
+            mine = [t for t in ex.timings if t[1] == sampler][-args.steps :]  # type: ignore[attr-defined]
+            rank_wall, rank_cpu = [t[2] for t in mine], [t[3] for t in mine]
+        idle = [max(0.0, w - r) / w for w, r in zip(walls, rank_wall, strict=True)]
+        gap_wall = [g[0] for g in gaps[-args.steps :]]
+        gap_cpu = [g[1] for g in gaps[-args.steps :]]
+        cpu_share = [g / (g + r) for g, r in zip(gap_cpu, rank_cpu, strict=False)]
         load = os.getloadavg()[0]
         print(
             f"layout {args.layout}: {args.requests} running decodes on tiny, {args.steps} steps, "
             f"load average {load:.1f}"
         )
-        print(f"step wall: median {1e3 * statistics.median(walls):.2f} ms")
+        med = statistics.median
         print(
-            f"no rank computing: median {100 * statistics.median(shares):.1f}% of the step, "
-            f"mean {100 * statistics.mean(shares):.1f}%"
+            f"step wall {1e3 * med(walls):.2f} ms, the rank computing {1e3 * med(rank_wall):.2f} "
+            f"ms of it ({1e3 * med(rank_cpu):.2f} ms CPU)"
         )
-        print(f"driver CPU per step: median {1e3 * statistics.median(cpu):.2f} ms")
-        if cpu_share is not None:
-            print(
-                f"driver share of the step's CPU time: median "
-                f"{100 * statistics.median(cpu_share):.1f}%"
-            )
+        print(f"no rank computing (wall): median {100 * med(idle):.1f}% of the step")
+        print(
+            f"driver alone, a batch's end to the next submit: {1e3 * med(gap_wall):.2f} ms wall, "
+            f"{1e3 * med(gap_cpu):.2f} ms CPU = {100 * med(cpu_share):.1f}% of the step's CPU time"
+        )
     finally:
         engine.shutdown()
 

@@ -239,6 +239,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._inflight: OrderedDict[int, _InFlight] = OrderedDict()  # batches, oldest first
         self._depth: int | None = None  # pipeline_depth (None: spp)
+        self._text_backlog: list[tuple[_RequestState, int]] = []  # tokens not yet detokenized
+        self._specs: dict[str, SampleSpec] = {}  # sampling specs that no longer change
 
     # ------------------------------------------------------------------ setup
     def _resolve_cost_model(self, cost_model: CostModel | str) -> CostModel:
@@ -372,6 +374,7 @@ class LLMEngine:
         st = self._requests.get(request_id)
         if st is None:
             return None
+        self._flush_text()
         return RequestProgress(
             st.output_ids, st.text, st.logprobs, st.sched.deadline, st.prompt_logprobs
         )
@@ -434,7 +437,9 @@ class LLMEngine:
         self._check_alive()
         while True:
             if self._may_issue() and not self._issue() and not self._inflight:
+                self._flush_text()
                 return self._idle()
+            self._flush_text()  # the previous batch's text, while the ranks compute
             try:
                 event = self.executor.next_event()
             except WorkerError as exc:
@@ -567,6 +572,8 @@ class LLMEngine:
         return outputs
 
     def _retire(self, rid: str) -> RequestOutput:
+        self._flush_text()
+        self._specs.pop(rid, None)
         st = self._requests.pop(rid)
         if st.detok is not None and not isinstance(st.stop_reason, str):
             st.text += st.detok.flush()  # held-back bytes (a stop string already cut the text)
@@ -600,6 +607,11 @@ class LLMEngine:
         )
 
     def _sample_spec(self, st: _RequestState) -> SampleSpec:
+        """The request's sampling for its next token (the same object once it no longer
+        changes: past ``min_tokens`` and with the token history sent)."""
+        spec = self._specs.get(st.request_id)
+        if spec is not None:
+            return spec
         p = st.params
         suppress: tuple[int, ...] = ()
         if len(st.output_ids) < p.min_tokens:
@@ -612,7 +624,7 @@ class LLMEngine:
             if not st.history_sent:
                 history = (tuple(st.prompt_token_ids), tuple(st.output_ids))
                 st.history_sent = True
-        return SampleSpec(
+        spec = SampleSpec(
             st.request_id,
             p.temperature,
             top_k,
@@ -625,6 +637,9 @@ class LLMEngine:
             penalties=penalties,
             history=history,
         )
+        if not suppress and history is None:
+            self._specs[st.request_id] = spec
+        return spec
 
     def _prompt_spec(self, st: _RequestState, start: int, n: int) -> PromptLogprobSpec | None:
         """The prompt logprobs a chunk ``[start, start + n)`` yields, if still wanted.
@@ -672,13 +687,26 @@ class LLMEngine:
             return True
         if st.detok is None:
             return False
+        if not p.stop:  # no stop string to look for: the text can wait for _flush_text
+            self._text_backlog.append((st, tok))
+            return False
         new = st.detok.add([tok])
         if not new:
             return False
         st.text += new
-        if checks and p.stop:
+        if checks:
             return self._check_stop_strings(st, len(new))
         return False
+
+    def _flush_text(self) -> None:
+        """Detokenize the tokens whose text was left for later (the engine does it
+        while the model runs the next batch)."""
+        backlog = self._text_backlog
+        if not backlog:
+            return
+        self._text_backlog = []
+        for st, tok in backlog:
+            st.text += st.detok.add([tok])  # type: ignore[union-attr]
 
     @staticmethod
     def _check_stop_strings(st: _RequestState, new_len: int) -> bool:

@@ -10,7 +10,8 @@ the order they were submitted. :meth:`~Executor.execute` is submit-and-wait
 for one batch when nothing else is in flight.
 
 - :class:`InProcessExecutor` (world size 1): a :class:`~medha_runtime.runner.ModelRunner`
-  in the caller's process; :meth:`submit` runs the step at once.
+  in the caller's process, run by one model thread (the driver works on the
+  previous batch's results meanwhile).
 - :class:`MultiprocExecutor` (world size > 1): one worker process per rank,
   started with ``torch.multiprocessing``'s forkserver method, joined into one
   ``torch.distributed`` group (gloo on CPUs, NCCL on GPUs) through a
@@ -44,8 +45,10 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -145,28 +148,95 @@ class SyncEvents:
         return [] if result is None else result
 
 
-class InProcessExecutor(SyncEvents):
-    """The whole model in the caller's process (tp = spp = kvp = 1)."""
+class InProcessExecutor:
+    """The whole model in the caller's process (tp = spp = kvp = 1).
+
+    :meth:`submit` hands the step to one model thread and returns, so the
+    driver can read back the previous batch's tokens (detokenize, check stop
+    strings) while the model runs; :meth:`execute` runs a step in the
+    caller's thread. An exception in a step is raised again by
+    :meth:`next_event` (and the executor refuses further steps).
+    """
 
     def __init__(self, spec: RunnerSpec) -> None:
         if spec.world_size != 1:
             raise ValueError(f"InProcessExecutor runs one rank, the layout has {spec.world_size}")
-        super().__init__()
         self.spec = spec
         self.runner = ModelRunner(spec)
         self.closed = False
-        self.failed: str | None = None  # no workers to lose
+        self.failed: str | None = None
+        self._jobs: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = (
+            queue.SimpleQueue()
+        )
+        self._events: deque[StepEvent] = deque()
+        self._submitted = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self._submitted
 
     def check_workers(self) -> None:
         """Nothing to check: the model runs in this process."""
 
-    def _run(self, plan: StepPlan) -> list[Sampled] | None:
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise WorkerError(f"the model failed earlier: {self.failed}")
         if self.closed:
             raise WorkerError("the executor was shut down")
-        return self.runner.execute(plan)
+
+    def submit(self, plan: StepPlan) -> None:
+        self._check_usable()
+        if self._thread is None:
+            import torch
+
+            self._thread = threading.Thread(
+                target=self._loop, args=(torch.get_num_threads(),), name="medha-model", daemon=True
+            )
+            self._thread.start()
+        self._submitted += 1
+        self._jobs.put(plan)
+
+    def _loop(self, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)  # the intra-op pool of this thread
+        while (plan := self._jobs.get()) is not None:
+            try:
+                self._results.put((plan.step_id, self.runner.execute(plan), None))
+            except BaseException as exc:
+                self._results.put((plan.step_id, None, exc))
+                return
+
+    def next_event(self) -> StepEvent:
+        if not self._events:
+            if not self._submitted:
+                raise RuntimeError("next_event: no batch in flight")
+            step_id, result, error = self._results.get()
+            if error is not None:
+                self.failed = f"step {step_id} failed: {type(error).__name__}: {error}"
+                raise error
+            self._events.append(StageCleared(step_id))
+            self._events.append(StepDone(step_id, [] if result is None else result))
+        event = self._events.popleft()
+        if isinstance(event, StepDone):
+            self._submitted -= 1
+        return event
+
+    def execute(self, plan: StepPlan) -> list[Sampled]:
+        self._check_usable()
+        if self._submitted:
+            raise RuntimeError("execute: other batches are in flight")
+        result = self.runner.execute(plan)
+        return [] if result is None else result
 
     def shutdown(self) -> None:
         self.closed = True
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=10.0)
+            self._thread = None
 
 
 @dataclass
