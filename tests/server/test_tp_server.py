@@ -84,3 +84,41 @@ def test_tp2_batch_matches_tp1(servers: tuple[Server, Server]) -> None:
         texts.append([c.text for c in sorted(r.choices, key=lambda c: c.index)])
         assert r.usage.completion_tokens == 6 * len(PROMPTS)
     assert texts[0] == texts[1]
+
+
+def test_tp2_sampling_extras_match_tp1(servers: tuple[Server, Server]) -> None:
+    """Penalties, logit_bias, min_p, seeded n=2 and prompt_logprobs run on the last
+    stage's sampling rank: the same answers under TP2."""
+    extras = {
+        "repetition_penalty": 1.5,
+        "min_p": 0.05,
+        "prompt_logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
+    answers = []
+    for s in servers:
+        r = client(s).completions.create(
+            model="tiny",
+            prompt=PROMPTS[1],
+            max_tokens=8,
+            n=2,
+            seed=3,
+            temperature=0.8,
+            frequency_penalty=1.0,
+            logit_bias={"101": 2.0},
+            logprobs=0,
+            extra_body=extras,
+        )
+        answers.append(r)
+    one, two = answers
+    for a, b in zip(one.choices, two.choices, strict=True):
+        assert a.logprobs.tokens == b.logprobs.tokens
+        pa, pb = a.model_extra["prompt_logprobs"], b.model_extra["prompt_logprobs"]
+        assert pa[0] is None and pb[0] is None and len(pa) == len(pb)
+        for ea, eb in zip(pa[1:], pb[1:], strict=True):
+            assert ea.keys() == eb.keys()
+            for k in ea:
+                assert abs(ea[k]["logprob"] - eb[k]["logprob"]) <= 1e-3 * max(
+                    1.0, abs(ea[k]["logprob"])
+                )
+    assert one.choices[0].logprobs.tokens != one.choices[1].logprobs.tokens
