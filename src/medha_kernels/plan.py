@@ -20,7 +20,8 @@ a ``run(q, k_cache, v_cache) -> (o, lse)`` callable; otherwise its
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,66 @@ def plan_paged_attention(
     return _plan(meta, backend)
 
 
+def plan_paged_attention_from_host(
+    *,
+    cu_seqlens_q: Sequence[int],
+    kv_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+) -> PagedAttentionPlan:
+    """:func:`plan_paged_attention` from host lists: checked on the host, copied to ``device``.
+
+    What a scheduler holds anyway; nothing is read back from the device (no
+    sync on a GPU). ``block_tables[b]`` lists sequence ``b``'s blocks (at least
+    ``ceil(kv_lens[b] / block_size)``; the rest is ignored); the plan's
+    ``[batch, max_blocks]`` table is padded with zeros.
+    """
+    if len(block_tables) != len(kv_lens):
+        raise KernelInputError(
+            f"block_tables: {len(block_tables)} rows for {len(kv_lens)} sequences"
+        )
+    used = []
+    for b, (t, n) in enumerate(zip(block_tables, kv_lens, strict=True)):
+        need = -(-int(n) // int(block_size))
+        if len(t) < need:
+            raise KernelInputError(f"kv_lens[{b}]={n} needs {need} blocks, got {len(t)}")
+        used.append(t[:need])
+    nonempty = [t for t in used if len(t)]
+    lo = min((min(t) for t in nonempty), default=0)
+    if lo < 0:
+        raise KernelInputError(f"block_table: block id {lo} is negative")
+    max_block = max((max(t) for t in nonempty), default=-1)
+    width = max((len(t) for t in used), default=0)
+    flat = array("i")
+    for t in used:
+        flat.extend(t)
+        flat.extend([0] * (width - len(t)))
+    table = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.empty(0, dtype=torch.int32)
+    cu, lens = [int(x) for x in cu_seqlens_q], [int(x) for x in kv_lens]
+    meta = _validate(
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        table.reshape(len(used), width).to(device),
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        causal=causal,
+        sm_scale=sm_scale,
+        host=(cu, lens, max_block),
+    )
+    return _plan(meta, backend)
+
+
 def _plan(meta: PagedMeta, backend: str) -> PagedAttentionPlan:
     """Resolve ``backend`` for validated metadata and let it plan (if it can)."""
     dtype, device = meta.dtype, meta.device
@@ -241,10 +302,13 @@ def _validate(
     causal: bool,
     sm_scale: float | None,
     num_q: int | None = None,
+    host: tuple[list[int], list[int], int] | None = None,
 ) -> PagedMeta:
     """Check a step's metadata (the only host reads) and return it as a :class:`PagedMeta`.
 
     ``num_q``: the query rows ``cu_seqlens_q`` must end at (None: any).
+    ``host``: ``(cu_seqlens_q, kv_lens, max_block)`` as the caller built the
+    tensors from (nothing is read back from the device then).
     """
     if dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"dtype: expected fp16, bf16 or fp32, got {dtype}")
@@ -266,8 +330,7 @@ def _validate(
         raise KernelInputError(
             f"block_table: expected {batch} rows [batch, max_blocks], got {block_table.shape[0]}"
         )
-    cu = cu_seqlens_q.tolist()
-    lens = kv_lens.tolist()
+    cu, lens = (cu_seqlens_q.tolist(), kv_lens.tolist()) if host is None else host[:2]
     rising = all(a <= b for a, b in itertools.pairwise(cu))
     if cu[0] != 0 or not rising or (num_q is not None and cu[-1] != num_q):
         to = "num_q" if num_q is None else f"num_q={num_q}"
@@ -281,7 +344,7 @@ def _validate(
             raise KernelInputError(
                 f"kv_lens[{b}]={lens[b]} needs more blocks than block_table's {width}"
             )
-    max_block = _max_block(block_table, kv_lens, block_size)
+    max_block = _max_block(block_table, kv_lens, block_size) if host is None else host[2]
     return PagedMeta(
         cu_seqlens_q=cu_seqlens_q.contiguous(),
         kv_lens=kv_lens.contiguous(),

@@ -43,7 +43,7 @@ from medha_kernels import (
     PagedAttentionPlan,
     chunked_prefill_attention,
     merge_states,
-    plan_paged_attention,
+    plan_paged_attention_from_host,
 )
 from medha_parallel import shm
 from medha_parallel.compat import all_gather_concat
@@ -175,8 +175,18 @@ class KVPCommunicator:
         """``ag_all``: one all-gather of ``[num_q, num_heads, head_dim + 1]`` states (out,
         then LSE; fp32, or fp64 for fp64 outputs), merged locally."""
         dtype = torch.promote_types(out.dtype, torch.float32)
-        packed = torch.cat((out.detach().to(dtype), lse.detach().to(dtype).unsqueeze(-1)), dim=-1)
-        states = self._all_gather(packed, active, "merge[ag_all].all_gather")
+        op = "merge[ag_all].all_gather"
+        shape = (*out.shape[:2], out.shape[2] + 1)
+        shared = self._shared(active, out.device, shape, dtype, op)
+        if shared is not None:  # packed straight into the shared slot, merged from the buffer
+            slot = shared.slot(shape, dtype)
+            slot[..., :-1].copy_(out.detach())
+            slot[..., -1].copy_(lse.detach())
+            with named_comm("kvp", op):
+                states = shared.gather(shape, dtype, op)
+        else:
+            packed = torch.cat((out.detach().to(dtype), lse.detach().to(dtype)[..., None]), -1)
+            states = self._all_gather(packed, active, op)
         if dtype == torch.float32:  # medha_kernels' merge (native on the CPU), tokens first
             v, s = states[..., :-1].transpose(0, 1), states[..., -1].transpose(0, 1)
             merged, lse_global = merge_states(v, s)
@@ -186,18 +196,40 @@ class KVPCommunicator:
 
     def _all_gather(self, x: torch.Tensor, n: int, op: str) -> torch.Tensor:
         """Stack ``x`` from the first ``n`` groups into ``[n, *x.shape]``."""
-        group = self._groups.get(n)
         x = x.contiguous()
+        shared = self._shared(n, x.device, x.shape, x.dtype, op)
         with named_comm("kvp", op):
-            if n == self.size and self._shm is None:
-                self._shm = shm.ShmAllGather.create(
-                    group, slot_bytes=AG_ALL_MAX_BYTES, timeout_s=self._timeout_s
-                )
-            if n == self.size and isinstance(self._shm, shm.ShmAllGather) and self._shm.fits(x):
-                return self._shm.all_gather(x, op)
+            if shared is not None:
+                return shared.all_gather(x, op)
             out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-            all_gather_concat(out, x, group)  # gloo needs a dim-0 concatenation
+            all_gather_concat(out, x, self._groups.get(n))  # gloo needs a dim-0 concatenation
         return out.view(n, *x.shape)
+
+    def _shared(
+        self,
+        n: int,
+        device: torch.device,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype,
+        op: str,
+    ) -> shm.ShmAllGather | None:
+        """The shared-memory exchange for a whole-group message that fits it, else None.
+
+        The first whole-group call sets it up (collectively; every rank gets there).
+        """
+        if n != self.size or self._shm is False or device.type != "cpu":
+            return None
+        if self._shm is None:
+            with named_comm("kvp", op):
+                self._shm = (
+                    shm.ShmAllGather.create(
+                        self._groups.get(n), slot_bytes=AG_ALL_MAX_BYTES, timeout_s=self._timeout_s
+                    )
+                    or False
+                )
+        if isinstance(self._shm, shm.ShmAllGather) and self._shm.fits(shape, dtype):
+            return self._shm
+        return None
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -428,16 +460,12 @@ def plan_kvp_attention(
             cu.append(cu[-1] + int(num_q[b]))
             if not every_row:
                 rows.extend(range(starts[b], starts[b] + int(num_q[b])))
-        tables = [list(block_tables[b][: -(-int(kv_lens[b]) // block_size)]) for b in seqs]
-        width = max((len(t) for t in tables), default=0)
-        table = [t + [0] * (width - len(t)) for t in tables]
-        plan = plan_paged_attention(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            kv_lens=torch.tensor([int(kv_lens[b]) for b in seqs], dtype=torch.int32, device=device),
-            block_table=torch.tensor(table, dtype=torch.int32, device=device).reshape(
-                len(seqs), width
-            ),
+        plan = plan_paged_attention_from_host(
+            cu_seqlens_q=cu,
+            kv_lens=[int(kv_lens[b]) for b in seqs],
+            block_tables=[block_tables[b] for b in seqs],
             causal=is_causal,
+            device=device,
             **shapes,
         )
         return KVPPart(

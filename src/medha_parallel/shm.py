@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 import platform
@@ -83,6 +84,7 @@ class ShmAllGather:
         self._buffers = data[: 2 * size * slot_bytes].view(2, size, slot_bytes)
         self._seq = 0
         self._libc = ctypes.CDLL(None, use_errno=True)
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"ShmAllGather(index={self.index}, size={self.size}, slot_bytes={self.slot_bytes})"
@@ -127,29 +129,32 @@ class ShmAllGather:
         assert mm is not None
         return cls(mm, size=size, index=index, slot_bytes=slot_bytes, timeout_s=timeout_s)
 
-    def fits(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` can go through shared memory (a CPU tensor of at most ``slot_bytes``)."""
-        return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
+    def fits(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> bool:
+        """Whether a tensor of this shape and dtype fits a slot."""
+        return math.prod(shape) * dtype.itemsize <= self.slot_bytes
 
-    def all_gather(self, x: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
-        """Every rank's ``x``, stacked in group order.
+    def slot(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's slot of the next exchange, to fill before :meth:`gather`.
 
         Args:
-            x: a CPU tensor, the same shape and dtype on every rank, at most
-                ``slot_bytes`` (see :meth:`fits`).
-            op: names the operation in a timeout's error.
+            shape, dtype: the message, the same on every rank (see :meth:`fits`).
 
         Returns:
-            ``[size, *x.shape]`` in ``x``'s dtype.
+            A ``shape`` tensor of ``dtype`` over the shared buffer.
         """
-        if not self.fits(x):
-            raise ValueError(f"{op}: {tuple(x.shape)} {x.dtype} does not fit {self!r}")
+        return self._views(tuple(shape), dtype, self._seq + 1)[self.index]
+
+    def gather(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, op: str
+    ) -> torch.Tensor:
+        """Publish this rank's filled :meth:`slot` and wait for every rank's.
+
+        Returns:
+            ``[size, *shape]`` over the shared buffer, in group order: a view,
+            valid until the next-but-one exchange overwrites it.
+        """
         self._seq += 1
         seq = self._seq
-        n = x.numel() * x.element_size()
-        buf = self._buffers[seq % 2]
-        if n:
-            buf[self.index, :n].copy_(x.contiguous().view(-1).view(torch.uint8))
         self._flags[self.index].value = seq
         self._libc.syscall(
             _SYS_FUTEX, ctypes.c_void_p(self._base + self.index * _FLAG_STRIDE), _FUTEX_WAKE,
@@ -158,10 +163,40 @@ class ShmAllGather:
         for r in range(self.size):
             if r != self.index:
                 self._wait(r, seq, op)
-        out = torch.empty((self.size, *x.shape), dtype=x.dtype)
-        if n:
-            out.view(self.size, -1).view(torch.uint8).copy_(buf[:, :n])
-        return out
+        return self._views(tuple(shape), dtype, seq)
+
+    def all_gather(self, x: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
+        """Every rank's ``x``, stacked in group order (a copy).
+
+        Args:
+            x: a CPU tensor, the same shape and dtype on every rank (see :meth:`fits`).
+            op: names the operation in a timeout's error.
+
+        Returns:
+            ``[size, *x.shape]`` in ``x``'s dtype.
+        """
+        if x.device.type != "cpu" or not self.fits(x.shape, x.dtype):
+            raise ValueError(
+                f"{op}: {tuple(x.shape)} {x.dtype} on {x.device} does not fit {self!r}"
+            )
+        self.slot(x.shape, x.dtype).copy_(x)
+        return self.gather(x.shape, x.dtype, op).clone()
+
+    def _views(self, shape: tuple[int, ...], dtype: torch.dtype, seq: int) -> torch.Tensor:
+        """``[size, *shape]`` views of buffer ``seq % 2`` (cached per shape and dtype)."""
+        key = (shape, dtype)
+        views = self._cache.get(key)
+        if views is None:
+            if not self.fits(shape, dtype):
+                raise ValueError(f"{shape} {dtype} does not fit {self!r}")
+            n = math.prod(shape) * dtype.itemsize
+            views = tuple(
+                self._buffers[b, :, :n].view(dtype).view(self.size, *shape) for b in (0, 1)
+            )
+            if len(self._cache) >= 64:
+                self._cache.clear()
+            self._cache[key] = views
+        return views[seq % 2]
 
     def _wait(self, rank: int, seq: int, op: str) -> None:
         flag = self._flags[rank]
@@ -185,6 +220,7 @@ class ShmAllGather:
     def close(self) -> None:
         """Unmap the buffer (idempotent)."""
         self._flags.clear()
+        self._cache.clear()
         self._buffers = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
