@@ -31,6 +31,8 @@ from tests.server.conftest import API_KEY, Server, start_server, stop_server
 torch = pytest.importorskip("torch")
 
 PROMPT = "hi"
+#: a fixed cost model: no start-up calibration
+COST = ("--cost-model", "affine:base=0.01,per_token=0.0001,per_attn=0")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def server(log_path: Path) -> Iterator[Server]:
     """conftest's server, logging at info into ``log_path``; the SIGTERM test (the last
     to use it) stops it."""
     with open(log_path, "w") as log:
-        s = start_server(api_key=API_KEY, stderr=log, log_level="info")
+        s = start_server(*COST, api_key=API_KEY, stderr=log, log_level="info")
         try:
             yield s
         finally:
