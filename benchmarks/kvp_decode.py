@@ -1,0 +1,297 @@
+"""KV-cache parallelism end to end: ``kvp=2`` against ``kvp=1`` on one long prompt, side by side.
+
+One request of ``--context`` tokens (random byte ids) on ``tiny``, greedy, EOS
+ignored, ``--new`` output tokens, one torch thread per rank (``kvp=1`` runs in
+this process with one thread; ``kvp=2`` runs two worker processes with one
+thread each). Both layouts use the same scheduler settings: FCFS, fixed
+``--chunk``-token prefill chunks, a fixed affine cost model (no start-up
+calibration).
+
+For each layout and repeat it reports:
+
+- prefill: the wall time from the first step to the step that samples the first token;
+- TPOT: the median wall time of the decode steps;
+- CPU time (user + system) for prefill and per decode step (the mean: the
+  process clocks tick every 10 ms): "path" is the driver's plus the busiest
+  worker's (what a quiet machine's wall time follows: the driver waits for
+  the workers, which wait for each other at every merge), "total" every
+  process's. On a busy machine the CPU time is the steadier measure;
+- the greedy tokens, which must be identical.
+
+Repeats alternate the layouts (1, 2, 1, 2, ...) and the report gives the
+ratio ``kvp=2 / kvp=1`` of the medians, and the load average before and after.
+
+    python benchmarks/kvp_decode.py                       # 32K context, 2 repeats
+    python benchmarks/kvp_decode.py --context 8192 --new 16 --repeats 1   # quicker
+
+``--ranks`` times the ranks alone instead (no engine, no driver): one decode
+step at the end of the context, run ``--steps`` times by ``ModelRunner`` s
+joined over gloo (forkserver, ``file://``, one thread each), for ``kvp=1``
+and for ``kvp=2`` with the shared-memory merge and with gloo's; it reports
+each rank's wall and thread CPU time per step (medians).
+
+``--merge`` times one KVP merge of a decode's state (one query, tiny's 4 heads
+x 16) between two ranks, through shared memory and through gloo: wall and
+thread CPU time per merge (medians of ``--steps`` x 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import psutil
+import torch
+
+from medha_runtime import SamplingParams
+from medha_runtime.engine import LLMEngine
+from medha_sched import AffineCostModel
+
+COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+
+
+def _cpu(pids: list[int]) -> list[float]:
+    """User + system CPU seconds of each process so far."""
+    return [sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids]
+
+
+def _phase(before: list[float], after: list[float], steps: int = 1) -> dict[str, float]:
+    """CPU seconds per step: every process summed, and the critical path.
+
+    The path is the driver's CPU plus the busiest worker's (the driver waits
+    for the workers, which wait for each other at every merge); in process,
+    the driver's alone.
+    """
+    used = [(b - a) / steps for a, b in zip(before, after, strict=True)]
+    worker = max(used[1:], default=0.0)
+    return {"total": sum(used), "path": used[0] + worker, "driver": used[0], "worker": worker}
+
+
+def run(kvp: int, prompt: list[int], args: argparse.Namespace) -> dict:
+    """One generation with ``kvp`` groups: timings and tokens."""
+    context = len(prompt) + args.new
+    group = -(-context // kvp // args.block) * args.block
+    engine = LLMEngine(
+        "tiny",
+        dtype="float32",
+        kvp=kvp,
+        kvp_group_tokens=group if kvp > 1 else None,
+        num_threads=1,
+        policy="fcfs",
+        chunk_size=args.chunk,
+        max_model_len=kvp * group,
+        kv_cache_tokens=group * 9 // 8 // args.block * args.block,
+        block_size=args.block,
+        cost_model=COST,
+        attention_backend=args.backend,
+    )
+    try:
+        pids = [os.getpid(), *getattr(engine.executor, "pids", [])]
+        params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+        rid = engine.add_request(prompt, params)
+        c0, t0 = _cpu(pids), time.perf_counter()
+        prefill = None
+        decode_wall: list[float] = []
+        out = None
+        while engine.has_unfinished_requests():
+            s0 = time.perf_counter()
+            done = engine.step()
+            s1 = time.perf_counter()
+            progress = engine.progress(rid)
+            produced = len(progress.output_ids) if progress is not None else args.new
+            if prefill is None and produced >= 1:
+                prefill, c1 = s1 - t0, _cpu(pids)
+            elif prefill is not None:
+                decode_wall.append(s1 - s0)
+            for o in done:
+                out = o
+        c2 = _cpu(pids)
+        assert out is not None and prefill is not None
+        return {
+            "prefill": prefill,
+            "prefill_cpu": _phase(c0, c1),
+            "tpot": statistics.median(decode_wall),
+            # the mean over decode steps: the process clocks tick every 10 ms
+            "tpot_cpu": _phase(c1, c2, len(decode_wall)),
+            "tokens": list(out.outputs[0].token_ids),
+        }
+    finally:
+        engine.shutdown()
+
+
+def _rank_steps(rank: int, world: int, init: str, args: argparse.Namespace, shm: bool) -> dict:
+    """Decode steps of one rank at the end of an ``args.context``-token sequence."""
+    from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
+    from medha_runtime.plan import PlannedChunk, StepPlan
+    from medha_runtime.runner import ModelRunner, RunnerSpec
+
+    torch.set_num_threads(1)
+    group = -(-args.context // world // args.block) * args.block
+    spec = RunnerSpec(
+        model="tiny",
+        dtype="float32",
+        device="cpu",
+        kvp=world,
+        num_blocks=group // args.block + 1,
+        block_size=args.block,
+        group_tokens=group,
+        attention_backend=args.backend,
+    )
+    state = None
+    if world > 1:
+        layout = ParallelLayout(kvp=world)
+        state = ParallelState.initialize(layout, init_method=init, rank=rank, world_size=world)
+    runner = ModelRunner(spec, state)
+    if runner.attention is not None:
+        runner.attention.comm = KVPCommunicator(state, shared_memory=shm)
+    groups = tuple(range(world))
+    blocks = tuple((g, tuple(range(group // args.block))) for g in groups)
+    pos = args.context - 1
+    runner.execute(StepPlan(0, (PlannedChunk("a", pos, (7,), groups, blocks),)))
+    step = StepPlan(1, (PlannedChunk("a", pos, (7,), groups),))
+    wall, cpu = [], []
+    for _ in range(args.steps):
+        t, c = time.perf_counter(), time.thread_time()
+        runner.execute(step)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
+    return {"wall": statistics.median(wall), "cpu": statistics.median(cpu)}
+
+
+def _merges(rank: int, world: int, init: str, steps: int, shm: bool) -> dict:
+    """Median wall and CPU time of one decode-sized merge on this rank."""
+    from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
+
+    state = ParallelState.initialize(
+        ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world
+    )
+    comm = KVPCommunicator(state, shared_memory=shm)
+    out, lse = torch.randn(1, 4, 16), torch.randn(1, 4)
+    for _ in range(20):
+        comm.merge(out, lse, active=world)
+    wall, cpu = [], []
+    for _ in range(steps):
+        t, c = time.perf_counter(), time.thread_time()
+        comm.merge(out, lse, active=world)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
+    assert comm.uses_shared_memory == shm
+    return {"wall": statistics.median(wall), "cpu": statistics.median(cpu)}
+
+
+def merges(args: argparse.Namespace) -> None:
+    """``--merge``: one decode-sized merge, shared memory against gloo."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.parallel.dist import launch
+
+    print(f"load average before: {os.getloadavg()}")
+    runs = {
+        name: launch(_merges, 2, 10 * args.steps, shm)
+        for name, shm in (("shm", True), ("gloo", False))
+    }
+    print(f"load average after: {os.getloadavg()}")
+    print(f"\none KVP merge of a [1, 4, 16] state, 2 ranks, medians of {10 * args.steps}")
+    for name, per_rank in runs.items():
+        for r, res in enumerate(per_rank):
+            print(
+                f"{name:>5} r{r}: wall {1e6 * res['wall']:7.1f} us, CPU {1e6 * res['cpu']:7.1f} us"
+            )
+    ratio = statistics.median(r["wall"] for r in runs["gloo"]) / statistics.median(
+        r["wall"] for r in runs["shm"]
+    )
+    print(f"gloo / shm wall: {ratio:.1f}x")
+
+
+def ranks(args: argparse.Namespace) -> None:
+    """``--ranks``: decode steps of the ranks alone, kvp=1 against kvp=2 (two transports)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.parallel.dist import launch
+
+    print(f"load average before: {os.getloadavg()}")
+    runs = {"kvp=1": launch(_rank_steps, 1, args, False)}
+    runs["kvp=2 shm merge"] = launch(_rank_steps, 2, args, True)
+    runs["kvp=2 gloo merge"] = launch(_rank_steps, 2, args, False)
+    print(f"load average after: {os.getloadavg()}")
+    base = runs["kvp=1"][0]
+    print(f"\none decode step at {args.context} tokens, {args.steps} steps, medians per rank")
+    print(f"{'':>18} {'wall ms':>8} {'x kvp=1':>8} {'CPU ms':>8} {'x kvp=1':>8}")
+    for name, per_rank in runs.items():
+        for r, res in enumerate(per_rank):
+            w, c = res["wall"], res["cpu"]
+            print(
+                f"{name + f' r{r}':>18} {1e3 * w:8.2f} {w / base['wall']:8.2f} "
+                f"{1e3 * c:8.2f} {c / base['cpu']:8.2f}"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=32768, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=32, help="output tokens (decode steps + 1)")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens")
+    ap.add_argument("--block", type=int, default=16, help="KV block size")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--backend", default="auto", help="medha_kernels attention backend")
+    ap.add_argument("--kvp", type=int, default=2, help="the KVP degree compared with 1")
+    ap.add_argument("--ranks", action="store_true", help="time the ranks alone (see above)")
+    ap.add_argument("--merge", action="store_true", help="time one merge (see above)")
+    ap.add_argument("--steps", type=int, default=50, help="decode steps timed with --ranks")
+    args = ap.parse_args()
+    if args.ranks:
+        ranks(args)
+        return
+    if args.merge:
+        merges(args)
+        return
+    rng = random.Random(0)
+    prompt = [rng.randrange(256) for _ in range(args.context)]
+    print(f"load average before: {os.getloadavg()}")
+    results: dict[int, list[dict]] = {1: [], args.kvp: []}
+    for rep in range(args.repeats):
+        for kvp in (1, args.kvp):
+            r = run(kvp, prompt, args)
+            results[kvp].append(r)
+            print(
+                f"repeat {rep} kvp={kvp}: prefill {r['prefill']:.2f} s "
+                f"(CPU path {r['prefill_cpu']['path']:.2f} s), TPOT {1e3 * r['tpot']:.2f} ms "
+                f"(CPU path {1e3 * r['tpot_cpu']['path']:.2f} ms), load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    print(f"load average after: {os.getloadavg()}")
+    tokens = results[1][0]["tokens"]
+    same = all(r["tokens"] == tokens for rs in results.values() for r in rs)
+
+    def med(kvp: int, key: str, sub: str | None = None) -> float:
+        return statistics.median(r[key] if sub is None else r[key][sub] for r in results[kvp])
+
+    k = args.kvp
+    rows = [
+        ("prefill wall (s)", 1.0, "prefill", None),
+        ("prefill CPU path (s)", 1.0, "prefill_cpu", "path"),
+        ("prefill CPU total (s)", 1.0, "prefill_cpu", "total"),
+        ("TPOT wall (ms)", 1e3, "tpot", None),
+        ("TPOT CPU path (ms)", 1e3, "tpot_cpu", "path"),
+        ("TPOT CPU total (ms)", 1e3, "tpot_cpu", "total"),
+        ("TPOT CPU driver (ms)", 1e3, "tpot_cpu", "driver"),
+        ("TPOT CPU worker (ms)", 1e3, "tpot_cpu", "worker"),
+    ]
+    print(f"\ncontext {args.context}, {args.new} new tokens, chunk {args.chunk}, 1 thread per rank")
+    print(f"{'median of ' + str(args.repeats):>24} {'kvp=1':>9} {f'kvp={k}':>9} {f'{k}/1':>7}")
+    for name, scale, key, sub in rows:
+        a, b = med(1, key, sub), med(k, key, sub)
+        ratio = f"{b / a:7.2f}" if a else f"{'-':>7}"
+        print(f"{name:>24} {scale * a:9.2f} {scale * b:9.2f} {ratio}")
+    print(f"greedy tokens identical: {same}")
+
+
+if __name__ == "__main__":
+    main()
