@@ -32,7 +32,7 @@ Two entry points share the partial-state and merge code:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,9 +42,9 @@ import torch.distributed as dist
 from medha_kernels import (
     PagedAttentionPlan,
     chunked_prefill_attention,
-    merge_states,
     plan_paged_attention_from_host,
 )
+from medha_kernels.backends import resolve
 from medha_parallel import shm
 from medha_parallel.compat import all_gather_concat
 from medha_parallel.errors import named_comm
@@ -85,6 +85,7 @@ class KVPCommunicator:
             shared_memory = state.backend == "gloo" and shm.supported()
         # None: not set up yet (the first whole-group all-gather does, collectively)
         self._shm: shm.ShmAllGather | bool | None = None if shared_memory else False
+        self._merge_fns: dict[str, Callable] = {}  # medha_kernels' merge_states per device type
 
     def __repr__(self) -> str:
         return f"KVPCommunicator(index={self.index}, size={self.size})"
@@ -189,7 +190,11 @@ class KVPCommunicator:
             states = self._all_gather(packed, active, op)
         if dtype == torch.float32:  # medha_kernels' merge (native on the CPU), tokens first
             v, s = states[..., :-1].transpose(0, 1), states[..., -1].transpose(0, 1)
-            merged, lse_global = merge_states(v, s)
+            merge = self._merge_fns.get(v.device.type)
+            if merge is None:  # resolved once: shapes and dtypes are ours, checked above
+                merge = resolve("merge_states", "auto", v.device, (v, s))
+                self._merge_fns[v.device.type] = merge
+            merged, lse_global = merge(v, s)
         else:
             merged, lse_global = merge_partials(states[..., :-1], states[..., -1])
         return merged.to(out.dtype), lse_global.float()
