@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from medha_kernels import PagedAttentionPlan, plan_paged_attention
+from medha_kernels import PagedAttentionPlan, append_paged_kv, plan_paged_attention
 
 
 @dataclass
@@ -45,6 +45,41 @@ class ForwardBatch:
     _plans: dict[tuple, PagedAttentionPlan] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    #: (int64 slots of the written rows, those rows or None for all), after the first write
+    _kv_write: tuple[torch.Tensor, torch.Tensor | None] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        """Write the new tokens' K/V at :attr:`slots` (a negative slot writes nothing).
+
+        Args:
+            k, v: ``[N, num_kv_heads, head_dim]`` (any strides).
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; written.
+
+        The first layer's write goes through :func:`medha_kernels.append_paged_kv`,
+        which validates the slots; on the CPU the step then keeps them as int64
+        row indices, and every later layer writes with one ``index_copy_`` per
+        tensor (no validation, no host sync). Every layer's cache has the
+        first one's shape.
+        """
+        if self._kv_write is None or k.device.type != "cpu":
+            append_paged_kv(k, v, k_cache, v_cache, slots=self.slots)
+            if k.device.type == "cpu":
+                keep = self.slots >= 0
+                if bool(keep.all()):
+                    self._kv_write = (self.slots.long(), None)
+                else:
+                    rows = keep.nonzero().squeeze(1)
+                    self._kv_write = (self.slots[rows].long(), rows)
+            return
+        idx, rows = self._kv_write
+        if rows is not None:
+            k, v = k[rows], v[rows]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v.to(v_cache.dtype))
 
     def attention_plan(
         self,

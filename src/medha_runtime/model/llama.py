@@ -22,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medha_kernels import append_paged_kv
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
-from medha_runtime.model.rope import RotaryEmbedding, apply_rotary
+from medha_runtime.model.rope import RotaryEmbedding, apply_rotary_
 
 Device = torch.device | str
 
@@ -110,6 +109,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -197,13 +198,14 @@ class LlamaAttention(nn.Module):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_q_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        append_paged_kv(k, v, k_cache, v_cache, slots=batch.slots)
-        o = self.attend(q, k_cache, v_cache, batch)
+        n, hq, d = x.shape[0], self.num_q_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, hq + self.num_kv_heads, d)
+        apply_rotary_(qk, cos, sin)  # q's and k's heads at once, in the projection's output
+        k = qk[:, hq:]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
+        batch.write_kv(k, v, k_cache, v_cache)
+        o = self.attend(qk[:, :hq].contiguous(), k_cache, v_cache, batch)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

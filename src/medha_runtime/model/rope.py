@@ -124,6 +124,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x`` in place (rotate-half layout): the same arithmetic as :func:`apply_rotary`.
+
+    Args:
+        x: ``[num_tokens, num_heads, head_dim]``, any strides with a contiguous
+            last dimension (e.g. the q and k heads of a fused QKV output); written.
+        cos, sin: ``[num_tokens, head_dim // 2]`` in ``x``'s dtype.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1s = x1 * s
+    x1.copy_((x1 * c).sub_(x2 * s))
+    x2.mul_(c).add_(x1s)
+
+
 class RotaryEmbedding:
     """cos/sin for absolute positions, computed on the fly (no per-device state).
 
