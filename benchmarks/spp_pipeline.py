@@ -102,6 +102,7 @@ def run_one(name: str, prompt: list[int], args: argparse.Namespace) -> dict:
         steps = [cpu[k] for k in sorted(cpu)]
         return {
             "ttft_cpu": _makespan(steps[:prefill], overlap=depth is None),
+            "stage_cpu": [sum(c[i] for c in steps[:prefill]) for i in range(spp)],
             "tpot_cpu": statistics.median(sum(c) for c in steps[prefill:]),
             "ttft": stamps[0] - t0,
             "tpot": statistics.median(gaps) if gaps else float("nan"),
@@ -149,7 +150,8 @@ def main() -> None:
             print(
                 f"repeat {rep} {name:12s} TTFT {r['ttft']:.3f} s  TPOT {1e3 * r['tpot']:.2f} ms  "
                 f"(CPU-time projection: TTFT {r['ttft_cpu']:.3f} s, TPOT "
-                f"{1e3 * r['tpot_cpu']:.2f} ms)  steps {r['steps']}  "
+                f"{1e3 * r['tpot_cpu']:.2f} ms; prefill CPU s per stage "
+                f"{'/'.join(f'{c:.3f}' for c in r['stage_cpu'])})  steps {r['steps']}  "
                 f"max in flight {r['in_flight']}",
                 flush=True,
             )
@@ -169,9 +171,8 @@ def main() -> None:
         f"{'CPU TTFT':>8s} {'speed-up':>9s} {'CPU TPOT':>8s} {'x':>6s}  same tokens"
     )
     for name in names:
-        med = {
-            k: statistics.median(r[k] for r in runs[name]) for k in runs[name][0] if k != "tokens"
-        }
+        keys = [k for k in runs[name][0] if k not in ("tokens", "stage_cpu")]
+        med = {k: statistics.median(r[k] for r in runs[name]) for k in keys}
         same = all(r["tokens"] == ref_tokens for r in runs[name])
         print(
             f"{name:12s} {med['ttft']:8.3f} {ttft0 / med['ttft']:8.2f}x "
