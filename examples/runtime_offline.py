@@ -41,6 +41,15 @@ def main() -> None:
         stop = next((ch for ch in text[2:] if ch.isalnum()), None) or "x"
         c = llm.generate(prompts[0], SamplingParams(temperature=0.0, stop=[stop]))[0].outputs[0]
         print(f"stop={stop!r}: text {c.text!r} ({c.finish_reason}, stop_reason={c.stop_reason!r})")
+
+        # Prefix caching (on by default): the long prompt's KV blocks are still
+        # cached, so asking about it again computes only what follows them.
+        again = llm.generate(prompts[2] + " and again?", greedy)[0]
+        print(
+            f"prefix cache: {again.num_cached_tokens} of {len(again.prompt_token_ids)} "
+            "prompt tokens reused"
+        )
+        assert again.num_cached_tokens > 0
     print(f"done in {time.perf_counter() - start:.1f}s")
 
 
