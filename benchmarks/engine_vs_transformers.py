@@ -25,6 +25,7 @@ The checkpoint defaults to a random one of SmolLM2-135M's shape written by
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import time
@@ -130,6 +131,12 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048, help="prefill prompt length")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="the engine's fixed prefill chunk (0: whole prompts); default: adaptive chunking",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time with the process's CPU time (needs --threads 1): on a busy shared "
@@ -157,10 +164,12 @@ def main() -> None:
             dtype="float32",
             max_model_len=max(args.prefill, args.prompt + args.new) + 16,
             kv_cache_tokens=max(most, args.prefill) + 1024,
+            num_threads=args.threads,
+            **({} if args.chunk_size is None else {"chunk_size": args.chunk_size}),
         )
-        torch.set_num_threads(args.threads)  # the in-process engine set its own
         bw, mm = machine_rates(args.threads)
         print(
+            f"load average {os.getloadavg()[0]:.1f}, chunk size {args.chunk_size}, "
             f"threads {torch.get_num_threads()}, read {bw / 1e9:.1f} GB/s, "
             f"fp32 matmul {mm / 1e9:.0f} GFLOP/s"
         )
@@ -186,7 +195,7 @@ def main() -> None:
         peer = time_hf(hf, prompt, 1)
         print(
             f"prefill {args.prefill}: medha {ours:.2f} s, transformers {peer:.2f} s, "
-            f"ratio {peer / ours:.2f}x"
+            f"ratio {peer / ours:.2f}x; load average {os.getloadavg()[0]:.1f}"
         )
         llm.shutdown()
 
