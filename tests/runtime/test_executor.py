@@ -1,0 +1,82 @@
+"""The executor interface in one process: submit, events in order, failures; the worker
+loop over a pipe with a stand-in runner; the engine's pipeline depth."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from medha_runtime import LLM
+from medha_runtime.executor import InProcessExecutor, StageCleared, StepDone
+from medha_runtime.messages import Done, Failed, Ping, Shutdown, Step
+from medha_runtime.plan import PlannedChunk, StepPlan
+from medha_runtime.profile import synthetic_plan
+from medha_runtime.runner import RunnerSpec
+from medha_runtime.transport import PipeTransport
+from medha_runtime.worker import serve
+
+
+def test_in_process_events_come_in_order_and_a_failed_step_is_raised_again() -> None:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    spec = RunnerSpec(model="tiny", dtype="float32", device="cpu", num_blocks=64)
+    executor = InProcessExecutor(spec)
+    try:
+        plans = [
+            synthetic_plan(-i, [(4, 0), (1, 0)], block_size=16, num_blocks=64, vocab_size=259)
+            for i in (1, 2)
+        ]
+        for plan in plans:
+            executor.submit(plan)
+        assert executor.in_flight == 2
+        with pytest.raises(RuntimeError, match="in flight"):
+            executor.execute(plans[0])
+        events = [executor.next_event() for _ in range(4)]
+        assert [type(e) for e in events] == [StageCleared, StepDone, StageCleared, StepDone]
+        assert [e.step_id for e in events] == [-1, -1, -2, -2]
+        assert all(len(e.result) == 2 for e in events if isinstance(e, StepDone))
+        assert executor.in_flight == 0
+        executor.submit(StepPlan(7, (PlannedChunk("x", 0, (), (0,), ()),)))  # an empty chunk
+        with pytest.raises(ValueError, match="empty chunk"):
+            executor.next_event()
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            executor.submit(plans[0])
+    finally:
+        executor.shutdown()
+        torch.set_num_threads(n)
+
+
+class _Runner:
+    """Stands in for a ModelRunner: echoes the step id, fails on step 3."""
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        if plan.step_id == 3:
+            raise ValueError("step three is bad")
+        return [plan.step_id]
+
+
+def test_worker_loop_answers_typed_messages_in_order_and_stops_on_failure() -> None:
+    driver, worker = mp.Pipe(duplex=True)
+    for msg in (Step(StepPlan(1, ())), Ping(), Step(StepPlan(2, ())), Step(StepPlan(3, ()))):
+        driver.send(msg)
+    assert serve(_Runner(), PipeTransport(worker), rank=5) == 1
+    first, second, third = driver.recv(), driver.recv(), driver.recv()
+    assert (first.rank, first.step_id, first.result) == (5, 1, [1])
+    assert isinstance(second, Done) and second.step_id == 2 and second.compute_s >= 0
+    assert isinstance(third, Failed) and "step three is bad" in third.error
+    driver.send(Shutdown())
+    assert serve(_Runner(), PipeTransport(worker), rank=5) == 0
+    driver.close()
+    assert serve(_Runner(), PipeTransport(worker), rank=5) == 1  # the driver is gone
+
+
+def test_pipeline_depth_is_validated() -> None:
+    cost = "affine:base=1e-3,per_token=1e-5,per_attn=1e-9"
+    with LLM("tiny", max_model_len=64, kv_cache_tokens=256, cost_model=cost) as llm:
+        assert llm.engine.pipeline_depth == 1  # spp = 1
+        llm.engine.pipeline_depth = 2
+        assert llm.engine.pipeline_depth == 2
+        with pytest.raises(ValueError, match="pipeline_depth must be an integer >= 1, got 0"):
+            llm.engine.pipeline_depth = 0
