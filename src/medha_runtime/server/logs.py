@@ -1,6 +1,6 @@
 """The server's log, as ``vllm serve`` writes one.
 
-- :func:`setup_logging`: ``LEVEL MM-DD HH:MM:SS [module] message`` lines on
+- :func:`setup_logging`: ``LEVEL MM-DD HH:MM:SS.mmm [module] message`` lines on
   stderr for the ``medha_runtime`` loggers, at ``--log-level``;
 - :func:`startup_summary`: one block once the engine is ready: model, dtype,
   device, layout, policy, cost model, T, the KV pool in tokens, the address;
@@ -35,7 +35,8 @@ def setup_logging(level: str) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(
             logging.Formatter(
-                "%(levelname)s %(asctime)s [%(module)s] %(message)s", datefmt="%m-%d %H:%M:%S"
+                "%(levelname)s %(asctime)s.%(msecs)03d [%(module)s] %(message)s",
+                datefmt="%m-%d %H:%M:%S",
             )
         )
         handler._medha = True  # type: ignore[attr-defined]

@@ -365,7 +365,7 @@ class Frontend:
         base = {"id": run.id, "object": obj, "created": int(time.time()), "model": self.model_name}
         opts = body.stream_options
         continuous = bool(opts and opts.continuous_usage_stats)
-        status = 200
+        status = 499  # until the stream ends: the client left (the generator was closed)
         try:
             async for s, delta, before in run.deltas():
                 if not delta.new_token_ids and not delta.new_text and delta.finish_reason is None:
@@ -387,6 +387,7 @@ class Frontend:
             if opts and opts.include_usage:
                 u = fmt.usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
                 yield fmt.sse({**base, "choices": [], "usage": u})
+            status = 200
             yield fmt.SSE_DONE
         except APIError as exc:
             status = exc.status
