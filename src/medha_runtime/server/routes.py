@@ -107,6 +107,8 @@ class Frontend:
                 )
 
     def need_tokenizer(self) -> FrontTokenizer:
+        if self.client.ready is None:  # the tokenizer comes with the engine
+            self.check_alive()
         if self.tokenizer is None:
             raise APIError(f"model {self.model_name!r} has no tokenizer: pass prompts as token ids")
         return self.tokenizer
@@ -399,6 +401,7 @@ class Frontend:
     # ------------------------------------------------------------- endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
+        self.check_alive()
         self.check_fields(body, chat=False)
         prompts = self.completion_prompts(body)
         for p in prompts:
@@ -438,6 +441,7 @@ class Frontend:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
+        self.check_alive()
         self.check_fields(body, chat=True)
         ids = self.chat_ids(body.messages, body.add_generation_prompt)
         mt = body.max_completion_tokens
