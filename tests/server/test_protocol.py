@@ -1,0 +1,90 @@
+"""The front end's pure parts: field checks, OpenAI shapes, token strings (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from medha_runtime.server import formatting as fmt
+from medha_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RefusedField,
+    check_request,
+    unknown_fields,
+)
+
+
+def test_off_values_pass_and_others_are_refused() -> None:
+    ok = CompletionRequest(prompt="x", suffix=None, best_of=2, n=2, use_beam_search=False)
+    check_request(ok, chat=False)
+    chat = ChatCompletionRequest(
+        messages=[{"role": "developer", "content": [{"type": "text", "text": "hi"}]}],
+        response_format={"type": "text"},
+        tool_choice="none",
+    )
+    check_request(chat, chat=True)
+    with pytest.raises(RefusedField) as err:
+        check_request(CompletionRequest(prompt="x", guided_json={"a": 1}), chat=False)
+    assert err.value.param == "guided_json"
+    with pytest.raises(RefusedField, match="only text parts") as err:
+        bad = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
+        check_request(ChatCompletionRequest(messages=bad), chat=True)
+    assert err.value.param == "messages[0].content[0].type"
+
+
+def test_unknown_fields_are_listed_once_known_ones_are_not() -> None:
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi", "colour": 1}],
+        frobnicate=True,
+        best_of=1,
+        stream=True,
+        stream_options={"include_usage": True, "extra_option": 2},
+    )
+    assert unknown_fields(body) == [
+        "frobnicate",
+        "stream_options.extra_option",
+        "messages[].colour",
+    ]
+
+
+def test_served_name_only() -> None:
+    from medha_runtime.server.protocol import APIError
+    from medha_runtime.server.routes import Frontend
+
+    front = Frontend(None, None, None, model_name="mytiny")  # type: ignore[arg-type]
+    front.check_model("mytiny")
+    front.check_model(None)
+    with pytest.raises(APIError) as err:
+        front.check_model("tiny")
+    assert err.value.status == 404 and err.value.param == "model"
+
+
+TEXT = fmt.TokenText(lambda t: {1: "a", 2: "b", 3: "bytes:\\xe2"}[t], lambda t: bytes([t]))
+
+
+def test_completion_logprobs_shape() -> None:
+    entries = [None, {2: -0.5, 1: -1.0}, {3: -2.0, 1: -0.1, 2: -3.0}]
+    out = fmt.completion_logprobs([1, 2, 3], entries, TEXT, top=1)
+    assert out["tokens"] == ["a", "b", "bytes:\\xe2"]
+    assert out["token_logprobs"] == [None, -0.5, -2.0]
+    # the top one, and the chosen token always
+    assert out["top_logprobs"] == [None, {"b": -0.5}, {"a": -0.1, "bytes:\\xe2": -2.0}]
+    assert out["text_offset"] == [0, 1, 2]
+
+
+def test_prompt_logprobs_ranks() -> None:
+    # the prompt token first; then the top 2 (the prompt token is one of them, or not)
+    inside = {2: -0.2, 1: -1.5}  # top 2 = {2, 1}
+    outside = {3: -4.0, 1: -0.3, 2: -1.2}  # top 2 = {1, 2}; 3 is below them
+    out = fmt.prompt_logprobs([None, inside, outside], TEXT, top=2)
+    assert out[0] is None
+    assert out[1] == {
+        "2": {"logprob": -0.2, "rank": 1, "decoded_token": "b"},
+        "1": {"logprob": -1.5, "rank": 2, "decoded_token": "a"},
+    }
+    assert out[2]["3"]["rank"] is None and out[2]["1"]["rank"] == 1 and out[2]["2"]["rank"] == 2
+
+
+def test_usage_counts_and_cached_tokens() -> None:
+    assert fmt.usage(5, 7) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert fmt.usage(5, 7, 3)["prompt_tokens_details"] == {"cached_tokens": 3}
