@@ -88,3 +88,53 @@ def test_prompt_logprobs_ranks() -> None:
 def test_usage_counts_and_cached_tokens() -> None:
     assert fmt.usage(5, 7) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
     assert fmt.usage(5, 7, 3)["prompt_tokens_details"] == {"cached_tokens": 3}
+
+
+def _data(tok: object) -> object:
+    from medha_runtime.server.messages import TokenizerData
+
+    return TokenizerData(
+        json=tok.to_str(),  # type: ignore[attr-defined]
+        bos_token=None,
+        eos_token=None,
+        chat_template=None,
+        stop_token_ids=(),
+    )
+
+
+def test_token_strings_and_bytes_byte_fallback() -> None:
+    """A SentencePiece-style vocabulary: ``<0xNN>`` pieces are bytes, ``▁`` a space."""
+    import tokenizers
+    from tokenizers import decoders, models
+
+    from medha_runtime.server.tokens import FrontTokenizer
+
+    vocab = {"<unk>": 0, "<0xE2>": 1, "<0x82>": 2, "<0xAC>": 3, "\u2581hello": 4, "é": 5}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    front = FrontTokenizer(_data(tok))  # type: ignore[arg-type]
+    assert front.token_bytes(1) == b"\xe2" and front.token_str(1) == "bytes:\\xe2"
+    assert front.token_bytes(4) == b" hello" and front.token_str(4) == " hello"
+    assert front.token_bytes(5) == "é".encode() and front.token_str(5) == "é"
+    strs = {front.token_str(t) for t in range(1, 4)}
+    assert len(strs) == 3  # three byte tokens, three keys (they all decode to U+FFFD)
+
+
+def test_token_strings_and_bytes_byte_level() -> None:
+    """A GPT-2 byte-level vocabulary: each character stands for one byte."""
+    import tokenizers
+    from tokenizers import decoders, models
+
+    from medha_runtime.server.tokens import FrontTokenizer, _bytes_to_unicode
+
+    b2u = _bytes_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    vocab[b2u[0x20] + "hi"] = 256
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    front = FrontTokenizer(_data(tok))  # type: ignore[arg-type]
+    assert front.token_bytes(0xE2) == b"\xe2" and front.token_str(0xE2) == "bytes:\\xe2"
+    assert front.token_bytes(256) == b" hi" and front.token_str(256) == " hi"
+    assert front.token_str(ord("A")) == "A"
