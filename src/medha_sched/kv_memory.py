@@ -374,10 +374,17 @@ class KVBlockManager:
         return True
 
     def free(self, request_id: Hashable) -> None:
-        """Return every block of the request to its group's pool, exactly once."""
+        """Drop the request's reference to each of its blocks, exactly once.
+
+        With prefix caching the blocks go back last first, so a pool short
+        of blocks evicts a cached prefix from its end: its start, which
+        every longer match needs, stays cached longest.
+        """
         entry = self._entry(request_id)
-        for group, blocks in zip(entry.groups, entry.blocks, strict=True):
-            self._pools[group].release(request_id, blocks)
+        pairs = list(zip(entry.groups, entry.blocks, strict=True))
+        caching = self.cache.enable_prefix_caching
+        for group, blocks in reversed(pairs) if caching else pairs:
+            self._pools[group].release(request_id, blocks[::-1] if caching else blocks)
             self._holders[group].discard(request_id)
         del self._entries[request_id]
 

@@ -83,9 +83,10 @@ def test_unreferenced_cached_blocks_are_evicted_lru_only_when_needed():
     assert m.num_free_blocks(0) == 6 and m.num_cached_blocks(0) == 4
     assert m.admit("c", 8)  # takes the 2 free blocks: nothing evicted
     assert m.num_cached_blocks(0) == 4
-    assert m.admit("d", 4)  # evicts the least recently released: a's first block
+    assert m.admit("d", 4)  # evicts the least recently released block: a's last
     assert m.num_cached_blocks(0) == 3
-    assert m.cached_prefix_tokens(hashes([*first, 0]), 9) == 0  # a's chain is broken
+    # a request's blocks go back last first: its prefix is evicted from the end
+    assert m.cached_prefix_tokens(hashes([*first, 0]), 9) == 4
     assert m.cached_prefix_tokens(hashes([*second, 0]), 9) == 8
     m.check_invariants()
 
