@@ -341,3 +341,26 @@ def test_port_in_use_is_one_line_before_the_engine_starts() -> None:
     assert out.returncode == 1
     want = f"medha-runtime serve: error: cannot listen on 127.0.0.1:{port}: the port is in use\n"
     assert out.stderr == want
+
+
+def test_sigterm_while_the_engine_starts_exits_0(tmp_path: Path) -> None:
+    log_file = tmp_path / "serve.log"
+    with open(log_file, "w") as log:
+        cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", "--port", "0"]
+        proc = subprocess.Popen(cmd, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 30
+            while "Waiting for application startup" not in log_file.read_text():
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)  # the engine process is still importing torch
+            rc = proc.wait(timeout=10)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log_file.read_text()
+    assert rc == 0 and took < 5.0, (rc, took, text)
+    assert "stopped while the engine was starting" in text and "Traceback" not in text

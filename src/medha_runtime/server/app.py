@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medha_runtime.server.admission import AdmissionGate
 from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from medha_runtime.server.client import EngineClient, EngineDeadError
+from medha_runtime.server.client import EngineClient, EngineDeadError, StartCancelled
 from medha_runtime.server.engine_proc import EngineArgs
 from medha_runtime.server.logs import StatsLogger, log_lines, logger, startup_summary
 from medha_runtime.server.metrics import ServerMetrics
@@ -117,6 +117,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         app.state.loop = asyncio.get_running_loop()
         try:
             await client.start()
+        except StartCancelled:  # SIGINT/SIGTERM during start-up: stop the engine, exit 0
+            logger.info("stopped while the engine was starting")
+            await client.stop(timeout_s=0.5)  # a starting engine reads no Shutdown
+            yield
+            return
         except EngineDeadError as exc:
             # no traceback from the ASGI lifespan: stop at once, and let the runner
             # report this one line (``run_server`` raises it)
@@ -160,6 +165,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     def on_signal() -> None:
         """SIGINT/SIGTERM (from the runner, in the loop): end every request now."""
         front.shutting_down = True
+        client.start_cancelled = True
         ids = client.fail_all("the server is shutting down")
         if ids:
             logger.info("shutting down: aborted %d in-flight engine request(s)", len(ids))

@@ -43,6 +43,10 @@ class EngineDeadError(RuntimeError):
     """The engine process is gone."""
 
 
+class StartCancelled(EngineDeadError):
+    """The server was told to stop while the engine was starting."""
+
+
 @dataclass
 class Failure:
     """Put on a request's queue when it cannot go on."""
@@ -70,6 +74,8 @@ class EngineClient:
         self._tasks: list[asyncio.Task[Any]] = []
         self._aborts: set[asyncio.Task[Any]] = set()
         self.started_at = time.time()
+        #: set (by a signal) to give up waiting for the engine to start
+        self.start_cancelled = False
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -92,6 +98,8 @@ class EngineClient:
         self.proc.start()
         deadline = time.monotonic() + self.startup_timeout_s
         while self.ready is None:
+            if self.start_cancelled:
+                raise StartCancelled("the server was stopped while the engine was starting")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineDeadError("the engine did not start in time")
