@@ -506,28 +506,30 @@ class LLMEngine:
         stats.steps += 1
         stats.preemptions += len(out.preempted)
         chunks = []
+        append, requests, sample_spec = chunks.append, self._requests, self._sample_spec
+        decodes = prefill = sharded = 0
         for c in out.chunks:
-            st = self._requests[c.request_id]
-            if c.start >= st.sched.num_prefill_tokens:
-                stats.decode_tokens += 1
-            else:
-                stats.prefill_tokens += c.num_tokens
+            rid, start, n = c.request_id, c.start, c.num_tokens
+            st = requests[rid]
+            if len(c.token_ids) != n:
+                raise RuntimeError(f"scheduler chunk of {rid!r} carries no token ids")
             if len(c.kvp_groups) > 1:
-                stats.sharded_chunks += 1
-            if len(c.token_ids) != c.num_tokens:
-                raise RuntimeError(f"scheduler chunk of {c.request_id!r} carries no token ids")
-            sample = self._sample_spec(st) if c.samples else None
-            chunks.append(
+                sharded += 1
+            if start >= st.sched.num_prefill_tokens:  # a decode: no prompt logprobs
+                decodes += 1
+                prompt_spec = None
+            else:
+                prefill += n
+                prompt_spec = self._prompt_spec(st, start, n)
+            sample = sample_spec(st) if c.samples else None
+            append(
                 PlannedChunk(
-                    c.request_id,
-                    c.start,
-                    c.token_ids,
-                    c.kvp_groups,
-                    c.new_blocks,
-                    sample,
-                    prompt_logprobs=self._prompt_spec(st, c.start, c.num_tokens),
+                    rid, start, c.token_ids, c.kvp_groups, c.new_blocks, sample, prompt_spec
                 )
             )
+        stats.decode_tokens += decodes
+        stats.prefill_tokens += prefill
+        stats.sharded_chunks += sharded
         plan = StepPlan(
             out.batch_id,
             tuple(chunks),
