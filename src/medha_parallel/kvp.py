@@ -86,6 +86,7 @@ class KVPCommunicator:
         # None: not set up yet (the first whole-group all-gather does, collectively)
         self._shm: shm.ShmAllGather | bool | None = None if shared_memory else False
         self._merge_fns: dict[str, Callable] = {}  # medha_kernels' merge_states per device type
+        self._state_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"KVPCommunicator(index={self.index}, size={self.size})"
@@ -179,6 +180,14 @@ class KVPCommunicator:
         op = "merge[ag_all].all_gather"
         shape = (*out.shape[:2], out.shape[2] + 1)
         shared = self._shared(active, out.device, shape, dtype, op)
+        if shared is not None and dtype == torch.float32:
+            v, s = self._shared_states(shared, out.shape)
+            v[:, self.index].copy_(out.detach())  # tokens first: merged in place, no copy
+            s[:, self.index].copy_(lse.detach())
+            with named_comm("kvp", op):
+                shared.exchange(op)
+            merged, lse_global = self._merge_fn(v, s)(v, s)
+            return merged.to(out.dtype), lse_global
         if shared is not None:  # packed straight into the shared slot, merged from the buffer
             slot = shared.slot(shape, dtype)
             slot[..., :-1].copy_(out.detach())
@@ -190,14 +199,37 @@ class KVPCommunicator:
             states = self._all_gather(packed, active, op)
         if dtype == torch.float32:  # medha_kernels' merge (native on the CPU), tokens first
             v, s = states[..., :-1].transpose(0, 1), states[..., -1].transpose(0, 1)
-            merge = self._merge_fns.get(v.device.type)
-            if merge is None:  # resolved once: shapes and dtypes are ours, checked above
-                merge = resolve("merge_states", "auto", v.device, (v, s))
-                self._merge_fns[v.device.type] = merge
-            merged, lse_global = merge(v, s)
+            merged, lse_global = self._merge_fn(v, s)(v, s)
         else:
             merged, lse_global = merge_partials(states[..., :-1], states[..., -1])
         return merged.to(out.dtype), lse_global.float()
+
+    def _merge_fn(self, v: torch.Tensor, s: torch.Tensor) -> Callable:
+        """medha_kernels' ``merge_states`` for ``v``'s device, resolved once (shapes are ours)."""
+        merge = self._merge_fns.get(v.device.type)
+        if merge is None:
+            merge = self._merge_fns[v.device.type] = resolve(
+                "merge_states", "auto", v.device, (v, s)
+            )
+        return merge
+
+    def _shared_states(
+        self, shared: shm.ShmAllGather, shape: torch.Size
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``[num_q, size, num_heads, head_dim]`` outputs and ``[num_q, size, num_heads]``
+        LSEs over the next exchange's buffer, tokens first (what ``merge_states`` takes)."""
+        buf = shared.next_buffer()
+        key = (buf.data_ptr(), *shape)
+        views = self._state_views.get(key)
+        if views is None:
+            q, h, d = shape
+            nv, ns = q * self.size * h * d, q * self.size * h
+            flat = buf.view(torch.float32)
+            views = (flat[:nv].view(q, self.size, h, d), flat[nv : nv + ns].view(q, self.size, h))
+            if len(self._state_views) >= 64:
+                self._state_views.clear()
+            self._state_views[key] = views
+        return views
 
     def _all_gather(self, x: torch.Tensor, n: int, op: str) -> torch.Tensor:
         """Stack ``x`` from the first ``n`` groups into ``[n, *x.shape]``."""

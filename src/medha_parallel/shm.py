@@ -81,7 +81,8 @@ class ShmAllGather:
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         self._flags = [ctypes.c_int32.from_buffer(mm, r * _FLAG_STRIDE) for r in range(size)]
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=size * _FLAG_STRIDE)
-        self._buffers = data[: 2 * size * slot_bytes].view(2, size, slot_bytes)
+        self._flat = data[: 2 * size * slot_bytes].view(2, size * slot_bytes)
+        self._buffers = self._flat.view(2, size, slot_bytes)
         self._seq = 0
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -144,15 +145,17 @@ class ShmAllGather:
         """
         return self._views(tuple(shape), dtype, self._seq + 1)[self.index]
 
-    def gather(
-        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, op: str
-    ) -> torch.Tensor:
-        """Publish this rank's filled :meth:`slot` and wait for every rank's.
+    def next_buffer(self) -> torch.Tensor:
+        """The whole buffer of the next exchange, ``[size * slot_bytes]`` uint8.
 
-        Returns:
-            ``[size, *shape]`` over the shared buffer, in group order: a view,
-            valid until the next-but-one exchange overwrites it.
+        For layouts other than :meth:`slot`'s (rank-major): each rank writes
+        only bytes no other rank writes, then calls :meth:`exchange`; every
+        rank then reads every rank's bytes until the next-but-one exchange.
         """
+        return self._flat[(self._seq + 1) % 2]
+
+    def exchange(self, op: str) -> None:
+        """Publish what this rank wrote to :meth:`next_buffer` and wait for every rank."""
         self._seq += 1
         seq = self._seq
         self._flags[self.index].value = seq
@@ -163,7 +166,18 @@ class ShmAllGather:
         for r in range(self.size):
             if r != self.index:
                 self._wait(r, seq, op)
-        return self._views(tuple(shape), dtype, seq)
+
+    def gather(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, op: str
+    ) -> torch.Tensor:
+        """Publish this rank's filled :meth:`slot` and wait for every rank's.
+
+        Returns:
+            ``[size, *shape]`` over the shared buffer, in group order: a view,
+            valid until the next-but-one exchange overwrites it.
+        """
+        self.exchange(op)
+        return self._views(tuple(shape), dtype, self._seq)
 
     def all_gather(self, x: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
         """Every rank's ``x``, stacked in group order (a copy).
@@ -221,7 +235,7 @@ class ShmAllGather:
         """Unmap the buffer (idempotent)."""
         self._flags.clear()
         self._cache.clear()
-        self._buffers = torch.empty(0, dtype=torch.uint8)
+        self._buffers = self._flat = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
 
