@@ -77,3 +77,24 @@ def test_later_turns_hit_the_cache_in_the_simulator(tmp_path) -> None:
     assert on["ttft_s"]["all"]["p90"] < off["ttft_s"]["all"]["p90"]
     with pytest.raises(OptionError, match="--slack"):
         RunSpec(slack="fast").build()
+
+
+def test_cli_sessions_then_run_with_either_slack(tmp_path) -> None:
+    from medha_sched.sim.cli import main
+
+    trace = tmp_path / "chat.jsonl"
+    args = ["sessions", "--sessions", "2", "--turns", "2", "--qps", "1", "--doc-tokens", "3000"]
+    assert main([*args, "--output-tokens", "4", "--out", str(trace)]) == 0
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert len(lines) == 4 and all(x["prefix_tokens"] == x["prompt_tokens"] for x in lines)
+    cost = "affine:base=1e-3,per_token=1e-5,per_attn=1e-9"
+    for slack, caching in (("length", "--enable-prefix-caching"), ("cache-aware", None)):
+        out = tmp_path / slack
+        run = ["run", "--trace", str(trace), "--out", str(out), "--quiet", "--cost-model", cost]
+        assert main([*run, "--slack", slack, *([caching] if caching else [])]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["run"]["slack"] == slack and summary["prefix_cache"]["hit_tokens"] > 0
+    off = tmp_path / "off"
+    run = ["run", "--trace", str(trace), "--out", str(off), "--quiet", "--cost-model", cost]
+    assert main([*run, "--no-enable-prefix-caching"]) == 0
+    assert json.loads((off / "summary.json").read_text())["prefix_cache"]["hit_tokens"] == 0
