@@ -59,12 +59,21 @@ class Scheduler:
         self.policy = get_policy(config.policy)
         self.memory = KVBlockManager(self.cache, num_groups=self.layout.kvp)
         self.group_limit = self.cache.group_token_limit
-        self.prefill_times = PrefillTimeCache(
-            cost_model,
-            target_time=config.target_batch_time,
-            token_grid=config.token_grid,
-            max_chunk_tokens=config.max_chunk_tokens,
-            group_token_limit=self.group_limit,
+        table = {
+            "target_time": config.target_batch_time,
+            "token_grid": config.token_grid,
+            "max_chunk_tokens": config.max_chunk_tokens,
+            "group_token_limit": self.group_limit,
+        }
+        self.prefill_times = PrefillTimeCache(cost_model, **table)
+        # Which prompts can be prefilled at all is a property of the
+        # configuration, decided by the model as it is now: a learning model
+        # that meets a busy device must not start refusing prompts.
+        frozen = getattr(cost_model, "frozen", None)
+        self._feasibility = (
+            PrefillTimeCache(frozen(), **table)
+            if callable(frozen) and hasattr(cost_model, "revision")
+            else self.prefill_times
         )
         self._sizer = ChunkSizer(config, self.policy, self.group_limit)
         self._adaptive = config.adaptive
@@ -100,7 +109,7 @@ class Scheduler:
         ) * self.cache.block_size
         prompt = self.max_context_tokens if usable >= self.group_limit else usable
         if self.config.adaptive:
-            prompt = min(prompt, self.prefill_times.max_feasible_tokens)
+            prompt = min(prompt, self._feasibility.max_feasible_tokens)
         return int(prompt)
 
     def add_request(self, request: Request) -> None:
@@ -108,9 +117,11 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests:
             raise SchedulerError(f"request id {rid!r} is already in the scheduler")
-        # Pricing the prompt first extends the prefill table to its length, so
+        # Pricing the prompt first extends the prefill tables to its length, so
         # the feasibility check below sees every position the prompt covers.
         p = self.prefill_times.remaining_time(request.num_prefill_tokens, 0)
+        if self._feasibility is not self.prefill_times:
+            self._feasibility.prefill_time(request.num_prefill_tokens)
         self._check_fits(request)
         if self._caching and self.config.cache_aware_slack:
             # only the uncached part is work (the hit is a look: admission may find less)

@@ -295,3 +295,18 @@ def test_prior_spec_keeps_its_own_commas():
     )
     with pytest.raises(ValueError, match=r"affine.*per_attn"):  # the inner spec's own error
         parse_cost_model_spec("online:prior=affine:base=0.004,per_token=4e-5")
+
+
+def test_a_learned_slowdown_does_not_make_prompts_infeasible():
+    from medha_sched import Request, Scheduler, SchedulerConfig
+    from medha_sched.config import CacheConfig
+
+    online = OnlineCostModel(TRUE)
+    cache = CacheConfig(block_size=16, num_blocks_per_group=4096, max_tokens_per_group=65536)
+    sched = Scheduler(SchedulerConfig(target_batch_time=0.05), online, cache=cache)
+    before = sched.max_prompt_tokens
+    _feed(online, random.Random(5), 60, coef=tuple(20 * c for c in TRUE))  # a 20x busier device
+    sched.schedule(0.0)
+    assert online.coefficients["step"] > 0.05  # a lone step now predicts past T ...
+    assert sched.max_prompt_tokens == before  # ... yet what fits is the configuration's call
+    sched.add_request(Request("long", 0.0, 8000, 4))  # accepted, not refused
