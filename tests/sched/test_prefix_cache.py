@@ -43,6 +43,23 @@ def admit_and_compute(m: KVBlockManager, rid, tokens) -> None:
 
 
 # ---------------------------------------------------------------------- unit tests
+def test_block_hashes_name_the_whole_prefix_and_are_the_same_in_every_process():
+    import hashlib
+    import struct
+
+    doc = list(range(100, 112))
+    h = hashes(doc)
+    assert len(h) == 3 and len(set(h)) == 3  # whole blocks only (12 tokens, bs 4)
+    assert hashes(doc[:11]) == h[:2]  # a partial last block is left out
+    first = hashlib.blake2b(struct.pack("<4q", 100, 101, 102, 103), digest_size=16).digest()
+    assert h[0] == first  # no per-process salt: a server's ranks and restarts agree
+    changed = hashes([99, *doc[1:]])
+    assert all(a != b for a, b in zip(changed, h, strict=True))  # block 0 changes all after it
+    more: list = h[:1]
+    extend_token_hashes(more, doc[4:], 4)  # extending from a block boundary continues the chain
+    assert more == h
+
+
 def test_a_shared_prefix_is_shared_not_copied_and_the_last_token_is_computed():
     m = make()
     doc = list(range(100, 112))  # 3 blocks
