@@ -35,6 +35,20 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 _CONTEXT_TOKENS = 5
 
 
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what byte-level BPE vocabularies spell with)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
 class ChatTemplateError(ValueError):
     """No chat template, or the template failed (including ``raise_exception``)."""
 

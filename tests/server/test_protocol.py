@@ -127,9 +127,10 @@ def test_token_strings_and_bytes_byte_level() -> None:
     import tokenizers
     from tokenizers import decoders, models
 
-    from medha_runtime.server.tokens import FrontTokenizer, _bytes_to_unicode
+    from medha_runtime.server.tokens import FrontTokenizer
+    from medha_runtime.tokenizer import bytes_to_unicode
 
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     vocab = {b2u[b]: b for b in range(256)}
     vocab[b2u[0x20] + "hi"] = 256
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))

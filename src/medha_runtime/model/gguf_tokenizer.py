@@ -21,7 +21,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 
 from medha_runtime.model.errors import ConfigError, UnsupportedModelError
-from medha_runtime.model.tiny import _bytes_to_unicode
+from medha_runtime.tokenizer import bytes_to_unicode
 
 if TYPE_CHECKING:
     from medha_runtime.model.gguf import GGUFCheckpoint
@@ -158,7 +158,7 @@ def build_gguf_tokenizer(ckpt: GGUFCheckpoint) -> Tokenizer:
 
 def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
     """Token → id; a token not spelled in the byte alphabet is respelled from its UTF-8."""
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):

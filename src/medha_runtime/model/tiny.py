@@ -29,6 +29,7 @@ from medha_parallel import TPCommunicator
 from medha_runtime.model.config import ModelConfig, RopeConfig
 from medha_runtime.model.llama import LlamaModel
 from medha_runtime.model.loader import DictSource, load_weights
+from medha_runtime.tokenizer import bytes_to_unicode
 
 if TYPE_CHECKING:
     from medha_runtime.tokenizer import Tokenizer
@@ -122,23 +123,9 @@ def build_tiny(
     return model, config
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by the ByteLevel pre-tokenizer."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
 def tiny_fast_tokenizer() -> tokenizers.Tokenizer:
     """The byte-level ``tokenizers.Tokenizer``: id ``b`` is byte ``b``; BOS is prepended."""
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
