@@ -277,9 +277,10 @@ def _serve_preflight(args: argparse.Namespace) -> Any:
 
     if _serve_role(args, os.environ)[0] != "server":
         return None
-    from medha_runtime.server.startup import bind_socket, check_device
+    from medha_runtime.server.startup import bind_socket, check_device, check_model_file
 
     check_device(args.device)
+    check_model_file(args.model)
     return bind_socket(args.host, args.port)
 
 

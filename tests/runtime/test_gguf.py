@@ -177,6 +177,23 @@ def test_serve_bad_file_is_one_line(tmp_path) -> None:
     assert len(lines) == 1 and str(bad) in lines[0] and "not a GGUF file" in lines[0], lines
 
 
+def test_serve_truncated_file_ends_in_one_line_naming_it(checkpoint, tmp_path) -> None:
+    """Past the magic the engine finds the damage: the last line says so in the model's
+    words (no exception class, no NumPy), no traceback, exit 1."""
+    from medha_runtime.server.launch import free_port
+
+    data = _good_file(checkpoint, tmp_path).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:200])
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", str(cut), "--port", str(free_port())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"medha-runtime serve: error: the engine failed to start: {cut}: "), last
+    assert "truncated" in last and "Error" not in last, last
+    assert "Traceback" not in proc.stderr
+
+
 def test_errors_are_model_load_errors(tmp_path) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGUF")

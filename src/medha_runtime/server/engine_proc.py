@@ -123,7 +123,7 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
         try:
             engine = LLMEngine(args.engine)
         except BaseException as exc:
-            send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+            send(EngineFailed(_start_failure(exc)))
             return
         send(
             EngineReady(
@@ -369,3 +369,13 @@ def _snapshot_taker(engine: Any) -> Any:
         group_token_limit=engine.cache.group_token_limit,
         max_tokens=engine.max_model_len,
     )
+
+
+def _start_failure(exc: BaseException) -> str:
+    """One line for the user: a model that cannot be loaded says why in its own words
+    (its message names the file); anything else also names the exception's type."""
+    from medha_runtime.model.errors import ModelLoadError
+
+    if isinstance(exc, ModelLoadError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

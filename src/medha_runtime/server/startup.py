@@ -36,3 +36,21 @@ def check_device(device: str | None) -> None:
         raise ValueError("--device cuda: CUDA_VISIBLE_DEVICES hides every GPU")
     if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/proc/driver/nvidia/version"):
         raise ValueError("--device cuda: this machine has no NVIDIA GPU (no /dev/nvidia*)")
+
+
+def check_model_file(model: str) -> None:
+    """Refuse a ``.gguf`` path that is missing or is not a GGUF file (reads 4 bytes).
+
+    Only what is cheap and certain is checked here; everything else about the
+    model (other names, directories, a damaged file past its magic) is the
+    engine's to report at load.
+    """
+    path = os.path.expanduser(model)
+    if not path.lower().endswith(".gguf") or os.path.isdir(path):
+        return
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {model} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":  # medha_runtime.model.gguf.GGUF_MAGIC, without importing NumPy
+        raise ValueError(f"{model}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
