@@ -32,7 +32,8 @@ each rank's wall and thread CPU time per step (medians).
 
 ``--merge`` times one KVP merge of a decode's state (one query, tiny's 4 heads
 x 16) between two ranks, through shared memory and through gloo: wall and
-thread CPU time per merge (medians of ``--steps`` x 10).
+thread CPU time per merge (medians of ``--steps`` x 10); with ``--peer-ms``
+rank 1 computes that long before each merge, so rank 0 waits for it.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _rank_steps(rank: int, world: int, init: str, args: argparse.Namespace, shm:
     return {"wall": statistics.median(wall), "cpu": statistics.median(cpu)}
 
 
-def _merges(rank: int, world: int, init: str, steps: int, shm: bool) -> dict:
+def _merges(rank: int, world: int, init: str, steps: int, shm: bool, peer_s: float) -> dict:
     """Median wall and CPU time of one decode-sized merge on this rank."""
     from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
 
@@ -174,6 +175,10 @@ def _merges(rank: int, world: int, init: str, steps: int, shm: bool) -> dict:
         comm.merge(out, lse, active=world)
     wall, cpu = [], []
     for _ in range(steps):
+        if rank == world - 1:  # the last rank computes peer_s first: the others wait
+            t = time.perf_counter()
+            while time.perf_counter() - t < peer_s:
+                pass
         t, c = time.perf_counter(), time.thread_time()
         comm.merge(out, lse, active=world)
         wall.append(time.perf_counter() - t)
@@ -191,12 +196,16 @@ def merges(args: argparse.Namespace) -> None:
     from tests.parallel.dist import launch
 
     print(f"load average before: {os.getloadavg()}")
+    peer = args.peer_ms / 1e3
     runs = {
-        name: launch(_merges, 2, 10 * args.steps, shm)
+        name: launch(_merges, 2, 10 * args.steps, shm, peer)
         for name, shm in (("shm", True), ("gloo", False))
     }
     print(f"load average after: {os.getloadavg()}")
-    print(f"\none KVP merge of a [1, 4, 16] state, 2 ranks, medians of {10 * args.steps}")
+    print(
+        f"\none KVP merge of a [1, 4, 16] state, 2 ranks, medians of {10 * args.steps}; "
+        f"rank 1 computes {args.peer_ms} ms before each"
+    )
     for name, per_rank in runs.items():
         for r, res in enumerate(per_rank):
             print(
@@ -245,6 +254,7 @@ def main() -> None:
     ap.add_argument("--ranks", action="store_true", help="time the ranks alone (see above)")
     ap.add_argument("--merge", action="store_true", help="time one merge (see above)")
     ap.add_argument("--steps", type=int, default=50, help="decode steps timed with --ranks")
+    ap.add_argument("--peer-ms", type=float, default=0.0, help="--merge: rank 1 arrives late")
     args = ap.parse_args()
     if args.ranks:
         ranks(args)
