@@ -328,10 +328,11 @@ BAD_INPUT = [
      {"content": b'{"prompt": "\xff\xfe\xfa", "max_tokens": 2}', "headers": JSON}, 400,
      "not valid UTF-8"),
     ("body is not an object", "/v1/completions", {"json": ["hi"]}, 400, "body"),
-    ("10 MB body", "/v1/completions",
-     {"content": b'{"prompt": "' + b"a" * 10_000_000 + b'"}', "headers": JSON}, 413,
-     "larger than the server's limit"),
 ]  # fmt: skip
+# A 10 MB body is answered 413 before it is read, so a client that insists on
+# sending all of it races the server's close (the unread bytes make the kernel
+# reset the connection, and the answer may be lost): it is tested below over a
+# raw socket, which reads the answer, and as a chunked upload.
 
 
 @pytest.mark.parametrize(
