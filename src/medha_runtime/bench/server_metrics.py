@@ -11,6 +11,7 @@ and the report says so.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -90,6 +91,32 @@ def scrape_prediction_error(http: httpx.Client, root: str) -> ErrorHistogram | N
         return None
     bounds = tuple(sorted(buckets))
     return ErrorHistogram(bounds, tuple(buckets[b] for b in bounds), total, median)
+
+
+def settled_prediction_error(
+    http: httpx.Client,
+    root: str,
+    before: ErrorHistogram | None,
+    *,
+    wait_s: float = 3.0,
+    poll_s: float = 0.25,
+) -> ErrorHistogram | None:
+    """The histogram once the run's last steps reached it.
+
+    The server publishes step errors with its periodic heartbeat, so a scrape
+    right after the last answer can miss the last steps. Poll until the count
+    has grown past ``before`` and then held still for one poll, or ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    last = scrape_prediction_error(http, root)
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        now = scrape_prediction_error(http, root)
+        grown = now is not None and now.count > (before.count if before else 0.0)
+        if grown and last is not None and now.count == last.count:
+            return now
+        last = now
+    return last
 
 
 def summarize_prediction_error(hist: ErrorHistogram | None) -> dict[str, float | None] | None:

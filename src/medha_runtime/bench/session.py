@@ -27,6 +27,7 @@ from medha_runtime.bench.runner import Runner
 from medha_runtime.bench.server_metrics import (
     format_prediction_error,
     scrape_prediction_error,
+    settled_prediction_error,
     summarize_prediction_error,
 )
 from medha_runtime.bench.sharegpt import load_sharegpt
@@ -74,7 +75,7 @@ def run_session(config: BenchConfig, *, log: Callable[[str], None] = print) -> i
     with httpx.Client(timeout=10.0, headers=headers) as http:
         before = scrape_prediction_error(http, root)
         interrupted = _run(runner)
-        after = scrape_prediction_error(http, root)
+        after = settled_prediction_error(http, root, before)
     if interrupted:
         log("interrupted: unfinished requests are recorded as failed")
     server = {"prediction_error": summarize_prediction_error(after and after.since(before))}
