@@ -68,7 +68,8 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert proc.returncode == 0, proc.stderr
     command = proc.stdout.strip()
     assert command.splitlines() == [command], "the README's test command is one line"
-    assert "pip install -q torch==2.13.0" in command and command.endswith("pytest -q -n 2 --dist loadfile"), command
+    assert "pip install -q torch==2.13.0" in command, command
+    assert command.endswith("pytest -q -n 2 --dist loadfile"), command
     ci = (ROOT / ".ci" / "run").read_text()
     assert "command=$(bash .ci/readme-test-command)" in ci
     assert "python3 -m venv .venv-ci" in ci and "source .venv-ci/bin/activate" in ci

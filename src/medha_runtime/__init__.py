@@ -39,7 +39,7 @@ _LAZY = {
     "SamplingParams": "medha_runtime.sampling",
 }
 
-__all__ = ["EngineConfig", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -662,9 +662,9 @@ class LLMEngine:
         for r in results:
             if isinstance(r, PromptLogprobs):
                 st = self._requests.get(r.request_id)
-                if st is not None and st.prompt_logprobs is not None:
-                    if r.start == len(st.prompt_logprobs):
-                        st.prompt_logprobs.extend(r.entries)
+                logprobs = None if st is None else st.prompt_logprobs
+                if logprobs is not None and r.start == len(logprobs):
+                    logprobs.extend(r.entries)
             else:
                 sampled.append(r)
         return sampled

@@ -29,14 +29,14 @@ def test_bad_values_are_named(kwargs: dict, message: str) -> None:
 
 
 def test_build_refuses_unknown_and_mixed_arguments() -> None:
-    with pytest.raises(ValueError, match="unknown engine argument.s. num_thread;"):
+    with pytest.raises(ValueError, match=r"unknown engine argument.s. num_thread;"):
         EngineConfig.build("tiny", num_thread=2)
     config = EngineConfig(model="tiny", kvp=2)
     assert EngineConfig.build(config) is config
     with pytest.raises(ValueError, match="not both"):
         EngineConfig.build(config, tp=2)
     assert EngineConfig.build("tiny", kvp=2) == config
-    with pytest.raises(Exception, match="frozen|cannot assign"):
+    with pytest.raises(Exception, match=r"frozen|cannot assign"):
         config.kvp = 1  # type: ignore[misc]
 
 
