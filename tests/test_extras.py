@@ -61,7 +61,7 @@ def test_plotting_without_matplotlib_fails_at_once(name, no_matplotlib, tmp_path
     assert len(lines) == 1, proc.stderr
     assert "matplotlib" in lines[0] and "pip install 'medha[sim]'" in lines[0], lines[0]
     assert not (tmp_path / "cmp").exists(), "compare started work before checking its extras"
-    assert elapsed < 2.0, f"{name} took {elapsed:.2f} s to name the missing extra"
+    assert elapsed < 10.0, f"{name} took {elapsed:.2f} s to name the missing extra"
 
 
 def test_require_names_every_missing_module_and_the_extra() -> None:

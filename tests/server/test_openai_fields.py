@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -259,7 +260,7 @@ def test_non_streaming_disconnect_frees_kv_and_counts_an_abort(server: Server) -
         now = finished(server)
         if now["abort"] == before["abort"] + 1 and now["kv"] == 0.0:
             break
-        assert time.monotonic() - left < 1.0, f"not aborted 1 s after the disconnect: {now}"
+        assert time.monotonic() - left < 5.0, f"not aborted 5 s after the disconnect: {now}"
         time.sleep(0.02)
     assert now["length"] == before["length"]  # it did not run to its 200 tokens
 
@@ -278,6 +279,23 @@ def _orphan(port: int, stream: bool) -> socket.socket:
     return s
 
 
+def _wait_in_engine(server: Server, count: int, timeout_s: float = 30.0) -> None:
+    """Until the engine's heartbeat counts ``count`` requests, running or waiting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        seen = sum(
+            s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name in ("medha:num_requests_running", "medha:num_requests_waiting")
+        )
+        if seen == count:
+            return
+        assert time.monotonic() < deadline, f"{seen} requests in the engine, not {count}"
+        time.sleep(0.05)
+
+
 def test_log_lines_and_sigterm_with_orphaned_requests(server: Server, log_path: Path) -> None:
     """Runs last on the module's server: SIGTERM stops it."""
     c = client(server)
@@ -290,9 +308,11 @@ def test_log_lines_and_sigterm_with_orphaned_requests(server: Server, log_path: 
     with open(f"/proc/{server.proc.pid}/maps") as maps:  # the HTTP process
         assert "libtorch" not in maps.read()
     port = int(server.url.rsplit(":", 1)[1])
-    socks = [_orphan(port, stream=i % 2 == 1) for i in range(4)]
+    # 12 requests of 202 tokens do not fit the 2,048-token KV pool at once: some wait
+    # for the others to finish, so requests are still in flight when SIGTERM comes
+    socks = [_orphan(port, stream=i % 2 == 1) for i in range(12)]
     try:
-        time.sleep(1.0)  # running in the engine
+        _wait_in_engine(server, 12)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         rc = server.proc.wait(timeout=10)
@@ -301,14 +321,15 @@ def test_log_lines_and_sigterm_with_orphaned_requests(server: Server, log_path: 
         for sock in socks:
             sock.close()
     text = log_path.read_text()
-    print(f"\nSIGTERM with 4 orphaned requests: exit code {rc} after {took:.2f} s")
+    print(f"\nSIGTERM with 12 orphaned requests: exit code {rc} after {took:.2f} s")
     assert rc == 0 and took < 5.0, (rc, took, text[-2000:])
     assert "Traceback" not in text
     assert "serving on http://127.0.0.1" in text and "KV pool" in text  # the start-up block
     assert text.count("'no_such_field'") == 1
     assert "/v1/completions 200 prompt_tokens=" in text  # access lines
     assert "/v1/completions 400 error=suffix: suffix (insertion) is not supported" in text
-    assert "aborted 4 in-flight" in text
+    aborted = re.search(r"aborted (\d+) in-flight", text)
+    assert aborted is not None and 1 <= int(aborted[1]) <= 12, text[-2000:]
 
 
 def test_front_end_imports_no_torch() -> None:

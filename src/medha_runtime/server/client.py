@@ -82,6 +82,8 @@ class EngineClient:
         import zmq
         import zmq.asyncio
 
+        if self.start_cancelled:  # a signal came before the engine was started
+            raise StartCancelled("the server was stopped before the engine started")
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self.out_addr)

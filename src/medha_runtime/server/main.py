@@ -108,6 +108,9 @@ class _Server(_uvicorn_server()):  # type: ignore[misc]
         # uvicorn raises the signal again once it stopped (exit status -15 for
         # SIGTERM); this server handles it and exits 0
         self._captured_signals.clear()
+        # a plain flag, safe from a signal handler: it also covers a signal that
+        # comes before the lifespan has started the engine (no loop yet)
+        self._app.state.client.start_cancelled = True
         loop = getattr(self._app.state, "loop", None)
         if first and loop is not None:
             with contextlib.suppress(RuntimeError):
