@@ -16,14 +16,20 @@ class PrefillQueue:
     A more important class (lower ``priority``) always comes first; inside a
     class the policy's time-dependent key decides, ties by arrival then order
     of insertion.
+
+    Requests with fewer than ``short_below`` prompt tokens left to issue (as
+    of their latest ``push``) are counted by that number, so a scan can tell
+    at once that no such request waits (:meth:`has_remaining_below`).
     """
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, *, short_below: int = 0) -> None:
         self._policy = policy
         self._classes: dict[int, KineticIndex[str]] = {}
         self._where: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
         self._seq = 0
+        self._short_below = short_below
+        self._short: dict[str, int] = {}  # request id -> tokens left, below short_below
 
     def __len__(self) -> int:
         return len(self._where)
@@ -35,6 +41,11 @@ class PrefillQueue:
         """Insert, or refresh the key of a request whose progress changed."""
         intercept, slope = self._policy.line(request)
         rid = request.request_id
+        left = request.num_prefill_tokens - request.num_scheduled_tokens
+        if left < self._short_below:
+            self._short[rid] = left
+        else:
+            self._short.pop(rid, None)
         if rid in self._where:
             self._classes[self._where[rid]].update(rid, intercept=intercept, slope=slope)
             return
@@ -50,6 +61,14 @@ class PrefillQueue:
         if request_id in self._where:
             self._classes[self._where.pop(request_id)].remove(request_id)
             del self._requests[request_id]
+            self._short.pop(request_id, None)
+
+    def has_remaining_below(self, tokens: int) -> bool:
+        """Whether a queued request had fewer than ``tokens`` prompt tokens left
+        when it was pushed (``tokens`` at most ``short_below``)."""
+        assert tokens <= self._short_below, "only short requests are counted"
+        short = self._short
+        return bool(short) and min(short.values()) < tokens
 
     def iter_sorted(self, now: float) -> Iterator[Request]:
         """Requests in service order at time ``now``; do not mutate while iterating."""

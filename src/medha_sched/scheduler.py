@@ -77,7 +77,7 @@ class Scheduler:
         )
         self._sizer = ChunkSizer(config, self.policy, self.group_limit)
         self._adaptive = config.adaptive
-        self._queue = PrefillQueue(self.policy)
+        self._queue = PrefillQueue(self.policy, short_below=config.token_grid)
         self._requests: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
         self._in_flight: dict[int, _InFlight] = {}
@@ -299,7 +299,8 @@ class Scheduler:
         long_groups, kvp = draft.long_groups, self.layout.kvp
         spent = None  # _budget_spent(draft), evaluated again only after the draft changes
         first = True
-        for r in self._queue.iter_sorted(now):
+        queue, checked = self._queue, None
+        for r in queue.iter_sorted(now):
             if len(entries) >= max_entries:
                 break
             if first:  # the floor probes only pay off once a candidate has been passed over
@@ -330,6 +331,14 @@ class Scheduler:
             skips += 1
             if skips >= max_skips:
                 break
+            floor = draft.floor
+            if floor is not None and floor <= grid and floor != checked:
+                # Every candidate left with at least ``floor`` tokens to go is
+                # passed over (the floor only falls until a chunk joins, and
+                # none can): if no queued request has fewer, the scan is done.
+                checked = floor
+                if not queue.has_remaining_below(floor):
+                    break
         for r in chosen:
             self._queue.remove(r.request_id)
 
