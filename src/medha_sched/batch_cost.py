@@ -77,6 +77,21 @@ class BatchCost:
             return time
         return max(self._priced(works).values(), default=0.0) if works else self.time
 
+    def time_with_tail(self, group: int, q_tokens: int, kv_tokens: int) -> float:
+        """``time_with([(group, q_tokens, kv_tokens, True)])``: one chunk in one tail shard."""
+        agg = self._agg
+        if agg is None or self._num_groups != 1:
+            return self.time_with([(group, q_tokens, kv_tokens, True)])
+        feats = agg.features(q_tokens, kv_tokens, True)
+        base = self._totals[0]
+        if base is None:
+            totals = [0 + f for f in feats]
+        else:
+            totals = [0 + b + f for b, f in zip(base, feats)]  # noqa: B905 (same lengths)
+        time = agg.group_time(totals)
+        self._probe = ((group, q_tokens, kv_tokens, True), totals, time)
+        return time
+
     def add(self, works: Sequence[Work]) -> None:
         """Add ``works`` to the batch."""
         agg = self._agg

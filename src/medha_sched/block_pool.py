@@ -19,6 +19,7 @@ cached and the pool behaves exactly as a plain free stack.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from itertools import repeat
 
 
 class BlockPool:
@@ -71,7 +72,7 @@ class BlockPool:
             )
         free = self._free
         fresh = min(count, len(free))
-        blocks = list(reversed(free[len(free) - fresh :])) if fresh else []
+        blocks = free[-fresh:][::-1] if fresh else []  # the top of the stack first
         del free[len(free) - fresh :]
         for _ in range(count - fresh):  # evict, least recently released first
             block = next(iter(self._cached))
@@ -87,7 +88,7 @@ class BlockPool:
         if count == 0:
             return ()
         blocks = self._take(count)
-        self._ref.update(dict.fromkeys(blocks, 1))
+        self._ref.update(zip(blocks, repeat(1)))
         self.num_allocs += count
         return tuple(blocks)
 

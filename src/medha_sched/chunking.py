@@ -24,39 +24,36 @@ def largest_fitting_chunk(
     if limit <= 0:
         return 0
     count = -(-limit // grid)
-
-    def candidate(i: int) -> int:
-        return min((i + 1) * grid, limit)
-
     if hint > 0:
         start = min(max(hint // grid - 1, 0), count - 1)
-        best = _gallop(count - 1, start, lambda i: fits(candidate(i)))
-        return candidate(best) if best >= 0 else 0
+        best = _gallop(count - 1, start, grid, limit, fits)
+        return min((best + 1) * grid, limit) if best >= 0 else 0
     if fits(limit):
         return limit
-    if not fits(candidate(0)):
+    if not fits(grid if grid < limit else limit):
         return 0
-    lo, hi = 0, count - 2  # candidate(lo) fits; candidate(count - 1) == limit does not
+    lo, hi = 0, count - 2  # candidate lo fits; candidate count - 1 (== limit) does not
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(candidate(mid)):
+        if fits((mid + 1) * grid):  # mid < count - 1: below limit
             lo = mid
         else:
             hi = mid - 1
-    return candidate(lo)
+    return min((lo + 1) * grid, limit)
 
 
-def _gallop(top: int, start: int, fits_at: Callable[[int], bool]) -> int:
-    """Largest index in ``[0, top]`` that fits, or -1 if none does.
+def _gallop(top: int, start: int, grid: int, limit: int, fits: Callable[[int], bool]) -> int:
+    """Largest index ``i`` in ``[0, top]`` whose candidate ``min((i + 1) * grid,
+    limit)`` fits, or -1 if none does.
 
     Doubling steps from ``start`` bracket the answer, then bisection finds it.
     """
     h = min(start, top)
     step = 1
-    if fits_at(h):
+    if fits(min((h + 1) * grid, limit)):
         lo, hi = h, top + 1  # lo fits; hi does not (or is past the end)
         while lo + step < hi:
-            if not fits_at(lo + step):
+            if not fits(min((lo + step + 1) * grid, limit)):
                 hi = lo + step
                 break
             lo += step
@@ -67,7 +64,7 @@ def _gallop(top: int, start: int, fits_at: Callable[[int], bool]) -> int:
         hi = h
         while True:
             probe = max(hi - step, 0)
-            if fits_at(probe):
+            if fits(min((probe + 1) * grid, limit)):
                 lo = probe
                 break
             hi = probe
@@ -76,7 +73,7 @@ def _gallop(top: int, start: int, fits_at: Callable[[int], bool]) -> int:
             step *= 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits_at(mid):
+        if fits(min((mid + 1) * grid, limit)):
             lo = mid
         else:
             hi = mid

@@ -68,6 +68,8 @@ class KVBlockManager:
         self.num_groups = num_groups
         self._g = cache.group_token_limit
         self._bs = cache.block_size
+        self._reserve = cache.watermark_blocks
+        self._caching = cache.enable_prefix_caching
         self._pools = [BlockPool(g, cache.num_blocks_per_group) for g in range(num_groups)]
         self._holders: list[set[Hashable]] = [set() for _ in range(num_groups)]
         self._entries: dict[Hashable, _Entry] = {}
@@ -213,8 +215,20 @@ class KVBlockManager:
     ) -> tuple[list[int], list[_Hit]] | None:
         """Groups and cache hits of an admission; without the hits when the
         pinned groups lack room for the rest of their shards."""
+        hits = self._match(block_hashes, num_tokens) if block_hashes and self._caching else []
+        if not hits:
+            _check_tokens(num_tokens)
+            if num_tokens <= self._g:  # one shard: the roomiest group, the lowest first
+                need = -(-num_tokens // self._bs)
+                pools = self._pools
+                if len(pools) == 1:
+                    group, free = 0, pools[0].num_free
+                else:
+                    counts = [pool.num_free for pool in pools]
+                    free = max(counts)
+                    group = counts.index(free)
+                return None if free - need < self._reserve else ([group], hits)
         free = self._free_counts()
-        hits = self._match(block_hashes, num_tokens)
         if hits:
             groups = self._plan_admit(num_tokens, free, hits)
             if groups is not None:
@@ -246,6 +260,14 @@ class KVBlockManager:
         if plan is None:
             return False
         groups, hits = plan
+        if not hits and len(groups) == 1:  # one shard, nothing cached: one allocation
+            group = groups[0]
+            new = self._pools[group].allocate(request_id, self._blocks_for(num_tokens))
+            self._entries[request_id] = _Entry(
+                groups=(group,), blocks=[list(new)], tokens=num_tokens, pending={group: list(new)}
+            )
+            self._holders[group].add(request_id)
+            return True
         entry = _Entry(groups=tuple(groups), blocks=[[] for _ in groups], tokens=num_tokens)
         self._entries[request_id] = entry
         for shard, (group, run) in enumerate(hits):  # before allocating: never evict a hit

@@ -108,41 +108,48 @@ class ChunkSizer:
     ) -> tuple[int, bool]:
         """``(chunk, is_long)``: the largest grid chunk that keeps the draft in budget."""
         start = request.num_scheduled_tokens
-        active = groups[: start // self._limit + 1]
-        is_long = request.num_prefill_tokens >= self._cfg.long_prefill_threshold
-        if is_long and draft.long_groups.intersection(active):
-            return 0, is_long
+        limit_g, cfg = self._limit, self._cfg
+        is_long = request.num_prefill_tokens >= cfg.long_prefill_threshold
         target = draft.target
-        if is_long and self._policy.space_sharing:
-            rho = min(self._cfg.max_space_share, max(0.0, relative_slack(request, now)))
-            target *= 1.0 - rho
+        if is_long:
+            if draft.long_groups.intersection(groups[: start // limit_g + 1]):
+                return 0, is_long
+            if self._policy.space_sharing:
+                rho = min(cfg.max_space_share, max(0.0, relative_slack(request, now)))
+                target *= 1.0 - rho
         cost = draft.cost
         if cost.time >= target:
             return 0, is_long
-        limit = self.room(request)
-        smallest = min(self._cfg.token_grid, limit)
-        single = start < self._limit  # one shard: the draft's miss memo applies
-        if single and draft.known_miss(groups[0], start, smallest, target):
-            return 0, is_long
-
+        # room(): what is left, the max chunk and the shard
+        limit = request.num_prefill_tokens - start
+        if cfg.max_chunk_tokens < limit:
+            limit = cfg.max_chunk_tokens
+        if limit_g - start % limit_g < limit:
+            limit = limit_g - start % limit_g
+        grid = cfg.token_grid
+        single = start < limit_g  # one shard: the draft's miss memo applies
         if single:
             group = groups[0]
+            if draft.misses and draft.known_miss(group, start, min(grid, limit), target):
+                return 0, is_long
+            time_with_tail = cost.time_with_tail
 
             def fits(n: int) -> bool:
-                return cost.time_with([(group, n, start, True)]) <= target
+                return time_with_tail(group, n, start) <= target
         else:
 
             def fits(n: int) -> bool:
-                return cost.time_with(chunk_works(groups, start, n, self._limit)) <= target
+                return cost.time_with(chunk_works(groups, start, n, limit_g)) <= target
 
         rid = request.request_id
-        hint = self._last_chunk.get(rid, 0)
-        chunk = largest_fitting_chunk(limit, self._cfg.token_grid, fits, hint=hint)
+        last = self._last_chunk
+        hint = last.get(rid, 0)
+        chunk = largest_fitting_chunk(limit, grid, fits, hint=hint)
         if chunk == 0:
             if single:
-                draft.misses.append((groups[0], start, smallest, target))
+                draft.misses.append((group, start, min(grid, limit), target))
         elif start + chunk < request.num_prefill_tokens:
-            self._last_chunk[rid] = chunk
+            last[rid] = chunk
         elif hint:
-            del self._last_chunk[rid]  # the prefill is fully issued
+            del last[rid]  # the prefill is fully issued
         return chunk, is_long

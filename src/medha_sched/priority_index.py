@@ -263,17 +263,42 @@ class KineticIndex(Generic[K]):
         """Replay the matches from ``slot``'s leaf up while ``slot`` can affect them.
 
         Above a node whose winner is unchanged and is not ``slot``, nothing changed.
+        The loop is :meth:`_settle` and :meth:`_match` written out (the hot path
+        of every add, update and remove); they must stay in step.
         """
-        win = self._win
+        win, ver, cert, events = self._win, self._ver, self._cert, self._events
+        b, m, tb, now = self._b, self._m, self._tb, self._clock
+        played = 0
         node = (self._cap + slot) >> 1
         while node:
             old = win[node]
-            self._settle(node)
-            if win[node] == old != slot:
+            a, c = win[2 * node], win[2 * node + 1]
+            version = ver[node] + 1
+            ver[node] = version
+            if a < 0 or c < 0:
+                w, tau = (c if a < 0 else a), _INF
+            else:
+                played += 1
+                ma, mc = m[a], m[c]
+                if ma < mc:  # a is below c from tau on
+                    tau = (b[c] - b[a]) / (ma - mc)
+                    w, tau = (a, _INF) if now >= tau else (c, tau)
+                elif ma > mc:  # c is below a from tau on
+                    tau = (b[a] - b[c]) / (mc - ma)
+                    w, tau = (c, _INF) if now >= tau else (a, tau)
+                else:
+                    w = a if (b[a], tb[a], a) < (b[c], tb[c], c) else c
+                    tau = _INF
+                if tau < _INF:
+                    heappush(events, (tau, node, version))
+            win[node], cert[node] = w, tau
+            if w == old != slot:
                 break
             node >>= 1
+        self.stats.comparisons += played
         self._epoch += 1
-        self._compact_events()
+        if len(events) > 2 * self._cap + 32:
+            self._compact_events()
 
     def _replay(self, node: int) -> None:
         """Handle ``node``'s failed certificate, moving up while its winner changes."""

@@ -352,8 +352,11 @@ class Scheduler:
         if draft.floor is None and draft.fits_somewhere < 1:
             # One token at KV 0 bounds any chunk's cost. A grid chunk is probed
             # first: when it fits, so does every candidate's smallest chunk.
-            self._lower_floor(draft, self.config.token_grid)
+            grid = self.config.token_grid
+            self._lower_floor(draft, grid)
             if draft.floor is not None:
+                if not self._queue.has_remaining_below(min(draft.floor, grid)):
+                    return True  # every candidate's smallest chunk is at least the floor
                 self._lower_floor(draft, 1)
         return draft.floor == 1
 
@@ -363,10 +366,8 @@ class Scheduler:
             return
         if tokens <= draft.fits_somewhere:
             return  # a chunk at least this big fits on some group
-        cost = draft.cost
-        if all(
-            cost.time_with([(g, tokens, 0, True)]) > draft.target for g in range(self.layout.kvp)
-        ):
+        time_with_tail, target = draft.cost.time_with_tail, draft.target
+        if all(time_with_tail(g, tokens, 0) > target for g in range(self.layout.kvp)):
             draft.floor = tokens
         else:
             draft.fits_somewhere = tokens
