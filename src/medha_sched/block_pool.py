@@ -18,8 +18,8 @@ cached and the pool behaves exactly as a plain free stack.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import repeat
 
 
 class BlockPool:
@@ -30,6 +30,7 @@ class BlockPool:
         "_cached",
         "_free",
         "_hash_of",
+        "_num_held",
         "_ref",
         "group",
         "num_allocs",
@@ -42,7 +43,11 @@ class BlockPool:
         self.group = group
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
-        self._ref: dict[int, int] = {}  # held block -> reference count (>= 1)
+        # reference count of every block (0: free or cached). An array, not a
+        # dict of the held ones: a dict with this much churn is rebuilt now and
+        # then, a pause of milliseconds in whichever call inserts.
+        self._ref = array("i", [0]) * num_blocks
+        self._num_held = 0
         self._hash_of: dict[int, Hashable] = {}  # block -> content hash (held or cached)
         self._block_of: dict[Hashable, int] = {}  # content hash -> block
         self._cached: dict[int, None] = {}  # unreferenced hashed blocks, LRU first
@@ -58,7 +63,7 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         """Blocks held by some request."""
-        return len(self._ref)
+        return self._num_held
 
     @property
     def num_cached(self) -> int:
@@ -88,7 +93,10 @@ class BlockPool:
         if count == 0:
             return ()
         blocks = self._take(count)
-        self._ref.update(zip(blocks, repeat(1)))
+        ref = self._ref
+        for block in blocks:
+            ref[block] = 1
+        self._num_held += count
         self.num_allocs += count
         return tuple(blocks)
 
@@ -106,17 +114,17 @@ class BlockPool:
         for block in blocks:
             counts[block] = counts.get(block, 0) + 1
         for block, n in counts.items():
-            if ref.get(block, 0) < n:
+            if self.ref_count(block) < n:
                 raise AssertionError(
                     f"group {self.group}: block {block} released by {owner!r} more often than held"
                 )
         freed = []
         for block in blocks:
             left = ref[block] - 1
+            ref[block] = left
             if left:
-                ref[block] = left
                 continue
-            del ref[block]
+            self._num_held -= 1
             if block in self._hash_of:
                 self._cached[block] = None
             else:
@@ -138,7 +146,8 @@ class BlockPool:
         if block in self._cached:
             del self._cached[block]
             self._ref[block] = 1
-        elif block in self._ref:
+            self._num_held += 1
+        elif self.ref_count(block):
             self._ref[block] += 1
         else:
             raise AssertionError(f"group {self.group}: block {block} is free, not cached")
@@ -151,7 +160,7 @@ class BlockPool:
         that content or ``block`` already has a hash: a hash names at most
         one block, and a block's content never changes once full.
         """
-        if block not in self._ref:
+        if not self.ref_count(block):
             raise AssertionError(f"group {self.group}: block {block} is not held")
         if block_hash in self._block_of or block in self._hash_of:
             return False
@@ -161,14 +170,15 @@ class BlockPool:
 
     def ref_count(self, block: int) -> int:
         """References to ``block`` (0 when free or cached)."""
-        return self._ref.get(block, 0)
+        return self._ref[block] if 0 <= block < self.num_blocks else 0
 
     def hash_of(self, block: int) -> Hashable | None:
         return self._hash_of.get(block)
 
     def check(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""
-        free, held, cached = set(self._free), self._ref.keys(), self._cached.keys()
+        held = {b for b, n in enumerate(self._ref) if n}
+        free, cached = set(self._free), self._cached.keys()
         g = self.group
         assert len(free) == len(self._free), f"group {g}: a block is free twice"
         assert not free & held and not free & cached and not held & cached, (
@@ -177,12 +187,13 @@ class BlockPool:
         assert free | held | cached == set(range(self.num_blocks)), (
             f"group {g}: free + held + cached blocks are not exactly 0..{self.num_blocks - 1}"
         )
-        assert all(n >= 1 for n in self._ref.values()), f"group {g}: a held block has no reference"
+        assert min(self._ref, default=0) >= 0, f"group {g}: a reference count is negative"
+        assert self._num_held == len(held), f"group {g}: {self._num_held} held blocks counted"
         assert all(b in self._hash_of for b in cached), f"group {g}: a cached block has no hash"
         assert not free & self._hash_of.keys(), f"group {g}: a free block keeps a hash"
         assert len(self._block_of) == len(self._hash_of), f"group {g}: hash maps disagree"
         for h, b in self._block_of.items():
             assert self._hash_of.get(b) == h, f"group {g}: hash maps disagree on block {b}"
-        assert self.num_allocs - self.num_frees == sum(self._ref.values()), (
+        assert self.num_allocs - self.num_frees == sum(self._ref), (
             f"group {g}: {self.num_allocs} references taken - {self.num_frees} returned != held"
         )

@@ -212,13 +212,9 @@ class KineticIndex(Generic[K]):
             raise ValueError(f"time went backwards: now={now!r} < index clock={self._clock!r}")
         if now == self._clock:
             return
-        events, ver = self._events, self._ver
-        while events and events[0][0] <= now:
-            t, node, version = heappop(events)
-            if version == ver[node]:
-                self._clock = t
-                self.stats.events += 1
-                self._replay(node)
+        events = self._events
+        if events and events[0][0] <= now:
+            self._fail_until(now)
         self._clock = now
         self._epoch += 1
         self._compact_events()
@@ -263,13 +259,66 @@ class KineticIndex(Generic[K]):
         """Replay the matches from ``slot``'s leaf up while ``slot`` can affect them.
 
         Above a node whose winner is unchanged and is not ``slot``, nothing changed.
-        The loop is :meth:`_settle` and :meth:`_match` written out (the hot path
-        of every add, update and remove); they must stay in step.
+        """
+        self._climb((self._cap + slot) >> 1, slot)
+        self._epoch += 1
+        if len(self._events) > 2 * self._cap + 32:
+            self._compact_events()
+
+    def _fail_until(self, now: float) -> None:
+        """Replay, in time order, every certificate that fails at or before ``now``.
+
+        Each is the failed node's match and those above it, replayed while the
+        winner changes, at the failure's time: :meth:`_climb` written out again
+        (the hot path of a clock advance while many keys cross).
+        """
+        win, ver, cert, events = self._win, self._ver, self._cert, self._events
+        b, m, tb = self._b, self._m, self._tb
+        played = failed = 0
+        while events and events[0][0] <= now:
+            t, node, version = heappop(events)
+            if version != ver[node]:
+                continue  # stale: the node was settled again since
+            failed += 1
+            while node:  # _climb(node, None) at clock t
+                old = win[node]
+                a, c = win[2 * node], win[2 * node + 1]
+                version = ver[node] + 1
+                ver[node] = version
+                if a < 0 or c < 0:
+                    w, tau = (c if a < 0 else a), _INF
+                else:
+                    played += 1
+                    ma, mc = m[a], m[c]
+                    if ma < mc:
+                        tau = (b[c] - b[a]) / (ma - mc)
+                        w, tau = (a, _INF) if t >= tau else (c, tau)
+                    elif ma > mc:
+                        tau = (b[a] - b[c]) / (mc - ma)
+                        w, tau = (c, _INF) if t >= tau else (a, tau)
+                    else:
+                        w = a if (b[a], tb[a], a) < (b[c], tb[c], c) else c
+                        tau = _INF
+                    if tau < _INF:
+                        heappush(events, (tau, node, version))
+                win[node], cert[node] = w, tau
+                if w == old:
+                    break
+                node >>= 1
+            self._clock = t
+        self.stats.events += failed
+        self.stats.comparisons += played
+
+    def _climb(self, node: int, slot: int | None) -> None:
+        """:meth:`_settle` ``node`` and its ancestors in turn, at the clock, until
+        one's winner is unchanged and is not ``slot`` (or the root is done).
+
+        This is :meth:`_settle` and :meth:`_match` written out (the hot path of
+        every add, update, remove and certificate failure); they must agree.
         """
         win, ver, cert, events = self._win, self._ver, self._cert, self._events
         b, m, tb, now = self._b, self._m, self._tb, self._clock
         played = 0
-        node = (self._cap + slot) >> 1
         while node:
             old = win[node]
             a, c = win[2 * node], win[2 * node + 1]
@@ -296,19 +345,6 @@ class KineticIndex(Generic[K]):
                 break
             node >>= 1
         self.stats.comparisons += played
-        self._epoch += 1
-        if len(events) > 2 * self._cap + 32:
-            self._compact_events()
-
-    def _replay(self, node: int) -> None:
-        """Handle ``node``'s failed certificate, moving up while its winner changes."""
-        win = self._win
-        while True:
-            old = win[node]
-            self._settle(node)
-            if node == 1 or win[node] == old:
-                return
-            node >>= 1
 
     def _grow(self) -> None:
         """Double the capacity and replay every match (amortised O(1) per add)."""
