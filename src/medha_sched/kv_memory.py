@@ -413,10 +413,15 @@ class KVBlockManager:
     def pop_new_blocks(self, request_id: Hashable) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """``(group, block ids)`` allocated since the last call, in shard order."""
         entry = self._entry(request_id)
-        if not entry.pending:
+        pending = entry.pending
+        if not pending:
             return ()
-        out = tuple((g, tuple(entry.pending[g])) for g in entry.groups if g in entry.pending)
-        entry.pending.clear()
+        groups = entry.groups
+        if len(groups) == 1:
+            out: tuple[tuple[int, tuple[int, ...]], ...] = ((groups[0], tuple(pending[groups[0]])),)
+        else:
+            out = tuple((g, tuple(pending[g])) for g in groups if g in pending)
+        pending.clear()
         return out
 
     def _entry(self, request_id: Hashable) -> _Entry:
