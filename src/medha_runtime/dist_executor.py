@@ -9,20 +9,25 @@ over a gloo control group. Every other rank runs the one worker loop
 (:func:`medha_runtime.worker.serve`) over
 :class:`~medha_runtime.transport.DistTransport`. Then each step:
 
-1. a :class:`~medha_runtime.messages.Step` is broadcast from rank 0 over the
-   control group;
-2. rank 0 runs its share in this process (its own ``ModelRunner``) while the
-   other ranks run theirs (the collectives inside the model line up);
-3. if the sampling rank is not rank 0 it sends its
-   :class:`~medha_runtime.messages.Done` (the sampled rows) to rank 0 over the
-   control group.
+1. :meth:`~DistributedExecutor.submit` posts a
+   :class:`~medha_runtime.messages.Step` to every other rank, point to point
+   (:func:`~medha_runtime.transport.post_object`: it returns at once, and a
+   rank still busy with an earlier step reads it when it is done), hands the
+   plan to rank 0's model thread and returns;
+2. rank 0 runs its share on that thread (its own ``ModelRunner``) while the
+   other ranks run theirs (the collectives inside the model line up); when it
+   is done the batch has left pipeline stage 0 (rank 0 is on stage 0):
+   :class:`~medha_runtime.executor.StageCleared`;
+3. the sampling rank's :class:`~medha_runtime.messages.Done` (the sampled
+   rows; a reply thread receives it when the sampler is not rank 0) makes
+   :class:`~medha_runtime.executor.StepDone`.
 
-Steps run one at a time here (:meth:`~DistributedExecutor.submit` returns
-once the step is done): the driver's own rank works in the driver's thread,
-so a second batch cannot enter stage 0 while it runs.
+So the engine's stream pipelining works across nodes as it does in one:
+up to ``spp`` batches are in flight, and the next chunk of a prompt enters
+stage 0 while the previous one runs on the later stages.
 
-While idle the driver broadcasts a keepalive every ``keepalive_s`` from a
-background thread (steps and keepalives never overlap: one lock). A worker
+While idle the driver posts a keepalive every ``keepalive_s`` from a
+background thread (posts from the threads never interleave: one lock). A worker
 or peer that dies makes the next step, or the next keepalive, fail with a
 :class:`~medha_runtime.executor.WorkerError` (:attr:`DistributedExecutor.failed`
 is set either way); a dead driver ends every worker (exit status 1).
@@ -32,9 +37,11 @@ worker exits with status 0.
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from medha_runtime.dist_config import (
@@ -45,14 +52,18 @@ from medha_runtime.dist_config import (
     set_threads,
 )
 from medha_runtime.dist_worker import start_workers
-from medha_runtime.executor import SyncEvents, WorkerError, join_or_kill
+from medha_runtime.executor import StageCleared, StepDone, StepEvent, WorkerError, join_or_kill
 from medha_runtime.messages import Done, Failed, Ping, Shutdown, Step, ToWorker
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import RunnerSpec
 from medha_runtime.sampling import Sampled
+from medha_runtime.transport import Posted, post_object, recv_object
+
+#: how often a blocked :meth:`DistributedExecutor.next_event` looks for dead local workers
+_POLL_S = 0.5
 
 
-class DistributedExecutor(SyncEvents):
+class DistributedExecutor:
     """Rank 0 of a ``torch.distributed`` world (see the module docstring).
 
     Args:
@@ -68,15 +79,24 @@ class DistributedExecutor(SyncEvents):
                 f"the layout tp*spp*kvp={spec.world_size} does not match the distributed "
                 f"world size {config.world_size}"
             )
-        super().__init__()
         self.spec, self.config = spec, config
         self.join_timeout_s = join_timeout_s
         self.failed: str | None = None
         self.closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # posts to the other ranks, from any thread
         self._stop = threading.Event()
         self._last = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._posted: deque[Posted] = deque()
+        self._jobs: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
+        self._expect: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        #: ("cleared", step_id, rank 0's result) | ("reply", Done | Failed) | ("error", text)
+        self._out: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._events: deque[StepEvent] = deque()
+        self._order: deque[int] = deque()  # step ids in flight, oldest first
+        self._cleared: set[int] = set()
+        self._early: dict[int, StepDone] = {}  # the sampler's answer before rank 0 cleared it
+        self._threads: list[threading.Thread] = []
         local = range(1, config.local_ranks if config.start_local else 1)
         self.processes = start_workers(
             config, local, node_first_rank=0, local_world=config.local_ranks
@@ -89,6 +109,7 @@ class DistributedExecutor(SyncEvents):
             raise
 
     def _start(self) -> None:
+        import torch
         import torch.distributed as dist
 
         cfg = self.config
@@ -109,47 +130,150 @@ class DistributedExecutor(SyncEvents):
             if i["error"] is not None:
                 raise WorkerError(f"rank {i['rank']} failed to start:\n{i['error']}")
         self.sampler_rank = next(i["rank"] for i in infos if i["sampler"])
-        self._thread = threading.Thread(target=self._keepalive, name="medha-keepalive")
-        self._thread.daemon = True
-        self._thread.start()
+        self._spawn(self._model_loop, "medha-rank0", torch.get_num_threads())
+        if self.sampler_rank != 0:
+            self._spawn(self._reply_loop, "medha-replies")
+        self._thread = self._spawn(self._keepalive, "medha-keepalive")
 
-    def _send(self, msg: ToWorker) -> None:
-        import torch.distributed as dist
+    def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread
 
-        dist.broadcast_object_list([msg], src=0, group=self.control)
-        self._last = time.monotonic()
+    # ------------------------------------------------------------------ posts
+    def _post(self, msg: ToWorker) -> None:
+        """Post ``msg`` to every other rank (non-blocking; raises a failed earlier post)."""
+        with self._lock:
+            self._reap()
+            for rank in range(1, self.config.world_size):
+                self._posted.append(post_object(msg, rank, self.control))
+            self._last = time.monotonic()
 
-    def _run(self, plan: StepPlan) -> list[Sampled] | None:
-        """Run one step on every rank; return the sampled rows in plan order."""
-        import torch.distributed as dist
+    def _reap(self) -> None:
+        posted = self._posted
+        while posted and posted[0].done():
+            posted.popleft()
 
+    def _drain_posts(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for every post to be delivered."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._posted and time.monotonic() < deadline:
+                self._reap()
+                time.sleep(0.01)
+
+    # ---------------------------------------------------------------- threads
+    def _model_loop(self, threads: int) -> None:
+        """Rank 0's share of each step, in order, on its own thread."""
+        import torch
+
+        torch.set_num_threads(threads)  # this thread's intra-op pool
+        while (plan := self._jobs.get()) is not None:
+            try:
+                result = self.runner.execute(plan)
+            except BaseException as exc:
+                why = f"step {plan.step_id} failed on rank 0: {type(exc).__name__}: {exc}"
+                self._out.put(("error", why))
+                return
+            self._out.put(("cleared", plan.step_id, result))
+
+    def _reply_loop(self) -> None:
+        """The sampling rank's answer to each step, in order (it is not rank 0)."""
+        while (step_id := self._expect.get()) is not None:
+            try:
+                reply = recv_object(self.sampler_rank, self.control)
+            except Exception as exc:
+                why = (
+                    f"step {step_id} failed: no answer from the sampling rank "
+                    f"{self.sampler_rank} ({type(exc).__name__}: {exc}; a worker rank died or "
+                    "failed: its stderr, on its node, has details)"
+                )
+                self._out.put(("error", why))
+                return
+            self._out.put(("reply", reply))
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def in_flight(self) -> int:
+        """Batches submitted whose :class:`StepDone` was not yet returned."""
+        return len(self._order)
+
+    def _check_usable(self) -> None:
         if self.failed is not None:
             raise WorkerError(f"the workers failed earlier: {self.failed}")
         if self.closed:
             raise WorkerError("the executor was shut down")
-        with self._lock:
+
+    def submit(self, plan: StepPlan) -> None:
+        """Post the step to every rank, start rank 0's share, and return."""
+        self._check_usable()
+        try:
+            self._post(Step(plan))
+        except Exception as exc:
+            self._fail(f"step {plan.step_id}: a worker rank is gone ({type(exc).__name__}: {exc})")
+        self._order.append(plan.step_id)
+        self._jobs.put(plan)
+        if self.sampler_rank != 0:
+            self._expect.put(plan.step_id)
+
+    def next_event(self) -> StepEvent:
+        """The next :class:`StageCleared` or :class:`StepDone` (blocking), in order."""
+        while not self._events:
+            if not self._order:
+                raise RuntimeError("next_event: no batch in flight")
+            self._check_usable()
             try:
-                self._send(Step(plan))
-                result = self.runner.execute(plan)
-                if self.sampler_rank != 0:
-                    box: list[Any] = [None]
-                    dist.recv_object_list(box, src=self.sampler_rank, group=self.control)
-                    reply = box[0]
-                    if isinstance(reply, Failed):
-                        self.failed = f"step {plan.step_id} failed: {reply.error}"
-                        raise WorkerError(self.failed)
-                    if not isinstance(reply, Done) or reply.step_id != plan.step_id:
-                        raise RuntimeError(f"the sampling rank answered {reply!r}")
-                    result = reply.result
-            except WorkerError:
-                raise
-            except Exception as exc:
-                self.failed = (
-                    f"step {plan.step_id} failed: {type(exc).__name__}: {exc} (a worker rank "
-                    "died or failed: its stderr, on its node, has details)"
-                )
-                raise WorkerError(self.failed) from None
-        return result
+                item = self._out.get(timeout=_POLL_S)
+            except queue.Empty:
+                self.check_workers()
+                continue
+            self._take(item)
+        event = self._events.popleft()
+        if isinstance(event, StepDone):
+            if event.step_id != self._order[0]:
+                self._fail(f"step {event.step_id} ended before step {self._order[0]}")
+            self._order.popleft()
+            self._cleared.discard(event.step_id)
+        return event
+
+    def _take(self, item: tuple[Any, ...]) -> None:
+        """Turn one thread report into events (a sampler's answer waits for its StageCleared)."""
+        kind = item[0]
+        if kind == "error":
+            self._fail(item[1])
+        if kind == "cleared":
+            _, step_id, result = item
+            self._cleared.add(step_id)
+            self._events.append(StageCleared(step_id))
+            if self.sampler_rank == 0:
+                self._events.append(StepDone(step_id, [] if result is None else result))
+            elif step_id in self._early:
+                self._events.append(self._early.pop(step_id))
+            return
+        reply = item[1]
+        if isinstance(reply, Failed):
+            self._fail(f"a step failed: {reply.error}")
+        if not isinstance(reply, Done):
+            self._fail(f"the sampling rank answered {reply!r}")
+        done = StepDone(reply.step_id, reply.result)
+        if reply.step_id in self._cleared:
+            self._events.append(done)
+        else:
+            self._early[reply.step_id] = done
+
+    def _fail(self, message: str) -> Any:
+        self.failed = message
+        raise WorkerError(message)
+
+    def execute(self, plan: StepPlan) -> list[Sampled]:
+        """Run one step alone and return its sampled rows in plan order."""
+        if self._order:
+            raise RuntimeError("execute: other batches are in flight")
+        self.submit(plan)
+        while not isinstance(event := self.next_event(), StepDone):
+            pass
+        return event.result
 
     def _keepalive(self) -> None:
         period = self.config.keepalive_s
@@ -157,16 +281,14 @@ class DistributedExecutor(SyncEvents):
             self.check_workers()
             if self.failed is not None:
                 return
-            if time.monotonic() - self._last < period or not self._lock.acquire(blocking=False):
+            if time.monotonic() - self._last < period:
                 continue
             try:
                 if not self._stop.is_set() and self.failed is None:
-                    self._send(Ping())
+                    self._post(Ping())
             except Exception as exc:
                 self.failed = f"a worker rank is gone: {type(exc).__name__}: {exc}"
                 return
-            finally:
-                self._lock.release()
 
     def check_workers(self) -> None:
         """Notice a worker process on this node that exited (sets :attr:`failed`)."""
@@ -184,14 +306,19 @@ class DistributedExecutor(SyncEvents):
         if self._thread is not None:
             self._thread.join(timeout=self.config.control_timeout_s)
         if self.failed is None:
-            with self._lock:
-                try:
-                    self._send(Shutdown())
-                except Exception as exc:
-                    self.failed = f"shutdown: {type(exc).__name__}: {exc}"
+            try:
+                self._post(Shutdown())
+                self._drain_posts(self.join_timeout_s)
+            except Exception as exc:
+                self.failed = f"shutdown: {type(exc).__name__}: {exc}"
         self._close()
 
     def _close(self) -> None:
         self.closed = True
+        self._jobs.put(None)
+        self._expect.put(None)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=0.0 if self.failed is not None else 2.0)
         join_or_kill(self.processes, self.join_timeout_s if self.failed is None else 0.0)
         leave_world()

@@ -10,14 +10,17 @@ driver message, :meth:`~WorkerTransport.send` posts a reply. Both raise
   reply goes back, so the driver hears from every rank.
 - :class:`DistTransport`: a ``torch.distributed`` gloo control group
   (:class:`~medha_runtime.dist_executor.DistributedExecutor`, several nodes
-  or torchrun). The driver is rank 0 and broadcasts each message; only the
-  sampling rank's replies travel back (point to point); the other ranks'
-  replies stay local, and their failures reach the driver as a failed
-  collective (their traceback is on their own stderr).
+  or torchrun). The driver is rank 0 and posts each message to every rank
+  point to point (:func:`post_object`: it does not wait for a rank still
+  busy with an earlier step, which a broadcast would); only the sampling
+  rank's replies travel back; the other ranks' replies stay local, and their
+  failures reach the driver as a failed step on a peer (their traceback is
+  on their own stderr).
 """
 
 from __future__ import annotations
 
+import pickle
 import sys
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -72,24 +75,67 @@ class DistTransport:
         self.control, self.rank, self.replies = control, rank, replies
 
     def recv(self) -> ToWorker:
-        import torch.distributed as dist
-
-        box: list[Any] = [None]
         try:
-            dist.broadcast_object_list(box, src=0, group=self.control)
+            return recv_object(0, self.control)
         except Exception as exc:
             raise TransportClosed(f"the driver is gone ({type(exc).__name__}: {exc})") from None
-        return box[0]
 
     def send(self, msg: FromWorker) -> None:
-        import torch.distributed as dist
-
         if isinstance(msg, Failed):
             text = f"medha-runtime worker rank {self.rank}: {msg.error}"
             print(text, file=sys.stderr, flush=True)
         if not self.replies or not isinstance(msg, (Done, Failed)):
             return
         try:
-            dist.send_object_list([msg], dst=0, group=self.control)
+            for work in post_object(msg, 0, self.control).works:
+                work.wait()
         except Exception as exc:
             raise TransportClosed(f"the driver is gone ({type(exc).__name__}: {exc})") from None
+
+
+class Posted:
+    """The sends of one :func:`post_object`; their buffers live as long as this does.
+
+    Attributes:
+        works: the ``torch.distributed`` works (size, then payload).
+        buffers: the int64 ``[1]`` size and the uint8 ``[size]`` pickled payload.
+    """
+
+    def __init__(self, works: list[Any], buffers: list[Any]) -> None:
+        self.works, self.buffers = works, buffers
+
+    def done(self) -> bool:
+        """Whether every send completed (raises the send's error if one failed)."""
+        if all(w.is_completed() for w in self.works):
+            for w in self.works:
+                w.wait()  # raises if the send failed
+            return True
+        return False
+
+
+def post_object(obj: Any, dst: int, group: Any) -> Posted:
+    """Send ``obj`` (pickled) to global rank ``dst`` on ``group`` without waiting.
+
+    Two non-blocking sends in order: an int64 ``[1]`` size, then the uint8
+    payload. Messages to one rank arrive in the order they were posted.
+    """
+    import torch
+    import torch.distributed as dist
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    works = [dist.isend(size, dst, group=group), dist.isend(payload, dst, group=group)]
+    return Posted(works, [size, payload])
+
+
+def recv_object(src: int, group: Any) -> Any:
+    """The next object :func:`post_object` sent from global rank ``src`` (blocking)."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src, group=group)
+    return pickle.loads(payload.numpy().tobytes())

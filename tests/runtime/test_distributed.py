@@ -142,3 +142,44 @@ def test_group_batches_split_a_sequence_by_shard() -> None:
     crossing = StepPlan(1, (PlannedChunk("a", 30, (1, 2, 3, 4), (1,), ()),))
     with pytest.raises(ValueError, match="not inside shard"):
         build_group_batch(crossing, tables, group=0, **kw)
+
+
+def test_distributed_executor_pipelines_spp2_across_its_ranks(single, monkeypatch) -> None:
+    """The torch.distributed executor (this process is rank 0, one local worker):
+    a prompt's second chunk enters stage 0 while stage 1 (SIGSTOPped) has not
+    taken the first; then one process's tokens, and keepalives while idle."""
+    import threading
+
+    from medha_runtime.dist_config import DistConfig
+    from medha_runtime.dist_executor import DistributedExecutor
+    from tests.server.conftest import free_port
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)  # join_world sets them; restored after
+    dist = DistConfig(
+        world_size=2, local_ranks=2, master_port=free_port(), control_timeout_s=60, keepalive_s=2
+    )
+    with LLM("tiny", max_model_len=64, spp=2, distributed=dist, **COMMON) as llm:
+        engine, executor = llm.engine, llm.engine.executor
+        assert isinstance(executor, DistributedExecutor) and executor.sampler_rank == 1
+        (worker,) = executor.processes
+        engine.add_request(engine.encode(PROMPTS[0]), PARAMS, request_id="long")
+        outs: list = []
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            runner = threading.Thread(target=lambda: outs.extend(engine.step()), daemon=True)
+            runner.start()
+            deadline = time.monotonic() + 30
+            while engine.stats.max_in_flight < 2:  # 16-token chunks: the prompt has two
+                assert time.monotonic() < deadline, "the second chunk never entered stage 0"
+                time.sleep(0.01)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        runner.join(timeout=60)
+        while engine.has_unfinished_requests():
+            outs.extend(engine.step())
+        assert [o.outputs[0].token_ids for o in outs if o.finished] == single[:1]
+        time.sleep(2.5)  # idle past a keepalive period: the pings reach the worker
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    assert got == single
+    assert worker.exitcode == 0
