@@ -109,7 +109,40 @@ class BlockPool:
         """Drop one reference to each of ``blocks``; a block nobody holds
         becomes cached if it has a hash, else free."""
         blocks = list(blocks)
+        if not blocks:
+            return
         ref = self._ref
+        if (
+            min(blocks) < 0
+            or max(blocks) >= self.num_blocks
+            or (len(set(blocks)) < len(blocks) or min(map(ref.__getitem__, blocks)) < 1)
+        ):
+            self._check_release(owner, blocks)
+        hashed = self._hash_of
+        if not hashed and max(map(ref.__getitem__, blocks)) == 1:
+            # each block held once, none hashed: all of them go back to the stack
+            for block in blocks:
+                ref[block] = 0
+            self._num_held -= len(blocks)
+            self._free.extend(reversed(blocks))
+            self.num_frees += len(blocks)
+            return
+        freed = []
+        for block in blocks:
+            left = ref[block] - 1
+            ref[block] = left
+            if left:
+                continue
+            self._num_held -= 1
+            if block in hashed:
+                self._cached[block] = None
+            else:
+                freed.append(block)
+        self._free.extend(reversed(freed))
+        self.num_frees += len(blocks)
+
+    def _check_release(self, owner: Hashable, blocks: list[int]) -> None:
+        """AssertionError unless every block is held at least as often as listed."""
         counts: dict[int, int] = {}
         for block in blocks:
             counts[block] = counts.get(block, 0) + 1
@@ -118,19 +151,6 @@ class BlockPool:
                 raise AssertionError(
                     f"group {self.group}: block {block} released by {owner!r} more often than held"
                 )
-        freed = []
-        for block in blocks:
-            left = ref[block] - 1
-            ref[block] = left
-            if left:
-                continue
-            self._num_held -= 1
-            if block in self._hash_of:
-                self._cached[block] = None
-            else:
-                freed.append(block)
-        self._free.extend(reversed(freed))
-        self.num_frees += len(blocks)
 
     # ------------------------------------------------------------ prefix cache
     def lookup(self, block_hash: Hashable) -> int | None:
