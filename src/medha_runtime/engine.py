@@ -505,10 +505,21 @@ class LLMEngine:
         stats = self.stats
         stats.steps += 1
         stats.preemptions += len(out.preempted)
-        chunks = []
+        chunks: list[PlannedChunk] = []
         append, requests, sample_spec = chunks.append, self._requests, self._sample_spec
         decodes = prefill = sharded = 0
-        for c in out.chunks:
+        if out.decodes.count:  # the running decodes first (the scheduler's order)
+            specs = self._specs
+            for c in out.decodes.chunks:
+                rid = c.request_id
+                if len(c.token_ids) != 1:
+                    raise RuntimeError(f"scheduler decode of {rid!r} carries no token id")
+                if len(c.kvp_groups) > 1:
+                    sharded += 1
+                sample = specs.get(rid) or sample_spec(requests[rid])
+                append(PlannedChunk(rid, c.start, c.token_ids, c.kvp_groups, c.new_blocks, sample))
+            decodes = len(chunks)
+        for c in out.prefill_chunks:
             rid, start, n = c.request_id, c.start, c.num_tokens
             st = requests[rid]
             if len(c.token_ids) != n:

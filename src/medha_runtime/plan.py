@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from medha_runtime.sampling_params import PromptLogprobSpec, SampleSpec
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedChunk:
-    """One request's work in a step.
+class PlannedChunk(NamedTuple):
+    """One request's work in a step (immutable; a named tuple because a step of
+    many decodes builds one per decode in the driver's serial window, and a
+    tuple is built in a third of a frozen dataclass's time).
 
     Attributes:
         request_id: the request.
