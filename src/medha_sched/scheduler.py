@@ -343,7 +343,7 @@ class Scheduler:
             self._queue.remove(r.request_id)
 
     def _budget_spent(self, draft: Draft) -> bool:
-        """True when no prefill chunk at all can join the draft."""
+        """True when no queued request's prefill chunk can join the draft."""
         if not self._adaptive:
             size = self.config.chunk_size
             return size is not None and size > 0 and draft.num_tokens >= size
