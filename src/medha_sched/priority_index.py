@@ -270,7 +270,8 @@ class KineticIndex(Generic[K]):
 
         Each is the failed node's match and those above it, replayed while the
         winner changes, at the failure's time: :meth:`_climb` written out again
-        (the hot path of a clock advance while many keys cross).
+        (the hot path of a clock advance while many keys cross). The caller
+        sets the clock to ``now`` afterwards.
         """
         win, ver, cert, events = self._win, self._ver, self._cert, self._events
         b, m, tb = self._b, self._m, self._tb
@@ -305,7 +306,6 @@ class KineticIndex(Generic[K]):
                 if w == old:
                     break
                 node >>= 1
-            self._clock = t
         self.stats.events += failed
         self.stats.comparisons += played
 
