@@ -94,7 +94,7 @@ def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(
+    os.environ.update(  # names: RENDEZVOUS_ENV
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(config.master_port),
         WORLD_SIZE=str(config.world_size),
@@ -141,6 +141,25 @@ def set_threads(spec: Any, local_world: int) -> None:
 
     threads = spec.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
     torch.set_num_threads(threads)
+
+
+#: what :func:`join_world` sets in this process's environment
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def rendezvous_env() -> dict[str, str | None]:
+    """This process's :data:`RENDEZVOUS_ENV` values now (None: unset), for :func:`restore_env`."""
+    return {name: os.environ.get(name) for name in RENDEZVOUS_ENV}
+
+
+def restore_env(saved: dict[str, str | None]) -> None:
+    """Put the environment back as :func:`rendezvous_env` saw it, so that processes
+    started later (a ``serve`` child, say) do not believe they run under torchrun."""
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def leave_world() -> None:

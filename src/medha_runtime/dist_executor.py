@@ -49,6 +49,8 @@ from medha_runtime.dist_config import (
     build_rank,
     join_world,
     leave_world,
+    rendezvous_env,
+    restore_env,
     set_threads,
 )
 from medha_runtime.dist_worker import start_workers
@@ -97,6 +99,7 @@ class DistributedExecutor:
         self._cleared: set[int] = set()
         self._early: dict[int, StepDone] = {}  # the sampler's answer before rank 0 cleared it
         self._threads: list[threading.Thread] = []
+        self._env = rendezvous_env()  # join_world sets it; _close puts it back
         local = range(1, config.local_ranks if config.start_local else 1)
         self.processes = start_workers(
             config, local, node_first_rank=0, local_world=config.local_ranks
@@ -322,3 +325,4 @@ class DistributedExecutor:
                 thread.join(timeout=0.0 if self.failed is not None else 2.0)
         join_or_kill(self.processes, self.join_timeout_s if self.failed is None else 0.0)
         leave_world()
+        restore_env(self._env)

@@ -150,12 +150,12 @@ def test_distributed_executor_pipelines_spp2_across_its_ranks(single, monkeypatc
     taken the first; then one process's tokens, and keepalives while idle."""
     import threading
 
-    from medha_runtime.dist_config import DistConfig
+    from medha_runtime.dist_config import RENDEZVOUS_ENV, DistConfig
     from medha_runtime.dist_executor import DistributedExecutor
     from tests.server.conftest import free_port
 
-    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)  # join_world sets them; restored after
+    for name in RENDEZVOUS_ENV:
+        monkeypatch.delenv(name, raising=False)
     dist = DistConfig(
         world_size=2, local_ranks=2, master_port=free_port(), control_timeout_s=60, keepalive_s=2
     )
@@ -183,3 +183,6 @@ def test_distributed_executor_pipelines_spp2_across_its_ranks(single, monkeypatc
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     assert got == single
     assert worker.exitcode == 0
+    # join_world's variables are gone again: a server started from this process
+    # later must not believe it runs under torchrun
+    assert not [name for name in RENDEZVOUS_ENV if name in os.environ]
