@@ -93,6 +93,9 @@ def plan_lane_run(
     :mod:`medha_sched.decode_set`): the same integer totals, the same times.
     """
     group_time = model.group_time
+    rows = lanes.totals(lane)
+    if len(rows) == 1 and rows[0] is not None:  # one busy group: totals(lane, j) inline
+        return lanes.one_group_times(lane, group_time, steps)
     times = []
     for j in range(steps):
         times.append(max(0.0 if t is None else group_time(t) for t in lanes.totals(lane, j)))

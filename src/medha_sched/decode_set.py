@@ -34,7 +34,7 @@ with (to spell its chunks out later), and a change makes a new one.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -383,6 +383,25 @@ class DecodeLanes:
             else:
                 out.append([nt * x + kv * y + c for x, y, c in zip(a, b, const, strict=True)])
         return out
+
+    def one_group_times(
+        self, lane: Lane, group_time: Callable[[Sequence[float]], float], steps: int
+    ) -> list[float]:
+        """``group_time(totals(lane, j)[0])`` for ``j`` in ``range(steps)``.
+
+        The same integer totals as :meth:`totals` (one group holding decodes),
+        without a call and a list of groups per step.
+        """
+        a, b = self._a, self._b
+        nt, kv_sum, const = lane.n_tail[0], lane.kv_sum[0], lane.const[0]
+        times = []
+        for step in range(lane.issued, lane.issued + steps):
+            kv = kv_sum + nt * step
+            if const is None:
+                times.append(group_time([nt * x + kv * y for x, y in zip(a, b)]))  # noqa: B905
+            else:
+                times.append(group_time([nt * x + kv * y + c for x, y, c in zip(a, b, const)]))  # noqa: B905
+        return times
 
     def works(self, lane: Lane, ahead: int = 0) -> list[Work]:
         """Works of the lane's decodes in running order (for models priced one by one)."""
