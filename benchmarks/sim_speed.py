@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TARGET_S = 60.0
+TARGET_S = 15.0  # issue 20 (issue 5 asked for 60 s)
 COST_MODEL = "roofline:model=llama3-8b,gpu=a100"
 
 
@@ -74,7 +74,7 @@ def main() -> None:
             print(flush=True)
     print(
         f"{'qps':>5} {'requests':>8} {'batches':>9} {'simulated s':>12} {'sim wall s':>11} "
-        f"{'command s':>10} {'< 60 s':>7}"
+        f"{'command s':>10} {f'< {TARGET_S:g} s':>7}"
     )
     for qps, s, wall in rows:
         c = s["counts"]
