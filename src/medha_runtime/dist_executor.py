@@ -54,7 +54,14 @@ from medha_runtime.dist_config import (
     set_threads,
 )
 from medha_runtime.dist_worker import start_workers
-from medha_runtime.executor import StageCleared, StepDone, StepEvent, WorkerError, join_or_kill
+from medha_runtime.executor import (
+    StageCleared,
+    StepDone,
+    StepEvent,
+    WorkerError,
+    check_usable,
+    join_or_kill,
+)
 from medha_runtime.messages import Done, Failed, Ping, Shutdown, Step, ToWorker
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import RunnerSpec
@@ -202,15 +209,9 @@ class DistributedExecutor:
         """Batches submitted whose :class:`StepDone` was not yet returned."""
         return len(self._order)
 
-    def _check_usable(self) -> None:
-        if self.failed is not None:
-            raise WorkerError(f"the workers failed earlier: {self.failed}")
-        if self.closed:
-            raise WorkerError("the executor was shut down")
-
     def submit(self, plan: StepPlan) -> None:
         """Post the step to every rank, start rank 0's share, and return."""
-        self._check_usable()
+        check_usable(self)
         try:
             self._post(Step(plan))
         except Exception as exc:
@@ -225,7 +226,7 @@ class DistributedExecutor:
         while not self._events:
             if not self._order:
                 raise RuntimeError("next_event: no batch in flight")
-            self._check_usable()
+            check_usable(self)
             try:
                 item = self._out.get(timeout=_POLL_S)
             except queue.Empty:

@@ -84,6 +84,14 @@ class StepDone:
 StepEvent = StageCleared | StepDone
 
 
+def check_usable(executor: Any) -> None:
+    """WorkerError if a multi-process executor failed earlier or was shut down."""
+    if executor.failed is not None:
+        raise WorkerError(f"the workers failed earlier: {executor.failed}")
+    if executor.closed:
+        raise WorkerError("the executor was shut down")
+
+
 class Executor(Protocol):
     spec: RunnerSpec
     #: why the workers can run no more steps, or None
@@ -320,15 +328,9 @@ class MultiprocExecutor:
     def in_flight(self) -> int:
         return len(self._pending)
 
-    def _check_usable(self) -> None:
-        if self.failed is not None:
-            raise WorkerError(f"the workers failed earlier: {self.failed}")
-        if self.closed:
-            raise WorkerError("the executor was shut down")
-
     def submit(self, plan: StepPlan) -> None:
         """Send the plan to every worker (pickled once) and return."""
-        self._check_usable()
+        check_usable(self)
         if plan.step_id in self._pending:
             raise ValueError(f"step {plan.step_id} is already in flight")
         message = pickle.dumps(Step(plan), protocol=pickle.HIGHEST_PROTOCOL)
@@ -346,7 +348,7 @@ class MultiprocExecutor:
 
     def next_event(self) -> StepEvent:
         """The next :class:`StageCleared` or :class:`StepDone`, or a WorkerError."""
-        self._check_usable()
+        check_usable(self)
         if self._events:
             return self._events.popleft()
         if not self._pending:
