@@ -13,9 +13,21 @@ the executor's measured seconds. It
   packed with the corrected coefficients.
 
 Errors are kept in two bounded buffers: the last 100 (for a median) and the
-ones not yet taken by :meth:`drain` (the server's metrics). With SPP > 1 the
-executor overlaps stages, so its wall time is not one batch's latency: the
-errors are still reported but the model does not learn.
+ones not yet taken by :meth:`drain` (the server's metrics).
+
+What is measured. A cost model prices one batch's latency through all the
+layers: with stream pipelining (SPP > 1) the sum of the stage times (see
+:mod:`medha_sched.cost.roofline`; the paper's iteration time is the batch's
+time through the whole model, the stages overlapping *different* batches).
+With SPP > 1 the executor's wall time from submit to done is not that
+quantity: a batch waits behind the previous one on the later stages. So with
+SPP > 1 the measured time is the sum over stages of each stage's own seconds
+(the slowest rank of the stage, less its wait for the previous stage's
+activations), which the multi-process executor reports per batch
+(``StepDone.stage_s``); both the error and the learning use it. An executor
+that reports no stage times (the torch.distributed one) leaves SPP > 1
+unlearned, its errors measured against the wall time as before. With SPP = 1
+(any TP and KVP) the wall time is the batch's latency and is used as is.
 """
 
 from __future__ import annotations
@@ -48,7 +60,11 @@ class CostFeedback:
     ) -> None:
         self.model = model
         online = isinstance(model, OnlineCostModel)
-        self.learning = online and model.layout.spp == 1
+        self._online = online
+        self._spp = model.layout.spp
+        #: True once the model learns: at once with SPP = 1, and with SPP > 1
+        #: from the first batch whose per-stage times the executor reports
+        self.learning = online and self._spp == 1
         self._group_limit = group_limit
         self._kvp = model.layout.kvp
         self.save_to = None if save_to is None else os.fspath(save_to)
@@ -65,11 +81,35 @@ class CostFeedback:
         self.overhead = 1.0
         self._last: float | None = None  # perf_counter when the last step's executor ended
 
-    def record(self, out: ScheduleOutput, seconds: float) -> float | None:
-        """Account one executed batch; returns its relative prediction error."""
+    def measured(self, seconds: float, stage_s: tuple[float, ...] = ()) -> float | None:
+        """The batch's latency to compare with its prediction (None: not measured).
+
+        ``seconds`` is the executor's wall time, ``stage_s`` each pipeline
+        stage's own seconds (empty when the executor does not report them).
+        """
+        if self._spp == 1:
+            return seconds if seconds > 0 else None
+        if len(stage_s) != self._spp or not all(t > 0 for t in stage_s):
+            return None
+        return sum(stage_s)
+
+    def record(
+        self, out: ScheduleOutput, seconds: float, stage_s: tuple[float, ...] = ()
+    ) -> float | None:
+        """Account one executed batch; returns its relative prediction error.
+
+        Args:
+            out: the batch as the scheduler formed it.
+            seconds: the executor's wall seconds from submit to done.
+            stage_s: each pipeline stage's own seconds (see the module docstring).
+        """
         if not seconds > 0:
             return None
-        error = abs(out.predicted_time - seconds) / seconds
+        latency = self.measured(seconds, stage_s)
+        if latency is not None and self._online and not self.learning:
+            self.learning = True  # SPP > 1: the executor reports stage times
+        truth = seconds if latency is None else latency
+        error = abs(out.predicted_time - truth) / truth
         self.recent.append(error)
         self._pending.append(error)
         self.steps += 1
@@ -82,12 +122,12 @@ class CostFeedback:
                 ratio = max(1.0, gap / seconds)
                 self.overhead = 0.9 * self.overhead + 0.1 * min(ratio, 10.0)
         self._last = now
-        if self.learning:
+        if self.learning and latency is not None:
             model = self.model
             cap = 0.5 * out.target_time  # a lone one-token step must fit T (liveness)
             if out.target_time > 0 and model.fixed_cost_cap != cap:  # type: ignore[attr-defined]
                 model.cap_fixed_cost(cap)  # type: ignore[attr-defined]
-            model.observe(self.batch_work(out), seconds)  # type: ignore[attr-defined]
+            model.observe(self.batch_work(out), latency)  # type: ignore[attr-defined]
         return error
 
     def rescue(self) -> bool:

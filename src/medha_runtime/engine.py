@@ -556,7 +556,7 @@ class LLMEngine:
         batch = self._inflight.pop(event.step_id)
         out = batch.out
         sampled = self._take_prompt_logprobs(event.result)
-        self.cost_feedback.record(out, t2 - batch.submitted)
+        self.cost_feedback.record(out, t2 - batch.submitted, event.stage_s)
         rows = [c for c in out.chunks if c.samples]
         if len(sampled) != len(rows):
             raise RuntimeError(f"step {out.batch_id}: {len(sampled)} samples for {len(rows)} rows")

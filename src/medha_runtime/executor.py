@@ -75,10 +75,16 @@ class StageCleared:
 
 @dataclass(frozen=True, slots=True)
 class StepDone:
-    """Batch ``step_id`` finished on every rank; ``result`` holds the sampled rows in plan order."""
+    """Batch ``step_id`` finished on every rank; ``result`` holds the sampled rows in plan order.
+
+    ``stage_s`` holds, per pipeline stage in order, the seconds that stage spent
+    on the batch (the slowest of its ranks, without the wait for the previous
+    stage); empty where the executor does not measure stages.
+    """
 
     step_id: int
     result: list[Sampled]
+    stage_s: tuple[float, ...] = ()
 
 
 StepEvent = StageCleared | StepDone
@@ -255,6 +261,7 @@ class _Pending:
     stage0: set[int]
     cleared: bool = False
     result: list[Sampled] = field(default_factory=list)
+    stage_s: list[float] = field(default_factory=list)
 
 
 class MultiprocExecutor:
@@ -316,6 +323,8 @@ class MultiprocExecutor:
             ready = self._gather_ready(start_timeout_s)
             self.sampler_rank = next(r.rank for r in ready if r.sampler)
             self.stage0 = frozenset(r.rank for r in ready if r.stage == 0)
+            self._stage_of = {r.rank: r.stage for r in ready}
+            self._num_stages = 1 + max(self._stage_of.values())
         except BaseException:
             self._kill()
             raise
@@ -344,7 +353,9 @@ class MultiprocExecutor:
                         f"worker rank {rank} died before step {plan.step_id} (exit code {code})"
                     )
                 self._fail(f"worker rank {rank} is unreachable ({exc!r})")
-        self._pending[plan.step_id] = _Pending(set(range(len(self.conns))), set(self.stage0))
+        self._pending[plan.step_id] = _Pending(
+            set(range(len(self.conns))), set(self.stage0), stage_s=[0.0] * self._num_stages
+        )
 
     def next_event(self) -> StepEvent:
         """The next :class:`StageCleared` or :class:`StepDone`, or a WorkerError."""
@@ -399,6 +410,8 @@ class MultiprocExecutor:
             self.timings.append((msg.step_id, rank, msg.compute_s, msg.cpu_s))
         pend.waiting.discard(rank)
         pend.stage0.discard(rank)
+        stage = self._stage_of[rank]
+        pend.stage_s[stage] = max(pend.stage_s[stage], msg.compute_s - msg.wait_s)
         if rank == self.sampler_rank:
             self.last_compute_s = msg.compute_s
             if msg.result is not None:
@@ -411,7 +424,7 @@ class MultiprocExecutor:
             if first.waiting:
                 break
             del self._pending[step_id]
-            self._events.append(StepDone(step_id, first.result))
+            self._events.append(StepDone(step_id, first.result, tuple(first.stage_s)))
 
     def _gather_ready(self, timeout_s: float) -> list[Ready]:
         """A :class:`Ready` from every worker, or a WorkerError."""

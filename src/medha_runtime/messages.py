@@ -69,6 +69,9 @@ class Done:
         result: the sampled rows (the sampling rank) or None (every other rank).
         compute_s: the wall seconds the rank spent running the step.
         cpu_s: the CPU seconds of the rank's thread in that time.
+        wait_s: the part of ``compute_s`` a later SPP stage spent waiting for
+            the previous stage's activations (0 on stage 0 and without SPP);
+            ``compute_s - wait_s`` is the stage's own time.
     """
 
     rank: int
@@ -76,6 +79,7 @@ class Done:
     result: list[Any] | None = None
     compute_s: float = 0.0
     cpu_s: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

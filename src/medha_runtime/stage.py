@@ -22,6 +22,7 @@ released) starts again at chunk 0.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,6 +72,10 @@ class PipelineStage:
         self._batches = 0
         self._stream_pos = 0
         self._batch: ForwardBatch | None = None
+        #: wall seconds the last :meth:`run` spent before this stage's layers
+        #: started (waiting for the previous stage's activations)
+        self.wait_s = 0.0
+        self._t0 = 0.0
 
     @property
     def is_last(self) -> bool:
@@ -106,6 +111,8 @@ class PipelineStage:
         """Run the stage on one step: ``[num_tokens, hidden_size]`` hidden states
         (sent on to the next stage) or, on the last stage, the sampled rows' logits."""
         self._batch = batch
+        self._t0 = time.perf_counter()
+        self.wait_s = 0.0
         try:
             _, out = self.runner.step(self.micro_batch(plan), batch)
         finally:
@@ -125,5 +132,6 @@ class PipelineStage:
 
     def _layers(self, meta: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         assert self._batch is not None
+        self.wait_s = time.perf_counter() - self._t0
         out = self.model(self._batch, self.kv, inputs.get("hidden"))
         return {"logits" if self.comm.is_last else "hidden": out}

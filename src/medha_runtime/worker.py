@@ -55,9 +55,10 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
             error = f"rank {rank} failed in step {msg.plan.step_id}:\n{traceback.format_exc()}"
             _reply(transport, Failed(rank, error))
             return 1
-        done = Done(
-            rank, msg.plan.step_id, result, time.perf_counter() - t0, time.thread_time() - c0
-        )
+        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        pipeline = getattr(runner, "pipeline", None)
+        wait = pipeline.wait_s if pipeline is not None else 0.0
+        done = Done(rank, msg.plan.step_id, result, seconds, cpu, wait)
         if not _reply(transport, done):
             return 1
 

@@ -1,0 +1,109 @@
+"""CostFeedback under stream pipelining: the model learns one batch's latency
+through all stages (the sum of the stages' own times), not the executor's wall
+time, which with SPP > 1 includes waiting behind the previous batch."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from medha_runtime import LLM, SamplingParams
+from medha_runtime.cost_feedback import CostFeedback
+from medha_sched.config import ParallelDegrees
+from medha_sched.cost.online import OnlineCostModel
+from medha_sched.output import ScheduledChunk, ScheduleOutput
+
+TRUE = OnlineCostModel((4e-3, 0.0, 2e-5, 0.0, 1e-9))  # the device: one batch, all stages
+
+
+def _batch(rng: random.Random, i: int, model: OnlineCostModel) -> ScheduleOutput:
+    start, n = rng.choice([(0, 64), (128, 32), (300, 1), (512, 128), (40, 1)])
+    chunk = ScheduledChunk(f"r{i}", start, n, (0,), samples=True)
+    out = ScheduleOutput(batch_id=i, time=0.0, prefill_chunks=(chunk,))
+    return ScheduleOutput(
+        batch_id=i,
+        time=0.0,
+        prefill_chunks=(chunk,),
+        target_time=0.05,
+        predicted_time=model.predict(CostFeedback(model, group_limit=1 << 20).batch_work(out)),
+    )
+
+
+def test_spp2_learns_the_sum_of_stage_times_not_the_wall_time() -> None:
+    layout = ParallelDegrees(spp=2)
+    model = OnlineCostModel((1e-3, 0.0, 5e-6, 0.0, 1e-10), layout=layout)  # 4x too low
+    feedback = CostFeedback(model, group_limit=1 << 20)
+    assert not feedback.learning  # nothing measured yet
+    rng = random.Random(0)
+    truth = CostFeedback(TRUE, group_limit=1 << 20)
+    errors = []
+    for i in range(200):
+        out = _batch(rng, i, model)
+        latency = TRUE.predict(truth.batch_work(out))
+        stages = (0.55 * latency, 0.45 * latency)
+        wall = 1.7 * latency  # queued behind the previous batch on stage 1
+        errors.append(feedback.record(out, wall, stages))
+        assert errors[-1] == pytest.approx(abs(out.predicted_time - latency) / latency)
+    assert feedback.learning and model.steps > 0
+    assert errors[0] > 0.5  # the prior was 4x low
+    assert statistics.median(errors[-50:]) < 0.02  # it predicts the latency, not the wall
+    for q, kv in [(64, 0), (1, 300), (128, 512)]:
+        probe = ScheduleOutput(
+            batch_id=0, time=0.0, prefill_chunks=(ScheduledChunk("p", kv, q, (0,), samples=True),)
+        )
+        work = feedback.batch_work(probe)
+        assert model.predict(work) == pytest.approx(TRUE.predict(work), rel=0.05)
+
+
+def test_spp2_without_stage_times_measures_but_does_not_learn() -> None:
+    model = OnlineCostModel((1e-3, 0.0, 5e-6, 0.0, 1e-10), layout=ParallelDegrees(spp=2))
+    feedback = CostFeedback(model, group_limit=1 << 20)
+    out = _batch(random.Random(1), 0, model)
+    before = model.coefficients
+    error = feedback.record(out, 0.02)  # the torch.distributed executor: no stage times
+    assert error == pytest.approx(abs(out.predicted_time - 0.02) / 0.02)
+    assert feedback.record(out, 0.02, (0.01,)) is not None  # one stage of two: not a latency
+    assert not feedback.learning and model.coefficients == before and model.steps == 0
+    assert not feedback.rescue()
+
+
+def test_spp1_keeps_the_wall_time() -> None:
+    model = OnlineCostModel((1e-3, 0.0, 5e-6, 0.0, 1e-10))
+    feedback = CostFeedback(model, group_limit=1 << 20)
+    out = _batch(random.Random(2), 0, model)
+    assert feedback.learning
+    assert feedback.record(out, 0.02, (0.5,)) == pytest.approx(
+        abs(out.predicted_time - 0.02) / 0.02
+    )
+    assert len(model.errors) + model.steps == 1
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_engine_spp2_learns_from_the_workers_stage_times() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = "Medha shards the KV cache of long prompts " * 4
+    with LLM("tiny", max_model_len=256, spp=2, chunk_size=16, kv_cache_tokens=1024) as llm:
+        cost, feedback = llm.engine.cost_model, llm.engine.cost_feedback
+        assert isinstance(cost, OnlineCostModel)
+        before = cost.coefficients
+        seen = []
+        record = feedback.record
+
+        def observed(out, seconds, stage_s=()):
+            error = record(out, seconds, stage_s)
+            seen.append((out.predicted_time, seconds, stage_s, error))
+            return error
+
+        feedback.record = observed
+        llm.generate([prompt, "Hi", "The sky over the port was"], params)
+        assert len(seen) == feedback.steps
+        for predicted, wall, stages, error in seen:
+            # each stage's own time, measured by its worker; the error is against their sum
+            assert len(stages) == 2 and all(0 < t <= wall for t in stages)
+            assert error == pytest.approx(abs(predicted - sum(stages)) / sum(stages))
+        assert llm.engine.stats.max_in_flight == 2  # the stages overlapped
+        assert feedback.learning and feedback.steps >= 8
+        assert cost.steps + len(cost.errors) >= feedback.steps - 1  # every step reached it
+        assert cost.coefficients != before
