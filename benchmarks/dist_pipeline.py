@@ -22,14 +22,13 @@ the most batches in flight.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import random
 import socket
 import statistics
-import time
 
-from medha_runtime import SamplingParams
+from spp_pipeline import time_request  # this script's directory
+
 from medha_runtime.dist_config import DistConfig
 from medha_runtime.engine import LLMEngine
 from medha_sched import AffineCostModel
@@ -62,22 +61,10 @@ def run_one(name: str, prompt: list[int], args: argparse.Namespace) -> dict:
     try:
         if name.endswith("serial"):
             engine.pipeline_depth = 1
-        params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
-        t0 = time.perf_counter()
-        rid = engine.add_request(prompt, params)
-        stamps: list[float] = []
-        tokens: list[int] = []
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            progress = engine.progress(rid)
-            n = len(progress.output_ids) if progress is not None else len(tokens) + 1
-            stamps.extend([time.perf_counter()] * (n - len(stamps)))
-            for o in outs:
-                tokens = o.outputs[0].token_ids
-        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        ttft, tpot, tokens = time_request(engine, prompt, args.new)
         return {
-            "ttft": stamps[0] - t0,
-            "tpot": statistics.median(gaps) if gaps else float("nan"),
+            "ttft": ttft,
+            "tpot": tpot,
             "tokens": tokens,
             "in_flight": engine.stats.max_in_flight,
         }

@@ -49,6 +49,24 @@ from medha_sched import AffineCostModel
 LAYOUTS = {"spp1": (1, None), "spp2": (2, None), "spp2-serial": (2, 1)}
 
 
+def time_request(engine: LLMEngine, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
+    """Run one greedy request alone: (TTFT s, median TPOT s, its output token ids)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, params)
+    stamps: list[float] = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        progress = engine.progress(rid)
+        n = len(progress.output_ids) if progress is not None else len(tokens) + 1
+        stamps.extend([time.perf_counter()] * (n - len(stamps)))
+        for o in outs:
+            tokens = o.outputs[0].token_ids
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - t0, statistics.median(gaps) if gaps else float("nan"), tokens
+
+
 def run_one(name: str, prompt: list[int], args: argparse.Namespace) -> dict:
     spp, depth = LAYOUTS[name]
     engine = LLMEngine(
@@ -80,20 +98,7 @@ def run_one(name: str, prompt: list[int], args: argparse.Namespace) -> dict:
     try:
         if depth is not None:
             engine.pipeline_depth = depth
-        params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
-        t0 = time.perf_counter()
-        rid = engine.add_request(prompt, params)
-        stamps: list[float] = []
-        tokens: list[int] = []
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            progress = engine.progress(rid)
-            n = len(progress.output_ids) if progress is not None else len(tokens) + 1
-            now = time.perf_counter()
-            stamps.extend([now] * (n - len(stamps)))
-            for o in outs:
-                tokens = o.outputs[0].token_ids
-        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        ttft, tpot, tokens = time_request(engine, prompt, args.new)
         if spp > 1:
             stage0 = ex.stage0  # type: ignore[attr-defined]
             for step_id, rank, _, c in ex.timings:  # type: ignore[attr-defined]
@@ -104,8 +109,8 @@ def run_one(name: str, prompt: list[int], args: argparse.Namespace) -> dict:
             "ttft_cpu": _makespan(steps[:prefill], overlap=depth is None),
             "stage_cpu": [sum(c[i] for c in steps[:prefill]) for i in range(spp)],
             "tpot_cpu": statistics.median(sum(c) for c in steps[prefill:]),
-            "ttft": stamps[0] - t0,
-            "tpot": statistics.median(gaps) if gaps else float("nan"),
+            "ttft": ttft,
+            "tpot": tpot,
             "tokens": tokens,
             "in_flight": engine.stats.max_in_flight,
             "steps": engine.stats.steps,

@@ -84,10 +84,7 @@ class BatchCost:
             return self.time_with([(group, q_tokens, kv_tokens, True)])
         feats = agg.features(q_tokens, kv_tokens, True)
         base = self._totals[0]
-        if base is None:
-            totals = [0 + f for f in feats]
-        else:
-            totals = [0 + b + f for b, f in zip(base, feats)]  # noqa: B905 (same lengths)
+        totals = list(feats) if base is None else [b + f for b, f in zip(base, feats)]  # noqa: B905
         time = agg.group_time(totals)
         self._probe = ((group, q_tokens, kv_tokens, True), totals, time)
         return time
