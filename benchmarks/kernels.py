@@ -202,11 +202,13 @@ class Bench:
         lens = torch.full((b,), ctx, dtype=torch.int32, device=self.dev)
         cu = torch.arange(b + 1, dtype=torch.int32, device=self.dev)
         q = self.rand(b, hq, d)
-        fns = self.medha_fns(
-            lambda name: mk.paged_attention(
-                q, kc, vc, cu_seqlens_q=cu, kv_lens=lens, block_table=table, backend=name
-            )
-        )
+        fns = {}  # planned once outside the timing, as a step plans for every layer
+        for name in mk.available_backends(self.dev):
+            plan = mk.plan_paged_attention(
+                cu_seqlens_q=cu, kv_lens=lens, block_table=table, num_qo_heads=hq,
+                num_kv_heads=hkv, head_dim=d, block_size=blk, dtype=q.dtype, backend=name,
+            )  # fmt: skip
+            fns[f"medha/{name}"] = lambda plan=plan: plan.run(q, kc, vc)
         dense_users = {"sdpa", "flex"} & set(self.backends)
         if dense_users and 2 * cache <= self.budget:  # SDPA and flex need contiguous [B, H, L, D]
             kd, vd = (

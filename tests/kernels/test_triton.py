@@ -231,6 +231,37 @@ def test_decode_split_kv_rule_and_empty_splits(monkeypatch):
     torch.testing.assert_close(lse, lse1, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("num_qs", "kv_lens"),
+    [
+        pytest.param([1, 16, 33, 1, 0, 2], [300, 97, 33, 1, 5, 9], id="mixed"),
+        pytest.param([1, 1, 1], [3000, 7, 129], id="decodes-only"),
+        pytest.param([16, 3], [200, 3], id="prefills-only"),
+    ],
+)
+def test_planned_paged_attention_sizes_launches_to_the_step(num_qs, kv_lens):
+    """A plan leaves out the launch its step does not need and gives a long decode more
+    splits than the unplanned ``MAX_SPLITS``; results match the float64 truth."""
+    from medha_kernels import plan_paged_attention
+    from medha_kernels.triton import attention as tri_attn
+
+    batch = _paged_batch(BF16, 64, 4, num_qs, kv_lens, kv_heads=1)
+    q, k_cache, v_cache, cu, lens, table = batch
+    plan = plan_paged_attention(
+        cu_seqlens_q=cu, kv_lens=lens, block_table=table, num_qo_heads=4, num_kv_heads=1,
+        head_dim=64, block_size=16, dtype=BF16, backend="triton",
+    )  # fmt: skip
+    assert plan.backend == "triton"
+    o, lse = plan.run(q, k_cache, v_cache)
+    _check_paged(o, lse, *batch)
+    decodes = [n_kv for n, n_kv in zip(num_qs, kv_lens, strict=True) if n == 1]
+    if decodes:
+        splits = tri_attn.decode_splits(max(decodes), len(decodes), q.device)
+        assert splits == min(-(-64 // len(decodes)), -(-max(decodes) // tri_attn.SPLIT_MIN_KV))
+    if max(kv_lens) == 3000:  # 24 splits of 128 keys, more than the unplanned 16
+        assert tri_attn.decode_splits(3000, 1, q.device) == 24 > tri_attn.MAX_SPLITS
+
+
 # --- merge ------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import triton  # noqa: F401  (the backend is unavailable without Triton)
 from medha_kernels.backends import triton_interpreting
 from medha_kernels.triton.attention import chunked_prefill_attention as chunked_prefill_attention
 from medha_kernels.triton.attention import paged_attention as paged_attention
+from medha_kernels.triton.attention import plan_paged_attention as plan_paged_attention
 from medha_kernels.triton.merge import merge_state as merge_state
 from medha_kernels.triton.merge import merge_state_in_place as merge_state_in_place
 from medha_kernels.triton.merge import merge_states as merge_states

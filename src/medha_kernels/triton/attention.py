@@ -13,7 +13,9 @@ alone would leave the device idle.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -26,18 +28,38 @@ from medha_kernels.triton.kernels.attention import (
 )
 from medha_kernels.triton.merge import launch_merge_states
 
-MAX_SPLITS = 16  # most KV splits per sequence
+MAX_SPLITS = 16  # most KV splits per sequence (chunked prefill; unplanned decode)
+MAX_DECODE_SPLITS = 256  # most KV splits per decode in a planned step
 SPLIT_MIN_KV = 128  # fewest keys worth a split of their own
 _LOG2E = 1.0 / math.log(2.0)
 
 
-def _tiles(group: int, head_dim: int) -> dict:
+# Tile shapes and launch options by op. ``rows`` is the smallest BLOCK_M (query
+# rows = tokens x the GQA group); "cuda9" holds Hopper's, measured on an H100
+# with benchmarks/triton_tiles.py (docs/benchmarks.md, issue 22).
+_DEFAULT_TILES = {
+    "prefill": {"rows": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "decode": {"rows": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2},
+}
+_TILES_BY_ARCH: dict[str, dict[str, dict[str, int]]] = {"cuda9": _DEFAULT_TILES}
+
+
+def tile_config(op: str, device: torch.device) -> dict[str, int]:
+    """The tile table entry for ``op`` (``"prefill"`` or ``"decode"``) on ``device``."""
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        return _TILES_BY_ARCH.get(f"cuda{major}", _DEFAULT_TILES)[op]
+    return _DEFAULT_TILES[op]
+
+
+def _tiles(group: int, head_dim: int, device: torch.device, op: str = "prefill") -> dict:
+    cfg = tile_config(op, device)
     bd = block_d(head_dim)
-    bm = max(64, triton.next_power_of_2(group))
+    bm = max(cfg["rows"], triton.next_power_of_2(group))
     return {
         "BLOCK_M": bm,
         "BLOCK_Q": bm // group,
-        "BLOCK_N": 64 if bd <= 128 else 32,
+        "BLOCK_N": cfg["BLOCK_N"] if bd <= 128 else 32,
         "BLOCK_D": bd,
     }
 
@@ -51,13 +73,16 @@ def _flags(dtype: torch.dtype) -> dict:
     }
 
 
-def _launch_opts() -> dict:
-    return {} if interpreting() else {"num_warps": 4, "num_stages": 2}
+def _launch_opts(device: torch.device, op: str = "prefill") -> dict:
+    if interpreting():
+        return {}
+    cfg = tile_config(op, device)
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, per_sm: int = 2) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 64
 
 
@@ -66,6 +91,17 @@ def num_kv_splits(num_kv: int, programs: int, target: int) -> int:
     if programs >= target:
         return 1
     return max(1, min(MAX_SPLITS, triton.cdiv(num_kv, SPLIT_MIN_KV), triton.cdiv(target, programs)))
+
+
+def decode_splits(max_kv: int, programs: int, device: torch.device) -> int:
+    """Split-KV programs per decode: enough for ``programs_per_sm`` per SM in all.
+
+    ``programs`` is decodes x KV heads; each split keeps at least
+    ``SPLIT_MIN_KV`` keys, and there are at most ``MAX_DECODE_SPLITS``.
+    """
+    target = _target_programs(device, tile_config("decode", device)["programs_per_sm"])
+    want = triton.cdiv(target, max(programs, 1))
+    return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(max(max_kv, 1), SPLIT_MIN_KV), want))
 
 
 def chunked_prefill_attention(
@@ -84,7 +120,7 @@ def chunked_prefill_attention(
     lse = torch.empty((num_q, num_heads), dtype=torch.float32, device=q.device)
     if num_q == 0 or num_heads == 0:
         return out, lse
-    tiles = _tiles(group, head_dim)
+    tiles = _tiles(group, head_dim, q.device)
     q_tiles = triton.cdiv(num_q, tiles["BLOCK_Q"])
     splits = num_kv_splits(num_kv, q_tiles * num_kv_heads, _target_programs(q.device))
     if splits > 1:  # fp32 partial states [num_q, splits, H, D], merged below
@@ -114,11 +150,12 @@ def chunked_prefill_attention(
         *o_strides,
         *lse_strides,
         GROUP=group,
+        EVEN_D=head_dim == block_d(head_dim),
         CAUSAL=causal,
         RNE_BF16=splits == 1 and rne_bf16(q.dtype),
         **_flags(q.dtype),
         **tiles,
-        **_launch_opts(),
+        **_launch_opts(q.device),
     )
     if splits > 1:
         launch_merge_states(o_dst, lse_dst, out, lse)
@@ -140,7 +177,54 @@ def paged_attention(
     Two launches plus a merge: query tiles of sequences with several queries
     (prefill chunks), and split-KV programs for single-query sequences (decodes)
     whose partials the N-way merge kernel reduces into their output rows.
+    Unplanned, it cannot read the batch on the host, so it launches both with
+    ``MAX_SPLITS`` splits; :func:`plan_paged_attention` sizes them to the step.
     """
+    return _paged(
+        q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_table, causal, sm_scale,
+        prefill=True, splits=MAX_SPLITS,
+    )  # fmt: skip
+
+
+def plan_paged_attention(meta) -> Callable:
+    """Plan a step (a :class:`medha_kernels.plan.PagedMeta`) once for every layer.
+
+    From the host copies of the batch it decides whether any sequence has
+    several queries (else the prefill launch is left out) and how many KV
+    splits its decodes get (:func:`decode_splits`: none when there is no decode).
+    """
+    counts = [hi - lo for lo, hi in itertools.pairwise(meta.cu)]
+    prefill = any(n > 1 for n in counts)
+    decode_lens = [n_kv for n, n_kv in zip(counts, meta.lens, strict=True) if n == 1]
+    splits = 0
+    if decode_lens:
+        programs = len(decode_lens) * meta.num_kv_heads
+        splits = decode_splits(max(decode_lens), programs, meta.device)
+    cu, lens, table = meta.cu_seqlens_q, meta.kv_lens, meta.block_table
+    causal, scale = meta.causal, meta.sm_scale
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        return _paged(
+            q, k_cache, v_cache, cu, lens, table, causal, scale, prefill=prefill, splits=splits
+        )
+
+    return run
+
+
+def _paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+    *,
+    prefill: bool,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill launch if ``prefill``, the split-KV decode launch and merge if ``splits``."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -158,39 +242,40 @@ def paged_attention(
         *k_cache.stride(),
         *v_cache.stride(),
     )
-
-    tiles = _tiles(group, head_dim)
-    paged_prefill_kernel[(num_q // tiles["BLOCK_Q"] + batch, num_kv_heads)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        lse,
-        cu,
-        lens,
-        block_table,
-        batch,
-        k_cache.shape[1],
-        sm_scale * _LOG2E,
-        head_dim,
-        *strides,
-        *out.stride(),
-        *lse.stride(),
-        GROUP=group,
-        CAUSAL=causal,
-        SKIP_DECODE=True,
-        RNE_BF16=rne_bf16(q.dtype),
-        **flags,
-        **tiles,
-        **_launch_opts(),
-    )
-
     bd = block_d(head_dim)
-    o_part = torch.empty(
-        (batch, MAX_SPLITS, num_heads, head_dim), dtype=torch.float32, device=q.device
-    )
-    lse_part = torch.empty((batch, MAX_SPLITS, num_heads), dtype=torch.float32, device=q.device)
-    paged_decode_kernel[(batch, num_kv_heads, MAX_SPLITS)](
+    if prefill:
+        tiles = _tiles(group, head_dim, q.device)
+        paged_prefill_kernel[(num_q // tiles["BLOCK_Q"] + batch, num_kv_heads)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse,
+            cu,
+            lens,
+            block_table,
+            batch,
+            k_cache.shape[1],
+            sm_scale * _LOG2E,
+            head_dim,
+            *strides,
+            *out.stride(),
+            *lse.stride(),
+            GROUP=group,
+            EVEN_D=head_dim == bd,
+            CAUSAL=causal,
+            SKIP_DECODE=True,
+            RNE_BF16=rne_bf16(q.dtype),
+            **flags,
+            **tiles,
+            **_launch_opts(q.device),
+        )
+    if splits == 0:
+        return out, lse
+    dtiles = _tiles(group, head_dim, q.device, "decode")
+    o_part = torch.empty((batch, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((batch, splits, num_heads), dtype=torch.float32, device=q.device)
+    paged_decode_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
@@ -206,12 +291,13 @@ def paged_attention(
         *o_part.stride(),
         *lse_part.stride(),
         GROUP=group,
+        EVEN_D=head_dim == bd,
         SPLIT_MIN_KV=SPLIT_MIN_KV,
         BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tiles["BLOCK_N"],
+        BLOCK_N=dtiles["BLOCK_N"],
         BLOCK_D=bd,
         **flags,
-        **_launch_opts(),
+        **_launch_opts(q.device, "decode"),
     )
     launch_merge_states(o_part, lse_part, out, lse, cu_seqlens=cu)
     return out, lse

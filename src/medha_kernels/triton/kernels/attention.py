@@ -18,12 +18,15 @@ from medha_kernels.triton.kernels.common import round_bf16
 
 
 @triton.jit
-def _attend(
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
     q,
     q_pos,
     row_ok,
-    kv_lo,
-    kv_hi,
+    lo,
+    hi,
     k_ptr,
     v_ptr,
     bt_ptr,
@@ -37,6 +40,91 @@ def _attend(
     stride_v_d,
     D,
     qk_scale,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PAGED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Fold keys ``[lo, hi)`` into the online-softmax state ``(acc, m_i, l_i)``.
+
+    Without ``MASKED`` every key of every tile is in range and visible to every
+    row (the caller guarantees it), so no key or causal mask is built.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        if PAGED:
+            if MASKED:
+                blk = tl.load(bt_ptr + (j // block_size) * stride_bt_n, mask=j_ok, other=0)
+            else:
+                blk = tl.load(bt_ptr + (j // block_size) * stride_bt_n)
+            blk = blk.to(tl.int64)
+            slot = (j % block_size).to(tl.int64)
+            k_off = blk * stride_k_blk + slot * stride_k_tok
+            v_off = blk * stride_v_blk + slot * stride_v_tok
+        else:
+            k_off = j.to(tl.int64) * stride_k_tok
+            v_off = j.to(tl.int64) * stride_v_tok
+        k_ptrs = k_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d  # [BLOCK_D, BLOCK_N]
+        v_ptrs = v_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d  # [BLOCK_N, BLOCK_D]
+        if MASKED or not EVEN_D:
+            k = tl.load(k_ptrs, mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            ok = row_ok[:, None] & j_ok[None, :]
+            if CAUSAL:
+                ok = ok & (j[None, :] <= q_pos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:  # every score is finite
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend(
+    q,
+    q_pos,
+    row_ok,
+    kv_lo,
+    kv_hi,
+    vis_hi,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    stride_bt_n,
+    block_size,
+    stride_k_blk,
+    stride_k_tok,
+    stride_k_d,
+    stride_v_blk,
+    stride_v_tok,
+    stride_v_d,
+    D,
+    qk_scale,
+    EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PAGED: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -50,50 +138,27 @@ def _attend(
     ``k_ptr``/``v_ptr`` already point at the KV head. Contiguous KV: key ``j`` is
     at ``j * stride_*_tok``. Paged KV: at ``block_table[j // block_size] *
     stride_*_blk + (j % block_size) * stride_*_tok``. ``m`` is in log2 units.
+    Keys below ``vis_hi`` are visible to every row of the tile: whole ``BLOCK_N``
+    tiles of them run without masks, the rest (the diagonal and the ragged end)
+    with them.
     """
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        j = start + offs_n
-        j_ok = j < kv_hi
-        if PAGED:
-            blk = tl.load(bt_ptr + (j // block_size) * stride_bt_n, mask=j_ok, other=0)
-            blk = blk.to(tl.int64)
-            slot = (j % block_size).to(tl.int64)
-            k_off = blk * stride_k_blk + slot * stride_k_tok
-            v_off = blk * stride_v_blk + slot * stride_v_tok
-        else:
-            k_off = j.to(tl.int64) * stride_k_tok
-            v_off = j.to(tl.int64) * stride_v_tok
-        k = tl.load(
-            k_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
-            mask=j_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        v = tl.load(
-            v_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
-            mask=j_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-        ok = row_ok[:, None] & j_ok[None, :]
-        if CAUSAL:
-            ok = ok & (j[None, :] <= q_pos[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    full = tl.maximum(tl.minimum(kv_hi, vis_hi) - kv_lo, 0)
+    full_hi = kv_lo + (full // BLOCK_N) * BLOCK_N
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, row_ok, kv_lo, full_hi, k_ptr, v_ptr, bt_ptr, stride_bt_n,
+        block_size, stride_k_blk, stride_k_tok, stride_k_d, stride_v_blk, stride_v_tok,
+        stride_v_d, D, qk_scale, False, EVEN_D, CAUSAL, PAGED, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N,
+        BLOCK_D,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, row_ok, full_hi, kv_hi, k_ptr, v_ptr, bt_ptr, stride_bt_n,
+        block_size, stride_k_blk, stride_k_tok, stride_k_d, stride_v_blk, stride_v_tok,
+        stride_v_d, D, qk_scale, True, EVEN_D, CAUSAL, PAGED, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N,
+        BLOCK_D,
+    )  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -139,6 +204,7 @@ def chunked_prefill_kernel(
     stride_lse_s,
     stride_lse_h,
     GROUP: tl.constexpr,
+    EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -185,12 +251,16 @@ def chunked_prefill_kernel(
     split_len = tl.cdiv(tl.cdiv(num_kv, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(kv_hi, lo + split_len)
+    vis_hi = num_kv  # keys every row of the tile sees
+    if CAUSAL:
+        vis_hi = tl.minimum(num_kv, q_offset + tile * BLOCK_Q + 1)
     acc, m_i, l_i = _attend(
         q,
         q_pos,
         row_ok,
         lo,
         hi,
+        vis_hi,
         k_ptr + kv_head * stride_k_h,
         v_ptr + kv_head * stride_v_h,
         k_ptr,
@@ -204,6 +274,7 @@ def chunked_prefill_kernel(
         stride_v_d,
         D,
         qk_scale,
+        EVEN_D,
         CAUSAL,
         False,
         UPCAST,
@@ -271,6 +342,7 @@ def paged_prefill_kernel(
     stride_lse_t,
     stride_lse_h,
     GROUP: tl.constexpr,
+    EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -324,12 +396,16 @@ def paged_prefill_kernel(
     kv_hi = kv_len
     if CAUSAL:
         kv_hi = tl.minimum(kv_len, q_offset + tl.minimum(first + BLOCK_Q, num_q))
+    vis_hi = kv_hi
+    if CAUSAL:
+        vis_hi = tl.minimum(kv_hi, q_offset + first + 1)
     acc, m_i, l_i = _attend(
         q,
         q_pos,
         row_ok,
         0,
         kv_hi,
+        vis_hi,
         k_ptr + kv_head * stride_k_h,
         v_ptr + kv_head * stride_v_h,
         bt_ptr + b.to(tl.int64) * stride_bt_b,
@@ -343,6 +419,7 @@ def paged_prefill_kernel(
         stride_v_d,
         D,
         qk_scale,
+        EVEN_D,
         CAUSAL,
         True,
         UPCAST,
@@ -395,6 +472,7 @@ def paged_decode_kernel(
     stride_lse_s,
     stride_lse_h,
     GROUP: tl.constexpr,
+    EVEN_D: tl.constexpr,
     SPLIT_MIN_KV: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -446,6 +524,7 @@ def paged_decode_kernel(
         row_ok,
         lo,
         hi,
+        hi,
         k_ptr + kv_head * stride_k_h,
         v_ptr + kv_head * stride_v_h,
         bt_ptr + b.to(tl.int64) * stride_bt_b,
@@ -459,6 +538,7 @@ def paged_decode_kernel(
         stride_v_d,
         D,
         qk_scale,
+        EVEN_D,
         False,
         True,
         UPCAST,

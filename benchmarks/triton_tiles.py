@@ -1,0 +1,147 @@
+"""Sweep the Triton attention kernels' tile shapes on a GPU and print the best per shape.
+
+    python benchmarks/triton_tiles.py --json tiles.json            # on a CUDA device
+
+Each prefill configuration (query rows per program, keys per tile, warps, pipeline
+stages) runs ``medha_kernels.chunked_prefill_attention(backend="triton")`` on
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, dim 128, bf16); each
+decode configuration (keys per tile, warps, stages, split-KV programs per SM) runs
+a planned ``plan_paged_attention(...).run`` over a shuffled paged cache. Times
+are medians of ``triton.testing.do_bench`` (CUDA events). The winners go into
+``_TILES_BY_ARCH`` in ``src/medha_kernels/triton/attention.py`` by hand, with
+the numbers in docs/benchmarks.md. ``--quick`` runs two configurations of each
+on tiny shapes (on the CPU: the Triton interpreter, where the table is not
+read), to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+import medha_kernels as mk
+from medha_kernels.triton import attention as tri
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _time(fn, cuda: bool) -> float:
+    """Median seconds of ``fn``."""
+    if cuda:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e3
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _prefill_case(c: int, ctx: int, dev, dtype):
+    q = torch.randn(c, HQ, D, device=dev).to(dtype)
+    k, v = (torch.randn(ctx, HKV, D, device=dev).to(dtype) for _ in range(2))
+    flops = 4 * HQ * D * (c * (ctx - c) + c * (c + 1) / 2)
+    return (lambda: mk.chunked_prefill_attention(q, k, v, backend="triton")), flops, None
+
+
+def _decode_case(b: int, ctx: int, dev, dtype, block: int = 16):
+    nblocks = b * ctx // block
+    kc, vc = (torch.randn(nblocks, block, HKV, D, device=dev).to(dtype) for _ in range(2))
+    table = torch.randperm(nblocks, device=dev).to(torch.int32).view(b, -1)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(b, HQ, D, device=dev).to(dtype)
+
+    def run():  # planned inside: the tile table is read when the plan is made
+        plan = mk.plan_paged_attention(
+            cu_seqlens_q=cu, kv_lens=lens, block_table=table, num_qo_heads=HQ,
+            num_kv_heads=HKV, head_dim=D, block_size=block, dtype=dtype, backend="triton",
+        )  # fmt: skip
+        return lambda: plan.run(q, kc, vc)
+
+    nbytes = 2 * b * ctx * HKV * D * kc.element_size()
+    return run, 4 * b * HQ * D * ctx, nbytes
+
+
+def _configs(op: str, quick: bool) -> list[dict[str, int]]:
+    if op == "prefill":
+        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+        cfgs = [
+            dict(zip(("rows", "BLOCK_N", "num_warps", "num_stages"), g, strict=True)) for g in grid
+        ]
+    else:
+        grid = itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (2, 4, 8))
+        keys = ("BLOCK_N", "num_warps", "num_stages", "programs_per_sm")
+        cfgs = [{"rows": 16, **dict(zip(keys, g, strict=True))} for g in grid]
+    return cfgs[:2] if quick else cfgs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16
+    if args.quick:
+        shapes = {"prefill": [(32, 256)], "decode": [(2, 256)]}
+    else:
+        shapes = {
+            "prefill": [(512, 32768), (2048, 131072), (32, 1048576), (128, 131072)],
+            "decode": [(1, 1048576), (1, 4096), (16, 32768), (64, 4096)],
+        }
+    arch = "cuda9"
+    saved = dict(tri._TILES_BY_ARCH.get(arch, tri._DEFAULT_TILES))
+    t_end = time.monotonic() + args.budget_s
+    results: dict[str, list] = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    try:
+        for op, cases in shapes.items():
+            for shape in cases:
+                fn_or_maker, flops, nbytes = (
+                    _prefill_case(*shape, dev, dtype)
+                    if op == "prefill"
+                    else _decode_case(*shape, dev, dtype)
+                )
+                rows = []
+                for cfg in _configs(op, args.quick):
+                    if time.monotonic() > t_end:
+                        print(f"budget spent: {op} {shape} stops after {len(rows)} configs")
+                        break
+                    tri._TILES_BY_ARCH[arch] = {**saved, op: cfg}
+                    fn = fn_or_maker if op == "prefill" else fn_or_maker()
+                    try:
+                        sec = _time(fn, cuda)
+                    except Exception as exc:  # a config the compiler refuses (shared memory)
+                        rows.append(
+                            {"cfg": cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+                        )
+                        continue
+                    row = {"cfg": cfg, "us": sec * 1e6, "tflops": flops / sec / 1e12}
+                    if nbytes:
+                        row["gbps"] = nbytes / sec / 1e9
+                    rows.append(row)
+                ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+                results.setdefault(op, []).append({"shape": shape, "rows": rows})
+                print(f"== {op} {shape}: {len(ok)} configs ran, {len(rows) - len(ok)} refused")
+                for r in ok[:5]:
+                    extra = f" {r['gbps']:.0f} GB/s" if "gbps" in r else ""
+                    print(f"   {r['us']:10.1f} us {r['tflops']:7.1f} TFLOP/s{extra}  {r['cfg']}")
+                default = next((r for r in rows if r["cfg"] == {**tri._DEFAULT_TILES[op]}), None)
+                if default and "us" in default:
+                    print(f"   default {default['us']:.1f} us")
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(results, f, indent=1)
+    finally:
+        tri._TILES_BY_ARCH[arch] = saved
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
