@@ -29,6 +29,7 @@ from medha_kernels import (
 from medha_kernels.flashinfer_adapter import FlashInferLimitError, can_run, ops, supports_device
 from medha_kernels.flashinfer_adapter.convert import (
     build_paged_index,
+    fix_empty_merge,
     lse_from_base2,
     lse_to_base2,
     prefill_calls,
@@ -237,6 +238,73 @@ def test_plumbing_merges() -> None:
     assert torch.equal(v[~mask].view(torch.int16), v0[~mask].view(torch.int16))
     assert torch.equal(s[~mask].view(torch.int32), s0[~mask].view(torch.int32))
     _check_merge(v[mask], s[mask], vs[mask, :2], ss[mask, :2])
+
+
+def _sentinel_merge(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer 0.5's merges: -inf is the finite sentinel -5e4 (``math::inf = 5e4``), so
+    an all-empty row comes back with v 0 and a *finite* LSE near -5e4."""
+    return _base2_merge(v, s.clamp(min=-5e4))
+
+
+def _sentinel_in_place(v, s, v_other, s_other, mask=None):
+    o, lse = _sentinel_merge(torch.stack((v, v_other), 1), torch.stack((s, s_other), 1))
+    rows = torch.ones(v.shape[0], dtype=torch.bool) if mask is None else mask
+    v[rows], s[rows] = o[rows], lse[rows]
+
+
+SENTINEL = types.SimpleNamespace(
+    **{
+        **vars(FAKE),
+        "merge_state": lambda va, sa, vb, sb: _sentinel_merge(
+            torch.stack((va, vb), 1), torch.stack((sa, sb), 1)
+        ),
+        "merge_states": _sentinel_merge,
+        "merge_state_in_place": _sentinel_in_place,
+    }
+)
+
+
+def test_merges_with_a_finite_minus_inf_keep_the_empty_convention(monkeypatch) -> None:
+    """All-empty rows are exactly (0, -inf) and one-live rows the live state exactly, though
+    the kernel returns a finite LSE for an all-empty merge (the GPU failure of FlashInfer 0.5.3)."""
+    monkeypatch.setattr(ops, "load", lambda: SENTINEL)
+    vs, ss = _states(64, 3, 4, 64)
+    live = torch.isfinite(ss)  # [T, N, H]
+
+    def check(v, s, n, rows=slice(None)) -> None:
+        lv = live[rows, :n]
+        none, one = lv.sum(1) == 0, lv.sum(1) == 1
+        assert none.any() and one.any()
+        assert torch.isneginf(s[none]).all() and (v[none] == 0).all()
+        idx = lv.int().argmax(1, keepdim=True)
+        s_one = ss[rows, :n].gather(1, idx).squeeze(1)
+        v_one = vs[rows, :n].gather(1, idx.unsqueeze(-1).expand(-1, -1, -1, 64)).squeeze(1)
+        assert torch.equal(s[one], s_one[one]) and torch.equal(v[one], v_one[one])
+        _check_merge(v, s, vs[rows, :n], ss[rows, :n])
+
+    check(*ops.merge_states(vs, ss), 3)
+    check(*ops.merge_state(vs[:, 0], ss[:, 0], vs[:, 1], ss[:, 1]), 2)
+    for mask in (None, torch.rand(64) < 0.5):
+        v, s = vs[:, 0].clone(), ss[:, 0].clone()
+        v0, s0 = v.clone(), s.clone()
+        ops.merge_state_in_place(v, s, vs[:, 1], ss[:, 1], mask)
+        rows = torch.ones(64, dtype=torch.bool) if mask is None else mask
+        assert torch.equal(v[~rows].view(torch.int16), v0[~rows].view(torch.int16))
+        assert torch.equal(s[~rows].view(torch.int32), s0[~rows].view(torch.int32))
+        check(v[rows], s[rows], 2, rows)
+
+
+def test_fix_empty_merge() -> None:
+    nan, inf = float("nan"), float("inf")
+    s_in = [torch.tensor([[-inf, 1.0, -inf, 2.0]]), torch.tensor([[nan, -inf, 3.0, 4.0]])]
+    v_in = [torch.full((1, 4, 2), x) for x in (5.0, 6.0)]
+    v_in[0][0, 0] = nan  # an empty state's garbage must not leak
+    v, s = torch.full((1, 4, 2), 7.0), torch.full((1, 4), -34657.0)  # what the kernel said
+    v2, s2 = fix_empty_merge(v, s, v_in, s_in)
+    assert s2.tolist() == [[-inf, 1.0, 3.0, -34657.0]]
+    assert v2[0, :, 0].tolist() == [0.0, 5.0, 6.0, 7.0]
+    assert v2.dtype == v.dtype and s2.dtype == torch.float32
+    assert s.tolist() == [[-34657.0] * 4]  # the arguments are not written
 
 
 @pytest.mark.usefixtures("fake_flashinfer")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,38 @@ def lse_from_base2(s2: torch.Tensor) -> torch.Tensor:
     """FlashInfer's base-2 LSE ``[...]`` -> natural-log fp32; anything non-finite -> -inf."""
     s2 = s2.float()
     return torch.where(torch.isfinite(s2), s2 * LN2, NEG_INF)
+
+
+def fix_empty_merge(
+    v: torch.Tensor, s: torch.Tensor, vs: Sequence[torch.Tensor], ss: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply medha's empty-state convention to a merge FlashInfer computed.
+
+    FlashInfer stands in ``-5e4`` for minus infinity (``math::inf = 5e4``), so a
+    merge whose inputs are all empty comes back with a finite LSE (about
+    ``-5e4`` in base 2), which no check on the output can tell from a real
+    one. Emptiness is therefore read from the inputs: rows where no input is
+    live become exactly ``(0, -inf)``, rows where exactly one is live become
+    that input exactly; rows with two or more live inputs keep ``(v, s)``.
+
+    Args:
+        v: the merged values ``[T, H, D]`` (any float dtype).
+        s: the merged natural-log LSE ``[T, H]`` (fp32).
+        vs: the inputs' values, each ``[T, H, D]``.
+        ss: the inputs' natural-log LSEs, each ``[T, H]``; -inf, +inf and NaN are empty.
+
+    Returns:
+        ``(v, s)`` with those rows replaced (new tensors; the arguments are not written).
+    """
+    count = torch.zeros(s.shape, dtype=torch.int32, device=s.device)
+    v_one, s_one = torch.zeros_like(v), torch.full_like(s, NEG_INF, dtype=torch.float32)
+    for vi, si in zip(vs, ss, strict=True):
+        live = torch.isfinite(si)
+        count += live
+        s_one = torch.where(live, si.float(), s_one)  # the last live input: the only one if one
+        v_one = torch.where(live.unsqueeze(-1), vi.to(v.dtype), v_one)
+    keep = count >= 2
+    return torch.where(keep.unsqueeze(-1), v, v_one), torch.where(keep, s.float(), s_one)
 
 
 class PagedIndex(NamedTuple):

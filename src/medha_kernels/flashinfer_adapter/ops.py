@@ -3,7 +3,9 @@
 Every op first checks FlashInfer's limits (:mod:`.limits`), then converts
 LSEs at the boundary (natural log in, base 2 to FlashInfer, natural log out)
 and guarantees ``(0, -inf)`` for empty rows whatever FlashInfer's version does
-with them (older merges give NaN when both sides are empty).
+with them: older merges give NaN when both sides are empty, newer ones a finite
+LSE near ``-5e4 * ln 2`` (FlashInfer's ``-inf`` is the finite ``-5e4``), so
+merges read emptiness from their inputs (:func:`.convert.fix_empty_merge`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from medha_kernels.flashinfer_adapter.convert import (
     NEG_INF,
     build_paged_index,
+    fix_empty_merge,
     lse_from_base2,
     lse_to_base2,
     prefill_calls,
@@ -85,7 +88,8 @@ def merge_state(
     va, sa = _to_fi(v_a, s_a, fix)
     vb, sb = _to_fi(v_b, s_b, fix)
     v, s2 = _fi().merge_state(va, sa, vb, sb)
-    return _from_fi(v, s2, fix)
+    v, s = _from_fi(v, s2, fix)
+    return fix_empty_merge(v, s, (v_a, v_b), (s_a, s_b)) if fix else (v, s)
 
 
 def merge_state_in_place(
@@ -100,6 +104,7 @@ def merge_state_in_place(
     fix = _any_empty(s, s_other)
     rows = None if mask is None else mask.view(-1, 1)  # [T, 1]
     target = v if v.is_contiguous() else v.contiguous()
+    live, live_other = torch.isfinite(s), torch.isfinite(s_other)  # before s is overwritten
     s2 = lse_to_base2(s)
     if fix:  # zero only rows that will be rewritten: masked-off rows stay bit-identical
         empty = torch.isneginf(s2) if rows is None else torch.isneginf(s2) & rows
@@ -107,9 +112,16 @@ def merge_state_in_place(
     vo, so = _to_fi(v_other, s_other, fix)
     _fi().merge_state_in_place(target, s2, vo, so, mask=mask)
     new_s = lse_from_base2(s2)
-    if fix:
-        done = torch.isneginf(new_s) if rows is None else torch.isneginf(new_s) & rows
-        target.masked_fill_(done.unsqueeze(-1), 0)
+    if fix:  # FlashInfer may leave an all-empty row finite: read emptiness from the inputs
+        only_other = live_other & ~live
+        none = ~live & ~live_other
+        if rows is not None:
+            only_other, none = only_other & rows, none & rows
+        target.masked_fill_(none.unsqueeze(-1), 0)
+        target[only_other] = v_other[only_other].to(target.dtype)
+        new_s = torch.where(none, NEG_INF, new_s)
+        new_s = torch.where(only_other, s_other.float(), new_s)
+        new_s = torch.where(live & ~live_other, s.float(), new_s)  # only self: s as it was
     if target is not v:
         v.copy_(target)
     s.copy_(new_s if rows is None else torch.where(rows, new_s, s))
@@ -124,7 +136,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     fix = _any_empty(s)
     vv, ss = _to_fi(v, s, fix)
     out, s2 = _fi().merge_states(vv, ss)
-    return _from_fi(out, s2, fix)
+    out, s_out = _from_fi(out, s2, fix)
+    return fix_empty_merge(out, s_out, v.unbind(1), s.unbind(1)) if fix else (out, s_out)
 
 
 def _finish_attention(o: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
