@@ -322,7 +322,8 @@ def test_merge_state_in_place_masks(dtype):
     assert torch.equal(v, v_full) and torch.equal(s, s_full)
 
     v, s = v_a.clone(), s_a.clone()
-    merge_state_in_place(v, s, v_b, s_b, mask=torch.zeros(20, dtype=torch.bool), backend="triton")
+    off = torch.zeros(20, dtype=torch.bool, device=DEVICE)  # the mask lives with the states
+    merge_state_in_place(v, s, v_b, s_b, mask=off, backend="triton")
     assert torch.equal(v.view(torch.uint8), v_a.view(torch.uint8))  # bit-identical, NaN too
     assert torch.equal(s.view(torch.uint8), s_a.view(torch.uint8))
 
