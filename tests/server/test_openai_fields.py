@@ -342,9 +342,11 @@ def test_front_end_imports_no_torch() -> None:
         "build_app(ServerConfig(engine=EngineArgs()))\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
+    # the repo first, then the parent's own PYTHONPATH (where fastapi may live), not instead of it
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
