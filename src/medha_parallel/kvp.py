@@ -65,7 +65,7 @@ class KVPCommunicator:
         shared_memory: whole-group all-gathers of at most
             :data:`AG_ALL_MAX_BYTES` go through shared memory
             (:class:`~medha_parallel.shm.ShmAllGather`) instead of the process
-            group; default: with gloo on a supported platform. Set up by the
+            group; default: on CPU ranks (gloo) on a supported platform. Set up by the
             first such all-gather, collectively; used only where every rank
             of the group runs on this host.
 
@@ -82,7 +82,7 @@ class KVPCommunicator:
             self._groups[self.size] = state.kvp_group
         self._timeout_s = state.timeout.total_seconds()
         if shared_memory is None:
-            shared_memory = state.backend == "gloo" and shm.supported()
+            shared_memory = state.device_type == "cpu" and shm.supported()
         # None: not set up yet (the first whole-group all-gather does, collectively)
         self._shm: shm.ShmAllGather | bool | None = None if shared_memory else False
         self._merge_fns: dict[str, Callable] = {}  # medha_kernels' merge_states per device type

@@ -11,6 +11,44 @@ import torch.distributed as dist
 
 from medha_parallel.layout import Coords, ParallelLayout
 
+#: the automatic backend on a CUDA machine: CPU tensors through gloo, CUDA tensors through NCCL
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def resolve_backend(
+    backend: str | None, device: str | torch.device | None, *, cuda_available: bool
+) -> tuple[str, torch.device]:
+    """The process-group backend and the state's device for ``initialize``'s arguments.
+
+    ``backend`` None picks :data:`MIXED_BACKEND` where CUDA is available (so a
+    group's collectives work on CPU tensors too, as torch.distributed users
+    expect), else ``"gloo"``. ``device`` None is CUDA where the backend names
+    NCCL and CUDA is available, else the CPU. A device the backend cannot
+    carry (CPU on ``"nccl"``, CUDA on ``"gloo"`` or without CUDA) is a
+    ``ValueError``.
+    """
+    if backend is None:
+        backend = MIXED_BACKEND if cuda_available else "gloo"
+    elif not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be a torch.distributed backend name, got {backend!r}")
+    name = backend.lower()
+    carries_cpu = name != "nccl" and (":" not in name or "cpu:" in name)
+    carries_cuda = name != "gloo" and (":" not in name or "cuda:" in name)
+    if device is None:
+        device = "cuda" if ("nccl" in name or "cuda:" in name) and cuda_available else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cpu" and not carries_cpu:
+        raise ValueError(f"device 'cpu' needs a backend that carries CPU tensors, got {backend!r}")
+    if dev.type == "cuda" and not (carries_cuda and cuda_available):
+        why = "CUDA is not available" if not cuda_available else f"backend {backend!r} has no CUDA"
+        raise ValueError(f"device {str(device)!r} cannot be used: {why}")
+    return backend, dev
+
 
 @dataclass
 class ParallelState:
@@ -25,6 +63,7 @@ class ParallelState:
     rank: int
     backend: str
     timeout: datetime.timedelta
+    device_type: str = "cpu"
     tp_group: dist.ProcessGroup | None = None
     spp_group: dist.ProcessGroup | None = None
     kvp_group: dist.ProcessGroup | None = None
@@ -37,7 +76,8 @@ class ParallelState:
 
     @property
     def device(self) -> torch.device:
-        if self.backend == "nccl":
+        """Where this rank's communicated tensors live (``cuda`` is the current device)."""
+        if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -50,15 +90,22 @@ class ParallelState:
         rank: int | None = None,
         world_size: int | None = None,
         backend: str | None = None,
+        device: str | torch.device | None = None,
         timeout_s: float = 60.0,
     ) -> ParallelState:
         """Join (or reuse) the default process group and build every group.
 
         ``init_method`` is ``env://`` (torchrun), ``file://PATH`` or
-        ``tcp://HOST:PORT``. The backend is NCCL when CUDA is available, gloo
-        otherwise. ``timeout_s`` bounds every collective.
+        ``tcp://HOST:PORT``. The backend defaults to ``cpu:gloo,cuda:nccl``
+        when CUDA is available (CPU tensors still go through gloo), gloo
+        otherwise; ``device`` (``cpu`` or ``cuda``; default: CUDA when the
+        backend carries it and CUDA is available) is where the state's own
+        buffers (pipeline headers and receive buffers) live. Pass
+        ``backend="gloo"`` or ``device="cpu"`` for CPU ranks on any machine
+        (several ranks on one GPU cannot use NCCL). ``timeout_s`` bounds every
+        collective.
         """
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend, dev = resolve_backend(backend, device, cuda_available=torch.cuda.is_available())
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             if init_method == "env://":
@@ -70,7 +117,13 @@ class ParallelState:
                 backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
             )
         layout.check_world_size(dist.get_world_size())
-        state = cls(layout=layout, rank=dist.get_rank(), backend=backend, timeout=timeout)
+        state = cls(
+            layout=layout,
+            rank=dist.get_rank(),
+            backend=backend,
+            timeout=timeout,
+            device_type=dev.type,
+        )
         state._build_groups()
         return state
 

@@ -123,13 +123,15 @@ def build_rank(spec: Any) -> tuple[Any, Any, str | None]:
     import traceback
 
     from medha_parallel import ParallelLayout, ParallelState
-    from medha_runtime.runner import ModelRunner
+    from medha_runtime.runner import ModelRunner, resolve_device
 
     state = None
     try:
         layout = ParallelLayout(tp=spec.tp, spp=spec.spp, kvp=spec.kvp)
-        backend = "nccl" if spec.device == "cuda" else "gloo"
-        state = ParallelState.initialize(layout, backend=backend, timeout_s=spec.timeout_s)
+        # the world is joined already (gloo, or cpu:gloo,cuda:nccl on a CUDA machine)
+        state = ParallelState.initialize(
+            layout, device=resolve_device(spec.device), timeout_s=spec.timeout_s
+        )
         return state, ModelRunner(spec, state), None
     except Exception:
         return state, None, traceback.format_exc()

@@ -84,14 +84,16 @@ def pipe_worker_main(rank: int, spec: Any, init_method: str, conn: Connection) -
         from medha_parallel import ParallelLayout, ParallelState
         from medha_runtime.runner import ModelRunner, resolve_device
 
-        if resolve_device(spec.device) == "cuda":
+        device = resolve_device(spec.device)
+        if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         layout = ParallelLayout(tp=spec.tp, spp=spec.spp, kvp=spec.kvp)
-        state = ParallelState.initialize(
+        state = ParallelState.initialize(  # CPU ranks on gloo even on a CUDA machine
             layout,
             init_method=init_method,
             rank=rank,
             world_size=spec.world_size,
+            device=device,
             timeout_s=spec.timeout_s,
         )
         runner = ModelRunner(spec, state)

@@ -42,7 +42,13 @@ def test_build_refuses_unknown_and_mixed_arguments() -> None:
 
 def test_resolve_sizes_kv_and_carries_threads() -> None:
     config = EngineConfig(
-        model="tiny", kvp=2, max_model_len=4096, kv_cache_tokens=4096, num_threads=3, seed=7
+        model="tiny",
+        kvp=2,
+        max_model_len=4096,
+        kv_cache_tokens=4096,
+        num_threads=3,
+        seed=7,
+        device="cpu",
     )
     r = config.resolve(tiny_config(), model_path="/models/tiny")
     assert r.max_model_len == 4096
@@ -53,6 +59,20 @@ def test_resolve_sizes_kv_and_carries_threads() -> None:
     assert r.scheduler_config.policy == "lars-mp"
     with pytest.raises(ValueError, match="max_model_len=4096 does not fit"):
         EngineConfig(kv_cache_tokens=1024, max_model_len=4096).resolve(tiny_config())
+
+
+def test_cuda_ranks_need_one_gpu_each(monkeypatch) -> None:
+    """device='cuda' (the default where CUDA is available) wants a GPU per local rank."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = EngineConfig(
+        model="tiny", kvp=2, max_model_len=4096, kv_cache_tokens=4096, device="cuda"
+    )
+    with pytest.raises(ValueError, match="2 ranks on this node need as many GPUs; 1 are visible"):
+        config.resolve(tiny_config())
+    one = EngineConfig(model="tiny", kv_cache_tokens=4096, device="cuda").resolve(tiny_config())
+    assert one.spec.device == "cuda"
 
 
 def test_serve_flags_build_the_config() -> None:
