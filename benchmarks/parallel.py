@@ -190,8 +190,9 @@ def _rank_main(rank: int, world_size: int, init: str, spec: dict) -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
     def state(**degrees: int) -> ParallelState:
-        return ParallelState.initialize(
+        return ParallelState.initialize(  # gloo on any machine: these are CPU numbers
             ParallelLayout(**degrees),
+            backend="gloo",
             init_method=init,
             rank=rank,
             world_size=world_size,

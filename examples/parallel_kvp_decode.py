@@ -24,8 +24,12 @@ CONTEXT, SHARD, HEADS, KV_HEADS, HEAD_DIM = 4096, 2048, 8, 2, 64
 
 def worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
-    state = ParallelState.initialize(
-        ParallelLayout(kvp=2), init_method=f"file://{init_file}", rank=rank, world_size=2
+    state = ParallelState.initialize(  # CPU ranks (gloo), on a CUDA machine too
+        ParallelLayout(kvp=2),
+        device="cpu",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=2,
     )
     g = torch.Generator().manual_seed(0)  # every rank draws the same sequence
     q = torch.randn(1, HEADS, HEAD_DIM, generator=g)

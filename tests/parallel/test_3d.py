@@ -105,6 +105,7 @@ def _run_layouts(rank: int, world_size: int, init: str) -> dict:
     for name, (tp, spp, kvp) in LAYOUTS.items():
         state = ParallelState.initialize(
             ParallelLayout(tp=tp, spp=spp, kvp=kvp),
+            backend="gloo",
             init_method=init,
             rank=rank,
             world_size=world_size,

@@ -159,7 +159,7 @@ def _kvp2_cases() -> dict[str, tuple[int, int]]:
 def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
     layout = ParallelLayout(kvp=2)
     state = ParallelState.initialize(
-        layout, init_method=init, rank=rank, world_size=world_size, timeout_s=30
+        layout, backend="gloo", init_method=init, rank=rank, world_size=world_size, timeout_s=30
     )
     comm = KVPCommunicator(state)
     q_all, k, v = _qkv(KVP2_CONTEXT, seed=1)
@@ -215,7 +215,7 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
     # Shared memory set up by one merge on both groups, then group 1 skips the
     # next: group 0's wait must end in a CommunicationError after the 2 s timeout.
     shared = KVPCommunicator(
-        ParallelState.initialize(layout, init_method=init, rank=rank, timeout_s=2)
+        ParallelState.initialize(layout, backend="gloo", init_method=init, rank=rank, timeout_s=2)
     )
     shared.merge(out, lse.float(), active=2)
     shm_flag = Path(init.removeprefix("file://")).with_name("kvp_shm_timeout_seen")
@@ -235,7 +235,7 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
     # Groups rebuilt with a 3 s timeout: group 1 skips the merge, group 0 must
     # get a CommunicationError (not hang); group 1 waits for it, then exits.
     short = KVPCommunicator(
-        ParallelState.initialize(layout, init_method=init, rank=rank, timeout_s=3)
+        ParallelState.initialize(layout, backend="gloo", init_method=init, rank=rank, timeout_s=3)
     )
     flag = Path(init.removeprefix("file://")).with_name("kvp_timeout_seen")
     if rank == 0:
@@ -440,7 +440,12 @@ KVP3_CONTEXT = sum(n for _, n in SCHEDULE)
 
 def _kvp3_worker(rank: int, world_size: int, init: str) -> dict:
     state = ParallelState.initialize(
-        ParallelLayout(kvp=3), init_method=init, rank=rank, world_size=world_size, timeout_s=30
+        ParallelLayout(kvp=3),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=30,
     )
     comm = KVPCommunicator(state)
     q_all, k_all, v_all = _qkv(KVP3_CONTEXT, seed=2)

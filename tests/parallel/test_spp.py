@@ -140,7 +140,12 @@ def _spp2(rank: int, world_size: int, init: str) -> dict:
     from medha_parallel.spp import SPPCommunicator, StageRunner
 
     state = ParallelState.initialize(
-        ParallelLayout(spp=2), init_method=init, rank=rank, world_size=world_size, timeout_s=30
+        ParallelLayout(spp=2),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=30,
     )
     model = ToyModel(CFG)
     comm = SPPCommunicator(state, max_inflight=2)
@@ -238,7 +243,12 @@ def _errors(rank: int, world_size: int, init: str, flag: str) -> dict:
     from medha_parallel.spp import SPPCommunicator
 
     state = ParallelState.initialize(
-        ParallelLayout(spp=2), init_method=init, rank=rank, world_size=world_size, timeout_s=3
+        ParallelLayout(spp=2),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=3,
     )
     comm = SPPCommunicator(state)
     out: dict = {}

@@ -49,7 +49,7 @@ def _mlp_ref(fc1: nn.Linear, fc2: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _tp_worker(rank: int, world_size: int, init: str) -> dict:
     layout = ParallelLayout(tp=TP)
     state = ParallelState.initialize(
-        layout, init_method=init, rank=rank, world_size=world_size, timeout_s=30
+        layout, backend="gloo", init_method=init, rank=rank, world_size=world_size, timeout_s=30
     )
     comm = TPCommunicator(state)
     res: dict = {"rank": comm.rank, "world_size": comm.world_size}
@@ -83,7 +83,7 @@ def _tp_worker(rank: int, world_size: int, init: str) -> dict:
     # Groups rebuilt with a 3 s timeout: rank 1 skips the all-reduce, rank 0 must
     # get a CommunicationError (not hang); rank 1 waits for it, then exits.
     short = TPCommunicator(
-        ParallelState.initialize(layout, init_method=init, rank=rank, timeout_s=3)
+        ParallelState.initialize(layout, backend="gloo", init_method=init, rank=rank, timeout_s=3)
     )
     flag = Path(init.removeprefix("file://")).with_name("tp_timeout_seen")
     if rank == 0:

@@ -84,7 +84,8 @@ def test_spp1_keeps_the_wall_time() -> None:
 def test_engine_spp2_learns_from_the_workers_stage_times() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = "Medha shards the KV cache of long prompts " * 4
-    with LLM("tiny", max_model_len=256, spp=2, chunk_size=16, kv_cache_tokens=1024) as llm:
+    kw = {"max_model_len": 256, "spp": 2, "chunk_size": 16, "kv_cache_tokens": 1024}
+    with LLM("tiny", device="cpu", **kw) as llm:  # two gloo ranks on any machine
         cost, feedback = llm.engine.cost_model, llm.engine.cost_feedback
         assert isinstance(cost, OnlineCostModel)
         before = cost.coefficients

@@ -24,7 +24,14 @@ COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 # shorter prompts cross the shard boundary while decoding.
 PROMPTS = ["Medha shards the KV cache of long prompts", "Hi", "The sky over the port was"]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-COMMON = {"cost_model": COST, "policy": "fcfs", "chunk_size": 16, "kv_cache_tokens": 1024}
+#: gloo ranks on the CPU on any machine (a CUDA machine would want one GPU per rank)
+COMMON = {
+    "cost_model": COST,
+    "policy": "fcfs",
+    "chunk_size": 16,
+    "kv_cache_tokens": 1024,
+    "device": "cpu",
+}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

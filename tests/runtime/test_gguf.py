@@ -209,7 +209,11 @@ def _tp_worker(rank: int, world_size: int, init: str, path: str) -> dict:
     from tests.runtime.checkpoints import greedy
 
     state = ParallelState.initialize(
-        ParallelLayout(tp=world_size), init_method=init, rank=rank, world_size=world_size
+        ParallelLayout(tp=world_size),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
     )
     model, _ = load_model(path, dtype="float32", tp=TPCommunicator(state))
     return {

@@ -19,7 +19,8 @@ from medha_sched import AffineCostModel
 
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-COMMON = {"cost_model": COST, "policy": "fcfs", "chunk_size": 16, "block_size": 4}
+#: CPU ranks on any machine (spp2_kvp2 runs four ranks)
+COMMON = {"cost_model": COST, "policy": "fcfs", "chunk_size": 16, "block_size": 4, "device": "cpu"}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -33,7 +33,11 @@ def _run(path: str | Path, tp: TPCommunicator | None) -> dict:
 
 def _worker(rank: int, world_size: int, init: str, paths: list[str]) -> dict:
     state = ParallelState.initialize(
-        ParallelLayout(tp=world_size), init_method=init, rank=rank, world_size=world_size
+        ParallelLayout(tp=world_size),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
     )
     comm = TPCommunicator(state)
     return {p: _run(p, comm) for p in paths}

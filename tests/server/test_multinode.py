@@ -29,9 +29,10 @@ openai = pytest.importorskip("openai")
 COST_SPEC = "affine:base=0.01,per_token=0.0001,per_attn=0"
 #: flags every process of a run gets (start_server adds the same two limits)
 LIMITS = ("--max-model-len", "256", "--kv-cache-tokens", "2048")
-COMMON = ("--cost-model", COST_SPEC, "--tp", "2")
+#: CPU ranks (gloo) on any machine: both "nodes" run here and would share its GPUs
+COMMON = ("--cost-model", COST_SPEC, "--tp", "2", "--device", "cpu")
 #: torchrun runs two pipeline stages: the sampling rank is rank 1, not the driver
-TORCHRUN_LAYOUT = ("--cost-model", COST_SPEC, "--spp", "2")
+TORCHRUN_LAYOUT = ("--cost-model", COST_SPEC, "--spp", "2", "--device", "cpu")
 PROMPTS = ["hello", "The sky over the port was", "Medha shards the KV cache"]
 MAX_TOKENS = 10
 #: the ranks' bound on waiting for the driver (keepalives every quarter of it)
@@ -44,7 +45,9 @@ EXIT_BOUND_S = 20.0
 def reference() -> list[str]:
     """Greedy texts from one process (same cost model, hence the same schedule)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM("tiny", max_model_len=256, kv_cache_tokens=2048, cost_model=COST_SPEC) as llm:
+    with LLM(
+        "tiny", max_model_len=256, kv_cache_tokens=2048, cost_model=COST_SPEC, device="cpu"
+    ) as llm:
         return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
 
 

@@ -525,7 +525,7 @@ async def kill_worker_under_load(server: Server, victim: int) -> dict[str, Any]:
 
 
 def test_killed_worker_fails_fast_and_exits() -> None:
-    server = start_server("--tp", "2")
+    server = start_server("--tp", "2", "--device", "cpu")  # two gloo workers
     try:
         workers = worker_pids(server)
         assert len(workers) == 2, descendants(server.proc.pid)
@@ -554,7 +554,7 @@ def test_killed_worker_fails_fast_and_exits() -> None:
 
 
 def test_worker_killed_while_idle_is_noticed() -> None:
-    server = start_server("--tp", "2")
+    server = start_server("--tp", "2", "--device", "cpu")  # two gloo workers
     try:
         workers = worker_pids(server)
         assert len(workers) == 2, descendants(server.proc.pid)

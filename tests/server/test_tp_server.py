@@ -20,7 +20,8 @@ GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 12, "extra_body": {"i
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[Server, Server]]:
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_server, *COST, "--tp", str(tp)) for tp in (1, 2)]
+        cpu = (*COST, "--device", "cpu")  # gloo workers on any machine
+        futures = [pool.submit(start_server, *cpu, "--tp", str(tp)) for tp in (1, 2)]
     started = [f.result() for f in futures if f.exception() is None]
     try:
         for f in futures:
