@@ -256,10 +256,10 @@ def test_planned_paged_attention_sizes_launches_to_the_step(num_qs, kv_lens):
     _check_paged(o, lse, *batch)
     decodes = [n_kv for n, n_kv in zip(num_qs, kv_lens, strict=True) if n == 1]
     if decodes:
-        splits = tri_attn.decode_splits(max(decodes), len(decodes), q.device)
+        splits = tri_attn.decode_splits(max(decodes), len(decodes), q.device, BF16)
         assert splits == min(-(-64 // len(decodes)), -(-max(decodes) // tri_attn.SPLIT_MIN_KV))
     if max(kv_lens) == 3000:  # 24 splits of 128 keys, more than the unplanned 16
-        assert tri_attn.decode_splits(3000, 1, q.device) == 24 > tri_attn.MAX_SPLITS
+        assert tri_attn.decode_splits(3000, 1, q.device, BF16) == 24 > tri_attn.MAX_SPLITS
 
 
 # --- merge ------------------------------------------------------------------------------

@@ -41,19 +41,38 @@ _DEFAULT_TILES = {
     "prefill": {"rows": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     "decode": {"rows": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2},
 }
-_TILES_BY_ARCH: dict[str, dict[str, dict[str, int]]] = {"cuda9": _DEFAULT_TILES}
+_TILES_BY_ARCH: dict[str, dict[str, dict[str, int]]] = {
+    # H100, bf16, 32/8 heads of dim 128: prefill within 0.8% of the best of 36
+    # tile shapes on 4 chunk/context shapes; decode within 8% of the best of 81
+    "cuda9": {
+        "prefill": {"rows": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+        "decode": {
+            "rows": 16,
+            "BLOCK_N": 64,
+            "num_warps": 4,
+            "num_stages": 3,
+            "programs_per_sm": 8,
+        },
+    },
+}
 
 
-def tile_config(op: str, device: torch.device) -> dict[str, int]:
-    """The tile table entry for ``op`` (``"prefill"`` or ``"decode"``) on ``device``."""
-    if device.type == "cuda":
+def tile_config(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, int]:
+    """The tile table entry for ``op`` (``"prefill"`` or ``"decode"``) on ``device``.
+
+    The per-arch tiles are sized for 16-bit inputs; fp32 (twice the shared
+    memory per tile) keeps the defaults.
+    """
+    if device.type == "cuda" and dtype.itemsize <= 2:
         major = torch.cuda.get_device_capability(device)[0]
         return _TILES_BY_ARCH.get(f"cuda{major}", _DEFAULT_TILES)[op]
     return _DEFAULT_TILES[op]
 
 
-def _tiles(group: int, head_dim: int, device: torch.device, op: str = "prefill") -> dict:
-    cfg = tile_config(op, device)
+def _tiles(
+    group: int, head_dim: int, device: torch.device, dtype: torch.dtype, op: str = "prefill"
+) -> dict:
+    cfg = tile_config(op, device, dtype)
     bd = block_d(head_dim)
     bm = max(cfg["rows"], triton.next_power_of_2(group))
     return {
@@ -73,10 +92,10 @@ def _flags(dtype: torch.dtype) -> dict:
     }
 
 
-def _launch_opts(device: torch.device, op: str = "prefill") -> dict:
+def _launch_opts(device: torch.device, dtype: torch.dtype, op: str = "prefill") -> dict:
     if interpreting():
         return {}
-    cfg = tile_config(op, device)
+    cfg = tile_config(op, device, dtype)
     return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
@@ -93,13 +112,13 @@ def num_kv_splits(num_kv: int, programs: int, target: int) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(num_kv, SPLIT_MIN_KV), triton.cdiv(target, programs)))
 
 
-def decode_splits(max_kv: int, programs: int, device: torch.device) -> int:
+def decode_splits(max_kv: int, programs: int, device: torch.device, dtype: torch.dtype) -> int:
     """Split-KV programs per decode: enough for ``programs_per_sm`` per SM in all.
 
     ``programs`` is decodes x KV heads; each split keeps at least
     ``SPLIT_MIN_KV`` keys, and there are at most ``MAX_DECODE_SPLITS``.
     """
-    target = _target_programs(device, tile_config("decode", device)["programs_per_sm"])
+    target = _target_programs(device, tile_config("decode", device, dtype)["programs_per_sm"])
     want = triton.cdiv(target, max(programs, 1))
     return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(max(max_kv, 1), SPLIT_MIN_KV), want))
 
@@ -120,7 +139,7 @@ def chunked_prefill_attention(
     lse = torch.empty((num_q, num_heads), dtype=torch.float32, device=q.device)
     if num_q == 0 or num_heads == 0:
         return out, lse
-    tiles = _tiles(group, head_dim, q.device)
+    tiles = _tiles(group, head_dim, q.device, q.dtype)
     q_tiles = triton.cdiv(num_q, tiles["BLOCK_Q"])
     splits = num_kv_splits(num_kv, q_tiles * num_kv_heads, _target_programs(q.device))
     if splits > 1:  # fp32 partial states [num_q, splits, H, D], merged below
@@ -155,7 +174,7 @@ def chunked_prefill_attention(
         RNE_BF16=splits == 1 and rne_bf16(q.dtype),
         **_flags(q.dtype),
         **tiles,
-        **_launch_opts(q.device),
+        **_launch_opts(q.device, q.dtype),
     )
     if splits > 1:
         launch_merge_states(o_dst, lse_dst, out, lse)
@@ -199,7 +218,7 @@ def plan_paged_attention(meta) -> Callable:
     splits = 0
     if decode_lens:
         programs = len(decode_lens) * meta.num_kv_heads
-        splits = decode_splits(max(decode_lens), programs, meta.device)
+        splits = decode_splits(max(decode_lens), programs, meta.device, meta.dtype)
     cu, lens, table = meta.cu_seqlens_q, meta.kv_lens, meta.block_table
     causal, scale = meta.causal, meta.sm_scale
 
@@ -244,7 +263,7 @@ def _paged(
     )
     bd = block_d(head_dim)
     if prefill:
-        tiles = _tiles(group, head_dim, q.device)
+        tiles = _tiles(group, head_dim, q.device, q.dtype)
         paged_prefill_kernel[(num_q // tiles["BLOCK_Q"] + batch, num_kv_heads)](
             q,
             k_cache,
@@ -268,11 +287,11 @@ def _paged(
             RNE_BF16=rne_bf16(q.dtype),
             **flags,
             **tiles,
-            **_launch_opts(q.device),
+            **_launch_opts(q.device, q.dtype),
         )
     if splits == 0:
         return out, lse
-    dtiles = _tiles(group, head_dim, q.device, "decode")
+    dtiles = _tiles(group, head_dim, q.device, q.dtype, "decode")
     o_part = torch.empty((batch, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((batch, splits, num_heads), dtype=torch.float32, device=q.device)
     paged_decode_kernel[(batch, num_kv_heads, splits)](
@@ -297,7 +316,7 @@ def _paged(
         BLOCK_N=dtiles["BLOCK_N"],
         BLOCK_D=bd,
         **flags,
-        **_launch_opts(q.device, "decode"),
+        **_launch_opts(q.device, q.dtype, "decode"),
     )
     launch_merge_states(o_part, lse_part, out, lse, cu_seqlens=cu)
     return out, lse

@@ -60,20 +60,19 @@ class ForwardBatch:
             k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; written.
 
         The first layer's write goes through :func:`medha_kernels.append_paged_kv`,
-        which validates the slots; on the CPU the step then keeps them as int64
+        which validates the slots (host reads); the step then keeps them as int64
         row indices, and every later layer writes with one ``index_copy_`` per
-        tensor (no validation, no host sync). Every layer's cache has the
-        first one's shape.
+        tensor: no validation and no host sync, which on a GPU would stall the
+        launch queue once per layer. Every layer's cache has the first one's shape.
         """
-        if self._kv_write is None or k.device.type != "cpu":
+        if self._kv_write is None:
             append_paged_kv(k, v, k_cache, v_cache, slots=self.slots)
-            if k.device.type == "cpu":
-                keep = self.slots >= 0
-                if bool(keep.all()):
-                    self._kv_write = (self.slots.long(), None)
-                else:
-                    rows = keep.nonzero().squeeze(1)
-                    self._kv_write = (self.slots[rows].long(), rows)
+            keep = self.slots >= 0
+            if bool(keep.all()):
+                self._kv_write = (self.slots.long(), None)
+            else:
+                rows = keep.nonzero().squeeze(1)
+                self._kv_write = (self.slots[rows].long(), rows)
             return
         idx, rows = self._kv_write
         if rows is not None:
