@@ -144,7 +144,9 @@ def _rank_steps(rank: int, world: int, init: str, args: argparse.Namespace, shm:
     state = None
     if world > 1:
         layout = ParallelLayout(kvp=world)
-        state = ParallelState.initialize(layout, init_method=init, rank=rank, world_size=world)
+        state = ParallelState.initialize(
+            layout, init_method=init, rank=rank, world_size=world, device="cpu"
+        )
     runner = ModelRunner(spec, state)
     if runner.attention is not None:
         runner.attention.comm = KVPCommunicator(state, shared_memory=shm)
@@ -167,7 +169,7 @@ def _merges(rank: int, world: int, init: str, steps: int, shm: bool, peer_s: flo
     from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
 
     state = ParallelState.initialize(
-        ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world
+        ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world, device="cpu"
     )
     comm = KVPCommunicator(state, shared_memory=shm)
     out, lse = torch.randn(1, 4, 16), torch.randn(1, 4)
