@@ -130,3 +130,38 @@ def test_cos_sin_and_rotation_match_transformers(name: str) -> None:
     torch.testing.assert_close(q_ours, q_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_ours, k_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     assert torch.equal(apply_rotary(q, cos, sin), q_ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_in_place_rotation_with_step_tables_is_bit_identical(dtype: torch.dtype) -> None:
+    """apply_rotary_ on the q/k heads of a fused QKV output: transformers' rotation, bitwise."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from medha_runtime.model.rope import apply_rotary_, rotary_tables
+
+    hf, ours = _configs(ROPES["llama3"])
+    positions = torch.tensor([0, 3, 511, 512, 2047, MAX_POS - 1])
+    n, hq, hkv = len(positions), 4, 2
+    rotary = RotaryEmbedding(ours.rope, head_dim=HEAD_DIM, max_position_embeddings=MAX_POS)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(n, (hq + 2 * hkv) * HEAD_DIM, generator=g) * 3).to(dtype)
+    v_before = qkv[:, (hq + hkv) * HEAD_DIM :].clone()
+    qk = qkv[:, : (hq + hkv) * HEAD_DIM].view(n, hq + hkv, HEAD_DIM)  # strided, as in the layer
+    q, k = qk[:, :hq].clone(), qk[:, hq:].clone()
+
+    apply_rotary_(qk, *rotary_tables(cos, sin))
+
+    assert torch.equal(qk[:, :hq], apply_rotary(q, cos, sin))
+    assert torch.equal(qk[:, hq:], apply_rotary(k, cos, sin))
+    assert torch.equal(qkv[:, (hq + hkv) * HEAD_DIM :], v_before)  # v untouched
+    cos_hf, sin_hf = LlamaRotaryEmbedding(hf)(q, positions[None])
+    q_hf, k_hf = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_hf.to(dtype), sin_hf.to(dtype)
+    )
+    if dtype == torch.float32:  # the tables differ from transformers' by fp32 rounding only
+        torch.testing.assert_close(qk[:, :hq], q_hf[0].transpose(0, 1), atol=1e-4, rtol=1e-5)
+    else:  # the 16-bit tables round to the same values: the rotation is bit-identical
+        assert torch.equal(cos, cos_hf[0, :, : HEAD_DIM // 2].to(dtype))
+        assert torch.equal(qk[:, :hq], q_hf[0].transpose(0, 1))
+        assert torch.equal(qk[:, hq:], k_hf[0].transpose(0, 1))

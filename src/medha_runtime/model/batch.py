@@ -77,8 +77,10 @@ class ForwardBatch:
         idx, rows = self._kv_write
         if rows is not None:
             k, v = k[rows], v[rows]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v.to(v_cache.dtype))
+        if k.dtype != k_cache.dtype:  # skip the no-op casts (each still a dispatched op)
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v)
 
     def attention_plan(
         self,

@@ -25,7 +25,7 @@ from torch import nn
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
-from medha_runtime.model.rope import RotaryEmbedding, apply_rotary_
+from medha_runtime.model.rope import RotaryEmbedding, apply_rotary_, rotary_tables
 
 Device = torch.device | str
 
@@ -94,7 +94,12 @@ class PagedAttention:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as in transformers: normalize in fp32, cast back, then scale."""
+    """RMSNorm as in transformers: normalize in fp32, cast back, then scale.
+
+    Two ops for 16-bit inputs: ``F.rms_norm`` without a weight normalizes in
+    fp32 and rounds once to the input dtype (transformers' ``h.to(input_dtype)``;
+    bit-identical on the CPU, one fused kernel on a GPU), then the scale.
+    """
 
     def __init__(
         self,
@@ -111,9 +116,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -398,7 +401,8 @@ class LlamaModel(nn.Module):
             )
         else:
             x = hidden
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        # once per step, shared by every layer (see rotary_tables)
+        cos, sin = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
         for i, layer in enumerate(self.layers.values()):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
         if not self.is_last:
