@@ -39,6 +39,7 @@ import socket
 import sys
 import time
 import uuid
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,31 +104,11 @@ class ShmAllGather:
         Collective over ``group``: every rank must call it. It returns None on
         every rank unless all of them run on this host on a supported platform.
         """
-        here = f"{socket.gethostname()}:{_boot_id()}" if supported() else None
-        hosts: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, here, group=group)
-        if here is None or any(h != here for h in hosts):
-            return None
-        size, index = len(hosts), dist.get_rank(group)
+        size, index = dist.get_world_size(group), dist.get_rank(group)
         nbytes = size * _FLAG_STRIDE + 2 * size * slot_bytes
-        path = [None]
-        if index == 0:
-            path = [f"/dev/shm/medha-kvp-{uuid.uuid4().hex}"]
-            with open(path[0], "wb") as f:
-                f.truncate(nbytes)
-        dist.broadcast_object_list(path, group=group, group_src=0)
-        mm = None
-        with contextlib.suppress(OSError), open(path[0], "r+b") as f:
-            mm = mmap.mmap(f.fileno(), nbytes)  # fails where /dev/shm is not shared
-        mapped: list[bool | None] = [None] * size
-        dist.all_gather_object(mapped, mm is not None, group=group)
-        if index == 0:
-            os.unlink(path[0])
-        if not all(mapped):
-            if mm is not None:
-                mm.close()
+        mm = map_group_buffer(group, nbytes, prefix="medha-kvp")
+        if mm is None:
             return None
-        assert mm is not None
         return cls(mm, size=size, index=index, slot_bytes=slot_bytes, timeout_s=timeout_s)
 
     def fits(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> bool:
@@ -213,22 +194,11 @@ class ShmAllGather:
         return views[seq % 2]
 
     def _wait(self, rank: int, seq: int, op: str) -> None:
-        flag = self._flags[rank]
-        for _ in range(_SPINS):
-            if flag.value >= seq:
-                return
-            os.sched_yield()
-        deadline = time.monotonic() + self.timeout_s
-        addr = ctypes.c_void_p(self._base + rank * _FLAG_STRIDE)
-        slice_ = _Timespec(0, int(_FUTEX_SLICE_S * 1e9))
-        while (seen := flag.value) < seq:
-            if time.monotonic() > deadline:
-                raise CommunicationError(
-                    f"{op} on the kvp group failed: rank {rank} of the shared-memory group "
-                    f"did not arrive within {self.timeout_s:.0f} s"
-                )
-            self._libc.syscall(
-                _SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_int32(seen), ctypes.byref(slice_)
+        addr = self._base + rank * _FLAG_STRIDE
+        if not _wait_flag(self._libc, self._flags[rank], addr, seq, self.timeout_s):
+            raise CommunicationError(
+                f"{op} on the kvp group failed: rank {rank} of the shared-memory group "
+                f"did not arrive within {self.timeout_s:.0f} s"
             )
 
     def close(self) -> None:
@@ -238,6 +208,191 @@ class ShmAllGather:
         self._buffers = self._flat = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
+
+
+class ShmPipe:
+    """A one-way channel of message slots from one process to one other on this host.
+
+    The producer fills the next free slot (:meth:`reserve`, then
+    :meth:`publish`); the consumer waits for it (:meth:`peek`), reads it and
+    frees it (:meth:`release`). Messages arrive in the order they were
+    published; at most ``slots`` are published and not yet released (the
+    producer's :meth:`reserve` waits for the oldest: backpressure). Two int32
+    counters, a cache line each, say how many messages were published and
+    released; a waiter spins briefly (yielding the core), then sleeps on a
+    futex that the other side wakes.
+
+    Build the channels of a pipeline with :meth:`create_chain` (a collective).
+
+    Attributes:
+        slots: messages that may be in the channel at once.
+        slot_bytes: the largest message.
+        timeout_s: bound on every wait (a wait past it raises RuntimeError
+            naming the time-out, which callers turn into a CommunicationError).
+    """
+
+    def __init__(
+        self, mm: mmap.mmap, offset: int, *, slots: int, slot_bytes: int, timeout_s: float
+    ) -> None:
+        self.slots, self.slot_bytes, self.timeout_s = slots, slot_bytes, timeout_s
+        self._mm = mm
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + offset
+        self._published = ctypes.c_int32.from_buffer(mm, offset)
+        self._released = ctypes.c_int32.from_buffer(mm, offset + _FLAG_STRIDE)
+        data = torch.frombuffer(mm, dtype=torch.uint8, offset=offset + 2 * _FLAG_STRIDE)
+        self._slots = data[: slots * slot_bytes].view(slots, slot_bytes)
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._sent = 0  # producer: messages published
+        self._taken = 0  # consumer: messages released
+
+    def __repr__(self) -> str:
+        return f"ShmPipe(slots={self.slots}, slot_bytes={self.slot_bytes})"
+
+    @staticmethod
+    def nbytes(*, slots: int, slot_bytes: int) -> int:
+        """Bytes one channel takes in its shared buffer (a multiple of 64)."""
+        return 2 * _FLAG_STRIDE + slots * (-(-slot_bytes // _FLAG_STRIDE) * _FLAG_STRIDE)
+
+    @classmethod
+    def create_chain(
+        cls,
+        group: dist.ProcessGroup | None,
+        *,
+        slots: int,
+        slot_bytes: int,
+        timeout_s: float,
+    ) -> list[ShmPipe] | None:
+        """The channels from group rank ``i`` to ``i + 1``, for every ``i``; None (on every
+        rank) where shared memory cannot be used.
+
+        Collective over ``group``: every rank must call it. Each rank uses the
+        channel it sends on (its own index) and the one it receives on (the
+        previous index).
+        """
+        if slots < 1 or slot_bytes < 1:
+            raise ValueError(f"slots={slots} and slot_bytes={slot_bytes} must be >= 1")
+        slot_bytes = -(-slot_bytes // _FLAG_STRIDE) * _FLAG_STRIDE
+        size = dist.get_world_size(group)
+        each = cls.nbytes(slots=slots, slot_bytes=slot_bytes)
+        mm = map_group_buffer(group, max(1, size - 1) * each, prefix="medha-spp")
+        if mm is None:
+            return None
+        return [
+            cls(mm, i * each, slots=slots, slot_bytes=slot_bytes, timeout_s=timeout_s)
+            for i in range(size - 1)
+        ]
+
+    def reserve(self) -> torch.Tensor:
+        """The next slot to fill (uint8 ``[slot_bytes]``), once the consumer freed it."""
+        seq = self._sent + 1
+        if not _wait_flag(
+            self._libc, self._released, self._addr + _FLAG_STRIDE, seq - self.slots, self.timeout_s
+        ):
+            raise RuntimeError(
+                f"Timed out after {self.timeout_s:.0f} s: the receiving stage released no "
+                f"slot of the shared-memory channel ({self.slots} messages unread)"
+            )
+        return self._slots[(seq - 1) % self.slots]
+
+    def publish(self) -> None:
+        """Hand the slot :meth:`reserve` returned (now filled) to the consumer."""
+        self._sent += 1
+        self._published.value = self._sent
+        self._libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 1, None)
+
+    def peek(self) -> torch.Tensor:
+        """The next message's slot (uint8 ``[slot_bytes]``, blocking) until :meth:`release`."""
+        seq = self._taken + 1
+        if not _wait_flag(self._libc, self._published, self._addr, seq, self.timeout_s):
+            raise RuntimeError(
+                f"Timed out after {self.timeout_s:.0f} s waiting for the sending stage's "
+                "message on the shared-memory channel"
+            )
+        return self._slots[(seq - 1) % self.slots]
+
+    def release(self) -> None:
+        """Free the slot :meth:`peek` returned: the producer may fill it again."""
+        self._taken += 1
+        self._released.value = self._taken
+        self._libc.syscall(
+            _SYS_FUTEX, ctypes.c_void_p(self._addr + _FLAG_STRIDE), _FUTEX_WAKE, 1, None
+        )
+
+    @property
+    def published(self) -> int:
+        """Messages this producer published so far."""
+        return self._sent
+
+    def taken(self, seq: int) -> bool:
+        """Whether the consumer released message ``seq`` (1-based)."""
+        return self._released.value >= seq
+
+    def wait_taken(self, seq: int) -> None:
+        """Block until the consumer released message ``seq``."""
+        if not _wait_flag(
+            self._libc, self._released, self._addr + _FLAG_STRIDE, seq, self.timeout_s
+        ):
+            raise RuntimeError(
+                f"Timed out after {self.timeout_s:.0f} s: the receiving stage did not take "
+                f"message {seq} from the shared-memory channel"
+            )
+
+    def close(self) -> None:
+        """Drop this channel's views (the mapping closes with its last user)."""
+        self._slots = torch.empty(0, 0, dtype=torch.uint8)
+
+
+def map_group_buffer(
+    group: dist.ProcessGroup | None, nbytes: int, *, prefix: str
+) -> mmap.mmap | None:
+    """Map one zeroed shared buffer of ``nbytes`` on every rank of ``group``; None (on every
+    rank) unless all of them run on this host, on a supported platform, and can map it.
+
+    Collective over ``group``. Group rank 0 creates the file in ``/dev/shm``
+    and unlinks it once every rank mapped it (nothing is left behind if a
+    rank dies).
+    """
+    here = f"{socket.gethostname()}:{_boot_id()}" if supported() else None
+    hosts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, here, group=group)
+    if here is None or any(h != here for h in hosts):
+        return None
+    size, index = len(hosts), dist.get_rank(group)
+    path = [None]
+    if index == 0:
+        path = [f"/dev/shm/{prefix}-{uuid.uuid4().hex}"]
+        with open(path[0], "wb") as f:
+            f.truncate(nbytes)
+    dist.broadcast_object_list(path, group=group, group_src=0)
+    mm = None
+    with contextlib.suppress(OSError), open(path[0], "r+b") as f:
+        mm = mmap.mmap(f.fileno(), nbytes)  # fails where /dev/shm is not shared
+    mapped: list[bool | None] = [None] * size
+    dist.all_gather_object(mapped, mm is not None, group=group)
+    if index == 0:
+        os.unlink(path[0])
+    if not all(mapped):
+        if mm is not None:
+            mm.close()
+        return None
+    return mm
+
+
+def _wait_flag(libc: Any, flag: ctypes.c_int32, addr: int, seq: int, timeout_s: float) -> bool:
+    """Wait until ``flag >= seq`` (a short spin yielding the core, then futex waits on
+    ``addr``, the flag's address); False after ``timeout_s``."""
+    for _ in range(_SPINS):
+        if flag.value >= seq:
+            return True
+        os.sched_yield()
+    deadline = time.monotonic() + timeout_s
+    where = ctypes.c_void_p(addr)
+    slice_ = _Timespec(0, int(_FUTEX_SLICE_S * 1e9))
+    while (seen := flag.value) < seq:
+        if time.monotonic() > deadline:
+            return False
+        libc.syscall(_SYS_FUTEX, where, _FUTEX_WAIT, ctypes.c_int32(seen), ctypes.byref(slice_))
+    return True
 
 
 def _boot_id() -> str:

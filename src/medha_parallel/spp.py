@@ -11,6 +11,12 @@ activations cross stages.
 at once (at most ``max_inflight`` chunks outstanding, then it waits for the
 oldest: backpressure); ``recv_chunk`` blocks, reads the fixed-size header
 (:mod:`medha_parallel.spp_header`) and allocates exactly what it announces.
+Where every stage of the pipeline is a CPU process on this host, the header
+and (when they fit a slot) the tensors go through a shared-memory channel
+(:class:`~medha_parallel.shm.ShmPipe`) instead of gloo: a gloo message wakes
+a transport thread and then the caller, which on a busy machine costs far more
+than a decode step's activations take to copy. Tensors that do not fit a
+slot follow the header over gloo.
 :class:`StageRunner` runs the per-stage schedule::
 
     x = embed(chunk) if first stage else recv_chunk()
@@ -27,6 +33,7 @@ the order of every member sequence checked on receipt.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from medha_parallel import shm
 from medha_parallel.errors import CommunicationError, named_comm
 from medha_parallel.spp_header import (
     CHUNKS_TENSOR,
@@ -99,16 +107,29 @@ class SPPStats:
 
 
 class SendHandle:
-    """One chunk's outstanding sends. Holds every buffer until they complete."""
+    """One chunk's outstanding sends. Holds every buffer until they complete.
 
-    def __init__(self, meta: Meta, works: list[Any], buffers: list[torch.Tensor]) -> None:
+    A chunk sent through a shared-memory channel (``slot``: the channel and
+    the message's sequence number) is complete once the receiver took it.
+    """
+
+    def __init__(
+        self,
+        meta: Meta,
+        works: list[Any],
+        buffers: list[torch.Tensor],
+        slot: tuple[shm.ShmPipe, int] | None = None,
+    ) -> None:
         self.meta = meta
         self._works = works
         self._buffers: list[torch.Tensor] | None = buffers
+        self._slot = slot
 
     def is_completed(self) -> bool:
         if self._buffers is None:
             return True
+        if self._slot is not None and not self._slot[0].taken(self._slot[1]):
+            return False
         if all(w is None or w.is_completed() for w in self._works):
             self.wait()  # surfaces a failed send, releases the buffers
             return True
@@ -119,6 +140,8 @@ class SendHandle:
         if self._buffers is None:
             return
         with named_comm("spp", "send"):
+            if self._slot is not None:
+                self._slot[0].wait_taken(self._slot[1])
             for w in self._works:
                 if w is not None:
                     w.wait()
@@ -139,16 +162,29 @@ class SPPCommunicator:
             arrive with consecutive ``chunk_idx`` (from 0) and contiguous
             ``start_pos`` (the members of micro-batches too, and the
             micro-batches themselves by ``index`` and ``stream_pos``).
+        shared_memory: send headers, and tensors up to ``slot_bytes`` in all,
+            through shared memory where every stage is a CPU process on this
+            host (False: always gloo). Building the communicator is then a
+            collective over the pipeline group.
+        slot_bytes: the largest chunk (header and tensors) shared memory carries.
 
     A tensor handed to ``send_chunk`` must not be modified until its handle
     completes (``send_chunk`` does not copy contiguous tensors).
     """
 
     def __init__(
-        self, state: ParallelState, *, max_inflight: int = 2, check_order: bool = True
+        self,
+        state: ParallelState,
+        *,
+        max_inflight: int = 2,
+        check_order: bool = True,
+        shared_memory: bool = True,
+        slot_bytes: int = 1 << 20,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if slot_bytes < _SLOT_PREFIX:
+            raise ValueError(f"slot_bytes must be >= {_SLOT_PREFIX}, got {slot_bytes}")
         if "spp" not in state.ranks or state.spp_group is None:
             raise ValueError("state has no pipeline group; build it with ParallelState.initialize")
         self.group = state.spp_group
@@ -160,6 +196,23 @@ class SPPCommunicator:
         self.stats = SPPStats()
         self._inflight: deque[SendHandle] = deque()
         self._next: dict[int, tuple[int, int]] = {}  # seq_id -> (chunk_idx, start_pos) due
+        self._out: shm.ShmPipe | None = None  # shared-memory channel to the next stage
+        self._in: shm.ShmPipe | None = None  # ... from the previous one
+        if shared_memory and torch.device(self.device).type == "cpu" and len(self.ranks) > 1:
+            pipes = shm.ShmPipe.create_chain(
+                self.group,
+                slots=max_inflight,
+                slot_bytes=slot_bytes,
+                timeout_s=state.timeout.total_seconds(),
+            )
+            if pipes is not None:
+                self._out = None if self.is_last else pipes[self.stage]
+                self._in = None if self.is_first else pipes[self.stage - 1]
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether chunks cross to and from this stage through shared memory."""
+        return self._out is not None or self._in is not None
 
     # -- topology ---------------------------------------------------------------
     @property
@@ -216,17 +269,44 @@ class SPPCommunicator:
             self._inflight.popleft().wait()
         buffers = [header] + [tensors[name].contiguous() for name in sorted(tensors)]
         dst = self.stage + 1
-        with named_comm("spp", "send"):
-            works = [
-                dist.isend(b, group=self.group, group_dst=dst) for b in buffers if b.numel() > 0
-            ]
-        handle = SendHandle(meta, works, buffers)
+        if self._out is not None:
+            handle = self._send_shared(meta, buffers, dst)
+        else:
+            with named_comm("spp", "send"):
+                works = [
+                    dist.isend(b, group=self.group, group_dst=dst) for b in buffers if b.numel() > 0
+                ]
+            handle = SendHandle(meta, works, buffers)
         self._inflight.append(handle)
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += sum(b.numel() * b.element_size() for b in buffers)
         self.stats.send_s += time.perf_counter() - t0
         return handle
+
+    def _send_shared(self, meta: Meta, buffers: list[torch.Tensor], dst: int) -> SendHandle:
+        """Header (and tensors, if they fit) into the next slot; the rest over gloo."""
+        assert self._out is not None
+        header, tensors = buffers[0], buffers[1:]
+        offsets, end = _slot_layout([t.numel() * t.element_size() for t in tensors])
+        inline = end <= self._out.slot_bytes
+        with named_comm("spp", "send"):
+            slot = self._out.reserve()  # free: at most max_inflight are unread (see above)
+            slot[:_HEADER_BYTES].view(torch.int64).copy_(header)
+            slot[_HEADER_BYTES:_SLOT_PREFIX].view(torch.int64).fill_(int(inline))
+            if inline:
+                for t, off in zip(tensors, offsets, strict=True):
+                    if t.numel() > 0:
+                        n = t.numel() * t.element_size()
+                        slot[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+            self._out.publish()
+            works = []
+            if not inline:
+                works = [
+                    dist.isend(t, group=self.group, group_dst=dst) for t in tensors if t.numel() > 0
+                ]
+        seq = self._out.published
+        return SendHandle(meta, works, [] if inline else tensors, slot=(self._out, seq))
 
     def drain(self) -> None:
         """Wait for every outstanding send."""
@@ -260,20 +340,22 @@ class SPPCommunicator:
         src = self.stage - 1
         t0 = time.perf_counter()
         try:
-            header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
-            with named_comm("spp", "recv"):
-                dist.recv(header, group=self.group, group_src=src)
-            try:
-                meta, specs = decode_header(header.cpu())
-            except ChunkHeaderError as exc:
+            if self._in is not None:
+                header, decoded, tensors, inline = self._recv_shared()
+            else:
+                header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
+                with named_comm("spp", "recv"):
+                    dist.recv(header, group=self.group, group_src=src)
+                decoded, tensors, inline = _decode(header.cpu()), {}, False
+            if isinstance(decoded, ChunkHeaderError):
                 raise SPPProtocolError(
-                    f"recv on the spp group from stage {src}: {exc}; the stream is out of "
+                    f"recv on the spp group from stage {src}: {decoded}; the stream is out of "
                     "step, tear the group down"
-                ) from exc
-            tensors: Tensors = {}
+                ) from decoded
+            meta, specs = decoded
             works = []
             with named_comm("spp", "recv"):
-                for spec in specs:
+                for spec in [] if inline else specs:
                     buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                     tensors[spec.name] = buf
                     if buf.numel() > 0:
@@ -302,6 +384,30 @@ class SPPCommunicator:
                 for member in got.chunks:
                     self._check_order(member)
         return got, tensors
+
+    def _recv_shared(self) -> tuple[torch.Tensor, Any, Tensors, bool]:
+        """The next slot: its header, the header decoded (see :func:`_decode`), its
+        tensors (if they came with it) and whether they did."""
+        assert self._in is not None
+        with named_comm("spp", "recv"):
+            slot = self._in.peek()
+        try:
+            header = slot[:_HEADER_BYTES].view(torch.int64).clone()
+            inline = bool(slot[_HEADER_BYTES:_SLOT_PREFIX].view(torch.int64).item())
+            decoded = _decode(header)
+            tensors: Tensors = {}
+            if inline and not isinstance(decoded, ChunkHeaderError):
+                _, specs = decoded
+                sizes = [math.prod(sp.shape) * sp.dtype.itemsize for sp in specs]
+                offsets, _ = _slot_layout(sizes)
+                for sp, off, n in zip(specs, offsets, sizes, strict=True):
+                    buf = torch.empty(sp.shape, dtype=sp.dtype)
+                    if n > 0:
+                        buf.reshape(-1).view(torch.uint8).copy_(slot[off : off + n])
+                    tensors[sp.name] = buf
+        finally:
+            self._in.release()
+        return header, decoded, tensors, inline
 
     def forget(self, seq_id: int) -> None:
         """Stop tracking a finished sequence's chunk order."""
@@ -343,6 +449,30 @@ class SPPCommunicator:
                     f"{where}: tensor {name!r} has shape {list(got)}, receiver expects "
                     f"{list(shape)}"
                 )
+
+
+#: a shared-memory slot: the header, a word saying whether the tensors follow in the
+#: slot (1) or over gloo (0), then each tensor's bytes (header order) on 64-byte bounds
+_HEADER_BYTES = HEADER_WORDS * 8
+_SLOT_PREFIX = _HEADER_BYTES + 8
+
+
+def _decode(header: torch.Tensor) -> tuple[ChunkMeta, list[Any]] | ChunkHeaderError:
+    """:func:`decode_header`, or the error it raised."""
+    try:
+        return decode_header(header)
+    except ChunkHeaderError as exc:
+        return exc
+
+
+def _slot_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each tensor's bytes start in a slot, and where the last one ends."""
+    offsets, end = [], _SLOT_PREFIX
+    for n in sizes:
+        end = -(-end // 64) * 64
+        offsets.append(end)
+        end += n
+    return offsets, end
 
 
 @dataclass(frozen=True, slots=True)

@@ -326,3 +326,67 @@ def test_spp_failures_raise_clear_errors_and_do_not_hang(tmp_path: Path) -> None
     assert name == "CommunicationError" and is_comm
     assert "spp" in msg and "recv" in msg and "Timed out" in msg
     assert 2.0 < s1["timeout_s"] < 15.0
+
+
+# -- shared memory between the stages --------------------------------------------
+
+
+def _payloads() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        {"hidden": torch.randn(1, 16, generator=g)},  # a decode step's activations
+        {"hidden": torch.randn(3, 16, generator=g).to(torch.bfloat16), "ids": torch.arange(5)},
+        {"hidden": torch.randn(64, 64, generator=g), "empty": torch.zeros(0, 4)},  # 16 KiB
+        {"hidden": torch.randn(2, 8, generator=g).t()},  # not contiguous
+        {"mask": torch.tensor([True, False, True]), "hidden": torch.randn(1, 16, generator=g)},
+    ]
+
+
+def _shared(rank: int, world_size: int, init: str) -> dict:
+    from medha_parallel import ParallelLayout, ParallelState
+    from medha_parallel.spp import SPPCommunicator
+
+    state = ParallelState.initialize(
+        ParallelLayout(spp=2),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=30,
+    )
+    out: dict = {}
+    # 4 KiB slots: the 16 KiB payload follows its header over gloo.
+    for name, kw in (("shm", {"slot_bytes": 4096}), ("gloo", {"shared_memory": False})):
+        comm = SPPCommunicator(state, max_inflight=2, **kw)
+        out[f"{name}_uses"] = comm.uses_shared_memory
+        got = []
+        for i, tensors in enumerate(_payloads()):
+            meta = ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+            if comm.is_first:
+                comm.send_chunk(meta, tensors)
+            else:
+                m, t = comm.recv_chunk()
+                got.append((m, t))
+        if comm.is_first:
+            comm.drain()
+            out[f"{name}_inflight"] = comm.inflight
+        out[name] = got
+        out[f"{name}_stats"] = comm.stats
+    return out
+
+
+def test_shared_memory_carries_chunks_like_gloo(one_thread) -> None:
+    s0, s1 = launch(_shared, 2)
+    assert s0["shm_uses"] and s1["shm_uses"]  # both stages on this host
+    assert not s0["gloo_uses"] and not s1["gloo_uses"]
+    assert s0["shm_inflight"] == 0 and s0["gloo_inflight"] == 0
+    for name in ("shm", "gloo"):
+        assert len(s1[name]) == len(_payloads())
+        for i, ((meta, got), sent) in enumerate(zip(s1[name], _payloads(), strict=True)):
+            assert meta == ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+            assert sorted(got) == sorted(sent)
+            for key, t in sent.items():
+                assert got[key].dtype == t.dtype and got[key].shape == t.shape, (name, i, key)
+                assert torch.equal(got[key], t), (name, i, key)
+                assert got[key].is_contiguous()
+        assert s0[f"{name}_stats"].bytes_sent == s1[f"{name}_stats"].bytes_received
