@@ -20,7 +20,13 @@ over a gloo control group. Every other rank runs the one worker loop
    :class:`~medha_runtime.executor.StageCleared`;
 3. the sampling rank's :class:`~medha_runtime.messages.Done` (the sampled
    rows; a reply thread receives it when the sampler is not rank 0) makes
-   :class:`~medha_runtime.executor.StepDone`.
+   :class:`~medha_runtime.executor.StepDone`. With SPP > 1 every other rank
+   posts its :class:`~medha_runtime.messages.Done` too (its times, no rows;
+   it does not wait for rank 0 to take it), and the reply thread takes one
+   from each rank per step: ``StepDone.stage_s`` holds, per stage, the
+   slowest rank's own seconds (``compute_s - wait_s``; rank 0 times its
+   share itself), as :class:`~medha_runtime.executor.MultiprocExecutor`
+   reports them, so the engine's cost model learns the stage-sum latency.
 
 So the engine's stream pipelining works across nodes as it does in one:
 up to ``spp`` batches are in flight, and the next chunk of a prompt enters
@@ -42,6 +48,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from medha_runtime.dist_config import (
@@ -72,6 +79,35 @@ from medha_runtime.transport import Posted, post_object, recv_object
 _POLL_S = 0.5
 
 
+@dataclass(frozen=True, slots=True)
+class _Cleared:
+    """Rank 0 finished its share of ``step_id`` in ``own_s`` seconds (without
+    waiting for a previous stage); ``result``: its sampled rows if it samples."""
+
+    step_id: int
+    result: list[Sampled] | None
+    own_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Replies:
+    """What the reply thread received for ``step_id``, one message per rank it hears."""
+
+    step_id: int
+    replies: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Broken:
+    """A thread of the driver cannot go on: ``why``."""
+
+    why: str
+
+
+#: what the driver's threads report to :meth:`DistributedExecutor.next_event`
+_Report = _Cleared | _Replies | _Broken
+
+
 class DistributedExecutor:
     """Rank 0 of a ``torch.distributed`` world (see the module docstring).
 
@@ -99,12 +135,11 @@ class DistributedExecutor:
         self._posted: deque[Posted] = deque()
         self._jobs: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
         self._expect: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        #: ("cleared", step_id, rank 0's result) | ("reply", Done | Failed) | ("error", text)
-        self._out: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._out: queue.SimpleQueue[_Report] = queue.SimpleQueue()
         self._events: deque[StepEvent] = deque()
         self._order: deque[int] = deque()  # step ids in flight, oldest first
-        self._cleared: set[int] = set()
-        self._early: dict[int, StepDone] = {}  # the sampler's answer before rank 0 cleared it
+        self._cleared: dict[int, _Cleared] = {}  # rank 0 done, the replies not yet taken
+        self._early: dict[int, _Replies] = {}  # the replies before rank 0 cleared the step
         self._threads: list[threading.Thread] = []
         self._env = rendezvous_env()  # join_world sets it; _close puts it back
         local = range(1, config.local_ranks if config.start_local else 1)
@@ -133,15 +168,24 @@ class DistributedExecutor:
         dist.broadcast_object_list([self.spec], src=0, group=self.control)
         set_threads(self.spec, cfg.local_ranks)
         _, self.runner, error = build_rank(self.spec)
-        info = {"rank": 0, "sampler": self.runner is not None and self.runner.is_sampler}
+        info = {
+            "rank": 0,
+            "sampler": self.runner is not None and self.runner.is_sampler,
+            "stage": None if self.runner is None else self.runner.stage,
+        }
         infos: list[Any] = [None] * cfg.world_size
         dist.gather_object({**info, "error": error}, infos, dst=0, group=self.control)
         for i in infos:
             if i["error"] is not None:
                 raise WorkerError(f"rank {i['rank']} failed to start:\n{i['error']}")
         self.sampler_rank = next(i["rank"] for i in infos if i["sampler"])
+        #: each rank's pipeline stage; with SPP > 1 every other rank replies (its times)
+        self._stage_of = {i["rank"]: i["stage"] for i in infos}
+        self._timed = self.spec.spp > 1
+        others = range(1, cfg.world_size) if self._timed else (self.sampler_rank,)
+        self._reply_ranks = tuple(r for r in others if r != 0)
         self._spawn(self._model_loop, "medha-rank0", torch.get_num_threads())
-        if self.sampler_rank != 0:
+        if self._reply_ranks:
             self._spawn(self._reply_loop, "medha-replies")
         self._thread = self._spawn(self._keepalive, "medha-keepalive")
 
@@ -179,29 +223,39 @@ class DistributedExecutor:
         import torch
 
         torch.set_num_threads(threads)  # this thread's intra-op pool
+        pipeline = getattr(self.runner, "pipeline", None)
         while (plan := self._jobs.get()) is not None:
+            t0 = time.perf_counter()
             try:
                 result = self.runner.execute(plan)
             except BaseException as exc:
                 why = f"step {plan.step_id} failed on rank 0: {type(exc).__name__}: {exc}"
-                self._out.put(("error", why))
+                self._out.put(_Broken(why))
                 return
-            self._out.put(("cleared", plan.step_id, result))
+            wait = pipeline.wait_s if pipeline is not None else 0.0
+            self._out.put(_Cleared(plan.step_id, result, time.perf_counter() - t0 - wait))
 
     def _reply_loop(self) -> None:
-        """The sampling rank's answer to each step, in order (it is not rank 0)."""
+        """Each step's answers, in order: the sampling rank's (it is not rank 0) and,
+        with SPP > 1, every other rank's (their times)."""
         while (step_id := self._expect.get()) is not None:
-            try:
-                reply = recv_object(self.sampler_rank, self.control)
-            except Exception as exc:
-                why = (
-                    f"step {step_id} failed: no answer from the sampling rank "
-                    f"{self.sampler_rank} ({type(exc).__name__}: {exc}; a worker rank died or "
-                    "failed: its stderr, on its node, has details)"
-                )
-                self._out.put(("error", why))
-                return
-            self._out.put(("reply", reply))
+            replies = []
+            for rank in self._reply_ranks:
+                try:
+                    reply = recv_object(rank, self.control)
+                except Exception as exc:
+                    role = "the sampling rank" if rank == self.sampler_rank else "rank"
+                    why = (
+                        f"step {step_id} failed: no answer from {role} {rank} "
+                        f"({type(exc).__name__}: {exc}; a worker rank died or failed: its "
+                        "stderr, on its node, has details)"
+                    )
+                    self._out.put(_Broken(why))
+                    return
+                replies.append(reply)
+                if isinstance(reply, Failed):
+                    break
+            self._out.put(_Replies(step_id, tuple(replies)))
 
     # ------------------------------------------------------------------ steps
     @property
@@ -218,7 +272,7 @@ class DistributedExecutor:
             self._fail(f"step {plan.step_id}: a worker rank is gone ({type(exc).__name__}: {exc})")
         self._order.append(plan.step_id)
         self._jobs.put(plan)
-        if self.sampler_rank != 0:
+        if self._reply_ranks:
             self._expect.put(plan.step_id)
 
     def next_event(self) -> StepEvent:
@@ -238,33 +292,45 @@ class DistributedExecutor:
             if event.step_id != self._order[0]:
                 self._fail(f"step {event.step_id} ended before step {self._order[0]}")
             self._order.popleft()
-            self._cleared.discard(event.step_id)
         return event
 
-    def _take(self, item: tuple[Any, ...]) -> None:
-        """Turn one thread report into events (a sampler's answer waits for its StageCleared)."""
-        kind = item[0]
-        if kind == "error":
-            self._fail(item[1])
-        if kind == "cleared":
-            _, step_id, result = item
-            self._cleared.add(step_id)
-            self._events.append(StageCleared(step_id))
-            if self.sampler_rank == 0:
-                self._events.append(StepDone(step_id, [] if result is None else result))
-            elif step_id in self._early:
-                self._events.append(self._early.pop(step_id))
+    def _take(self, item: _Report) -> None:
+        """Turn one thread report into events (the replies wait for their StageCleared)."""
+        if isinstance(item, _Broken):
+            self._fail(item.why)
+        if isinstance(item, _Cleared):
+            self._events.append(StageCleared(item.step_id))
+            if not self._reply_ranks:
+                self._events.append(self._step_done(item, _Replies(item.step_id, ())))
+            elif (early := self._early.pop(item.step_id, None)) is not None:
+                self._events.append(self._step_done(item, early))
+            else:
+                self._cleared[item.step_id] = item
             return
-        reply = item[1]
-        if isinstance(reply, Failed):
-            self._fail(f"a step failed: {reply.error}")
-        if not isinstance(reply, Done):
-            self._fail(f"the sampling rank answered {reply!r}")
-        done = StepDone(reply.step_id, reply.result)
-        if reply.step_id in self._cleared:
-            self._events.append(done)
+        for reply in item.replies:
+            if isinstance(reply, Failed):
+                self._fail(f"a step failed: {reply.error}")
+            if not isinstance(reply, Done) or reply.step_id != item.step_id:
+                self._fail(f"a worker rank answered step {item.step_id} with {reply!r}")
+        if (cleared := self._cleared.pop(item.step_id, None)) is not None:
+            self._events.append(self._step_done(cleared, item))
         else:
-            self._early[reply.step_id] = done
+            self._early[item.step_id] = item
+
+    def _step_done(self, cleared: _Cleared, replies: _Replies) -> StepDone:
+        """The step's sampled rows and, with SPP > 1, its per-stage own seconds."""
+        result = cleared.result
+        for reply in replies.replies:
+            if reply.rank == self.sampler_rank:
+                result = reply.result
+        if not self._timed:
+            return StepDone(cleared.step_id, [] if result is None else result)
+        stage_s = [0.0] * self.spec.spp
+        stage_s[self._stage_of[0]] = cleared.own_s
+        for reply in replies.replies:
+            stage = self._stage_of[reply.rank]
+            stage_s[stage] = max(stage_s[stage], reply.compute_s - reply.wait_s)
+        return StepDone(cleared.step_id, [] if result is None else result, tuple(stage_s))
 
     def _fail(self, message: str) -> Any:
         self.failed = message

@@ -49,12 +49,19 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
         spec = box[0]
         set_threads(spec, local_world)
         _, runner, error = build_rank(spec)
-        info = {"rank": rank, "sampler": runner is not None and runner.is_sampler, "error": error}
+        info = {
+            "rank": rank,
+            "sampler": runner is not None and runner.is_sampler,
+            "stage": None if runner is None else runner.stage,
+            "error": error,
+        }
         dist.gather_object(info, None, dst=0, group=control)
         if runner is None:
             _say(rank, f"failed to start:\n{error}")
             return 1
-        transport = DistTransport(control, rank=rank, replies=runner.is_sampler and rank != 0)
+        transport = DistTransport(
+            control, rank=rank, replies=runner.is_sampler and rank != 0, times=spec.spp > 1
+        )
         code = serve(runner, transport, rank=rank)
         if code:
             _say(rank, "stopping: the driver or a peer rank is gone, or a step failed (see above)")

@@ -12,16 +12,19 @@ driver message, :meth:`~WorkerTransport.send` posts a reply. Both raise
   (:class:`~medha_runtime.dist_executor.DistributedExecutor`, several nodes
   or torchrun). The driver is rank 0 and posts each message to every rank
   point to point (:func:`post_object`: it does not wait for a rank still
-  busy with an earlier step, which a broadcast would); only the sampling
-  rank's replies travel back; the other ranks' replies stay local, and their
-  failures reach the driver as a failed step on a peer (their traceback is
-  on their own stderr).
+  busy with an earlier step, which a broadcast would); the sampling rank's
+  replies travel back and, with SPP > 1, every rank's
+  :class:`~medha_runtime.messages.Done` (its stage times; posted without
+  waiting, so a stage-0 rank goes on with the next step). Other replies stay
+  local, and a failure on a rank other than the sampling one reaches the
+  driver as a failed step on a peer (its traceback is on its own stderr).
 """
 
 from __future__ import annotations
 
 import pickle
 import sys
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -69,10 +72,14 @@ class DistTransport:
         rank: this rank.
         replies: whether this rank's replies go to the driver (the sampling
             rank, unless it is the driver itself).
+        times: whether this rank's :class:`Done` goes to the driver even if
+            ``replies`` is False (SPP > 1: the driver sums the stage times);
+            posted without waiting for the driver to take it.
     """
 
-    def __init__(self, control: Any, *, rank: int, replies: bool) -> None:
-        self.control, self.rank, self.replies = control, rank, replies
+    def __init__(self, control: Any, *, rank: int, replies: bool, times: bool = False) -> None:
+        self.control, self.rank, self.replies, self.times = control, rank, replies, times
+        self._posted: deque[Posted] = deque()  # the times posted, not yet delivered
 
     def recv(self) -> ToWorker:
         try:
@@ -84,6 +91,14 @@ class DistTransport:
         if isinstance(msg, Failed):
             text = f"medha-runtime worker rank {self.rank}: {msg.error}"
             print(text, file=sys.stderr, flush=True)
+        if not self.replies and self.times and isinstance(msg, Done):
+            try:
+                while self._posted and self._posted[0].done():
+                    self._posted.popleft()
+                self._posted.append(post_object(msg, 0, self.control))
+            except Exception as exc:
+                raise TransportClosed(f"the driver is gone ({type(exc).__name__}: {exc})") from None
+            return
         if not self.replies or not isinstance(msg, (Done, Failed)):
             return
         try:

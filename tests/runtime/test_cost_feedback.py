@@ -108,3 +108,57 @@ def test_engine_spp2_learns_from_the_workers_stage_times() -> None:
         assert feedback.learning and feedback.steps >= 8
         assert cost.steps + len(cost.errors) >= feedback.steps - 1  # every step reached it
         assert cost.coefficients != before
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_distributed_executor_spp2_learns_from_the_stage_times(monkeypatch, tp) -> None:
+    """The torch.distributed executor (this process is rank 0 on stage 0, local
+    workers for the other ranks; with TP2 ranks 1 and 3 send only their times):
+    the cost model trains on the stage sums, not the wall time."""
+    from medha_runtime.dist_config import RENDEZVOUS_ENV, DistConfig
+    from medha_runtime.dist_executor import DistributedExecutor
+    from tests.server.conftest import free_port
+
+    for name in RENDEZVOUS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    world = 2 * tp
+    dist = DistConfig(
+        world_size=world, local_ranks=world, master_port=free_port(), control_timeout_s=60
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = "Medha shards the KV cache of long prompts " * 4
+    kw = {"max_model_len": 256, "spp": 2, "tp": tp, "chunk_size": 16, "kv_cache_tokens": 1024}
+    with LLM("tiny", device="cpu", distributed=dist, **kw) as llm:
+        executor = llm.engine.executor
+        assert isinstance(executor, DistributedExecutor)
+        assert executor._reply_ranks == tuple(range(1, world))  # each worker's times
+        cost, feedback = llm.engine.cost_model, llm.engine.cost_feedback
+        assert isinstance(cost, OnlineCostModel)
+        before = cost.coefficients
+        seen, targets = [], []
+        record, observe = feedback.record, cost.observe
+
+        def recorded(out, seconds, stage_s=()):
+            error = record(out, seconds, stage_s)
+            seen.append((out.predicted_time, seconds, stage_s, error))
+            return error
+
+        def observed(batch, seconds):
+            targets.append(seconds)
+            return observe(batch, seconds)
+
+        feedback.record, cost.observe = recorded, observed
+        llm.generate([prompt, "Hi", "The sky over the port was"], params)
+    assert len(seen) == feedback.steps >= 8
+    for predicted, wall, stages, error in seen:
+        # each stage's own time (rank 0 times stage 0, the worker stage 1): no waits
+        assert len(stages) == 2 and all(0 < t <= wall for t in stages)
+        assert error == pytest.approx(abs(predicted - sum(stages)) / sum(stages))
+    assert llm.engine.stats.max_in_flight == 2  # the stages overlapped
+    assert feedback.learning
+    # the training targets are the stage sums, one per step, not the wall times
+    assert targets == [sum(stages) for _, _, stages, _ in seen]
+    assert sum(targets) < sum(wall for _, wall, _, _ in seen)
+    assert cost.steps > 0 and cost.coefficients != before
+    assert [p.exitcode for p in executor.processes] == [0] * (world - 1)
