@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -78,6 +79,9 @@ class ChunkMeta:
     kind: int = 0
 
     def __post_init__(self) -> None:
+        ints = (self.seq_id, self.chunk_idx, self.start_pos, self.num_tokens, self.kind)
+        if all(type(v) is int for v in ints) and min(ints[1:4]) >= 0:
+            return  # the common case, checked once per chunk per stage
         for name in ("seq_id", "chunk_idx", "start_pos", "num_tokens", "kind"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -163,17 +167,19 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-def _name_words(name: str) -> list[int]:
+@lru_cache(maxsize=256)
+def _name_words(name: str) -> tuple[int, ...]:
     raw = name.encode("ascii", errors="strict") if name.isascii() else b""
     if not raw or len(raw) > MAX_NAME_BYTES or b"\0" in raw:
         raise ChunkHeaderError(
             f"tensor name {name!r} must be 1..{MAX_NAME_BYTES} ASCII characters without NUL"
         )
     raw = raw.ljust(MAX_NAME_BYTES, b"\0")
-    return [int.from_bytes(raw[8 * i : 8 * i + 8], "big") for i in range(NAME_WORDS)]
+    return tuple(int.from_bytes(raw[8 * i : 8 * i + 8], "big") for i in range(NAME_WORDS))
 
 
-def _words_name(words: list[int]) -> str:
+@lru_cache(maxsize=256)
+def _words_name(words: tuple[int, ...]) -> str:
     raw = b"".join(w.to_bytes(8, "big") for w in words if w >= 0)
     if len(raw) != MAX_NAME_BYTES:
         raise ChunkHeaderError("tensor name words are negative")
@@ -251,7 +257,7 @@ def decode_header(header: torch.Tensor) -> tuple[ChunkMeta, list[TensorSpec]]:
     specs: list[TensorSpec] = []
     for i in range(n):
         base = _FIXED + i * _PER_TENSOR
-        name = _words_name(w[base : base + NAME_WORDS])
+        name = _words_name(tuple(w[base : base + NAME_WORDS]))
         code, ndim = w[base + NAME_WORDS], w[base + NAME_WORDS + 1]
         dims = w[base + NAME_WORDS + 2 : base + _PER_TENSOR]
         if not 0 <= code < len(_DTYPES):

@@ -69,6 +69,7 @@ class PipelineStage:
             keep_timeline=False,
         )
         self._chunks: dict[str, int] = {}  # request id -> its next chunk index
+        self._seq_ids: dict[str, int] = {}  # request id -> seq_id(request id), while tracked
         self._batches = 0
         self._stream_pos = 0
         self._batch: ForwardBatch | None = None
@@ -85,17 +86,21 @@ class PipelineStage:
         """Requests whose state is gone: their next chunk is chunk 0 again."""
         for rid in request_ids:
             if self._chunks.pop(rid, None) is not None:
-                self.comm.forget(seq_id(rid))
+                self.comm.forget(self._seq_ids.pop(rid))
 
     def micro_batch(self, plan: StepPlan) -> MicroBatch:
         """The plan's header: one :class:`ChunkMeta` per chunk (advances the counters)."""
         metas = []
         for c in plan.chunks:
-            idx = self._chunks.get(c.request_id, 0)
-            self._chunks[c.request_id] = idx + 1
+            rid = c.request_id
+            idx = self._chunks.get(rid, 0)
+            self._chunks[rid] = idx + 1
+            seq = self._seq_ids.get(rid)
+            if seq is None:
+                seq = self._seq_ids[rid] = seq_id(rid)
             metas.append(
                 ChunkMeta(
-                    seq_id(c.request_id),
+                    seq,
                     idx,
                     c.start,
                     c.num_tokens,
