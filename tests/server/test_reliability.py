@@ -425,7 +425,7 @@ def test_oversized_chunked_body_is_cut_off(main_server: Server) -> None:
 
 # ----------------------------------------------------------- memory pressure
 POOL, CONTEXT = 128, 64  # KV tokens in the pool (8 blocks of 16); the context limit
-PRESSURE_N, PROMPT_LEN, NEW_TOKENS = 6, 16, 24  # 6 x 40 tokens (3 blocks each) vs 8 blocks
+PRESSURE_N, PROMPT_LEN, NEW_TOKENS = 6, 16, 48  # 6 x 64 tokens (4 blocks each) vs 8 blocks
 
 
 def pressure_body(i: int) -> dict[str, Any]:
@@ -434,7 +434,9 @@ def pressure_body(i: int) -> dict[str, Any]:
 
 
 async def send_all(server: Server, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    """Every body at once, over connections opened beforehand (so they arrive together)."""
     async with httpx.AsyncClient(timeout=60) as http:
+        await asyncio.gather(*(http.get(f"{server.url}/health") for _ in bodies))
         url = f"{server.url}/v1/completions"
         return await asyncio.gather(*(http.post(url, json=b) for b in bodies))
 
