@@ -139,3 +139,17 @@ def test_token_strings_and_bytes_byte_level() -> None:
     assert front.token_bytes(0xE2) == b"\xe2" and front.token_str(0xE2) == "bytes:\\xe2"
     assert front.token_bytes(256) == b" hi" and front.token_str(256) == " hi"
     assert front.token_str(ord("A")) == "A"
+
+
+def test_an_event_stays_one_line_for_any_text() -> None:
+    """Every character ``str.splitlines`` breaks on (httpx's ``aiter_lines`` does) stays
+    inside its event, and the text comes back whole."""
+    import json
+
+    from httpx._decoders import LineDecoder
+
+    text = "a\nb\rc\x0bd\x0ce\x1cf\x1dg\x1eh\x85i\u2028j\u2029k"
+    event = fmt.sse({"choices": [{"text": text}]})
+    lines = [line for line in LineDecoder().decode(event) if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: ") :])["choices"][0]["text"] == text

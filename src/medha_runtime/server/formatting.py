@@ -122,9 +122,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None)
     return u
 
 
+#: characters that JSON leaves raw but ``str.splitlines`` (httpx's ``aiter_lines``,
+#: and so the openai client) takes for line ends: escaped, so an event stays one line
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event, on one line whatever the text holds."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
