@@ -21,5 +21,6 @@ from medha_kernels.merge import merge_state_in_place as merge_state_in_place
 from medha_kernels.merge import merge_states as merge_states
 from medha_kernels.paged_kv import append_paged_kv as append_paged_kv
 from medha_kernels.plan import PagedAttentionPlan as PagedAttentionPlan
+from medha_kernels.plan import PagedHost as PagedHost
 from medha_kernels.plan import plan_paged_attention as plan_paged_attention
 from medha_kernels.plan import plan_paged_attention_from_host as plan_paged_attention_from_host

@@ -86,6 +86,27 @@ class PagedMeta:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PagedHost:
+    """Host copies of a step's metadata, as the caller built the tensors from them.
+
+    With it :func:`plan_paged_attention` reads nothing back from the device (no
+    GPU sync); FlashInfer's ``plan`` takes its host index arrays the same way.
+    The lists are checked like the tensors would be; they must hold what the
+    tensors hold (not compared).
+
+    Attributes:
+        cu_seqlens_q: ``batch + 1`` query row offsets.
+        kv_lens: ``batch`` keys per sequence.
+        max_block: the largest block id any sequence uses (``-1`` if none);
+            a negative id in use is the caller's error.
+    """
+
+    cu_seqlens_q: Sequence[int]
+    kv_lens: Sequence[int]
+    max_block: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class PagedAttentionPlan:
     """A validated step plan; :meth:`run` it once per layer.
 
@@ -148,6 +169,7 @@ def plan_paged_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     backend: str = "auto",
+    host: PagedHost | None = None,
 ) -> PagedAttentionPlan:
     """Validate a step's metadata once and plan its attention for every layer.
 
@@ -165,10 +187,19 @@ def plan_paged_attention(
             without it every key.
         sm_scale: default ``1 / sqrt(head_dim)``.
         backend: ``"auto"``, ``"torch"``, ``"native"``, ``"triton"`` or ``"flashinfer"``.
+        host: the same metadata as host lists (:class:`PagedHost`): then nothing
+            is read back from the device.
 
     Returns:
         A :class:`PagedAttentionPlan`.
     """
+    if host is not None:
+        n = cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 1 else -1
+        if len(host.cu_seqlens_q) != n or len(host.kv_lens) != kv_lens.shape[0]:
+            raise KernelInputError(
+                f"host: {len(host.cu_seqlens_q)} offsets and {len(host.kv_lens)} lengths "
+                f"for tensors of {tuple(cu_seqlens_q.shape)} and {tuple(kv_lens.shape)}"
+            )
     meta = _validate(
         cu_seqlens_q,
         kv_lens,
@@ -180,6 +211,9 @@ def plan_paged_attention(
         dtype=dtype,
         causal=causal,
         sm_scale=sm_scale,
+        host=None
+        if host is None
+        else ([int(x) for x in host.cu_seqlens_q], [int(x) for x in host.kv_lens], host.max_block),
     )
     return _plan(meta, backend)
 

@@ -64,3 +64,41 @@ def test_host_plan_refuses_bad_lists() -> None:
         plan_paged_attention_from_host(
             cu_seqlens_q=cu, kv_lens=[5, 7, 3, 1, 0], block_tables=tables, **SHAPES
         )
+
+
+def test_tensor_plan_with_host_copies_reads_nothing_back(monkeypatch) -> None:
+    """``plan_paged_attention(..., host=PagedHost(...))``: the tensors' own plan, built
+    without a device read; host lists that do not match the tensors' sizes are refused."""
+    from medha_kernels import PagedHost
+
+    cu, lens, tables = _host_batch()
+    width = 3
+    rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+    tensors = {
+        "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
+        "kv_lens": torch.tensor(lens, dtype=torch.int32),
+        "block_table": torch.tensor(rows, dtype=torch.int32),
+    }
+    ref = plan_paged_attention(**tensors, **SHAPES)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("host read while planning with host copies")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_read)
+    monkeypatch.setattr(torch.Tensor, "item", no_read)
+    monkeypatch.setattr(torch.Tensor, "__int__", no_read)
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_read)
+    host = PagedHost(cu_seqlens_q=cu, kv_lens=lens, max_block=ref.meta.max_block)
+    plan = plan_paged_attention(**tensors, **SHAPES, host=host)
+    monkeypatch.undo()
+    assert (plan.meta.cu, plan.meta.lens, plan.meta.max_block) == (cu, lens, 11)
+    q = torch.randn(cu[-1], 6, 16)
+    kc, vc = torch.randn(12, 4, 2, 16), torch.randn(12, 4, 2, 16)
+    for got, want in zip(plan.run(q, kc, vc), ref.run(q, kc, vc), strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(KernelInputError, match=r"host: 5 offsets and 5 lengths for tensors"):
+        short = PagedHost(cu_seqlens_q=cu[:5], kv_lens=lens, max_block=11)
+        plan_paged_attention(**tensors, **SHAPES, host=short)
+    with pytest.raises(KernelInputError, match=r"kv_lens\[1\]=12 is below its 13 queries"):
+        wrong = PagedHost(cu_seqlens_q=[0, 1, 14, 14, 15, 15], kv_lens=lens, max_block=11)
+        plan_paged_attention(**tensors, **SHAPES, host=wrong)

@@ -93,3 +93,30 @@ def test_transformers_reads_the_saved_tiny_model(tmp_path) -> None:
     assert not torch.allclose(far64, near64, atol=1e-2)
     assert_twice_torch(_logits(model), near64, near32, what="logits at position 0")
     assert_twice_torch(_logits(model, offset=offset), far64, far32, what="logits at 64K")
+
+
+def test_a_built_batch_plans_its_attention_without_reading_the_device(monkeypatch) -> None:
+    """``ForwardBatch.build`` keeps the host lists it made its tensors from, so the
+    step's attention plan reads nothing back (on a GPU: no sync per step), and the
+    logits equal those of a batch planned from its tensors."""
+    model, _ = build_tiny()
+    blocks = [[2, 0, 1, 3], [5, 4]]
+    prompts = [PROMPT, PROMPT[:9]]
+    built = ForwardBatch.build(prompts, [0, 0], blocks, block_size=8)
+    assert built.host is not None and built.host.max_block == 5
+    assert list(built.host.cu_seqlens_q) == built.cu_seqlens_q.tolist()
+    bare = ForwardBatch.build(prompts, [0, 0], blocks, block_size=8)
+    bare.host = None
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the plan read the device")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_read)
+    monkeypatch.setattr(torch.Tensor, "item", no_read)
+    plan = built.attention_plan(
+        num_qo_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32
+    )
+    monkeypatch.undo()
+    assert plan.meta.max_block == 5
+    out = model(built, model.allocate_kv_cache(6, 8))
+    assert torch.equal(out, model(bare, model.allocate_kv_cache(6, 8)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from medha_kernels import PagedAttentionPlan, append_paged_kv, plan_paged_attention
+from medha_kernels import PagedAttentionPlan, PagedHost, append_paged_kv, plan_paged_attention
 
 
 @dataclass
@@ -29,6 +29,9 @@ class ForwardBatch:
         slots: ``[N]`` int32 cache slot where each new token's K/V is written;
             a negative slot writes nothing (a token whose KV lives elsewhere).
         sample_rows: ``[S]`` int64 rows whose logits the last stage returns.
+        host: the offsets, lengths and largest block id as the host lists the
+            tensors were built from (None: the plan reads them from the tensors,
+            a GPU sync).
 
     The step's attention plan (:meth:`attention_plan`) is built by the first
     layer that asks and reused by the others: the metadata is validated and
@@ -42,6 +45,7 @@ class ForwardBatch:
     block_table: torch.Tensor
     slots: torch.Tensor
     sample_rows: torch.Tensor
+    host: PagedHost | None = field(default=None, compare=False)
     _plans: dict[tuple, PagedAttentionPlan] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -109,6 +113,7 @@ class ForwardBatch:
                 block_size=block_size,
                 dtype=dtype,
                 backend=backend,
+                host=self.host,
             )
             self._plans[key] = plan
         return plan
@@ -122,9 +127,8 @@ class ForwardBatch:
         return int(self.kv_lens.shape[0])
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        return ForwardBatch(
-            **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.init}
-        )
+        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return ForwardBatch(**{k: v if k == "host" else v.to(device) for k, v in moved.items()})
 
     @classmethod
     def build(
@@ -194,6 +198,8 @@ class ForwardBatch:
                 rows.append(len(ids) - 1)
         width = max((len(b) for b in block_ids), default=0)
         table = [list(b) + [0] * (width - len(b)) for b in block_ids]
+        in_use = [b[: -(-n // block_size)] for b, n in zip(block_ids, kv_lens, strict=True)]
+        max_block = max((max(u) for u in in_use if u), default=-1)
 
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, device=device)
@@ -206,6 +212,7 @@ class ForwardBatch:
             block_table=t(table, torch.int32).reshape(n, width),
             slots=t(slots, torch.int32),
             sample_rows=t(rows, torch.int64),
+            host=PagedHost(cu_seqlens_q=cu, kv_lens=kv_lens, max_block=max_block),
         )
 
 
