@@ -125,6 +125,70 @@ def test_paged_mixed_batch_vs_float64(dtype, block_size, hq, hkv, d, causal) -> 
         )
 
 
+# --- large chunks: torch's CPU flash op (medha_kernels.native.cpu_flash) ---------------
+
+
+def _count_flash(monkeypatch) -> list[int]:
+    """Count the calls that go to torch's flash op (the native module's own reference)."""
+    from medha_kernels.native import attention as native_attn
+
+    calls: list[int] = []
+    real = native_attn.flash_attention
+
+    def counted(q, *args):
+        calls.append(q.shape[0])
+        return real(q, *args)
+
+    monkeypatch.setattr(native_attn, "flash_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("num_q", "num_kv", "q_offset", "causal", "hq", "hkv", "d"),
+    [
+        (256, 256, 0, True, 9, 3, 64),  # the whole prompt: the causal triangle alone
+        (300, 700, 400, True, 6, 2, 40),  # a chunk after a 400-key prefix: merged
+        (260, 300, 40, False, 4, 4, 24),  # non-causal (a KVP shard), no GQA
+        (257, 290, 0, True, 5, 1, 33),  # keys past the chunk are not seen
+    ],
+)
+def test_large_chunks_go_to_torch_flash_and_match_float64(
+    monkeypatch, dtype, num_q, num_kv, q_offset, causal, hq, hkv, d
+) -> None:
+    calls = _count_flash(monkeypatch)
+    q = torch.randn(num_q, hq, d).to(dtype)
+    k, v = torch.randn(num_kv, hkv, d).to(dtype), torch.randn(num_kv, hkv, d).to(dtype)
+    o, lse = mk.chunked_prefill_attention(
+        q, k, v, q_offset=q_offset, causal=causal, backend="native"
+    )
+    assert calls == [num_q]
+    _check(o, lse, q, k, v, q_offset=q_offset, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_step_splits_large_chunks_from_the_native_call(monkeypatch, dtype) -> None:
+    """A step with two large chunks, decodes, a small chunk and an idle sequence: the
+    large ones go to flash, the rest to one native call; every row matches float64."""
+    calls = _count_flash(monkeypatch)
+    chunks = [1, 300, 17, 0, 256, 1]
+    kv_lens = [90, 650, 40, 9, 256, 1]
+    q, kc, vc, cu, lens, table = _paged_batch(chunks, kv_lens, 9, 3, 32, 16, dtype)
+    plan = _plan(cu, lens, table, kc, 9)
+    o, lse = plan.run(q, kc, vc)
+    assert calls == [300, 256]
+    for b, n in enumerate(kv_lens):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        k, v = paged_to_dense(kc, table[b], n), paged_to_dense(vc, table[b], n)
+        _check(o[lo:hi], lse[lo:hi], q[lo:hi], k, v, q_offset=n - (hi - lo), causal=True)
+    calls.clear()
+    only = _paged_batch([300], [650], 9, 3, 32, 16, dtype)
+    o1, lse1 = _plan(*only[3:], only[1], 9).run(*only[:3])
+    assert calls == [300]  # no native call at all
+    k, v = paged_to_dense(only[1], only[5][0], 650), paged_to_dense(only[2], only[5][0], 650)
+    _check(o1, lse1, only[0], k, v, q_offset=350, causal=True)
+
+
 def _plan(cu, lens, table, kc, hq, backend="native", **kw):
     return plan_paged_attention(
         cu_seqlens_q=cu,

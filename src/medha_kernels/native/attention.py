@@ -1,6 +1,8 @@
 """CPU attention with LSE from the native extension (``csrc/attention_cpu.cpp``).
 
-One call covers a whole step: a task per (sequence, KV head, query tile) with
+Large prefill chunks go to torch's CPU flash-attention op instead
+(:mod:`medha_kernels.native.cpu_flash`, chosen by measurement). One native call
+covers the rest of a step: a task per (sequence, KV head, query tile) with
 the query rows of all heads of one GQA group, online softmax straight over the
 block table (no gathered K/V, no copy per GQA group), threads over tasks. The
 task list is built once per step by :func:`plan_paged_attention`.
@@ -8,10 +10,12 @@ task list is built once per step by :func:`plan_paged_attention`.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
 
+from medha_kernels.native.cpu_flash import flash_attention, use_flash
 from medha_kernels.native.jit import get_module
 
 if TYPE_CHECKING:
@@ -21,16 +25,54 @@ _I32 = torch.int32
 
 
 def plan_paged_attention(meta: PagedMeta):
-    """The step's task list, then ``run(q, k_cache, v_cache) -> (o, lse)`` per layer."""
-    ext = get_module("cpu")
-    lens = meta.kv_lens
-    counts = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-    q_start = (lens - counts).to(_I32)  # a chunk is the newest tokens of its sequence
+    """The step's task list, then ``run(q, k_cache, v_cache) -> (o, lse)`` per layer.
+
+    Sequences with a large prefill chunk (:func:`~medha_kernels.native.cpu_flash.use_flash`)
+    go to torch's CPU flash-attention op over their gathered K/V; the rest of the
+    step runs in one native call.
+    """
+    counts = [hi - lo for lo, hi in itertools.pairwise(meta.cu)]
+    flash = {b for b, (n, kv) in enumerate(zip(counts, meta.lens, strict=True)) if use_flash(n, kv)}
     group = meta.num_qo_heads // meta.num_kv_heads
-    tasks = ext.plan_paged_attention(
-        meta.cu_seqlens_q, lens, q_start, meta.num_kv_heads, group, meta.causal
+    if not flash:
+        return _native_run(meta.cu_seqlens_q, meta.kv_lens, meta.block_table, meta, group)
+    rest = [b for b in range(meta.batch) if b not in flash]
+    rows = torch.tensor(
+        [r for b in rest for r in range(meta.cu[b], meta.cu[b + 1])], dtype=torch.long
     )
-    args = (meta.cu_seqlens_q, lens, q_start, meta.block_table, tasks, meta.causal, meta.sm_scale)
+    native = None
+    if rows.numel():
+        pick = torch.tensor(rest, dtype=torch.long)
+        cu = torch.tensor([0, *itertools.accumulate(counts[b] for b in rest)], dtype=_I32)
+        native = _native_run(cu, meta.kv_lens[pick], meta.block_table[pick], meta, group)
+    bs = meta.block_size
+    seqs = [
+        (meta.cu[b], meta.cu[b + 1], meta.lens[b], meta.block_table[b, : -(-meta.lens[b] // bs)])
+        for b in sorted(flash)
+    ]
+    causal, scale = meta.causal, meta.sm_scale
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        if native is not None:
+            out[rows], lse[rows] = native(q[rows], k_cache, v_cache)
+        for lo, hi, kv, blocks in seqs:
+            k = k_cache.index_select(0, blocks).flatten(0, 1)[:kv]
+            v = v_cache.index_select(0, blocks).flatten(0, 1)[:kv]
+            out[lo:hi], lse[lo:hi] = flash_attention(q[lo:hi], k, v, kv - (hi - lo), causal, scale)
+        return out, lse
+
+    return run
+
+
+def _native_run(cu: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, meta, group: int):
+    """One native call over the sequences ``cu`` / ``lens`` / ``table`` describe."""
+    ext = get_module("cpu")
+    counts = cu[1:] - cu[:-1]
+    q_start = (lens - counts).to(_I32)  # a chunk is the newest tokens of its sequence
+    tasks = ext.plan_paged_attention(cu, lens, q_start, meta.num_kv_heads, group, meta.causal)
+    args = (cu, lens, q_start, table, tasks, meta.causal, meta.sm_scale)
 
     def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
         return ext.paged_attention(
@@ -82,6 +124,8 @@ def chunked_prefill_attention(
     if num_kv == 0 or num_q == 0:
         lse = torch.full((num_q, hq), float("-inf"), dtype=torch.float32)
         return q.new_zeros(q.shape), lse
+    if use_flash(num_q, num_kv) and (not causal or q_offset + num_q <= num_kv):
+        return flash_attention(q, k, v, q_offset, causal, sm_scale)
     ext = get_module("cpu")
     cu = torch.tensor([0, num_q], dtype=_I32)
     lens = torch.tensor([num_kv], dtype=_I32)

@@ -1,0 +1,75 @@
+"""Large prefill chunks on the CPU through torch's own flash-attention op.
+
+The native kernel is the faster one for decodes and small chunks; torch's
+``_scaled_dot_product_flash_attention_for_cpu`` (blocked GEMMs, natural-log
+LSE) for big ones. Measured on one thread, SmolLM2's heads (9 query, 3 KV,
+dim 64), fp32 (``docs/benchmarks.md``, "CPU attention: prefill chunks"):
+native / flash time 0.82x at 64 x 64 queries x keys, 0.93x at 128 x 128,
+1.03x at 256 x 256, 1.08x at 512 x 512, 1.10x at 128 x 4,096, 1.62x at
+512 x 4,096 and 1.78x at 2,048 x 2,048. Hence the rule: a sequence whose
+queries x keys reach :data:`FLASH_MIN_WORK` goes to flash.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: queries x keys from which a sequence's attention goes to torch's flash op
+FLASH_MIN_WORK = 256 * 256
+
+
+def use_flash(num_q: int, num_kv: int) -> bool:
+    """Whether a sequence of ``num_q`` queries over ``num_kv`` keys goes to flash."""
+    return num_q > 1 and num_q * num_kv >= FLASH_MIN_WORK
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offset: int,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's attention with its LSE (queries are keys ``q_offset:`` when causal).
+
+    Args:
+        q: ``[num_q, num_qo_heads, head_dim]``.
+        k, v: ``[num_kv, num_kv_heads, head_dim]``, ``num_kv >= q_offset + num_q``
+            when causal; q's dtype.
+
+    Returns:
+        ``o [num_q, num_qo_heads, head_dim]`` in q's dtype and ``lse [num_q,
+        num_qo_heads]`` fp32, natural log. A causal chunk with a prefix is the
+        prefix attended in full merged with the chunk's own causal triangle
+        (torch's causal mask is aligned to the top left).
+    """
+    group = q.shape[1] // k.shape[1]
+    if not causal:
+        return _flash(q, k, v, False, sm_scale, group)
+    n = q.shape[0]
+    own = _flash(q, k[q_offset : q_offset + n], v[q_offset : q_offset + n], True, sm_scale, group)
+    if q_offset == 0:
+        return own
+    return _merge(_flash(q, k[:q_offset], v[:q_offset], False, sm_scale, group), own, q.dtype)
+
+
+def _flash(q, k, v, causal: bool, scale: float, group: int):
+    """torch's op on ``[1, heads, len, dim]`` views; K/V repeated per GQA group."""
+    q4 = q.transpose(0, 1).unsqueeze(0)
+    k4 = k.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
+    v4 = v.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q4, k4, v4, 0.0, causal, scale=scale
+    )[:2]
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
+
+
+def _merge(a, b, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two states over disjoint keys, both non-empty (finite LSEs), in fp32."""
+    (o_a, s_a), (o_b, s_b) = a, b
+    m = torch.maximum(s_a, s_b)
+    w_a, w_b = torch.exp(s_a - m), torch.exp(s_b - m)
+    total = w_a + w_b
+    o = (o_a.float() * w_a.unsqueeze(-1) + o_b.float() * w_b.unsqueeze(-1)) / total.unsqueeze(-1)
+    return o.to(dtype), m + torch.log(total)
