@@ -147,10 +147,10 @@ def _count_flash(monkeypatch) -> list[int]:
 @pytest.mark.parametrize(
     ("num_q", "num_kv", "q_offset", "causal", "hq", "hkv", "d"),
     [
-        (256, 256, 0, True, 9, 3, 64),  # the whole prompt: the causal triangle alone
-        (300, 700, 400, True, 6, 2, 40),  # a chunk after a 400-key prefix: merged
-        (260, 300, 40, False, 4, 4, 24),  # non-causal (a KVP shard), no GQA
-        (257, 290, 0, True, 5, 1, 33),  # keys past the chunk are not seen
+        (728, 728, 0, True, 9, 3, 64),  # the whole prompt: the causal triangle alone
+        (300, 1800, 1500, True, 6, 2, 40),  # a chunk after a 1,500-key prefix: merged
+        (260, 2100, 40, False, 4, 4, 24),  # non-causal (a KVP shard), no GQA
+        (257, 2100, 0, True, 5, 1, 33),  # keys past the chunk are not seen
     ],
 )
 def test_large_chunks_go_to_torch_flash_and_match_float64(
@@ -171,22 +171,22 @@ def test_paged_step_splits_large_chunks_from_the_native_call(monkeypatch, dtype)
     """A step with two large chunks, decodes, a small chunk and an idle sequence: the
     large ones go to flash, the rest to one native call; every row matches float64."""
     calls = _count_flash(monkeypatch)
-    chunks = [1, 300, 17, 0, 256, 1]
-    kv_lens = [90, 650, 40, 9, 256, 1]
+    chunks = [1, 300, 17, 0, 512, 1]
+    kv_lens = [90, 1800, 40, 9, 1024, 1]
     q, kc, vc, cu, lens, table = _paged_batch(chunks, kv_lens, 9, 3, 32, 16, dtype)
     plan = _plan(cu, lens, table, kc, 9)
     o, lse = plan.run(q, kc, vc)
-    assert calls == [300, 256]
+    assert calls == [300, 512]
     for b, n in enumerate(kv_lens):
         lo, hi = int(cu[b]), int(cu[b + 1])
         k, v = paged_to_dense(kc, table[b], n), paged_to_dense(vc, table[b], n)
         _check(o[lo:hi], lse[lo:hi], q[lo:hi], k, v, q_offset=n - (hi - lo), causal=True)
     calls.clear()
-    only = _paged_batch([300], [650], 9, 3, 32, 16, dtype)
+    only = _paged_batch([300], [1800], 9, 3, 32, 16, dtype)
     o1, lse1 = _plan(*only[3:], only[1], 9).run(*only[:3])
     assert calls == [300]  # no native call at all
-    k, v = paged_to_dense(only[1], only[5][0], 650), paged_to_dense(only[2], only[5][0], 650)
-    _check(o1, lse1, only[0], k, v, q_offset=350, causal=True)
+    k, v = paged_to_dense(only[1], only[5][0], 1800), paged_to_dense(only[2], only[5][0], 1800)
+    _check(o1, lse1, only[0], k, v, q_offset=1500, causal=True)
 
 
 def _plan(cu, lens, table, kc, hq, backend="native", **kw):

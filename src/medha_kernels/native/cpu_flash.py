@@ -2,12 +2,14 @@
 
 The native kernel is the faster one for decodes and small chunks; torch's
 ``_scaled_dot_product_flash_attention_for_cpu`` (blocked GEMMs, natural-log
-LSE) for big ones. Measured on one thread, SmolLM2's heads (9 query, 3 KV,
-dim 64), fp32 (``docs/benchmarks.md``, "CPU attention: prefill chunks"):
-native / flash time 0.82x at 64 x 64 queries x keys, 0.93x at 128 x 128,
-1.03x at 256 x 256, 1.08x at 512 x 512, 1.10x at 128 x 4,096, 1.62x at
-512 x 4,096 and 1.78x at 2,048 x 2,048. Hence the rule: a sequence whose
-queries x keys reach :data:`FLASH_MIN_WORK` goes to flash.
+LSE) for big ones, K/V gathered from the blocks included. Measured with
+``python benchmarks/cpu_prefill_attention.py`` (one thread, SmolLM2's heads:
+9 query, 3 KV, dim 64, fp32), native time over flash time by queries x keys:
+0.66x at 64 x 64, 0.94x at 256 x 256, 0.90x at 512 x 512, 1.03x at
+128 x 4,096, 1.46x at 1,024 x 1,024, 1.65x at 256 x 2,048, 1.53x at
+512 x 4,096, 1.57x at 2,048 x 2,048. Hence the rule: a sequence of at least
+:data:`FLASH_MIN_Q` queries whose queries x keys reach :data:`FLASH_MIN_WORK`
+goes to flash.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 import torch
 
 #: queries x keys from which a sequence's attention goes to torch's flash op
-FLASH_MIN_WORK = 256 * 256
+FLASH_MIN_WORK = 512 * 1024
+#: fewest queries that go to flash (fewer rows use its tiles poorly)
+FLASH_MIN_Q = 128
 
 
 def use_flash(num_q: int, num_kv: int) -> bool:
     """Whether a sequence of ``num_q`` queries over ``num_kv`` keys goes to flash."""
-    return num_q > 1 and num_q * num_kv >= FLASH_MIN_WORK
+    return num_q >= FLASH_MIN_Q and num_q * num_kv >= FLASH_MIN_WORK
 
 
 def flash_attention(
