@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from medha_kernels.torch_ref.merge import merge_state
+
 #: queries x keys from which a sequence's attention goes to torch's flash op
 FLASH_MIN_WORK = 512 * 1024
 #: fewest queries that go to flash (fewer rows use its tiles poorly)
@@ -55,7 +57,8 @@ def flash_attention(
     own = _flash(q, k[q_offset : q_offset + n], v[q_offset : q_offset + n], True, sm_scale, group)
     if q_offset == 0:
         return own
-    return _merge(_flash(q, k[:q_offset], v[:q_offset], False, sm_scale, group), own, q.dtype)
+    prefix = _flash(q, k[:q_offset], v[:q_offset], False, sm_scale, group)
+    return merge_state(*prefix, *own)  # the library's exact merge
 
 
 def _flash(q, k, v, causal: bool, scale: float, group: int):
@@ -67,13 +70,3 @@ def _flash(q, k, v, causal: bool, scale: float, group: int):
         q4, k4, v4, 0.0, causal, scale=scale
     )[:2]
     return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
-
-
-def _merge(a, b, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two states over disjoint keys, both non-empty (finite LSEs), in fp32."""
-    (o_a, s_a), (o_b, s_b) = a, b
-    m = torch.maximum(s_a, s_b)
-    w_a, w_b = torch.exp(s_a - m), torch.exp(s_b - m)
-    total = w_a + w_b
-    o = (o_a.float() * w_a.unsqueeze(-1) + o_b.float() * w_b.unsqueeze(-1)) / total.unsqueeze(-1)
-    return o.to(dtype), m + torch.log(total)
