@@ -81,6 +81,11 @@ class PagedMeta:
         return len(self.lens)
 
     @property
+    def query_counts(self) -> list[int]:
+        """Each sequence's number of queries (from the host copy)."""
+        return [hi - lo for lo, hi in itertools.pairwise(self.cu)]
+
+    @property
     def device(self) -> torch.device:
         return self.cu_seqlens_q.device
 
@@ -104,6 +109,22 @@ class PagedHost:
     cu_seqlens_q: Sequence[int]
     kv_lens: Sequence[int]
     max_block: int
+
+    @classmethod
+    def from_tables(
+        cls,
+        cu_seqlens_q: Sequence[int],
+        kv_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+    ) -> PagedHost:
+        """From each sequence's block list (longer lists are cut to the blocks in use)."""
+        in_use = (t[: -(-n // block_size)] for t, n in zip(block_tables, kv_lens, strict=True))
+        return cls(
+            cu_seqlens_q=cu_seqlens_q,
+            kv_lens=kv_lens,
+            max_block=max((max(t) for t in in_use if len(t)), default=-1),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,13 +214,6 @@ def plan_paged_attention(
     Returns:
         A :class:`PagedAttentionPlan`.
     """
-    if host is not None:
-        n = cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 1 else -1
-        if len(host.cu_seqlens_q) != n or len(host.kv_lens) != kv_lens.shape[0]:
-            raise KernelInputError(
-                f"host: {len(host.cu_seqlens_q)} offsets and {len(host.kv_lens)} lengths "
-                f"for tensors of {tuple(cu_seqlens_q.shape)} and {tuple(kv_lens.shape)}"
-            )
     meta = _validate(
         cu_seqlens_q,
         kv_lens,
@@ -211,9 +225,7 @@ def plan_paged_attention(
         dtype=dtype,
         causal=causal,
         sm_scale=sm_scale,
-        host=None
-        if host is None
-        else ([int(x) for x in host.cu_seqlens_q], [int(x) for x in host.kv_lens], host.max_block),
+        host=None if host is None else (host.cu_seqlens_q, host.kv_lens, host.max_block),
     )
     return _plan(meta, backend)
 
@@ -336,7 +348,7 @@ def _validate(
     causal: bool,
     sm_scale: float | None,
     num_q: int | None = None,
-    host: tuple[list[int], list[int], int] | None = None,
+    host: tuple[Sequence[int], Sequence[int], int] | None = None,
 ) -> PagedMeta:
     """Check a step's metadata (the only host reads) and return it as a :class:`PagedMeta`.
 
@@ -364,7 +376,15 @@ def _validate(
         raise KernelInputError(
             f"block_table: expected {batch} rows [batch, max_blocks], got {block_table.shape[0]}"
         )
-    cu, lens = (cu_seqlens_q.tolist(), kv_lens.tolist()) if host is None else host[:2]
+    if host is None:
+        cu, lens = cu_seqlens_q.tolist(), kv_lens.tolist()
+    else:
+        cu, lens = [int(x) for x in host[0]], [int(x) for x in host[1]]
+        if len(cu) != batch + 1 or len(lens) != batch:
+            raise KernelInputError(
+                f"host: {len(cu)} offsets and {len(lens)} lengths for tensors of "
+                f"{tuple(cu_seqlens_q.shape)} and {tuple(kv_lens.shape)}"
+            )
     rising = all(a <= b for a, b in itertools.pairwise(cu))
     if cu[0] != 0 or not rising or (num_q is not None and cu[-1] != num_q):
         to = "num_q" if num_q is None else f"num_q={num_q}"

@@ -260,11 +260,7 @@ def build_group_batch(
         block_table=tensor(table, torch.int32).reshape(len(table), width),
         slots=tensor(slots, torch.int32),
         sample_rows=tensor(sample_rows, torch.int64),
-        host=PagedHost(
-            cu_seqlens_q=cu,
-            kv_lens=shards.kv_lens,
-            max_block=max((max(r) for r in shards.block_tables if r), default=-1),
-        ),
+        host=PagedHost.from_tables(cu, shards.kv_lens, shards.block_tables, block_size),
     )
     return batch, shards
 

@@ -31,7 +31,7 @@ def plan_paged_attention(meta: PagedMeta):
     go to torch's CPU flash-attention op over their gathered K/V; the rest of the
     step runs in one native call.
     """
-    counts = [hi - lo for lo, hi in itertools.pairwise(meta.cu)]
+    counts = meta.query_counts
     flash = {b for b, (n, kv) in enumerate(zip(counts, meta.lens, strict=True)) if use_flash(n, kv)}
     group = meta.num_qo_heads // meta.num_kv_heads
     if not flash:

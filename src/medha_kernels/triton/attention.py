@@ -13,7 +13,7 @@ alone would leave the device idle.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import math
 from collections.abc import Callable
 
@@ -64,9 +64,19 @@ def tile_config(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, 
     memory per tile) keeps the defaults.
     """
     if device.type == "cuda" and dtype.itemsize <= 2:
-        major = torch.cuda.get_device_capability(device)[0]
-        return _TILES_BY_ARCH.get(f"cuda{major}", _DEFAULT_TILES)[op]
+        return _TILES_BY_ARCH.get(_arch(device), _DEFAULT_TILES)[op]
     return _DEFAULT_TILES[op]
+
+
+@functools.cache
+def _arch(device: torch.device) -> str:
+    """``"cuda<major>"`` of a CUDA device (read once per device: launches ask per layer)."""
+    return f"cuda{torch.cuda.get_device_capability(device)[0]}"
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tiles(
@@ -101,7 +111,7 @@ def _launch_opts(device: torch.device, dtype: torch.dtype, op: str = "prefill") 
 
 def _target_programs(device: torch.device, per_sm: int = 2) -> int:
     if device.type == "cuda":
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * _sm_count(device)
     return 64
 
 
@@ -212,7 +222,7 @@ def plan_paged_attention(meta) -> Callable:
     several queries (else the prefill launch is left out) and how many KV
     splits its decodes get (:func:`decode_splits`: none when there is no decode).
     """
-    counts = [hi - lo for lo, hi in itertools.pairwise(meta.cu)]
+    counts = meta.query_counts
     prefill = any(n > 1 for n in counts)
     decode_lens = [n_kv for n, n_kv in zip(counts, meta.lens, strict=True) if n == 1]
     splits = 0
@@ -312,7 +322,7 @@ def _paged(
         GROUP=group,
         EVEN_D=head_dim == bd,
         SPLIT_MIN_KV=SPLIT_MIN_KV,
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_M=dtiles["BLOCK_M"],
         BLOCK_N=dtiles["BLOCK_N"],
         BLOCK_D=bd,
         **flags,

@@ -198,8 +198,6 @@ class ForwardBatch:
                 rows.append(len(ids) - 1)
         width = max((len(b) for b in block_ids), default=0)
         table = [list(b) + [0] * (width - len(b)) for b in block_ids]
-        in_use = [b[: -(-n // block_size)] for b, n in zip(block_ids, kv_lens, strict=True)]
-        max_block = max((max(u) for u in in_use if u), default=-1)
 
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, device=device)
@@ -212,7 +210,7 @@ class ForwardBatch:
             block_table=t(table, torch.int32).reshape(n, width),
             slots=t(slots, torch.int32),
             sample_rows=t(rows, torch.int64),
-            host=PagedHost(cu_seqlens_q=cu, kv_lens=kv_lens, max_block=max_block),
+            host=PagedHost.from_tables(cu, kv_lens, block_ids, block_size),
         )
 
 
