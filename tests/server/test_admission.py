@@ -46,6 +46,8 @@ def test_prediction_error_metrics_admission_429_and_saved_model(tmp_path) -> Non
         assert m["medha:step_time_prediction_relative_error_median"] >= 0
 
         # an SLO no prefill can meet: 429 with the predicted TTFT and Retry-After
+        assert _samples(server.url)["medha:admission_reject_seconds_count"] == 0
+        called = time.monotonic()
         with pytest.raises(openai.RateLimitError) as info:
             client.chat.completions.create(
                 model="tiny",
@@ -53,6 +55,7 @@ def test_prediction_error_metrics_admission_429_and_saved_model(tmp_path) -> Non
                 max_tokens=4,
                 extra_body={"ttft_slo_ms": 0.001},
             )
+        answered = time.monotonic()
         err = info.value
         assert err.status_code == 429
         assert int(err.response.headers["Retry-After"]) >= 1
@@ -60,7 +63,11 @@ def test_prediction_error_metrics_admission_429_and_saved_model(tmp_path) -> Non
         assert body["type"] == "RateLimitError" and body["code"] == 429
         assert body["predicted_ttft_ms"] > body["ttft_slo_ms"] == 0.001
         assert "TTFT SLO" in body["message"]
-        assert _samples(server.url)["medha:admission_rejected_total"] == 1
+        m = _samples(server.url)
+        assert m["medha:admission_rejected_total"] == 1
+        # the server timed that 429 from its arrival to its sending: inside the client's call
+        assert m["medha:admission_reject_seconds_count"] == 1
+        assert 0 < m["medha:admission_reject_seconds_sum"] <= answered - called
     finally:
         stop_server(server)
     model = parse_cost_model_spec(f"online:{state}")  # what medha-sim loads

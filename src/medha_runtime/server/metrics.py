@@ -24,6 +24,10 @@ _ITL_BUCKETS = (
 _ERROR_BUCKETS = (
     0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
 )  # fmt: skip
+_REJECT_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25,
+    0.5, 1.0,
+)  # fmt: skip
 _E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -108,6 +112,14 @@ class ServerMetrics:
             "medha:admission_rejected",
             "Requests refused with 429: predicted to miss their TTFT SLO (--admission reject).",
             labels,
+            registry=reg,
+        ).labels(model_name)
+        self.admission_reject_seconds = Histogram(
+            "medha:admission_reject_seconds",
+            "Seconds from a request's arrival in the HTTP server (before its body is read) to "
+            "its 429 being sent (--admission reject).",
+            labels,
+            buckets=_REJECT_BUCKETS,
             registry=reg,
         ).labels(model_name)
         self.prefix_cache_queries = Counter(
