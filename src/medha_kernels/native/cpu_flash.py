@@ -50,22 +50,21 @@ def flash_attention(
         prefix attended in full merged with the chunk's own causal triangle
         (torch's causal mask is aligned to the top left).
     """
-    group = q.shape[1] // k.shape[1]
     if not causal:
-        return _flash(q, k, v, False, sm_scale, group)
+        return _flash(q, k, v, False, sm_scale)
     n = q.shape[0]
-    own = _flash(q, k[q_offset : q_offset + n], v[q_offset : q_offset + n], True, sm_scale, group)
+    own = _flash(q, k[q_offset : q_offset + n], v[q_offset : q_offset + n], True, sm_scale)
     if q_offset == 0:
         return own
-    prefix = _flash(q, k[:q_offset], v[:q_offset], False, sm_scale, group)
+    prefix = _flash(q, k[:q_offset], v[:q_offset], False, sm_scale)
     return merge_state(*prefix, *own)  # the library's exact merge
 
 
-def _flash(q, k, v, causal: bool, scale: float, group: int):
-    """torch's op on ``[1, heads, len, dim]`` views; K/V repeated per GQA group."""
+def _flash(q, k, v, causal: bool, scale: float):
+    """torch's op on ``[1, heads, len, dim]`` views (it maps GQA groups itself: no K/V copy)."""
     q4 = q.transpose(0, 1).unsqueeze(0)
-    k4 = k.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
-    v4 = v.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
+    k4 = k.transpose(0, 1).unsqueeze(0)
+    v4 = v.transpose(0, 1).unsqueeze(0)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q4, k4, v4, 0.0, causal, scale=scale
     )[:2]
