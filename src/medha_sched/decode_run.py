@@ -55,6 +55,21 @@ def decode_run_limit(requests: Sequence[Request], memory: KVBlockManager, max_st
     return 0
 
 
+def kv_fits(memory: KVBlockManager, wants: Sequence[tuple[Request, int]]) -> bool:
+    """True when every ``(request, tokens)`` can grow to ``tokens`` of KV at once
+    without a new KVP shard and without a preemption (the free blocks suffice)."""
+    free = memory.free_blocks()
+    bs, g = memory.cache.block_size, memory.group_limit
+    need = [0] * len(free)
+    for r, last in wants:
+        groups = memory.groups_of(r.request_id)
+        if last > len(groups) * g:
+            return False
+        tail_tokens = last - (len(groups) - 1) * g
+        need[groups[-1]] += max(0, -(-tail_tokens // bs) - memory.tail_blocks(r.request_id))
+    return all(n <= f for n, f in zip(need, free, strict=True))
+
+
 def plan_decode_run(
     requests: Sequence[Request],
     memory: KVBlockManager,

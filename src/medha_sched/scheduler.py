@@ -14,13 +14,13 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
-from medha_sched.decode_run import decode_run_limit, plan_decode_run, plan_lane_run
+from medha_sched.decode_run import decode_run_limit, kv_fits, plan_decode_run, plan_lane_run
 from medha_sched.decode_set import DecodeLanes, Lane, Member
 from medha_sched.errors import RequestTooLongError, SchedulerError
 from medha_sched.kv_memory import KVBlockManager
@@ -31,6 +31,47 @@ from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
 from medha_sched.request import Request, RequestStatus
+
+
+class _ZeroTokens(Mapping[str, int]):
+    """Every member's sampled token in a lane cycle's batches: token 0."""
+
+    def __getitem__(self, key: str) -> int:
+        return 0
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_ZEROS = _ZeroTokens()
+
+
+@dataclass(frozen=True, slots=True)
+class LaneCycle:
+    """Decode-only batches certain to come while decodes are in flight (a plan).
+
+    When no prompt waits and every batch in flight is decode-only, the ready
+    decodes (one lane) and the lanes in flight take turns: each is issued
+    again once its batch has ended and stage 0 is free. The executor (the
+    simulator's pipeline) decides when; the scheduler only prices.
+
+    Attributes:
+        lanes: the ready lane first, then the lanes in flight in issue order;
+            issue ``i`` of the cycle is of ``lanes[i % len(lanes)]``.
+        in_flight: the batch ids in flight now, in issue order (of ``lanes[1:]``).
+        sizes: decodes in each lane.
+        times: predicted seconds of each lane's next issues, at most as many as
+            are certain (none finishes a request before it ends, none needs a
+            preemption or a new KVP shard).
+    """
+
+    lanes: list[Lane]
+    in_flight: list[int]
+    sizes: list[int]
+    times: list[list[float]]
 
 
 @dataclass
@@ -520,6 +561,106 @@ class Scheduler:
         first = self._next_batch_id
         self._next_batch_id += steps
         return range(first, self._next_batch_id)
+
+    def plan_lane_cycle(self, max_steps: int) -> LaneCycle | None:
+        """The lanes' next turns while decodes are in flight, if they are certain.
+
+        They are when no prompt waits, nothing is being aborted, every batch
+        in flight is decode-only and each lane fits in one batch; None
+        otherwise (or when some lane cannot take a turn). Each lane gets at
+        most ``max_steps`` times. Changes no decision (it may merge the ready
+        lanes, as ``schedule`` would). Exact cost models only (see
+        :mod:`medha_sched.decode_set`).
+        """
+        flying = self._in_flight
+        if self._queue or self._abort_pending or not flying or not self._lanes.exact:
+            return None
+        lanes = [None]
+        for batch in flying.values():
+            if batch.entries or batch.lane is None:
+                return None
+            lanes.append(batch.lane)
+        ready = self._lanes.gather()
+        if ready is None:
+            return None
+        lanes[0] = ready
+        cap = self.config.max_batch_requests
+        sizes = [len(lane.members) for lane in lanes]
+        if max(sizes) > cap or sum(sizes) != len(self._running):
+            return None
+        counts = []
+        for i, lane in enumerate(lanes):
+            left = min(
+                m.request.max_output_tokens - m.request.num_output_tokens for m in lane.members
+            )
+            # a lane in flight has a token coming that the cycle's turns may not finish with
+            counts.append(min(max_steps, left if i == 0 else left - 1))
+        if min(counts) < 1:
+            return None
+        steps = max(counts)
+        while not kv_fits(
+            self.memory,
+            [
+                (m.request, m.request.num_scheduled_tokens + min(c, steps))
+                for lane, c in zip(lanes, counts, strict=True)
+                for m in lane.members
+            ],
+        ):
+            steps //= 2
+            if steps == 0:
+                return None
+        counts = [min(c, steps) for c in counts]
+        model = self.cost_model
+        times = [
+            plan_lane_run(self._lanes, lane, model, c)
+            for lane, c in zip(lanes, counts, strict=True)
+        ]  # type: ignore[arg-type]
+        return LaneCycle(lanes, list(flying), sizes, times)  # type: ignore[arg-type]
+
+    def commit_lane_cycle(self, plan: LaneCycle, n: int, last_start: float) -> range:
+        """Take the first ``n`` turns of ``plan`` as issued (``n >= len(plan.lanes)``).
+
+        The batches in flight when it was planned end, every turn but each
+        lane's last one is issued and ends, and each lane's last turn is in
+        flight (as ``schedule`` would have left it), the last issued at
+        ``last_start``. Every decode's token is 0. Returns the batch ids used.
+        """
+        k = len(plan.lanes)
+        if n < k:
+            raise ValueError(f"a lane cycle commits at least one turn per lane ({k}), got {n}")
+        if last_start < self._clock:
+            raise SchedulerError(f"time went backwards: {last_start} < previous {self._clock}")
+        lanes, memory = self._lanes, self.memory
+        for bid, lane in zip(plan.in_flight, plan.lanes[1:], strict=True):
+            batch = self._in_flight.pop(bid)
+            if not batch.stage0_cleared:
+                lanes.cleared(lane)
+            if lanes.returned(lane, _ZEROS, set()):
+                raise AssertionError("a lane cycle finished a request")
+        for i, lane in enumerate(plan.lanes):
+            bulk = (n - i + k - 1) // k - 1  # turns of lane i that also end
+            if bulk:
+                wants = [
+                    (m.request.request_id, m.request.num_tokens + bulk - 1) for m in lane.members
+                ]
+                failed = memory.ensure_capacity_many(wants)
+                if failed:  # plan_lane_cycle checked the room: a bug, not a state
+                    raise AssertionError(f"a lane cycle ran out of KV memory for {failed}")
+                for rid, _ in wants:
+                    memory.pop_new_blocks(rid)
+                lanes.advance(lane, bulk, token_id=0)
+        first = self._next_batch_id
+        for i in range(n - k, n):
+            lane = plan.lanes[i % k]
+            crossers = lane.cross_at.pop(lane.issued, None)
+            grants = [] if crossers is None else lanes.grow_all(lane, crossers)
+            if grants is None:
+                raise AssertionError("a lane cycle's last turn could not grow its KV")
+            lanes.issue(lane, first + i, grants)
+            self._in_flight[first + i] = _InFlight([], lane)
+        self._next_batch_id = first + n
+        self._clock = last_start
+        return range(first, first + n)
 
     # ---------------------------------------------------------------- results
     def on_stage_end(self, batch_id: int, *, stage: int = 0) -> None:

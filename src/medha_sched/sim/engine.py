@@ -133,8 +133,8 @@ class Simulator:
         self.records = [RequestRecord.from_trace(r) for r in trace]
         self._by_id = {r.id: rec for r, rec in zip(trace, self.records, strict=True)}
         self._live: dict[str, Request] = {}
-        # batch -> (ids whose prefill it completes, how many of its chunks sample)
-        self._in_flight: dict[int, tuple[list[str], int]] = {}
+        # batch -> (ids whose prefill it completes, how many of its chunks sample, end)
+        self._in_flight: dict[int, tuple[list[str], int, float]] = {}
         self._awaiting = 0  # live requests waiting for a token from a batch in flight
         self.iterations: list[IterationRecord] = []
         self._progress = progress or (lambda n: None)
@@ -143,6 +143,7 @@ class Simulator:
         self._wakeup_pending = False
         self._stage0_unwatched = False  # the batch in stage 0 has no StageEnd event
         self._run_len = 16  # decode-run length to plan next (doubles while runs last)
+        self._cycle_len = 16  # lane-cycle turns per lane to plan next (likewise)
         self._push_next_arrival()
         collecting = gc.isenabled()
         gc.disable()  # the loop makes no cyclic garbage; collections only cost time
@@ -226,8 +227,11 @@ class Simulator:
         now = self.now
         if self._awaiting == len(self._live) or not self.pipeline.stage0_free(now):
             return  # every request waits for a token: the batch would be empty
-        if self._awaiting == 0 and self.decode_runs:
-            now = self._decode_run(now)
+        if self.decode_runs:
+            if self._awaiting == 0:
+                now = self._decode_run(now)
+            elif self.spp > 1 and self._lane_cycle(now):
+                return  # every decode is in flight again
         out = self.sched.schedule(now)
         if out.is_empty:
             return  # blocked until a batch ends; its event wakes us again
@@ -245,9 +249,9 @@ class Simulator:
             )
         )
         sampling = n_decode + len(completes)  # every decode samples
-        self._in_flight[bid] = (completes, sampling)
         self._awaiting += sampling
         stage0_end, end = self.pipeline.push(now, predicted / self.spp)
+        self._in_flight[bid] = (completes, sampling, end)
         if self.spp > 1:
             self._stage0_unwatched = n_prefill == 0 and self._awaiting == len(self._live)
             if not self._stage0_unwatched:
@@ -286,13 +290,90 @@ class Simulator:
         self.now = ends[-1]
         return self.now
 
+    def _lane_cycle(self, now: float) -> bool:
+        """Issue, at once, the decode-only batches of lanes taking turns in the
+        pipeline (``Scheduler.plan_lane_cycle``) before the next event; True
+        if it did (then every decode is in flight again, as after issuing the
+        last of them one at a time).
+
+        A turn of a lane is issued when its batch has ended and stage 0 is
+        free, as going one batch at a time would; the cycle stops before a
+        turn that would not come strictly before the next other event, or
+        that would find another lane ready too (``schedule`` would merge them).
+        """
+        plan = self.sched.plan_lane_cycle(self._cycle_len)
+        if plan is None:
+            return False
+        flying = set(plan.in_flight)
+        heap, in_flight = self._heap, self._in_flight
+        horizon = float("inf")
+        for entry in heap:
+            event = entry[3]
+            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in flying):
+                horizon = entry[0]
+        k = len(plan.lanes)
+        ready = [now] + [in_flight[b][2] for b in plan.in_flight]  # when each lane is ready
+        turns = [0] * k
+        times = plan.times
+        free = list(self.pipeline.free)
+        spp = self.spp
+        starts: list[float] = []
+        predicted: list[float] = []
+        ends: list[float] = []
+        x = 0
+        while True:
+            tx = times[x]
+            j = turns[x]
+            if j == len(tx):
+                break
+            s = ready[x]
+            if free[0] > s:
+                s = free[0]
+            if not s < horizon or any(ready[y] <= s for y in range(k) if y != x):
+                break
+            p = tx[j]
+            stage = p / spp
+            t = s + stage  # Pipeline.push, on the copy
+            free[0] = t
+            for i in range(1, spp):
+                f = free[i]
+                t = (t if t > f else f) + stage
+                free[i] = t
+            ready[x] = t
+            turns[x] = j + 1
+            starts.append(s)
+            predicted.append(p)
+            ends.append(t)
+            x = x + 1 if x + 1 < k else 0
+        n = len(starts)
+        self._cycle_len = min(2 * self._cycle_len, 4096) if len(times[x]) == turns[x] else 16
+        if n < k:
+            return False
+        first = self.sched.commit_lane_cycle(plan, n, starts[-1]).start
+        for b in plan.in_flight:
+            self._awaiting -= in_flight.pop(b)[1]
+        heap[:] = [e for e in heap if not (type(e[3]) is BatchEnd and e[3].batch_id in flying)]
+        heapq.heapify(heap)
+        sizes, append = plan.sizes, self.iterations.append
+        for i in range(n):
+            append(IterationRecord(first + i, starts[i], predicted[i], sizes[i % k], 0, 0, 0))
+        self.pipeline.free = free
+        for i in range(n - k, n):
+            size = sizes[i % k]
+            in_flight[first + i] = ([], size, ends[i])
+            self._awaiting += size
+            self.push(BatchEnd(ends[i], first + i))
+        self._stage0_unwatched = True  # every lane is in flight: no StageEnd was pushed
+        self.now = starts[-1]
+        return True
+
     def on_stage_end(self, batch_id: int) -> None:
         self.sched.on_stage_end(batch_id)
         self._wake_if_free()
 
     def on_batch_end(self, batch_id: int) -> None:
         now = self.now
-        completes, sampling = self._in_flight.pop(batch_id)
+        completes, sampling, _ = self._in_flight.pop(batch_id)
         self._awaiting -= sampling
         for rid in completes:
             rec = self._by_id[rid]

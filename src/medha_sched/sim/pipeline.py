@@ -34,6 +34,17 @@ class Pipeline:
     def stage0_free_at(self) -> float:
         return self._free[0]
 
+    @property
+    def free(self) -> list[float]:
+        """When each stage becomes free (a copy)."""
+        return list(self._free)
+
+    @free.setter
+    def free(self, times: list[float]) -> None:
+        if len(times) != self.num_stages:
+            raise ValueError(f"expected {self.num_stages} stage times, got {len(times)}")
+        self._free = list(times)
+
     def peek(self, now: float, stage_time: float) -> float:
         """When a batch issued at ``now`` would leave the last stage (nothing changes)."""
         free = self._free
