@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from medha_sched import CostModel
 
 _GIB = 1 << 30
+#: ``LLM``'s default ``throughput_chunk``: a 2,048-token chunk runs the
+#: products at full rate on a CPU (see docs/benchmarks.md, "Batch 32 and the
+#: 2,048-token prefill")
+OFFLINE_THROUGHPUT_CHUNK = 2048
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "float", "fp16", "half", "bf16")
 
 
@@ -62,6 +66,13 @@ class EngineConfig:
             (so the longest prompt stays schedulable on slow devices).
         chunk_size: a fixed per-batch token budget instead of adaptive chunking
             (``0``: whole prompts).
+        throughput_chunk: when the budget is automatic (``target_batch_time``
+            and ``chunk_size`` unset), also raise it so that one prefill chunk
+            of this many tokens at the start of a prompt fits it with 10% to
+            spare. Offline work wants throughput, and every chunk re-reads the
+            weights: :class:`~medha_runtime.LLM` defaults this to
+            :data:`OFFLINE_THROUGHPUT_CHUNK`. The server leaves it unset, so
+            decode latency stays bounded by the 50 ms default.
         token_grid: chunk sizes are multiples of this (scheduler default 32).
         max_batch_requests: most requests per batch.
         max_model_len: longest prompt plus output (default: the model's
@@ -98,6 +109,7 @@ class EngineConfig:
     policy: str = "lars-mp"
     target_batch_time: float | None = None
     chunk_size: int | None = None
+    throughput_chunk: int | None = None
     token_grid: int | None = None
     max_batch_requests: int | None = None
     max_model_len: int | None = None
@@ -131,6 +143,7 @@ class EngineConfig:
         for name, minimum in (
             ("kvp_group_tokens", 1),
             ("chunk_size", 0),
+            ("throughput_chunk", 1),
             ("token_grid", 1),
             ("max_batch_requests", 1),
             ("max_model_len", 2),

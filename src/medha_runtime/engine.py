@@ -257,7 +257,19 @@ class LLMEngine:
 
     def _auto_target_time(self, cost: CostModel) -> float:
         """The default budget: 50 ms, or more if one grid chunk at the end of the
-        context needs more than half of it (slow devices, long contexts)."""
+        context needs more than half of it (slow devices, long contexts), or if
+        ``throughput_chunk`` tokens at the start of a prompt need more (offline)."""
+        floor = DEFAULT_TARGET_TIME
+        want = self.engine_config.throughput_chunk
+        if want is not None and self.scheduler_config.chunk_size is None:
+            first = min(want, self.max_model_len - 1, self.cache.group_token_limit)
+            groups = [() for _ in range(self.layout.kvp)]
+            groups[0] = (RequestWork(first, 0, tail=True),)
+            floor = max(floor, 1.1 * cost.predict(BatchWork(tuple(groups))))
+        return max(floor, self._end_chunk_time(cost))
+
+    def _end_chunk_time(self, cost: CostModel) -> float:
+        """Twice the predicted time of one grid chunk at the end of the context."""
         grid = min(self.scheduler_config.token_grid, self.max_model_len)
         kv = self.max_model_len - grid  # the chunk's position: its tail shard is kv // g
         g = self.cache.group_token_limit
@@ -266,8 +278,7 @@ class LLMEngine:
         for shard in range(tail):  # full earlier shards only attend
             groups[shard] = (RequestWork(grid, g, tail=False),)
         groups[tail] = (RequestWork(grid, kv - tail * g, tail=True),)
-        chunk = cost.predict(BatchWork(tuple(groups)))
-        return max(DEFAULT_TARGET_TIME, 2.0 * chunk)
+        return 2.0 * cost.predict(BatchWork(tuple(groups)))
 
     # --------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from medha_runtime.config import EngineConfig
+from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
 from medha_runtime.engine import LLMEngine
 from medha_runtime.outputs import RequestOutput
 from medha_runtime.sampling import SamplingParams
@@ -36,11 +36,17 @@ class LLM:
     ``LLM(model, **engine_args)`` or ``LLM(EngineConfig(...))``: every keyword is
     a field of :class:`~medha_runtime.config.EngineConfig`, which documents them
     (``dtype``, ``tp``, ``spp``, ``kvp``, ``kvp_group_tokens``, ``policy``,
-    ``target_batch_time``, ``chunk_size``, ``token_grid``, ``max_batch_requests``,
-    ``max_model_len``, ``kv_cache_tokens``, ``block_size``, ``seed``,
+    ``target_batch_time``, ``chunk_size``, ``throughput_chunk``, ``token_grid``,
+    ``max_batch_requests``, ``max_model_len``, ``kv_cache_tokens``, ``block_size``, ``seed``,
     ``cost_model``, ``cost_model_out``, ``device``, ``timeout_s``,
     ``attention_backend``, ``num_threads``, ``enable_prefix_caching``,
     ``step_log``, ``distributed``). An unknown keyword is refused.
+
+    Offline generation favours throughput: unless ``throughput_chunk`` is
+    given, the automatic budget fits a prefill chunk of
+    :data:`~medha_runtime.config.OFFLINE_THROUGHPUT_CHUNK` tokens (the server
+    keeps the 50 ms default). Pass ``throughput_chunk=None`` for the server's
+    latency-bounded budget, or ``target_batch_time`` to set it.
 
     Args:
         model: a local Hugging Face model directory, a ``.gguf`` file,
@@ -55,6 +61,8 @@ class LLM:
     def __init__(
         self, model: str | os.PathLike[str] | EngineConfig = "tiny", **engine_args: Any
     ) -> None:
+        if not isinstance(model, EngineConfig):  # offline: favour throughput
+            engine_args.setdefault("throughput_chunk", OFFLINE_THROUGHPUT_CHUNK)
         self.engine = LLMEngine(EngineConfig.build(model, **engine_args))
         self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
 

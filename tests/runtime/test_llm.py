@@ -135,6 +135,29 @@ def test_cost_model_spec_string() -> None:
         assert llm.engine.cost_model == AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 
 
+def test_offline_budget_fits_a_throughput_chunk_and_the_server_default_does_not(
+    tmp_path,
+) -> None:
+    """``LLM`` raises the automatic budget to fit a 2,048-token chunk at 10% to spare
+    (offline throughput); ``throughput_chunk=None`` keeps the latency-bounded default,
+    which here splits the same prompt into many chunks."""
+    cost = "affine:base=0.01,per_token=0.001,per_attn=0"  # a 2,048-token chunk: 2.058 s
+    prompt = [[7 + i % 50 for i in range(600)]]
+    steps = {}
+    for name, kw in (("offline", {}), ("server", {"throughput_chunk": None})):
+        log = tmp_path / f"{name}.jsonl"
+        with LLM("tiny", cost_model=cost, max_model_len=1024, step_log=str(log), **kw) as llm:
+            target = llm.engine.scheduler_config.target_batch_time
+            llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))
+        steps[name] = len(log.read_text().splitlines())
+        if name == "offline":  # the context caps the chunk: 1,023 tokens at most
+            assert target == pytest.approx(1.1 * (0.01 + 0.001 * 1023))
+        else:  # twice one 32-token grid chunk, or 50 ms
+            assert target == pytest.approx(max(0.05, 2 * (0.01 + 0.001 * 32)))
+    assert steps["offline"] == 2  # the whole prompt in one chunk, then one decode
+    assert steps["server"] > 2 * steps["offline"]
+
+
 def test_bad_configurations_raise_clear_errors(tmp_path, checkpoint) -> None:
     with pytest.raises(MissingFileError, match="no/such/model"):
         LLM(tmp_path / "no/such/model")
@@ -155,6 +178,7 @@ def test_bad_configurations_raise_clear_errors(tmp_path, checkpoint) -> None:
         "dtype": ({"dtype": "int8"}, "int8"),
         "device": ({"device": "tpu"}, "tpu"),
         "fit": ({"kv_cache_tokens": 64, "max_model_len": 128}, "max_model_len=128"),
+        "throughput": ({"throughput_chunk": 0}, "throughput_chunk"),
     }
     for name, (kw, needle) in bad.items():
         with pytest.raises(ValueError, match=needle):
