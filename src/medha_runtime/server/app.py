@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -134,6 +135,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         if client.ready.tokenizer is not None:
             front.tokenizer = FrontTokenizer(client.ready.tokenizer)
         log_lines(startup_summary(client.ready, served_name=model_name, address=config.address))
+        # what start-up built (modules, the tokenizer, the app) lives as long as the
+        # server: out of the collector's full passes, which otherwise stall the event
+        # loop, and every request on it, for ~100 ms now and then
+        gc.collect()
+        gc.freeze()
         stats_task = asyncio.get_running_loop().create_task(stats.run())
         try:
             yield

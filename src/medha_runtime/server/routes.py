@@ -419,7 +419,7 @@ class Frontend:
         p = body.prompt
         if isinstance(p, str):
             raw: list[Any] = [p]
-        elif p and all(isinstance(x, int) for x in p):
+        elif p and isinstance(p[0], int):  # validated: the list is of one kind throughout
             raw = [list(p)]
         else:
             raw = list(p)
