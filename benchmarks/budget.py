@@ -20,7 +20,11 @@ short chats' inter-token latency while the long prompt prefilled (p90), their
 TTFT (p90), with the hog how many steps the model needed to adapt (from the
 hog's start to the first 10-step window whose median error is under 10%),
 and for admission: accepted/rejected, the share of accepted requests that met
-their SLO, and how fast a 429 came back.
+their SLO, and how fast a 429 came back: as the client saw it, from the call
+(which includes waiting for a pooled connection and this process's own busy
+event loop) and from the request's first byte written to its status read, and
+as the server measured it (``medha:admission_reject_seconds``: from the
+request's arrival in the ASGI app to the 429 sent).
 
     python benchmarks/budget.py --out /tmp/budget                   # issue setup
     python benchmarks/budget.py --out /tmp/budget --long-tokens 8192 # a shorter run
@@ -34,6 +38,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -69,10 +74,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 # ------------------------------------------------------------------ client
-async def stream_request(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, slo_ms: float | None
-) -> dict:
-    """One streamed completion: send time, token arrival times, or a rejection."""
+def completion_body(prompt: list[int], max_tokens: int, slo_ms: float | None) -> bytes:
+    """A streamed completion request's JSON body."""
     body: dict = {
         "model": "tiny",
         "prompt": prompt,
@@ -82,8 +85,44 @@ async def stream_request(
     }
     if slo_ms is not None:
         body["ttft_slo_ms"] = slo_ms
-    rec: dict = {"sent": time.monotonic(), "tokens": [], "prompt": len(prompt), "slo_ms": slo_ms}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+    return json.dumps(body).encode()
+
+
+async def stream_request(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, slo_ms: float | None
+) -> dict:
+    """One streamed completion: send time, token arrival times, or a rejection."""
+    return await send_request(
+        client, url, completion_body(prompt, max_tokens, slo_ms), len(prompt), slo_ms
+    )
+
+
+async def send_request(
+    client: httpx.AsyncClient, url: str, body: bytes, prompt_len: int, slo_ms: float | None
+) -> dict:
+    """Send a prepared body (see :func:`completion_body`).
+
+    Times: ``sent`` when called, ``written`` when the connection starts writing
+    the request (after the pool gave one), ``status_at`` when the response's
+    headers have been read, ``answered`` (a rejection) once its body is read;
+    ``tokens``: each token's arrival.
+    """
+    rec: dict = {"sent": time.monotonic(), "tokens": [], "prompt": prompt_len, "slo_ms": slo_ms}
+
+    async def trace(event: str, info: dict) -> None:
+        if event == "http11.send_request_headers.started":
+            rec["written"] = time.monotonic()
+        elif event == "http11.receive_response_headers.complete":
+            rec["status_at"] = time.monotonic()
+
+    headers = {"Content-Type": "application/json"}
+    async with client.stream(
+        "POST",
+        f"{url}/v1/completions",
+        content=body,
+        headers=headers,
+        extensions={"trace": trace},
+    ) as r:
         if r.status_code != 200:
             rec["status"] = r.status_code
             rec["answered"] = time.monotonic()
@@ -139,16 +178,20 @@ async def long_and_chats(args: argparse.Namespace, url: str, hog_after: float | 
 
 async def replay(args: argparse.Namespace, url: str, trace: list[dict]) -> list[dict]:
     rng = random.Random(args.seed + 1)
+    # every body made before the clock starts: drawing and encoding 2,048 tokens takes
+    # the client's event loop ~1 ms, which would delay the other requests' timings
+    bodies = [completion_body(prompt_of(rng, row["prompt"]), 4, row["slo_ms"]) for row in trace]
     limits = httpx.Limits(max_connections=1000)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         t0 = time.monotonic()
         tasks = []
-        for row in trace:
+        for row, body in zip(trace, bodies, strict=True):
             delay = t0 + row["at"] - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            prompt = prompt_of(rng, row["prompt"])
-            tasks.append(asyncio.create_task(stream_request(client, url, prompt, 4, row["slo_ms"])))
+            tasks.append(
+                asyncio.create_task(send_request(client, url, body, row["prompt"], row["slo_ms"]))
+            )
         return await asyncio.gather(*tasks)
 
 
@@ -212,6 +255,7 @@ def admission_stats(recs: list[dict]) -> dict:
     rej = [r for r in recs if r["status"] == 429]
     met = [r for r in acc if (r["tokens"][0] - r["sent"]) * 1e3 <= r["slo_ms"]]
     lat = [r["answered"] - r["sent"] for r in rej]
+    wire = [r["status_at"] - r["written"] for r in rej if "written" in r and "status_at" in r]
     return {
         "requests": len(recs),
         "accepted": len(acc),
@@ -221,6 +265,47 @@ def admission_stats(recs: list[dict]) -> dict:
         "all_meeting_slo": len(met) / len(recs) if recs else float("nan"),
         "reject_latency_p50_ms": pct(lat, 50) * 1e3,
         "reject_latency_p99_ms": pct(lat, 99) * 1e3,
+        "reject_wire_p50_ms": pct(wire, 50) * 1e3,
+        "reject_wire_p99_ms": pct(wire, 99) * 1e3,
+        "reject_wire_within_10ms": (
+            sum(1 for x in wire if x <= 0.010) / len(wire) if wire else float("nan")
+        ),
+    }
+
+
+def server_reject_stats(url: str) -> dict:
+    """``medha:admission_reject_seconds`` from the server's /metrics: the count, the share
+    within 10 ms (a bucket bound, exact), p50 and p99 interpolated inside their buckets
+    (as Prometheus' ``histogram_quantile``); empty for a server without it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    buckets: list[tuple[float, float]] = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "medha:admission_reject_seconds_bucket":
+                buckets.append((float(sample.labels["le"]), sample.value))
+    if not buckets or buckets[-1][1] == 0:
+        return {}
+    buckets.sort()
+    total = buckets[-1][1]
+
+    def quantile(q: float) -> float:
+        rank, lo, below = q * total, 0.0, 0.0
+        for le, count in buckets:
+            if count >= rank:
+                if math.isinf(le):
+                    return lo
+                return lo + (le - lo) * (rank - below) / max(count - below, 1e-9)
+            lo, below = le, count
+        return lo
+
+    within = next(count for le, count in buckets if le >= 0.010)
+    return {
+        "server_reject_count": total,
+        "server_reject_p50_ms": quantile(0.5) * 1e3,
+        "server_reject_p99_ms": quantile(0.99) * 1e3,
+        "server_reject_within_10ms": within / total,
     }
 
 
@@ -302,16 +387,17 @@ def run_admission(args: argparse.Namespace, capacity: float | None) -> dict:
                 )
             time.sleep(1.0)  # a heartbeat with the queue snapshot
             recs = asyncio.run(replay(args, url, trace))
+            server_side = server_reject_stats(url)
         finally:
             stop_server(server)
-        res[mode] = admission_stats(recs)
+        res[mode] = {**admission_stats(recs), **server_side}
         (out / f"admission-{mode}.requests.json").write_text(json.dumps(recs))
         print(f"  admission {mode}: {json.dumps(res[mode])}", flush=True)
     return res
 
 
 def fmt(x: object, unit: str = "", scale: float = 1.0, digits: int = 3) -> str:
-    if x is None:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     if isinstance(x, float):
         return f"{x * scale:.{digits}g}{unit}"
@@ -358,8 +444,10 @@ def report(args: argparse.Namespace, results: dict) -> str:
             f"{fmt(adm['capacity_tokens_per_s'])} tokens/s, probed one request at a time)",
             "",
             "| mode | accepted | rejected (429) | accepted meeting SLO | all meeting SLO | "
-            "429 latency p50 / p99 (ms) |",
-            "|---|---|---|---|---|---|",
+            "429 p50 / p99 (ms), client: from the call | client: request written to status "
+            "read | server: arrival to 429 sent (buckets) | within 10 ms (client wire / "
+            "server) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for mode in ("reject", "accept"):
             a = adm[mode]
@@ -367,7 +455,11 @@ def report(args: argparse.Namespace, results: dict) -> str:
                 f"| {mode} | {a['accepted']} | {a['rejected']} | "
                 f"{fmt(a['accepted_meeting_slo'], '%', 100)} | "
                 f"{fmt(a['all_meeting_slo'], '%', 100)} | "
-                f"{fmt(a['reject_latency_p50_ms'])} / {fmt(a['reject_latency_p99_ms'])} |"
+                f"{fmt(a['reject_latency_p50_ms'])} / {fmt(a['reject_latency_p99_ms'])} | "
+                f"{fmt(a['reject_wire_p50_ms'])} / {fmt(a['reject_wire_p99_ms'])} | "
+                f"{fmt(a.get('server_reject_p50_ms'))} / {fmt(a.get('server_reject_p99_ms'))} | "
+                f"{fmt(a['reject_wire_within_10ms'], '%', 100)} / "
+                f"{fmt(a.get('server_reject_within_10ms'), '%', 100)} |"
             )
     return "\n".join(lines) + "\n"
 
