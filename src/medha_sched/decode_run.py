@@ -100,20 +100,31 @@ def plan_decode_run(
 
 
 def plan_lane_run(
-    lanes: DecodeLanes, lane: Lane, model: AggregateCostModel, steps: int
+    lanes: DecodeLanes,
+    lane: Lane,
+    model: AggregateCostModel,
+    steps: int,
+    budget: float = float("inf"),
 ) -> list[float]:
     """What :func:`plan_decode_run` gives for a lane's decodes, in O(groups) a step.
 
     For cost models with ``affine_decode_features`` (see
     :mod:`medha_sched.decode_set`): the same integer totals, the same times.
+    Stops early once the times add up to ``budget`` seconds (that last one
+    included): a caller that cannot use more asks for no more.
     """
     group_time = model.group_time
     rows = lanes.totals(lane)
     if len(rows) == 1 and rows[0] is not None:  # one busy group: totals(lane, j) inline
-        return lanes.one_group_times(lane, group_time, steps)
+        return lanes.one_group_times(lane, group_time, steps, budget)
     times = []
+    spent = 0.0
     for j in range(steps):
-        times.append(max(0.0 if t is None else group_time(t) for t in lanes.totals(lane, j)))
+        t = max(0.0 if t is None else group_time(t) for t in lanes.totals(lane, j))
+        times.append(t)
+        spent += t
+        if spent >= budget:
+            break
     return times
 
 

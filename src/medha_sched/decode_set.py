@@ -385,22 +385,32 @@ class DecodeLanes:
         return out
 
     def one_group_times(
-        self, lane: Lane, group_time: Callable[[Sequence[float]], float], steps: int
+        self,
+        lane: Lane,
+        group_time: Callable[[Sequence[float]], float],
+        steps: int,
+        budget: float = float("inf"),
     ) -> list[float]:
         """``group_time(totals(lane, j)[0])`` for ``j`` in ``range(steps)``.
 
         The same integer totals as :meth:`totals` (one group holding decodes),
-        without a call and a list of groups per step.
+        without a call and a list of groups per step. Stops early once the
+        times add up to ``budget`` seconds (that last one included).
         """
         a, b = self._a, self._b
         nt, kv_sum, const = lane.n_tail[0], lane.kv_sum[0], lane.const[0]
         times = []
+        spent = 0.0
         for step in range(lane.issued, lane.issued + steps):
             kv = kv_sum + nt * step
             if const is None:
-                times.append(group_time([nt * x + kv * y for x, y in zip(a, b)]))  # noqa: B905
+                t = group_time([nt * x + kv * y for x, y in zip(a, b)])  # noqa: B905
             else:
-                times.append(group_time([nt * x + kv * y + c for x, y, c in zip(a, b, const)]))  # noqa: B905
+                t = group_time([nt * x + kv * y + c for x, y, c in zip(a, b, const)])  # noqa: B905
+            times.append(t)
+            spent += t
+            if spent >= budget:
+                break
         return times
 
     def works(self, lane: Lane, ahead: int = 0) -> list[Work]:

@@ -499,15 +499,16 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------ decode runs
-    def plan_decode_run(self, max_steps: int) -> list[float]:
+    def plan_decode_run(self, max_steps: int, budget: float = float("inf")) -> list[float]:
         """Predicted seconds of the next decode-only iterations, if they are certain.
 
         They are when no prompt waits, no batch is in flight and every running
         request fits in one batch. Returns at most ``max_steps`` times, none
         for an iteration in which a request would finish, be preempted or open
         a KVP shard; an empty list when a run cannot start now. Changes no
-        decision (it may regroup the decodes' lanes). See
-        :mod:`medha_sched.decode_run`.
+        decision (it may regroup the decodes' lanes). With an exact cost model
+        it stops early once the times add up to ``budget`` seconds (that last
+        one included). See :mod:`medha_sched.decode_run`.
         """
         running = self._running
         if (
@@ -526,7 +527,7 @@ class Scheduler:
         if steps == 0:
             return []
         if lanes.exact:
-            return plan_lane_run(lanes, lane, self.cost_model, steps)
+            return plan_lane_run(lanes, lane, self.cost_model, steps, budget)
         kvp = self.layout.kvp
         return plan_decode_run(
             requests,
@@ -562,13 +563,14 @@ class Scheduler:
         self._next_batch_id += steps
         return range(first, self._next_batch_id)
 
-    def plan_lane_cycle(self, max_steps: int) -> LaneCycle | None:
+    def plan_lane_cycle(self, max_steps: int, budget: float = float("inf")) -> LaneCycle | None:
         """The lanes' next turns while decodes are in flight, if they are certain.
 
         They are when no prompt waits, nothing is being aborted, every batch
         in flight is decode-only and each lane fits in one batch; None
         otherwise (or when some lane cannot take a turn). Each lane gets at
-        most ``max_steps`` times. Changes no decision (it may merge the ready
+        most ``max_steps`` times, and no more once they add up to ``budget``
+        seconds (that last one included). Changes no decision (it may merge the ready
         lanes, as ``schedule`` would). Exact cost models only (see
         :mod:`medha_sched.decode_set`).
         """
@@ -612,7 +614,7 @@ class Scheduler:
         counts = [min(c, steps) for c in counts]
         model = self.cost_model
         times = [
-            plan_lane_run(self._lanes, lane, model, c)
+            plan_lane_run(self._lanes, lane, model, c, budget)
             for lane, c in zip(lanes, counts, strict=True)
         ]  # type: ignore[arg-type]
         return LaneCycle(lanes, list(flying), sizes, times)  # type: ignore[arg-type]

@@ -265,10 +265,11 @@ class Simulator:
         Same decisions, times and records as going one batch at a time: a
         batch joins the run only if it ends strictly before the next event.
         """
-        times = self.sched.plan_decode_run(self._run_len)
+        horizon = self._heap[0][0] if self._heap else float("inf")
+        # nothing is in flight: every batch of the run holds the pipeline for its whole time
+        times = self.sched.plan_decode_run(self._run_len, horizon - now)
         if not times:
             return now
-        horizon = self._heap[0][0] if self._heap else float("inf")
         pipeline, spp, starts, ends = self.pipeline, self.spp, [], []
         t = now
         for predicted in times:
@@ -301,16 +302,17 @@ class Simulator:
         turn that would not come strictly before the next other event, or
         that would find another lane ready too (``schedule`` would merge them).
         """
-        plan = self.sched.plan_lane_cycle(self._cycle_len)
+        heap, in_flight = self._heap, self._in_flight
+        horizon = float("inf")  # the next event but the ends of the batches in flight
+        for entry in heap:
+            event = entry[3]
+            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in in_flight):
+                horizon = entry[0]
+        # a turn holds stage 0 for its time / spp
+        plan = self.sched.plan_lane_cycle(self._cycle_len, (horizon - now) * self.spp)
         if plan is None:
             return False
         flying = set(plan.in_flight)
-        heap, in_flight = self._heap, self._in_flight
-        horizon = float("inf")
-        for entry in heap:
-            event = entry[3]
-            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in flying):
-                horizon = entry[0]
         k = len(plan.lanes)
         ready = [now] + [in_flight[b][2] for b in plan.in_flight]  # when each lane is ready
         turns = [0] * k
