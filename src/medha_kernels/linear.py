@@ -1,16 +1,19 @@
 """``linear(x, weight, bias)``: ``x @ weight.T + bias``, with a native path for decode batches.
 
 A decode step multiplies a few token rows by every weight matrix once. For
-fp32 on the CPU with at most :data:`SMALL_M_MAX` rows, the native kernel
-(``native/csrc/linear_cpu.cpp``) streams each weight matrix once, in place,
-with register blocks of 3 weight rows x 4 token rows and a prefetch of the
-next rows; BLAS instead packs a panel of the weight every call, which at a
-handful of rows costs about as much as the product. Everything else (more
-rows, other dtypes or devices, autograd, no compiler here,
+fp32 on the CPU with at most :func:`native_row_limit` rows, the native kernels
+(``native/csrc/linear_cpu.cpp``) stream each weight matrix once, in place
+(the ``[N, K]`` layout as given, no packing); BLAS instead packs a panel of
+the weight every call, which at a handful of rows costs about as much as the
+product. Builds for AVX-512 CPUs run up to :data:`SMALL_M_MAX` rows (a
+row-dot kernel below 9 rows, a broadcast kernel over a transposed ``x`` from
+9); AVX2-only builds run the row-dot kernel up to
+:data:`SMALL_M_MAX_AVX2` rows, where it stops beating BLAS. Everything else
+(more rows, other dtypes or devices, autograd, no compiler here,
 ``MEDHA_NATIVE_LINEAR=0``) goes to :func:`torch.nn.functional.linear`.
 
-See ``docs/benchmarks.md`` ("Decode against transformers") for the
-measurements behind the row limit.
+See ``docs/benchmarks.md`` ("Native linear at 16-64 rows") for the
+measurements behind the row limits (``benchmarks/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-#: most token rows the native kernel takes (BLAS wins on larger products)
+#: most token rows the native kernels take on any build (AVX-512 builds)
 SMALL_M_MAX = 64
+#: most token rows on AVX2-only builds (the row kernel loses to BLAS from 24 rows)
+SMALL_M_MAX_AVX2 = 16
+_ROW_LIMITS = {"avx512": SMALL_M_MAX, "avx2": SMALL_M_MAX_AVX2}
 
 
 @functools.cache
@@ -42,6 +48,12 @@ def _native_module(cxx: str | None, path: str | None, enabled: str):
 def native_linear_available() -> bool:
     """Whether :func:`linear` runs small fp32 CPU products natively here (may build once)."""
     return _module() is not None
+
+
+def native_row_limit() -> int:
+    """Most rows :func:`linear` sends to the native kernels here (0 if none; may build once)."""
+    module = _module()
+    return 0 if module is None else _ROW_LIMITS.get(module.linear_small_m_isa, 0)
 
 
 def _module():
@@ -72,6 +84,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         module = _module()
-        if module is not None:
+        if module is not None and x.shape[0] <= _ROW_LIMITS.get(module.linear_small_m_isa, 0):
             return module.linear_small_m(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)

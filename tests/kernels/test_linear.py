@@ -1,46 +1,79 @@
-"""``medha_kernels.linear``: the native small-M CPU path against a float64 truth.
+"""``medha_kernels.linear``: the native small-M CPU kernels against a float64 truth.
 
-Odd sizes on purpose: K not a multiple of the 8-lane vectors, N not a
-multiple of the 3-row tasks, M not a multiple of the 4-row blocks; with and
-without bias; the error is at most twice ``F.linear``'s in fp32.
+Odd sizes on purpose: K not a multiple of the 8- or 16-lane vectors, N not a
+multiple of the row kernel's 3-row tasks nor of the column kernel's 24-row
+tasks and 6/8/12-row register blocks, M on both sides of every block edge
+(the row kernel below 9 rows, the column kernel's 16/32/48/64-row vectors);
+with and without bias; the error is at most twice ``F.linear``'s in fp32.
 """
 
 from __future__ import annotations
+
+import importlib
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from medha_kernels import linear, native
-from medha_kernels.linear import SMALL_M_MAX, native_linear_available
+from medha_kernels.linear import SMALL_M_MAX, SMALL_M_MAX_AVX2, native_linear_available
 
 from .reference import assert_twice_torch
+
+# the module (the package's ``linear`` attribute is the function)
+linear_module = importlib.import_module("medha_kernels.linear")
 
 pytestmark = pytest.mark.skipif(
     not native.supports_device(torch.device("cpu")), reason="needs a C++ compiler and ninja"
 )
 
+ROWS = [1, 2, 3, 5, 8, 9, 13, 16, 17, 31, 32, 33, 47, 48, 49, 63, SMALL_M_MAX]
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, SMALL_M_MAX])
-@pytest.mark.parametrize(("n", "k"), [(1, 7), (4, 8), (13, 577), (50, 1536)])
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(
+    ("n", "k"), [(1, 7), (4, 8), (13, 577), (50, 1536), (61, 100), (31, 17), (7, 4099)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_m_matches_float64(m: int, n: int, k: int, with_bias: bool) -> None:
     x = torch.randn(m, k)
     w = torch.randn(n, k) / k**0.5
     b = torch.randn(n) if with_bias else None
-    out = linear(x, w, b)
+    out = native.get_module("cpu").linear_small_m(x, w, b)  # the kernel, whatever the limit
     truth = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert out.dtype == torch.float32 and out.shape == (m, n)
     assert_twice_torch(out, truth, F.linear(x, w, b), what=f"linear m={m} n={n} k={k}")
 
 
+def test_offset_inputs_and_large_values() -> None:
+    # x a non-contiguous view, w a row slice of a larger matrix (contiguous, offset storage)
+    base = torch.randn(40, 300) * 1e3
+    x = base[:, 3:260:2]  # [40, 129], strided
+    w_full = torch.randn(70, 129) * 1e-3
+    w = w_full[5:62]
+    b = torch.randn(57)
+    out = linear(x, w, b)
+    truth = F.linear(x.double(), w.double(), b.double())
+    assert_twice_torch(out, truth, F.linear(x, w, b), what="linear offset/strided")
+
+
 def test_native_path_is_taken_and_others_fall_back() -> None:
-    assert native_linear_available()  # this machine builds the AVX2 kernel
-    x, w = torch.randn(4, 33), torch.randn(7, 33)
+    assert native_linear_available()  # this machine builds the vectorized kernel
     module = native.get_module("cpu")
-    torch.testing.assert_close(module.linear_small_m(x, w, None), linear(x, w), rtol=0, atol=0)
+    limit = linear_module.native_row_limit()
+    expected = {"avx512": SMALL_M_MAX, "avx2": SMALL_M_MAX_AVX2}[module.linear_small_m_isa]
+    assert limit == expected
+    w = torch.randn(7, 33)
+    for m in (4, limit):
+        x = torch.randn(m, 33)
+        torch.testing.assert_close(module.linear_small_m(x, w, None), linear(x, w), rtol=0, atol=0)
     # more rows, other dtypes, a 3-D input, autograd: plain F.linear
-    big = torch.randn(SMALL_M_MAX + 1, 33)
+    x = torch.randn(4, 33)
+    big = torch.randn(limit + 1, 33)
     assert torch.equal(linear(big, w), F.linear(big, w))
     xb, wb = x.bfloat16(), w.bfloat16()
     assert torch.equal(linear(xb, wb), F.linear(xb, wb))
@@ -51,3 +84,55 @@ def test_native_path_is_taken_and_others_fall_back() -> None:
     assert wg.grad is not None
     with pytest.raises(RuntimeError, match="expected x \\[M, K\\] and w \\[N, K\\]"):
         module.linear_small_m(x, torch.randn(7, 32), None)
+
+
+class _Recorder:
+    """A stand-in native module that records the row counts it is given."""
+
+    def __init__(self, isa: str) -> None:
+        self.linear_small_m_isa = isa
+        self.rows: list[int] = []
+
+    def linear_small_m(self, x, w, bias):
+        self.rows.append(x.shape[0])
+        return F.linear(x, w, bias)
+
+
+@pytest.mark.parametrize(("isa", "limit"), [("avx512", 64), ("avx2", 16), ("", 0)])
+def test_row_limit_follows_the_build(monkeypatch, isa: str, limit: int) -> None:
+    fake = _Recorder(isa)
+    monkeypatch.setattr(linear_module, "_module", lambda: fake)
+    assert linear_module.native_row_limit() == limit
+    w = torch.randn(5, 12)
+    for m in (1, 9, 16, 17, 64, 65):
+        linear(torch.randn(m, 12), w)
+    assert fake.rows == [m for m in (1, 9, 16, 17, 64, 65) if m <= limit]
+
+
+def test_avx2_build_runs_and_keeps_its_limit(tmp_path) -> None:
+    """A build for an AVX2-only CPU (torch told so) has the row kernel only, up to 16 rows."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    env = {**os.environ, "MEDHA_CACHE_DIR": str(tmp_path), "ATEN_CPU_CAPABILITY": "avx2"}
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "import importlib\n"
+        "L = importlib.import_module('medha_kernels.linear')\n"
+        "from medha_kernels import native\n"
+        "m = native.get_module('cpu')\n"
+        "errs = []\n"
+        "for rows in (1, 5, 13, 16):\n"
+        "    x, w, b = torch.randn(rows, 577), torch.randn(29, 577) / 24, torch.randn(29)\n"
+        "    t = F.linear(x.double(), w.double(), b.double())\n"
+        "    errs.append((m.linear_small_m(x, w, b).double() - t).abs().max().item()\n"
+        "                / max((F.linear(x, w, b).double() - t).abs().max().item(), 1e-6))\n"
+        "print('ISA', repr(m.linear_small_m_isa), L.native_row_limit(), max(errs))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("ISA"))
+    _, isa, limit, worst = line.split()
+    assert isa == ("'avx2'" if x86 else "''")
+    assert int(limit) == (SMALL_M_MAX_AVX2 if x86 else 0)
+    assert float(worst) <= 2.0, line

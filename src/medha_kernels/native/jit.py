@@ -134,15 +134,29 @@ def _openmp_wanted() -> bool:
 
 
 def _simd_flags() -> list[str]:
-    """``-mavx2 -mfma`` where this CPU has them (x86-64, as torch detects it), else none.
+    """SIMD flags for this CPU (x86-64, as torch detects it), part of the cache key.
 
-    The attention kernel has AVX2 paths and portable fallbacks; the build is
-    cached per machine, and the flags are part of the cache key.
+    ``-mavx2 -mfma`` where the CPU has AVX2; where torch reports AVX-512, also
+    ``-mavx512f -mavx512vl -mavx512bw -mavx512dq`` (the linear kernel's column
+    path uses 512-bit intrinsics) with ``-mprefer-vector-width=256`` so that the
+    compiler's own auto-vectorisation (the attention kernel's loops) stays at the
+    256-bit width it had. Elsewhere none. The kernels have AVX2 paths and
+    portable fallbacks; the build is cached per machine.
     """
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
     capability = torch.backends.cpu.get_cpu_capability()
-    return ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    if capability == "AVX512":
+        return [
+            "-mavx2",
+            "-mfma",
+            "-mavx512f",
+            "-mavx512vl",
+            "-mavx512bw",
+            "-mavx512dq",
+            "-mprefer-vector-width=256",
+        ]
+    return ["-mavx2", "-mfma"] if capability == "AVX2" else []
 
 
 def _flags(device_type: str, openmp: bool) -> dict[str, list[str]]:

@@ -178,6 +178,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "x [M, K] @ w [N, K]^T (+ bias) in fp32 on the CPU, w streamed once (small M).",
       py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), nogil);
   m.attr("linear_small_m_vectorized") = medha::linear_small_m_vectorized();
+  m.attr("linear_small_m_isa") = std::string(medha::linear_small_m_isa());
 #ifdef MEDHA_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

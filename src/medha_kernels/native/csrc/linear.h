@@ -16,4 +16,8 @@ at::Tensor linear_small_m_cpu(const at::Tensor& x, const at::Tensor& w,
 // Whether this build has the AVX2/FMA kernel (else linear_small_m_cpu calls at::linear).
 bool linear_small_m_vectorized();
 
+// The widest kernel in this build: "avx512" (row kernel below 9 rows, column kernel from
+// 9), "avx2" (row kernel only) or "" (at::linear).
+const char* linear_small_m_isa();
+
 }  // namespace medha

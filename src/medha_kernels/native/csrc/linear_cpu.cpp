@@ -3,18 +3,35 @@
 // A decode step multiplies a handful of token rows by every weight matrix of
 // the model, once. BLAS packs a panel of `w` for every call, which at small M
 // costs about as much as the product; here `w` is read in place, row-major as
-// nn.Linear stores it, and streamed from memory exactly once:
+// nn.Linear stores it, and streamed from memory exactly once. Two kernels:
 //
+// Row kernel (AVX2; every build with AVX2/FMA, and M < 9 on AVX-512 builds):
 // - a task owns NB = 3 consecutive rows of `w` (output features) and runs
 //   every row of `x` against them in register blocks of 3 w-rows x 4 x-rows
 //   (12 AVX2 accumulators: 8 lanes of K each, reduced horizontally at the end);
 // - the first pass over a task's w-rows also prefetches the next task's rows,
-//   so the memory stream overlaps the later passes' FMAs;
-// - tasks are split over at::parallel_for threads (each thread owns a range
-//   of output features: no write sharing).
+//   so the memory stream overlaps the later passes' FMAs.
 //
-// Accumulation is fp32 in a different order from BLAS: the error bound is
-// the same (K products summed in fp32).
+// Column kernel (AVX-512 builds, 9 <= M): x is transposed once into
+// xt [K, MP] (MP = M rounded up to 16, zero-padded), so a 16-lane vector of
+// xt[k] holds one k for 16 token rows. For each k, a w element w[n, k] is
+// broadcast and multiplied into those vectors: the lanes are token rows, so
+// there are no horizontal sums, each w element is loaded once per 16 to 64
+// FMA lanes, and there is one x load per NR FMAs (the row kernel: one per 3;
+// x comes from L2 either way: 32 x 1536 fp32 is 196 KB, L1 is 48 KB).
+// - register blocks of NR w-rows x MV vectors (16 MV token rows): 12 x 1 up
+//   to 16 rows, 12 x 2 up to 32, 8 x 3 up to 48, 6 x 4 up to 64 (at most 24
+//   zmm accumulators); a task owns CB = 24 rows of w;
+// - each block prefetches the next block's rows into L2 as it goes (without
+//   it the kernel is ~1.3x slower: the hardware prefetcher does not keep up
+//   with a dozen row streams);
+// - accumulation runs in KC = 64-step chunks added into a running sum, so
+//   each output is a sum of K / 64 partial sums of 64 products (without it
+//   the error at K = 1536 was ~3x torch's).
+//
+// Both kernels split tasks over at::parallel_for threads (each thread owns a
+// range of output features: no write sharing). Accumulation is fp32 in a
+// different order from BLAS: the error bound is the same.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -25,6 +42,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MEDHA_LINEAR_AVX2 1
+#endif
+#if defined(MEDHA_LINEAR_AVX2) && defined(__AVX512F__)
+#define MEDHA_LINEAR_AVX512 1
 #endif
 
 #include "linear.h"
@@ -104,8 +124,126 @@ inline void task(const float* x, const float* w, float* out, const float* bias, 
 }  // namespace
 #endif
 
-at::Tensor linear_small_m_cpu(const at::Tensor& x, const at::Tensor& w,
-                              const std::optional<at::Tensor>& bias) {
+#ifdef MEDHA_LINEAR_AVX512
+namespace {
+
+// From this many x rows on, the column kernel (measured: docs/benchmarks.md).
+constexpr int64_t kColumnMinRows = 9;
+constexpr int CB = 24;      // w rows per task of the column kernel
+constexpr int64_t KC = 64;  // k steps summed in registers before adding to the running sum
+
+// out[m0 + j, n0 + i] = dot(x[m0 + j], w[n0 + i]) (+ bias), i < NR, j < mcount <= 16 MV,
+// from xt = x^T [K, MP] (zero-padded to MP columns): for every k, NR broadcasts of
+// w[n0 + i, k] times MV 16-lane vectors of xt[k, m0 ..]; no horizontal sums.
+// PF: prefetch the next block's NR w rows (the same k) meanwhile.
+template <int NR, int MV, bool PF>
+inline void cblock(const float* xt, int64_t MP, const float* w, float* out, const float* bias,
+                   int64_t K, int64_t N, int64_t n0, int64_t m0, int64_t mcount) {
+  alignas(64) float sum[NR][16 * MV];  // the finished KC-steps
+  const float* w0 = w + n0 * K;
+  const float* next = w + (n0 + NR) * K;
+  const float* xp = xt + m0;
+  for (int64_t kc = 0; kc < K; kc += KC) {
+    const int64_t kend = std::min<int64_t>(K, kc + KC);
+    __m512 acc[NR][MV];
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < MV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t k = kc; k < kend; ++k) {
+      __m512 xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = _mm512_loadu_ps(xp + k * MP + 16 * v);
+      if (PF && (k & 15) == 0) {  // one line per row every 16 steps, into L2
+        for (int i = 0; i < NR; ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(next + i * K + k), _MM_HINT_T1);
+      }
+      for (int i = 0; i < NR; ++i) {
+        const __m512 b = _mm512_set1_ps(w0[i * K + k]);
+        for (int v = 0; v < MV; ++v) acc[i][v] = _mm512_fmadd_ps(b, xv[v], acc[i][v]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < MV; ++v) {
+        float* s = &sum[i][16 * v];
+        _mm512_store_ps(s, kc == 0 ? acc[i][v] : _mm512_add_ps(_mm512_load_ps(s), acc[i][v]));
+      }
+  }
+  for (int64_t j = 0; j < mcount; ++j) {
+    float* o = out + (m0 + j) * N + n0;
+    for (int i = 0; i < NR; ++i) o[i] = bias ? sum[i][j] + bias[n0 + i] : sum[i][j];
+  }
+}
+
+// Rows n0 .. n0 + rows - 1 of w (rows < NR) against x rows m0 .. m0 + mcount - 1.
+template <int NR, int MV>
+void cblock_tail(int rows, const float* xt, int64_t MP, const float* w, float* out,
+                 const float* bias, int64_t K, int64_t N, int64_t n0, int64_t m0, int64_t mcount) {
+  if constexpr (NR > 1) {
+    if (rows == NR - 1) {
+      cblock<NR - 1, MV, false>(xt, MP, w, out, bias, K, N, n0, m0, mcount);
+    } else {
+      cblock_tail<NR - 1, MV>(rows, xt, MP, w, out, bias, K, N, n0, m0, mcount);
+    }
+  }
+}
+
+// Register block NR x MV (24 accumulators at most): the task's rows n0 .. n1 - 1.
+template <int NR, int MV>
+void crange(const float* xt, int64_t MP, const float* w, float* out, const float* bias, int64_t K,
+            int64_t N, int64_t n0, int64_t n1, int64_t m0, int64_t mcount) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    if (n + 2 * NR <= N) cblock<NR, MV, true>(xt, MP, w, out, bias, K, N, n, m0, mcount);
+    else cblock<NR, MV, false>(xt, MP, w, out, bias, K, N, n, m0, mcount);
+  }
+  if (n < n1) cblock_tail<NR, MV>(static_cast<int>(n1 - n), xt, MP, w, out, bias, K, N, n, m0, mcount);
+}
+
+// Every x row against w rows n0 .. n1 - 1, up to 64 x rows (four vectors) at a time.
+void ctask(const float* xt, int64_t MP, const float* w, float* out, const float* bias, int64_t M,
+           int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += 64) {
+    const int64_t mc = std::min<int64_t>(64, M - m0);
+    if (mc > 48) crange<6, 4>(xt, MP, w, out, bias, K, N, n0, n1, m0, mc);
+    else if (mc > 32) crange<8, 3>(xt, MP, w, out, bias, K, N, n0, n1, m0, mc);
+    else if (mc > 16) crange<12, 2>(xt, MP, w, out, bias, K, N, n0, n1, m0, mc);
+    else crange<12, 1>(xt, MP, w, out, bias, K, N, n0, n1, m0, mc);
+  }
+}
+
+// The column kernel: x transposed once into xt [K, MP], then w streamed in tasks of CB rows.
+at::Tensor linear_columns(const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t MP = (M + 15) / 16 * 16;
+  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor xt_t = at::empty({K, MP}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* xt = xt_t.data_ptr<float>();
+  for (int64_t k = 0; k < K; ++k) {
+    float* row = xt + k * MP;
+    for (int64_t m = 0; m < M; ++m) row[m] = xp[m * K + k];
+    for (int64_t m = M; m < MP; ++m) row[m] = 0.0f;
+  }
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t tasks = (N + CB - 1) / CB;
+  at::parallel_for(0, tasks, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * CB;
+      ctask(xt, MP, wp, op, bp, M, K, N, n0, std::min<int64_t>(N, n0 + CB));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+#endif
+
+namespace {
+
+// The row kernel (every x row dotted with w rows; AVX2, or BLAS without it).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
+                       const std::optional<at::Tensor>& bias) {
 #ifdef MEDHA_LINEAR_AVX2
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -129,6 +267,26 @@ at::Tensor linear_small_m_cpu(const at::Tensor& x, const at::Tensor& w,
 #endif
 }
 
+}  // namespace
+
+at::Tensor linear_small_m_cpu(const at::Tensor& x, const at::Tensor& w,
+                              const std::optional<at::Tensor>& bias) {
+#ifdef MEDHA_LINEAR_AVX512
+  if (x.size(0) >= kColumnMinRows) return linear_columns(x, w, bias);
+#endif
+  return linear_rows(x, w, bias);
+}
+
+const char* linear_small_m_isa() {
+#if defined(MEDHA_LINEAR_AVX512)
+  return "avx512";
+#elif defined(MEDHA_LINEAR_AVX2)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 bool linear_small_m_vectorized() {
 #ifdef MEDHA_LINEAR_AVX2
   return true;
@@ -138,3 +296,4 @@ bool linear_small_m_vectorized() {
 }
 
 }  // namespace medha
+
