@@ -220,6 +220,11 @@ class Scheduler:
         return len(self._requests) - len(self._running)
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting for a prefill chunk (new, preempted or between chunks)."""
+        return len(self._queue)
+
+    @property
     def num_in_flight_batches(self) -> int:
         return len(self._in_flight)
 

@@ -302,6 +302,8 @@ class Simulator:
         turn that would not come strictly before the next other event, or
         that would find another lane ready too (``schedule`` would merge them).
         """
+        if self.sched.num_queued:
+            return False  # a prompt waits: the next batch may carry a chunk
         heap, in_flight = self._heap, self._in_flight
         horizon = float("inf")  # the next event but the ends of the batches in flight
         for entry in heap:
