@@ -83,6 +83,17 @@ class ChunkSizer:
         """Drop what is remembered about a request (it finished or left)."""
         self._last_chunk.pop(request_id, None)
 
+    def hint(self, request_id: str) -> int | None:
+        """The chunk the next search for ``request_id`` starts from (None: none)."""
+        return self._last_chunk.get(request_id)
+
+    def set_hint(self, request_id: str, chunk: int | None) -> None:
+        """Put back what :meth:`hint` gave (a chunk that was sized but not issued)."""
+        if chunk is None:
+            self._last_chunk.pop(request_id, None)
+        else:
+            self._last_chunk[request_id] = chunk
+
     def room(self, request: Request) -> int:
         """Largest chunk allowed by what is left, the max chunk and the shard."""
         start = request.num_scheduled_tokens

@@ -57,6 +57,12 @@ class PrefillQueue:
         self._where[rid] = request.priority
         self._requests[rid] = request
 
+    def count_pushes(self, count: int) -> None:
+        """Number ``count`` insertions that were taken out again before anyone
+        looked (bulk turns of a lone prefill): later insertions get the
+        tie-breaks they would have had."""
+        self._seq += count
+
     def remove(self, request_id: str) -> None:
         if request_id in self._where:
             self._classes[self._where.pop(request_id)].remove(request_id)

@@ -47,6 +47,7 @@ class _ZeroTokens(Mapping[str, int]):
 
 
 _ZEROS = _ZeroTokens()
+_NO_TOKENS = BatchResult()
 
 
 @dataclass(frozen=True, slots=True)
@@ -668,6 +669,102 @@ class Scheduler:
         self._next_batch_id = first + n
         self._clock = last_start
         return range(first, first + n)
+
+    # ----------------------------------------------------------- lone prefills
+    def lone_prefill(self) -> Request | None:
+        """The request whose prefill chunks alone make the next batches, if any.
+
+        That is when, with adaptive chunking, it is the only running request,
+        it waits for its next chunk, nobody else waits, nothing decodes and
+        every batch in flight holds only its chunks and has cleared stage 0.
+        Then each next batch is its next chunk, sized by ``schedule``'s rule;
+        :meth:`lone_prefill_turn` and :meth:`commit_lone_prefill` take them
+        without forming whole batches.
+        """
+        if (
+            not self._adaptive
+            or len(self._queue) != 1
+            or len(self._running) != 1
+            or len(self._lanes)
+            or self._lanes.ready
+            or self._abort_pending
+        ):
+            return None
+        request = next(iter(self._running.values()))
+        if request.request_id not in self._queue:
+            return None
+        for batch in self._in_flight.values():
+            if batch.lane is not None or not batch.stage0_cleared:
+                return None
+            for r, _, _, _ in batch.entries:
+                if r is not request:
+                    return None
+        return request
+
+    def lone_prefill_turn(
+        self, request: Request, now: float, *, cleared: bool
+    ) -> tuple[int, float] | None:
+        """Issue ``request``'s next chunk at ``now`` as ``schedule`` would size it:
+        ``(tokens, predicted seconds)``, or None, changing nothing, when no
+        chunk fits or the chunk would end the prefill (those go through
+        ``schedule``). ``cleared``: its previous turn's chunk cleared stage 0
+        at ``now`` (its prefill work is priced again first, as ``on_stage_end``
+        does). Only for the request :meth:`lone_prefill` named, with
+        :meth:`commit_lone_prefill` to follow.
+        """
+        if now < self._clock:
+            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        if cleared:
+            self._refresh_work(request)
+        rid = request.request_id
+        groups = self.memory.groups_of(rid)
+        draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        sizer = self._sizer
+        hint = sizer.hint(rid)
+        n, _ = sizer.adaptive(request, groups, draft, now)
+        start = request.num_scheduled_tokens
+        if n == 0 or start + n >= request.num_prefill_tokens:
+            sizer.set_hint(rid, hint)
+            return None
+        self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
+        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
+        request.num_scheduled_tokens = start + n
+        self._clock = now
+        return n, draft.cost.time
+
+    def commit_lone_prefill(
+        self, request: Request, chunks: Sequence[int], cleared: int, ended: int, done: Sequence[int]
+    ) -> range:
+        """After :meth:`lone_prefill_turn` issued ``chunks`` (in order): the first
+        ``cleared`` of them have cleared stage 0 and the first ``ended`` have
+        left the pipeline; of the batches in flight before, those in ``done``
+        have too. Leaves the batches still in flight as ``schedule`` would
+        have; returns the batch ids the turns used.
+        """
+        if not chunks or not ended <= cleared <= len(chunks) - 1:
+            raise ValueError(
+                f"bad lone-prefill commit: {len(chunks)} chunks, {cleared} cleared, {ended} ended"
+            )
+        for bid in done:
+            self.on_batch_end(bid, _NO_TOKENS)
+        rid = request.request_id
+        self._queue.remove(rid)
+        self._queue.count_pushes(len(chunks) - 1)  # each cleared turn went back in the queue
+        if ended:
+            request.num_computed_tokens += sum(chunks[:ended])
+            if self._caching:
+                self._register(request)
+        request.num_stage0_tokens += sum(chunks[:cleared])
+        first = self._next_batch_id
+        start = request.num_scheduled_tokens - sum(chunks)
+        for i, n in enumerate(chunks):
+            if i >= ended:
+                self._in_flight[first + i] = _InFlight(
+                    [(request, start, n, False)], None, stage0_cleared=i < cleared
+                )
+            start += n
+        self._next_batch_id = first + len(chunks)
+        return range(first, first + len(chunks))
 
     # ---------------------------------------------------------------- results
     def on_stage_end(self, batch_id: int, *, stage: int = 0) -> None:

@@ -126,3 +126,38 @@ def test_no_lane_cycle_while_a_prompt_waits() -> None:
     assert s.schedule(0.0).prefill_chunks  # a's prefill in flight
     s.add_request(Request("b", 0.0, 10, 50))
     assert s.plan_lane_cycle(8) is None  # b waits (and a's batch carries a prefill)
+
+
+@pytest.mark.parametrize(("spp", "kvp"), [(2, 1), (4, 1), (2, 2)])
+def test_lone_prefill_chunks_taken_and_same_results(monkeypatch, spp, kvp) -> None:
+    """A long prefill running alone issues its chunks in bulk, with the same results."""
+    trace = [
+        TraceRequest("long", 0.0, 60_000, 4),
+        TraceRequest("short", 0.5, 300, 20),
+        TraceRequest("late", 9.0, 50_000, 3),
+    ]
+    spec = RunSpec(policy="lars-mp", tp=8, spp=spp, kvp=kvp, long_threshold=16_384)
+    config, model, cache = spec.build()
+    chunks: list[int] = []
+    commit = Scheduler.commit_lone_prefill
+
+    def counting(self, request, sizes, *args):
+        chunks.extend(sizes)
+        return commit(self, request, sizes, *args)
+
+    monkeypatch.setattr(Scheduler, "commit_lone_prefill", counting)
+    off, on = both(trace, config, model, cache)
+    assert_same(off, on)
+    with_prefill = [it for it in off.iterations if it.prefill_chunks]
+    assert len(chunks) > len(with_prefill) // 2  # most chunks went in bulk
+
+
+def test_no_lone_prefill_beside_decodes() -> None:
+    s = make_scheduler()
+    s.add_request(Request("a", 0.0, 10, 50))
+    out = s.schedule(0.0)
+    s.on_batch_end(out.batch_id, _result(out))  # a decodes now
+    s.add_request(Request("b", 0.0, 10_000, 5))
+    assert s.lone_prefill() is None  # b's chunks go beside a's decodes
+    with pytest.raises(ValueError, match="lone-prefill"):
+        s.commit_lone_prefill(s.get_request("b"), [], 0, 0, [])

@@ -229,6 +229,8 @@ class Simulator:
             return  # every request waits for a token: the batch would be empty
         if self.decode_runs:
             if self._awaiting == 0:
+                if self.sched.num_queued == 1 and self._lone_prefill(now):
+                    return  # the prefill's chunks went in bulk
                 now = self._decode_run(now)
             elif self.spp > 1 and self._lane_cycle(now):
                 return  # every decode is in flight again
@@ -369,6 +371,78 @@ class Simulator:
             self.push(BatchEnd(ends[i], first + i))
         self._stage0_unwatched = True  # every lane is in flight: no StageEnd was pushed
         self.now = starts[-1]
+        return True
+
+    def _lone_prefill(self, now: float) -> bool:
+        """Issue, at once, the chunks of a prefill that runs alone
+        (``Scheduler.lone_prefill``) before the next event; True if it did.
+
+        Going one batch at a time, each chunk is issued when the previous one
+        clears stage 0 (its ``StageEnd``); batch ends in between only move
+        the prefill's cursors. The turns stop before one that would not come
+        strictly before the next other event, that finds no chunk fitting, or
+        that would end the prefill.
+        """
+        request = self.sched.lone_prefill()
+        if request is None:
+            return False
+        heap, in_flight = self._heap, self._in_flight
+        horizon = float("inf")  # the next event but the ends of the batches in flight
+        for entry in heap:
+            event = entry[3]
+            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in in_flight):
+                horizon = entry[0]
+        free = self.pipeline.free
+        spp = self.spp
+        turn = self.sched.lone_prefill_turn
+        starts: list[float] = []
+        chunks: list[int] = []
+        predicted: list[float] = []
+        stage0_ends: list[float] = []
+        ends: list[float] = []
+        s = now
+        while s < horizon:
+            got = turn(request, s, cleared=bool(starts))
+            if got is None:
+                break
+            n, p = got
+            stage = p / spp
+            t = (s if s > free[0] else free[0]) + stage  # Pipeline.push, on the copy
+            free[0] = f = t
+            for i in range(1, spp):
+                g = free[i]
+                t = (t if t > g else g) + stage
+                free[i] = t
+            starts.append(s)
+            chunks.append(n)
+            predicted.append(p)
+            stage0_ends.append(f)
+            ends.append(t)
+            s = f  # the next chunk goes when this one clears stage 0
+        m = len(starts)
+        if m == 0:
+            return False
+        last = starts[-1]
+        done = [b for b, v in in_flight.items() if v[2] <= last]
+        ended = sum(1 for e in ends if e <= last)
+        first = self.sched.commit_lone_prefill(request, chunks, m - 1, ended, done).start
+        if done:
+            gone = set(done)
+            for b in done:
+                del in_flight[b]
+            heap[:] = [e for e in heap if not (type(e[3]) is BatchEnd and e[3].batch_id in gone)]
+            heapq.heapify(heap)
+        append = self.iterations.append
+        for i in range(m):
+            append(IterationRecord(first + i, starts[i], predicted[i], 0, 1, chunks[i], 0))
+        self.pipeline.free = free
+        for i in range(ended, m):
+            in_flight[first + i] = ([], 0, ends[i])
+        self.push(StageEnd(stage0_ends[-1], first + m - 1))
+        for i in range(ended, m):
+            self.push(BatchEnd(ends[i], first + i))
+        self._stage0_unwatched = False
+        self.now = last
         return True
 
     def on_stage_end(self, batch_id: int) -> None:
