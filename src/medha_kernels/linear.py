@@ -10,7 +10,8 @@ row-dot kernel below 9 rows, a broadcast kernel over a transposed ``x`` from
 9); AVX2-only builds run the row-dot kernel up to
 :data:`SMALL_M_MAX_AVX2` rows, where it stops beating BLAS. Everything else
 (more rows, other dtypes or devices, autograd, no compiler here,
-``MEDHA_NATIVE_LINEAR=0``) goes to :func:`torch.nn.functional.linear`.
+``MEDHA_NATIVE_LINEAR=0``, read once per process at the first call) goes to
+:func:`torch.nn.functional.linear`.
 
 See ``docs/benchmarks.md`` ("Native linear at 16-64 rows") for the
 measurements behind the row limits (``benchmarks/cpu_linear.py``).
@@ -56,7 +57,11 @@ def native_row_limit() -> int:
     return 0 if module is None else _ROW_LIMITS.get(module.linear_small_m_isa, 0)
 
 
+@functools.cache
 def _module():
+    """The native module or None; the environment is read at the first call only (a
+    decode step calls :func:`linear` hundreds of times, and reading ``PATH`` and
+    hashing it cost about a microsecond each time)."""
     env = os.environ
     return _native_module(env.get("CXX"), env.get("PATH"), env.get("MEDHA_NATIVE_LINEAR", "1"))
 
