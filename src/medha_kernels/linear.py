@@ -30,6 +30,7 @@ SMALL_M_MAX = 64
 #: most token rows on AVX2-only builds (the row kernel loses to BLAS from 24 rows)
 SMALL_M_MAX_AVX2 = 16
 _ROW_LIMITS = {"avx512": SMALL_M_MAX, "avx2": SMALL_M_MAX_AVX2}
+_F32 = torch.float32
 
 
 @functools.cache
@@ -53,8 +54,7 @@ def native_linear_available() -> bool:
 
 def native_row_limit() -> int:
     """Most rows :func:`linear` sends to the native kernels here (0 if none; may build once)."""
-    module = _module()
-    return 0 if module is None else _ROW_LIMITS.get(module.linear_small_m_isa, 0)
+    return _native()[1]
 
 
 @functools.cache
@@ -77,18 +77,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         ``[M, N]`` in ``x``'s dtype.
     """
+    # cheapest checks first: a decode step makes hundreds of these calls
     if (
-        x.dim() == 2
-        and 0 < x.shape[0] <= SMALL_M_MAX
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        x.dtype is _F32
+        and weight.dtype is _F32
+        and x.is_cpu
+        and weight.is_cpu
+        and x.dim() == 2
+        and (bias is None or (bias.dtype is _F32 and bias.is_contiguous()))
+        and (not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad))
         and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        module = _module()
-        if module is not None and x.shape[0] <= _ROW_LIMITS.get(module.linear_small_m_isa, 0):
+        module, limit = _native()
+        if 0 < x.shape[0] <= limit:
             return module.linear_small_m(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _native():
+    """``(module, row limit)``; ``(None, 0)`` where nothing runs natively."""
+    module = _module()
+    return module, (0 if module is None else _ROW_LIMITS.get(module.linear_small_m_isa, 0))
