@@ -194,7 +194,9 @@ void crange(const float* xt, int64_t MP, const float* w, float* out, const float
     if (n + 2 * NR <= N) cblock<NR, MV, true>(xt, MP, w, out, bias, K, N, n, m0, mcount);
     else cblock<NR, MV, false>(xt, MP, w, out, bias, K, N, n, m0, mcount);
   }
-  if (n < n1) cblock_tail<NR, MV>(static_cast<int>(n1 - n), xt, MP, w, out, bias, K, N, n, m0, mcount);
+  if (n < n1) {
+    cblock_tail<NR, MV>(static_cast<int>(n1 - n), xt, MP, w, out, bias, K, N, n, m0, mcount);
+  }
 }
 
 // Every x row against w rows n0 .. n1 - 1, up to 64 x rows (four vectors) at a time.
