@@ -376,8 +376,8 @@ class Scheduler:
                     self._lower_floor(draft, smallest)
                     spent = None
             skips += 1
-            if skips >= max_skips:
-                break
+            if skips >= max_skips and (entries or draft.num_decodes):
+                break  # an empty batch looks on: a request that can run must not wait
             floor = draft.floor
             if floor is not None and floor <= grid and floor != checked:
                 # Every candidate left with at least ``floor`` tokens to go is

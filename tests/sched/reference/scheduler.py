@@ -290,8 +290,8 @@ class ReferenceScheduler:
                     self._lower_floor(draft, smallest)
                     spent = None
             skips += 1
-            if skips >= max_skips:
-                break
+            if skips >= max_skips and entries:  # decodes are entries here
+                break  # an empty batch looks on: a request that can run must not wait
         for r in chosen:
             self._queue.remove(r.request_id)
 
