@@ -57,6 +57,11 @@ class PrefillQueue:
         self._where[rid] = request.priority
         self._requests[rid] = request
 
+    def only(self) -> Request:
+        """The one queued request (the queue must hold exactly one)."""
+        assert len(self._requests) == 1, "the queue holds more or fewer than one request"
+        return next(iter(self._requests.values()))
+
     def count_pushes(self, count: int) -> None:
         """Number ``count`` insertions that were taken out again before anyone
         looked (bulk turns of a lone prefill): later insertions get the

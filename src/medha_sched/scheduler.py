@@ -766,6 +766,104 @@ class Scheduler:
         self._next_batch_id = first + len(chunks)
         return range(first, first + len(chunks))
 
+    # -------------------------------------------------- prefill beside decodes
+    def turns_prefill(self) -> Request | None:
+        """The request whose prefill chunks, beside the decodes, make the next
+        batches, if any: with adaptive chunking and an exact cost model, it is
+        the only request waiting, every other running request decodes, and
+        every batch in flight holds only its chunks (stage 0 cleared) and
+        decodes. Then each next batch, issued when the previous clears stage
+        0, is the ready decodes plus its next chunk; :meth:`prefill_turn`,
+        :meth:`clear_turn` and :meth:`end_prefill_turns` take them without
+        the queue scan or a :class:`ScheduleOutput`.
+        """
+        if (
+            not self._adaptive
+            or not self._lanes.exact
+            or len(self._queue) != 1
+            or self._abort_pending
+            or len(self._running) != len(self._lanes) + 1
+        ):
+            return None
+        request = self._queue.only()
+        if request.request_id not in self._running or request.request_id in self._lanes:
+            return None
+        for batch in self._in_flight.values():
+            for r, _, _, _ in batch.entries:
+                if r is not request or not batch.stage0_cleared:
+                    return None
+        return request
+
+    def prefill_turn(self, request: Request, now: float) -> tuple[int, int, float, int] | None:
+        """Issue the ready decodes and ``request``'s next chunk at ``now`` as
+        ``schedule`` would: ``(batch id, tokens, predicted seconds, decodes)``; None,
+        changing no decision, when no chunk joins, the chunk would end the
+        prefill, or the decodes would need a preemption or a split. The batch
+        is in flight as ``schedule`` leaves it (its id is the next one).
+        """
+        if now < self._clock:
+            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        lanes = self._lanes
+        lane = lanes.gather()
+        draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        decodes = 0
+        crossers = None
+        if lane is not None:
+            decodes = len(lane.members)
+            if decodes >= self.config.max_batch_requests:
+                return None  # a split, or no room for a chunk
+            crossers = lane.cross_at.get(lane.issued)
+            draft.cost.seed(lanes.totals(lane))
+            draft.set_decodes(decodes)
+        if draft.cost.time >= draft.target:
+            return None
+        rid = request.request_id
+        groups = self.memory.groups_of(rid)
+        sizer = self._sizer
+        hint = sizer.hint(rid)
+        n, _ = sizer.adaptive(request, groups, draft, now)
+        start = request.num_scheduled_tokens
+        if n == 0 or start + n >= request.num_prefill_tokens:
+            sizer.set_hint(rid, hint)
+            return None
+        grants: list[BlockGrant] = []
+        if crossers is not None:
+            got = lanes.grow_all(lane, crossers)  # type: ignore[arg-type]
+            if got is None:  # short of blocks or a new shard: schedule() decides
+                sizer.set_hint(rid, hint)
+                return None
+            del lane.cross_at[lane.issued]  # type: ignore[union-attr]
+            grants = got
+        self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
+        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        lanes.issue(lane, batch_id, grants)
+        self._in_flight[batch_id] = _InFlight([(request, start, n, False)], lane)
+        request.num_scheduled_tokens = start + n
+        self._clock = now
+        return batch_id, n, draft.cost.time, decodes
+
+    def clear_turn(self, batch_id: int) -> None:
+        """A :meth:`prefill_turn` batch cleared stage 0 (``on_stage_end`` without
+        putting the prefill back in the queue: its next turn follows)."""
+        batch = self._in_flight[batch_id]
+        batch.stage0_cleared = True
+        if batch.lane is not None:
+            self._lanes.cleared(batch.lane)
+        for r, _, n, _ in batch.entries:
+            r.num_stage0_tokens += n
+            self._refresh_work(r)
+
+    def end_prefill_turns(self, request: Request, turns: int, queued: bool) -> None:
+        """After ``turns`` :meth:`prefill_turn` calls: the request left the queue
+        at the first and went back after each but the last; ``queued``: its
+        last batch cleared stage 0 too (it waits in the queue again)."""
+        self._queue.remove(request.request_id)
+        self._queue.count_pushes(turns - 1)
+        if queued:
+            self._queue.push(request)
+
     # ---------------------------------------------------------------- results
     def on_stage_end(self, batch_id: int, *, stage: int = 0) -> None:
         """Batch ``batch_id`` cleared pipeline ``stage``; stage 0 frees its prefills."""

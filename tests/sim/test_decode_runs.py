@@ -161,3 +161,26 @@ def test_no_lone_prefill_beside_decodes() -> None:
     assert s.lone_prefill() is None  # b's chunks go beside a's decodes
     with pytest.raises(ValueError, match="lone-prefill"):
         s.commit_lone_prefill(s.get_request("b"), [], 0, 0, [])
+
+
+@pytest.mark.parametrize(("spp", "kvp"), [(2, 1), (4, 1), (2, 2)])
+def test_prefill_turns_beside_decodes_taken_and_same_results(monkeypatch, spp, kvp) -> None:
+    """A long prefill's chunks beside running decodes go without whole batches."""
+    trace = [TraceRequest("long", 0.0, 60_000, 4)] + [
+        TraceRequest(f"s{i}", 0.2 + 0.4 * i, 200 + 50 * i, 30 + 7 * i) for i in range(12)
+    ]
+    spec = RunSpec(policy="lars-mp", tp=8, spp=spp, kvp=kvp, long_threshold=16_384)
+    config, model, cache = spec.build()
+    turns: list[int] = []
+    turn = Scheduler.prefill_turn
+
+    def counting(self, request, now):
+        got = turn(self, request, now)
+        if got is not None:
+            turns.append(got[3])
+        return got
+
+    monkeypatch.setattr(Scheduler, "prefill_turn", counting)
+    off, on = both(trace, config, model, cache)
+    assert_same(off, on)
+    assert len(turns) > 10 and any(d > 0 for d in turns)  # turns carried decodes too

@@ -228,9 +228,12 @@ class Simulator:
         if self._awaiting == len(self._live) or not self.pipeline.stage0_free(now):
             return  # every request waits for a token: the batch would be empty
         if self.decode_runs:
+            if self.sched.num_queued == 1 and (
+                (self._awaiting == 0 and self._lone_prefill(now))
+                or (self.spp > 1 and self._prefill_turns(now))
+            ):
+                return  # the prefill's chunks went in bulk
             if self._awaiting == 0:
-                if self.sched.num_queued == 1 and self._lone_prefill(now):
-                    return  # the prefill's chunks went in bulk
                 now = self._decode_run(now)
             elif self.spp > 1 and self._lane_cycle(now):
                 return  # every decode is in flight again
@@ -445,11 +448,92 @@ class Simulator:
         self.now = last
         return True
 
+    def _prefill_turns(self, now: float) -> bool:
+        """Issue a prefill's chunks beside the ready decodes, one turn per stage-0
+        clearing (``Scheduler.turns_prefill``), without events, up to the next
+        other event; True if at least one turn went.
+
+        Between turns the batch ends due by then are handled as their events
+        would be (finished requests included), then the last turn's stage-0
+        clearing. A turn that ``prefill_turn`` refuses goes through
+        ``schedule`` (a wake-up at its time). SPP > 1 (with one stage a
+        batch clears stage 0 when it ends).
+        """
+        request = self.sched.turns_prefill()
+        if request is None:
+            return False
+        heap, in_flight = self._heap, self._in_flight
+        horizon = float("inf")  # the next event but the ends of the batches in flight
+        for entry in heap:
+            event = entry[3]
+            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in in_flight):
+                horizon = entry[0]
+        sched = self.sched
+        free = self.pipeline.free
+        spp = self.spp
+        append = self.iterations.append
+        issued: list[int] = []
+        gone: set[int] = set()
+        s = now
+        queued = False
+        while True:
+            got = sched.prefill_turn(request, s)
+            if got is None:
+                queued = bool(issued)  # its last chunk cleared stage 0: it waits again
+                break
+            bid, n, p, decodes = got
+            append(IterationRecord(bid, s, p, decodes, 1, n, 0))
+            stage = p / spp
+            t = (s if s > free[0] else free[0]) + stage  # Pipeline.push, on the copy
+            free[0] = f = t
+            for i in range(1, spp):
+                g = free[i]
+                t = (t if t > g else g) + stage
+                free[i] = t
+            in_flight[bid] = ([], decodes, t)
+            self._awaiting += decodes
+            issued.append(bid)
+            self.now = s
+            if not f < horizon:
+                break  # its stage-0 end is an event of its own
+            # what happens up to f: batch ends (in order), then bid clears stage 0
+            for b, (_, _, end) in list(in_flight.items()):
+                if end > f:
+                    break
+                self.now = end
+                self._end_batch(b)
+                gone.add(b)
+            sched.clear_turn(bid)
+            s = f
+        if not issued:
+            return False
+        sched.end_prefill_turns(request, len(issued), queued)
+        self.pipeline.free = free
+        if gone:
+            heap[:] = [e for e in heap if not (type(e[3]) is BatchEnd and e[3].batch_id in gone)]
+            heapq.heapify(heap)
+        for b in issued:
+            if b in in_flight:
+                self.push(BatchEnd(in_flight[b][2], b))
+        self._stage0_unwatched = False
+        if queued:
+            self.now = s
+            self._wakeup_pending = True
+            self.push(ScheduleWakeup(s))
+        else:
+            self.push(StageEnd(free[0], issued[-1]))
+        return True
+
     def on_stage_end(self, batch_id: int) -> None:
         self.sched.on_stage_end(batch_id)
         self._wake_if_free()
 
     def on_batch_end(self, batch_id: int) -> None:
+        self._end_batch(batch_id)
+        self._wake_if_free()
+
+    def _end_batch(self, batch_id: int) -> None:
+        """``on_batch_end`` less the wake-up."""
         now = self.now
         completes, sampling, _ = self._in_flight.pop(batch_id)
         self._awaiting -= sampling
@@ -464,7 +548,6 @@ class Simulator:
             rec.preemptions = self._live.pop(rid).num_preemptions
         if finished:
             self._progress(len(finished))
-        self._wake_if_free()
 
 
 def simulate(
