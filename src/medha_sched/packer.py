@@ -5,9 +5,11 @@ the largest chunk on the token grid whose batch still fits the budget (a
 long prefill under space sharing gets ``T * (1 - clamp(rho, 0, rho_max))``),
 at most one long prefill per KVP group, never crossing a KVP shard.
 
-Guarantee: with adaptive chunking the predicted batch time is <= T. The one
-exception is decodes that alone exceed T: then no prefill is added (the
-decodes still run, so nobody starves). With a fixed chunk size the budget is
+Guarantee: with adaptive chunking the predicted batch time is <= T. The
+exceptions keep everyone moving: decodes that alone exceed T still run (and
+no prefill is added), and when nothing runs or is in flight and no chunk fits
+(a learning cost model can price every chunk over T) the first request that
+KV memory allows takes one grid chunk. With a fixed chunk size the budget is
 in tokens instead (Sarathi-style), and with ``chunk_size=0`` prompts go whole.
 """
 
@@ -115,9 +117,19 @@ class ChunkSizer:
         return max(0, min(room, size - draft.num_tokens))
 
     def adaptive(
-        self, request: Request, groups: tuple[int, ...], draft: Draft, now: float
+        self,
+        request: Request,
+        groups: tuple[int, ...],
+        draft: Draft,
+        now: float,
+        *,
+        force: bool = False,
     ) -> tuple[int, bool]:
-        """``(chunk, is_long)``: the largest grid chunk that keeps the draft in budget."""
+        """``(chunk, is_long)``: the largest grid chunk that keeps the draft in budget.
+
+        ``force``: one grid chunk (or what is left of the shard or prompt) even when
+        none fits, for an empty batch that must make progress.
+        """
         start = request.num_scheduled_tokens
         limit_g, cfg = self._limit, self._cfg
         is_long = request.num_prefill_tokens >= cfg.long_prefill_threshold
@@ -141,7 +153,11 @@ class ChunkSizer:
         single = start < limit_g  # one shard: the draft's miss memo applies
         if single:
             group = groups[0]
-            if draft.misses and draft.known_miss(group, start, min(grid, limit), target):
+            if (
+                not force
+                and draft.misses
+                and draft.known_miss(group, start, min(grid, limit), target)
+            ):
                 return 0, is_long
             time_with_tail = cost.time_with_tail
 
@@ -156,6 +172,8 @@ class ChunkSizer:
         last = self._last_chunk
         hint = last.get(rid, 0)
         chunk = largest_fitting_chunk(limit, grid, fits, hint=hint)
+        if chunk == 0 and force:
+            chunk = min(grid, limit)
         if chunk == 0:
             if single:
                 draft.misses.append((group, start, min(grid, limit), target))

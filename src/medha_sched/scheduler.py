@@ -388,6 +388,19 @@ class Scheduler:
                     break
         for r in chosen:
             self._queue.remove(r.request_id)
+        if self._adaptive and not entries and not draft.num_decodes and not self._in_flight:
+            self._force_progress(draft, now)
+
+    def _force_progress(self, draft: Draft, now: float) -> None:
+        """Nothing runs and no chunk fits the budget (a learning cost model that met
+        a slow device can price every chunk over T): the first queued request that
+        KV memory allows takes one grid chunk anyway, so the server never idles
+        with work it could do. A static model never gets here for an admitted
+        prompt (its chunks are checked against T alone at admission)."""
+        for r in self._queue.iter_sorted(now):
+            if self._try_prefill(r, draft, now, force=True):
+                self._queue.remove(r.request_id)
+                return
 
     def _budget_spent(self, draft: Draft) -> bool:
         """True when no queued request's prefill chunk can join the draft."""
@@ -419,7 +432,9 @@ class Scheduler:
         else:
             draft.fits_somewhere = tokens
 
-    def _try_prefill(self, request: Request, draft: Draft, now: float) -> bool:
+    def _try_prefill(
+        self, request: Request, draft: Draft, now: float, *, force: bool = False
+    ) -> bool:
         rid = request.request_id
         admitted = rid in self._running
         cached, hashes = 0, ()
@@ -438,7 +453,7 @@ class Scheduler:
         if groups is None:
             return False  # no memory for the whole prompt yet
         if self.config.adaptive:
-            n, is_long = self._sizer.adaptive(request, groups, draft, now)
+            n, is_long = self._sizer.adaptive(request, groups, draft, now, force=force)
         else:
             n, is_long = self._sizer.fixed(request, draft), False
         if n == 0:

@@ -10,7 +10,14 @@ steps and stopped (``budget.py --runs admission`` at twice capacity).
 
 from __future__ import annotations
 
-from medha_sched import CacheConfig, Request, Scheduler, SchedulerConfig, parse_cost_model_spec
+from medha_sched import (
+    BatchResult,
+    CacheConfig,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    parse_cost_model_spec,
+)
 
 
 def _scheduler(skips: int) -> Scheduler:
@@ -45,3 +52,28 @@ def test_a_batch_with_work_still_stops_at_the_skip_limit() -> None:
         sched.add_request(Request(f"w{i}", 0.001, 800, 1, priority=-1))
     out = sched.schedule(0.002)
     assert [c.request_id for c in out.chunks] == ["small"]  # two skips, then the scan stops
+
+
+def test_an_empty_batch_takes_one_grid_chunk_when_the_model_prices_every_chunk_over_t() -> None:
+    """A learning model that met a slow device can price every chunk over T; with
+    nothing in flight the scheduler still issues one grid chunk (over budget)
+    instead of an empty batch, and keeps within T once the model is sane again."""
+    from medha_sched.cost.online import OnlineCostModel
+
+    model = OnlineCostModel((0.001, 0.0, 1e-4, 0.0, 0.0))
+    cache = CacheConfig(block_size=16, num_blocks_per_group=1000)
+    config = SchedulerConfig(policy="lars-mp", target_batch_time=0.02, token_grid=32)
+    sched = Scheduler(config, model, cache=cache)
+    sched.add_request(Request("a", 0.0, 1000, 1))
+    out = sched.schedule(0.0)
+    assert [c.request_id for c in out.chunks] == ["a"] and out.chunks[0].num_tokens == 160
+    sched.on_stage_end(out.batch_id)
+    sched.on_batch_end(out.batch_id, BatchResult({}, frozenset()))
+    model.rescale(1000.0)  # a 32-token chunk now costs 4.2 s against T = 20 ms
+    stuck = sched.schedule(0.1)
+    assert [(c.request_id, c.start, c.num_tokens) for c in stuck.chunks] == [("a", 160, 32)]
+    sched.on_stage_end(stuck.batch_id)
+    sched.on_batch_end(stuck.batch_id, BatchResult({}, frozenset()))
+    model.rescale(1e-3)  # back to the first prices: a full-budget chunk again
+    again = sched.schedule(0.2)
+    assert [(c.request_id, c.start, c.num_tokens) for c in again.chunks] == [("a", 192, 160)]
