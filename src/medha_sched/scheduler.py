@@ -732,8 +732,25 @@ class Scheduler:
         if cleared:
             self._refresh_work(request)
         rid = request.request_id
-        groups = self.memory.groups_of(rid)
         draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        sized = self._turn_chunk(request, draft, now)
+        if sized is None:
+            return None
+        groups, start, n, _ = sized
+        self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
+        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
+        request.num_scheduled_tokens = start + n
+        self._clock = now
+        return n, draft.cost.time
+
+    def _turn_chunk(
+        self, request: Request, draft: Draft, now: float
+    ) -> tuple[tuple[int, ...], int, int, int | None] | None:
+        """A turn's chunk as ``schedule`` would size it: ``(groups, start, tokens,
+        the sizer's previous hint)``, or None (the hint kept) when no chunk fits
+        or the chunk would end the prefill (those go through ``schedule``)."""
+        rid = request.request_id
+        groups = self.memory.groups_of(rid)
         sizer = self._sizer
         hint = sizer.hint(rid)
         n, _ = sizer.adaptive(request, groups, draft, now)
@@ -741,11 +758,7 @@ class Scheduler:
         if n == 0 or start + n >= request.num_prefill_tokens:
             sizer.set_hint(rid, hint)
             return None
-        self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
-        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
-        request.num_scheduled_tokens = start + n
-        self._clock = now
-        return n, draft.cost.time
+        return groups, start, n, hint
 
     def commit_lone_prefill(
         self, request: Request, chunks: Sequence[int], cleared: int, ended: int, done: Sequence[int]
@@ -833,19 +846,15 @@ class Scheduler:
         if draft.cost.time >= draft.target:
             return None
         rid = request.request_id
-        groups = self.memory.groups_of(rid)
-        sizer = self._sizer
-        hint = sizer.hint(rid)
-        n, _ = sizer.adaptive(request, groups, draft, now)
-        start = request.num_scheduled_tokens
-        if n == 0 or start + n >= request.num_prefill_tokens:
-            sizer.set_hint(rid, hint)
+        sized = self._turn_chunk(request, draft, now)
+        if sized is None:
             return None
+        groups, start, n, hint = sized
         grants: list[BlockGrant] = []
         if crossers is not None:
             got = lanes.grow_all(lane, crossers)  # type: ignore[arg-type]
             if got is None:  # short of blocks or a new shard: schedule() decides
-                sizer.set_hint(rid, hint)
+                self._sizer.set_hint(rid, hint)
                 return None
             del lane.cross_at[lane.issued]  # type: ignore[union-attr]
             grants = got

@@ -296,6 +296,15 @@ class Simulator:
         self.now = ends[-1]
         return self.now
 
+    def _horizon(self) -> float:
+        """When the next event comes, the ends of the batches in flight left out."""
+        in_flight, horizon = self._in_flight, float("inf")
+        for entry in self._heap:
+            event = entry[3]
+            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in in_flight):
+                horizon = entry[0]
+        return horizon
+
     def _lane_cycle(self, now: float) -> bool:
         """Issue, at once, the decode-only batches of lanes taking turns in the
         pipeline (``Scheduler.plan_lane_cycle``) before the next event; True
@@ -310,11 +319,7 @@ class Simulator:
         if self.sched.num_queued:
             return False  # a prompt waits: the next batch may carry a chunk
         heap, in_flight = self._heap, self._in_flight
-        horizon = float("inf")  # the next event but the ends of the batches in flight
-        for entry in heap:
-            event = entry[3]
-            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in in_flight):
-                horizon = entry[0]
+        horizon = self._horizon()
         # a turn holds stage 0 for its time / spp
         plan = self.sched.plan_lane_cycle(self._cycle_len, (horizon - now) * self.spp)
         if plan is None:
@@ -390,11 +395,7 @@ class Simulator:
         if request is None:
             return False
         heap, in_flight = self._heap, self._in_flight
-        horizon = float("inf")  # the next event but the ends of the batches in flight
-        for entry in heap:
-            event = entry[3]
-            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in in_flight):
-                horizon = entry[0]
+        horizon = self._horizon()
         free = self.pipeline.free
         spp = self.spp
         turn = self.sched.lone_prefill_turn
@@ -463,11 +464,7 @@ class Simulator:
         if request is None:
             return False
         heap, in_flight = self._heap, self._in_flight
-        horizon = float("inf")  # the next event but the ends of the batches in flight
-        for entry in heap:
-            event = entry[3]
-            if entry[0] < horizon and not (type(event) is BatchEnd and event.batch_id in in_flight):
-                horizon = entry[0]
+        horizon = self._horizon()
         sched = self.sched
         free = self.pipeline.free
         spp = self.spp
