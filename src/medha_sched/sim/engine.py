@@ -38,7 +38,7 @@ from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim.events import Arrival, BatchEnd, Event, ScheduleWakeup, StageEnd
 from medha_sched.sim.metrics import IterationRecord, RequestRecord
-from medha_sched.sim.pipeline import Pipeline
+from medha_sched.sim.pipeline import Pipeline, push_times
 from medha_sched.sim.trace import TraceRequest
 
 
@@ -346,13 +346,7 @@ class Simulator:
             if not s < horizon or any(ready[y] <= s for y in range(k) if y != x):
                 break
             p = tx[j]
-            stage = p / spp
-            t = s + stage  # Pipeline.push, on the copy
-            free[0] = t
-            for i in range(1, spp):
-                f = free[i]
-                t = (t if t > f else f) + stage
-                free[i] = t
+            _, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy (s >= free[0])
             ready[x] = t
             turns[x] = j + 1
             starts.append(s)
@@ -410,13 +404,7 @@ class Simulator:
             if got is None:
                 break
             n, p = got
-            stage = p / spp
-            t = (s if s > free[0] else free[0]) + stage  # Pipeline.push, on the copy
-            free[0] = f = t
-            for i in range(1, spp):
-                g = free[i]
-                t = (t if t > g else g) + stage
-                free[i] = t
+            f, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy
             starts.append(s)
             chunks.append(n)
             predicted.append(p)
@@ -480,13 +468,7 @@ class Simulator:
                 break
             bid, n, p, decodes = got
             append(IterationRecord(bid, s, p, decodes, 1, n, 0))
-            stage = p / spp
-            t = (s if s > free[0] else free[0]) + stage  # Pipeline.push, on the copy
-            free[0] = f = t
-            for i in range(1, spp):
-                g = free[i]
-                t = (t if t > g else g) + stage
-                free[i] = t
+            f, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy
             in_flight[bid] = ([], decodes, t)
             self._awaiting += decodes
             issued.append(bid)

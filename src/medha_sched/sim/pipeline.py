@@ -56,11 +56,16 @@ class Pipeline:
 
     def push(self, now: float, stage_time: float) -> tuple[float, float]:
         """Issue a batch at ``now``; returns (time it leaves stage 0, time it leaves the last)."""
-        free = self._free
-        t = (now if now > free[0] else free[0]) + stage_time
-        free[0] = first = t
-        for k in range(1, self.num_stages):
-            f = free[k]
-            t = (t if t > f else f) + stage_time
-            free[k] = t
-        return first, t
+        return push_times(self._free, now, stage_time)
+
+
+def push_times(free: list[float], now: float, stage_time: float) -> tuple[float, float]:
+    """:meth:`Pipeline.push` on a list of stage free times (updated in place):
+    (time the batch leaves stage 0, time it leaves the last stage)."""
+    t = (now if now > free[0] else free[0]) + stage_time
+    free[0] = first = t
+    for k in range(1, len(free)):
+        f = free[k]
+        t = (t if t > f else f) + stage_time
+        free[k] = t
+    return first, t
