@@ -52,6 +52,7 @@ from medha_parallel.spp_header import (
     ChunkHeaderError,
     ChunkMeta,
     MicroBatch,
+    TensorSpec,
     decode_header,
     encode_header,
 )
@@ -340,22 +341,22 @@ class SPPCommunicator:
         src = self.stage - 1
         t0 = time.perf_counter()
         try:
-            if self._in is not None:
-                header, decoded, tensors, inline = self._recv_shared()
-            else:
-                header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
-                with named_comm("spp", "recv"):
-                    dist.recv(header, group=self.group, group_src=src)
-                decoded, tensors, inline = _decode(header.cpu()), {}, False
-            if isinstance(decoded, ChunkHeaderError):
+            try:
+                if self._in is not None:
+                    header, meta, specs, tensors = self._recv_shared()
+                else:
+                    header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
+                    with named_comm("spp", "recv"):
+                        dist.recv(header, group=self.group, group_src=src)
+                    (meta, specs), tensors = decode_header(header.cpu()), {}
+            except ChunkHeaderError as exc:
                 raise SPPProtocolError(
-                    f"recv on the spp group from stage {src}: {decoded}; the stream is out of "
+                    f"recv on the spp group from stage {src}: {exc}; the stream is out of "
                     "step, tear the group down"
-                ) from decoded
-            meta, specs = decoded
+                ) from exc
             works = []
             with named_comm("spp", "recv"):
-                for spec in [] if inline else specs:
+                for spec in specs:
                     buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                     tensors[spec.name] = buf
                     if buf.numel() > 0:
@@ -385,29 +386,30 @@ class SPPCommunicator:
                     self._check_order(member)
         return got, tensors
 
-    def _recv_shared(self) -> tuple[torch.Tensor, Any, Tensors, bool]:
-        """The next slot: its header, the header decoded (see :func:`_decode`), its
-        tensors (if they came with it) and whether they did."""
+    def _recv_shared(self) -> tuple[torch.Tensor, ChunkMeta, list[TensorSpec], Tensors]:
+        """The next slot: its header, decoded (raises :class:`ChunkHeaderError`), the
+        tensor specs still to receive over gloo, and the tensors that came with it
+        (the slot is released either way)."""
         assert self._in is not None
         with named_comm("spp", "recv"):
             slot = self._in.peek()
         try:
             header = slot[:_HEADER_BYTES].view(torch.int64).clone()
             inline = bool(slot[_HEADER_BYTES:_SLOT_PREFIX].view(torch.int64).item())
-            decoded = _decode(header)
+            meta, specs = decode_header(header)
+            if not inline:
+                return header, meta, specs, {}
             tensors: Tensors = {}
-            if inline and not isinstance(decoded, ChunkHeaderError):
-                _, specs = decoded
-                sizes = [math.prod(sp.shape) * sp.dtype.itemsize for sp in specs]
-                offsets, _ = _slot_layout(sizes)
-                for sp, off, n in zip(specs, offsets, sizes, strict=True):
-                    buf = torch.empty(sp.shape, dtype=sp.dtype)
-                    if n > 0:
-                        buf.reshape(-1).view(torch.uint8).copy_(slot[off : off + n])
-                    tensors[sp.name] = buf
+            sizes = [math.prod(sp.shape) * sp.dtype.itemsize for sp in specs]
+            offsets, _ = _slot_layout(sizes)
+            for sp, off, n in zip(specs, offsets, sizes, strict=True):
+                buf = torch.empty(sp.shape, dtype=sp.dtype)
+                if n > 0:
+                    buf.reshape(-1).view(torch.uint8).copy_(slot[off : off + n])
+                tensors[sp.name] = buf
+            return header, meta, [], tensors
         finally:
             self._in.release()
-        return header, decoded, tensors, inline
 
     def forget(self, seq_id: int) -> None:
         """Stop tracking a finished sequence's chunk order."""
@@ -455,14 +457,6 @@ class SPPCommunicator:
 #: slot (1) or over gloo (0), then each tensor's bytes (header order) on 64-byte bounds
 _HEADER_BYTES = HEADER_WORDS * 8
 _SLOT_PREFIX = _HEADER_BYTES + 8
-
-
-def _decode(header: torch.Tensor) -> tuple[ChunkMeta, list[Any]] | ChunkHeaderError:
-    """:func:`decode_header`, or the error it raised."""
-    try:
-        return decode_header(header)
-    except ChunkHeaderError as exc:
-        return exc
 
 
 def _slot_layout(sizes: list[int]) -> tuple[list[int], int]:
