@@ -115,11 +115,11 @@ def _target_programs(device: torch.device, per_sm: int = 2) -> int:
     return 64
 
 
-def num_kv_splits(num_kv: int, programs: int, target: int) -> int:
-    """KV splits for a launch with ``programs`` (query tile, KV head) programs."""
+def num_kv_splits(num_kv: int, programs: int, target: int, cap: int = MAX_SPLITS) -> int:
+    """KV splits for a launch with ``programs`` (query tile, KV head) programs (at most ``cap``)."""
     if programs >= target:
         return 1
-    return max(1, min(MAX_SPLITS, triton.cdiv(num_kv, SPLIT_MIN_KV), triton.cdiv(target, programs)))
+    return max(1, min(cap, triton.cdiv(num_kv, SPLIT_MIN_KV), triton.cdiv(target, programs)))
 
 
 def decode_splits(max_kv: int, programs: int, device: torch.device, dtype: torch.dtype) -> int:
@@ -129,8 +129,7 @@ def decode_splits(max_kv: int, programs: int, device: torch.device, dtype: torch
     ``SPLIT_MIN_KV`` keys, and there are at most ``MAX_DECODE_SPLITS``.
     """
     target = _target_programs(device, tile_config("decode", device, dtype)["programs_per_sm"])
-    want = triton.cdiv(target, max(programs, 1))
-    return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(max(max_kv, 1), SPLIT_MIN_KV), want))
+    return num_kv_splits(max_kv, max(programs, 1), target, MAX_DECODE_SPLITS)
 
 
 def chunked_prefill_attention(
