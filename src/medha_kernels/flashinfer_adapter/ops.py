@@ -104,7 +104,6 @@ def merge_state_in_place(
     fix = _any_empty(s, s_other)
     rows = None if mask is None else mask.view(-1, 1)  # [T, 1]
     target = v if v.is_contiguous() else v.contiguous()
-    live, live_other = torch.isfinite(s), torch.isfinite(s_other)  # before s is overwritten
     s2 = lse_to_base2(s)
     if fix:  # zero only rows that will be rewritten: masked-off rows stay bit-identical
         empty = torch.isneginf(s2) if rows is None else torch.isneginf(s2) & rows
@@ -113,6 +112,7 @@ def merge_state_in_place(
     _fi().merge_state_in_place(target, s2, vo, so, mask=mask)
     new_s = lse_from_base2(s2)
     if fix:  # FlashInfer may leave an all-empty row finite: read emptiness from the inputs
+        live, live_other = torch.isfinite(s), torch.isfinite(s_other)  # s is written below
         only_other = live_other & ~live
         none = ~live & ~live_other
         if rows is not None:
