@@ -73,7 +73,7 @@ from medha_runtime.messages import Done, Failed, Ping, Shutdown, Step, ToWorker
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import RunnerSpec
 from medha_runtime.sampling import Sampled
-from medha_runtime.transport import Posted, post_object, recv_object
+from medha_runtime.transport import Posted, post_object, reap, recv_object
 
 #: how often a blocked :meth:`DistributedExecutor.next_event` looks for dead local workers
 _POLL_S = 0.5
@@ -199,22 +199,17 @@ class DistributedExecutor:
     def _post(self, msg: ToWorker) -> None:
         """Post ``msg`` to every other rank (non-blocking; raises a failed earlier post)."""
         with self._lock:
-            self._reap()
+            reap(self._posted)
             for rank in range(1, self.config.world_size):
                 self._posted.append(post_object(msg, rank, self.control))
             self._last = time.monotonic()
-
-    def _reap(self) -> None:
-        posted = self._posted
-        while posted and posted[0].done():
-            posted.popleft()
 
     def _drain_posts(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for every post to be delivered."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while self._posted and time.monotonic() < deadline:
-                self._reap()
+                reap(self._posted)
                 time.sleep(0.01)
 
     # ---------------------------------------------------------------- threads

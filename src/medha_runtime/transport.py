@@ -91,19 +91,19 @@ class DistTransport:
         if isinstance(msg, Failed):
             text = f"medha-runtime worker rank {self.rank}: {msg.error}"
             print(text, file=sys.stderr, flush=True)
-        if not self.replies and self.times and isinstance(msg, Done):
-            try:
-                while self._posted and self._posted[0].done():
-                    self._posted.popleft()
-                self._posted.append(post_object(msg, 0, self.control))
-            except Exception as exc:
-                raise TransportClosed(f"the driver is gone ({type(exc).__name__}: {exc})") from None
-            return
-        if not self.replies or not isinstance(msg, (Done, Failed)):
+        if self.replies and isinstance(msg, (Done, Failed)):
+            wait = True
+        elif self.times and isinstance(msg, Done):
+            wait = False  # the times only: the driver takes them when it can
+        else:
             return
         try:
-            for work in post_object(msg, 0, self.control).works:
-                work.wait()
+            if wait:
+                for work in post_object(msg, 0, self.control).works:
+                    work.wait()
+            else:
+                reap(self._posted)
+                self._posted.append(post_object(msg, 0, self.control))
         except Exception as exc:
             raise TransportClosed(f"the driver is gone ({type(exc).__name__}: {exc})") from None
 
@@ -126,6 +126,13 @@ class Posted:
                 w.wait()  # raises if the send failed
             return True
         return False
+
+
+def reap(posted: deque[Posted]) -> None:
+    """Drop the delivered posts from the front of ``posted`` (oldest first; raises a
+    failed send's error)."""
+    while posted and posted[0].done():
+        posted.popleft()
 
 
 def post_object(obj: Any, dst: int, group: Any) -> Posted:
