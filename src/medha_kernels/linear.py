@@ -34,10 +34,13 @@ _F32 = torch.float32
 
 
 @functools.cache
-def _native_module(cxx: str | None, path: str | None, enabled: str):
-    """The native extension if it has the vectorized kernel, else None (builds on first use)."""
-    del cxx, path  # cache keys
-    if enabled == "0":
+def _module():
+    """The native extension if it has the vectorized kernel, else None (builds on first use).
+
+    Cached, ``MEDHA_NATIVE_LINEAR`` included: the environment is read at the first
+    call only (a decode step calls :func:`linear` hundreds of times).
+    """
+    if os.environ.get("MEDHA_NATIVE_LINEAR", "1") == "0":
         return None
     from medha_kernels import native
 
@@ -55,15 +58,6 @@ def native_linear_available() -> bool:
 def native_row_limit() -> int:
     """Most rows :func:`linear` sends to the native kernels here (0 if none; may build once)."""
     return _native()[1]
-
-
-@functools.cache
-def _module():
-    """The native module or None; the environment is read at the first call only (a
-    decode step calls :func:`linear` hundreds of times, and reading ``PATH`` and
-    hashing it cost about a microsecond each time)."""
-    env = os.environ
-    return _native_module(env.get("CXX"), env.get("PATH"), env.get("MEDHA_NATIVE_LINEAR", "1"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
