@@ -36,20 +36,8 @@ def decode_run_limit(requests: Sequence[Request], memory: KVBlockManager, max_st
     if steps <= 0:
         return 0
     # KV growth: iteration j (0-based) needs room for num_tokens + j tokens.
-    free = memory.free_blocks()
-    bs, g = memory.cache.block_size, memory.group_limit
     while steps > 0:
-        need = [0] * len(free)
-        ok = True
-        for r in requests:
-            last = r.num_tokens + steps - 1
-            groups = memory.groups_of(r.request_id)
-            if last > len(groups) * g:
-                ok = False
-                break
-            tail_tokens = last - (len(groups) - 1) * g
-            need[groups[-1]] += max(0, -(-tail_tokens // bs) - memory.tail_blocks(r.request_id))
-        if ok and all(n <= f for n, f in zip(need, free, strict=True)):
+        if kv_fits(memory, [(r, r.num_tokens + steps - 1) for r in requests]):
             return steps
         steps //= 2  # halve until it fits (runs are an optimisation, not exhaustive)
     return 0
