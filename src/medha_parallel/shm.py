@@ -140,10 +140,7 @@ class ShmAllGather:
         self._seq += 1
         seq = self._seq
         self._flags[self.index].value = seq
-        self._libc.syscall(
-            _SYS_FUTEX, ctypes.c_void_p(self._base + self.index * _FLAG_STRIDE), _FUTEX_WAKE,
-            self.size, None,
-        )  # fmt: skip
+        _wake(self._libc, self._base + self.index * _FLAG_STRIDE, self.size)
         for r in range(self.size):
             if r != self.index:
                 self._wait(r, seq, op)
@@ -251,7 +248,7 @@ class ShmPipe:
     @staticmethod
     def nbytes(*, slots: int, slot_bytes: int) -> int:
         """Bytes one channel takes in its shared buffer (a multiple of 64)."""
-        return 2 * _FLAG_STRIDE + slots * (-(-slot_bytes // _FLAG_STRIDE) * _FLAG_STRIDE)
+        return 2 * _FLAG_STRIDE + slots * _lines(slot_bytes)
 
     @classmethod
     def create_chain(
@@ -271,7 +268,7 @@ class ShmPipe:
         """
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"slots={slots} and slot_bytes={slot_bytes} must be >= 1")
-        slot_bytes = -(-slot_bytes // _FLAG_STRIDE) * _FLAG_STRIDE
+        slot_bytes = _lines(slot_bytes)
         size = dist.get_world_size(group)
         each = cls.nbytes(slots=slots, slot_bytes=slot_bytes)
         mm = map_group_buffer(group, max(1, size - 1) * each, prefix="medha-spp")
@@ -298,7 +295,7 @@ class ShmPipe:
         """Hand the slot :meth:`reserve` returned (now filled) to the consumer."""
         self._sent += 1
         self._published.value = self._sent
-        self._libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 1, None)
+        _wake(self._libc, self._addr, 1)
 
     def peek(self) -> torch.Tensor:
         """The next message's slot (uint8 ``[slot_bytes]``, blocking) until :meth:`release`."""
@@ -314,9 +311,7 @@ class ShmPipe:
         """Free the slot :meth:`peek` returned: the producer may fill it again."""
         self._taken += 1
         self._released.value = self._taken
-        self._libc.syscall(
-            _SYS_FUTEX, ctypes.c_void_p(self._addr + _FLAG_STRIDE), _FUTEX_WAKE, 1, None
-        )
+        _wake(self._libc, self._addr + _FLAG_STRIDE, 1)
 
     @property
     def published(self) -> int:
@@ -393,6 +388,16 @@ def _wait_flag(libc: Any, flag: ctypes.c_int32, addr: int, seq: int, timeout_s: 
             return False
         libc.syscall(_SYS_FUTEX, where, _FUTEX_WAIT, ctypes.c_int32(seen), ctypes.byref(slice_))
     return True
+
+
+def _wake(libc: Any, addr: int, waiters: int) -> None:
+    """Wake up to ``waiters`` processes in a futex wait on the flag at ``addr``."""
+    libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, waiters, None)
+
+
+def _lines(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole cache lines (``_FLAG_STRIDE``)."""
+    return -(-nbytes // _FLAG_STRIDE) * _FLAG_STRIDE
 
 
 def _boot_id() -> str:
