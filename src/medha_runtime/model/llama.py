@@ -195,8 +195,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos2: torch.Tensor,
+        sin2: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ForwardBatch,
@@ -204,7 +204,7 @@ class LlamaAttention(nn.Module):
         n, hq, d = x.shape[0], self.num_q_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [n, q_size + 2 kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(n, hq + self.num_kv_heads, d)
-        apply_rotary_(qk, cos, sin)  # q's and k's heads at once, in the projection's output
+        apply_rotary_(qk, cos2, sin2)  # q's and k's heads at once, in the projection's output
         k = qk[:, hq:]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
         batch.write_kv(k, v, k_cache, v_cache)
@@ -255,13 +255,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos2: torch.Tensor,
+        sin2: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        h = x + self.self_attn(self.input_layernorm(x), cos2, sin2, k_cache, v_cache, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -402,9 +402,9 @@ class LlamaModel(nn.Module):
         else:
             x = hidden
         # once per step, shared by every layer (see rotary_tables)
-        cos, sin = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
+        cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
         for i, layer in enumerate(self.layers.values()):
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], batch)
+            x = layer(x, cos2, sin2, kv.k[i], kv.v[i], batch)
         if not self.is_last:
             return x
         x = self.norm(x[batch.sample_rows])
