@@ -68,8 +68,8 @@ class PipelineStage:
             expect=self._expect,
             keep_timeline=False,
         )
-        self._chunks: dict[str, int] = {}  # request id -> its next chunk index
-        self._seq_ids: dict[str, int] = {}  # request id -> seq_id(request id), while tracked
+        #: request id -> (its seq_id, hashed once; its next chunk index)
+        self._chunks: dict[str, tuple[int, int]] = {}
         self._batches = 0
         self._stream_pos = 0
         self._batch: ForwardBatch | None = None
@@ -85,19 +85,17 @@ class PipelineStage:
     def forget(self, request_ids: Iterable[str]) -> None:
         """Requests whose state is gone: their next chunk is chunk 0 again."""
         for rid in request_ids:
-            if self._chunks.pop(rid, None) is not None:
-                self.comm.forget(self._seq_ids.pop(rid))
+            if (tracked := self._chunks.pop(rid, None)) is not None:
+                self.comm.forget(tracked[0])
 
     def micro_batch(self, plan: StepPlan) -> MicroBatch:
         """The plan's header: one :class:`ChunkMeta` per chunk (advances the counters)."""
         metas = []
         for c in plan.chunks:
             rid = c.request_id
-            idx = self._chunks.get(rid, 0)
-            self._chunks[rid] = idx + 1
-            seq = self._seq_ids.get(rid)
-            if seq is None:
-                seq = self._seq_ids[rid] = seq_id(rid)
+            tracked = self._chunks.get(rid)
+            seq, idx = (seq_id(rid), 0) if tracked is None else tracked
+            self._chunks[rid] = (seq, idx + 1)
             metas.append(
                 ChunkMeta(
                     seq,
