@@ -199,7 +199,7 @@ class SPPCommunicator:
         self._next: dict[int, tuple[int, int]] = {}  # seq_id -> (chunk_idx, start_pos) due
         self._out: shm.ShmPipe | None = None  # shared-memory channel to the next stage
         self._in: shm.ShmPipe | None = None  # ... from the previous one
-        if shared_memory and torch.device(self.device).type == "cpu" and len(self.ranks) > 1:
+        if shared_memory and state.device_type == "cpu" and len(self.ranks) > 1:
             pipes = shm.ShmPipe.create_chain(
                 self.group,
                 slots=max_inflight,
