@@ -305,6 +305,13 @@ class Simulator:
                 horizon = entry[0]
         return horizon
 
+    def _drop_batch_ends(self, batch_ids: set[int]) -> None:
+        """Take the ``BatchEnd`` events of ``batch_ids`` out of the event heap
+        (batches a bulk path already ended)."""
+        heap = self._heap
+        heap[:] = [e for e in heap if not (type(e[3]) is BatchEnd and e[3].batch_id in batch_ids)]
+        heapq.heapify(heap)
+
     def _lane_cycle(self, now: float) -> bool:
         """Issue, at once, the decode-only batches of lanes taking turns in the
         pipeline (``Scheduler.plan_lane_cycle``) before the next event; True
@@ -318,18 +325,17 @@ class Simulator:
         """
         if self.sched.num_queued:
             return False  # a prompt waits: the next batch may carry a chunk
-        heap, in_flight = self._heap, self._in_flight
+        in_flight = self._in_flight
         horizon = self._horizon()
         # a turn holds stage 0 for its time / spp
         plan = self.sched.plan_lane_cycle(self._cycle_len, (horizon - now) * self.spp)
         if plan is None:
             return False
-        flying = set(plan.in_flight)
         k = len(plan.lanes)
         ready = [now] + [in_flight[b][2] for b in plan.in_flight]  # when each lane is ready
         turns = [0] * k
         times = plan.times
-        free = list(self.pipeline.free)
+        free = self.pipeline.free  # a copy
         spp = self.spp
         starts: list[float] = []
         predicted: list[float] = []
@@ -360,8 +366,7 @@ class Simulator:
         first = self.sched.commit_lane_cycle(plan, n, starts[-1]).start
         for b in plan.in_flight:
             self._awaiting -= in_flight.pop(b)[1]
-        heap[:] = [e for e in heap if not (type(e[3]) is BatchEnd and e[3].batch_id in flying)]
-        heapq.heapify(heap)
+        self._drop_batch_ends(set(plan.in_flight))
         sizes, append = plan.sizes, self.iterations.append
         for i in range(n):
             append(IterationRecord(first + i, starts[i], predicted[i], sizes[i % k], 0, 0, 0))
@@ -388,7 +393,7 @@ class Simulator:
         request = self.sched.lone_prefill()
         if request is None:
             return False
-        heap, in_flight = self._heap, self._in_flight
+        in_flight = self._in_flight
         horizon = self._horizon()
         free = self.pipeline.free
         spp = self.spp
@@ -419,11 +424,9 @@ class Simulator:
         ended = sum(1 for e in ends if e <= last)
         first = self.sched.commit_lone_prefill(request, chunks, m - 1, ended, done).start
         if done:
-            gone = set(done)
             for b in done:
                 del in_flight[b]
-            heap[:] = [e for e in heap if not (type(e[3]) is BatchEnd and e[3].batch_id in gone)]
-            heapq.heapify(heap)
+            self._drop_batch_ends(set(done))
         append = self.iterations.append
         for i in range(m):
             append(IterationRecord(first + i, starts[i], predicted[i], 0, 1, chunks[i], 0))
@@ -451,7 +454,7 @@ class Simulator:
         request = self.sched.turns_prefill()
         if request is None:
             return False
-        heap, in_flight = self._heap, self._in_flight
+        in_flight = self._in_flight
         horizon = self._horizon()
         sched = self.sched
         free = self.pipeline.free
@@ -489,8 +492,7 @@ class Simulator:
         sched.end_prefill_turns(request, len(issued), queued)
         self.pipeline.free = free
         if gone:
-            heap[:] = [e for e in heap if not (type(e[3]) is BatchEnd and e[3].batch_id in gone)]
-            heapq.heapify(heap)
+            self._drop_batch_ends(gone)
         for b in issued:
             if b in in_flight:
                 self.push(BatchEnd(in_flight[b][2], b))
