@@ -129,7 +129,10 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 def sse(obj: Any) -> str:
     """One server-sent event, on one line whatever the text holds."""
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+    text = json.dumps(obj, ensure_ascii=False)
+    if not text.isascii():  # the three line breaks are not ASCII (a token's event mostly is)
+        text = text.translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
