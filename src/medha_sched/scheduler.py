@@ -14,13 +14,19 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
-from medha_sched.decode_run import decode_run_limit, kv_fits, plan_decode_run, plan_lane_run
+from medha_sched.decode_run import (
+    ZERO_TOKENS,
+    decode_run_limit,
+    kv_fits,
+    plan_decode_run,
+    plan_lane_run,
+)
 from medha_sched.decode_set import DecodeLanes, Lane, Member
 from medha_sched.errors import RequestTooLongError, SchedulerError
 from medha_sched.kv_memory import KVBlockManager
@@ -32,21 +38,6 @@ from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
 from medha_sched.request import Request, RequestStatus
 
-
-class _ZeroTokens(Mapping[str, int]):
-    """Every member's sampled token in a lane cycle's batches: token 0."""
-
-    def __getitem__(self, key: str) -> int:
-        return 0
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-_ZEROS = _ZeroTokens()
 _NO_TOKENS = BatchResult()
 
 
@@ -658,7 +649,7 @@ class Scheduler:
             batch = self._in_flight.pop(bid)
             if not batch.stage0_cleared:
                 lanes.cleared(lane)
-            if lanes.returned(lane, _ZEROS, set()):
+            if lanes.returned(lane, ZERO_TOKENS, set()):
                 raise AssertionError("a lane cycle finished a request")
         for i, lane in enumerate(plan.lanes):
             bulk = (n - i + k - 1) // k - 1  # turns of lane i that also end

@@ -27,11 +27,12 @@ from __future__ import annotations
 import gc
 import heapq
 import time as _time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
+from medha_sched.decode_run import ZERO_TOKENS
 from medha_sched.errors import RequestTooLongError
 from medha_sched.output import BatchResult
 from medha_sched.request import Request
@@ -46,23 +47,7 @@ class SimulationError(RuntimeError):
     """The simulation cannot go on (a scheduler that stopped making progress)."""
 
 
-class _EveryTokenIsZero(Mapping[str, int]):
-    """``sampled_token_ids`` of a simulated batch: every sampling chunk sampled token 0."""
-
-    def __getitem__(self, key: str) -> int:
-        return 0
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-_RESULT = BatchResult(sampled_token_ids=_EveryTokenIsZero())
+_RESULT = BatchResult(sampled_token_ids=ZERO_TOKENS)  # every sampling chunk sampled token 0
 
 
 @dataclass(frozen=True, slots=True)
