@@ -231,10 +231,14 @@ class Scheduler:
         self._clock = now
         if self.prefill_times.refresh(now):
             self._reprice()
-        draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        draft = self._new_draft()
         lane, grants, preempted = self._pack_decodes(draft, now)
         self._pack_prefills(draft, now)
         return self._emit(draft, now, lane, grants, preempted)
+
+    def _new_draft(self) -> Draft:
+        """An empty batch priced by the cost model, with this step's time budget."""
+        return Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
 
     def _target_time(self) -> float:
         target = self.config.target_batch_time
@@ -723,7 +727,7 @@ class Scheduler:
         if cleared:
             self._refresh_work(request)
         rid = request.request_id
-        draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        draft = self._new_draft()
         sized = self._turn_chunk(request, draft, now)
         if sized is None:
             return None
@@ -766,9 +770,7 @@ class Scheduler:
             )
         for bid in done:
             self.on_batch_end(bid, _NO_TOKENS)
-        rid = request.request_id
-        self._queue.remove(rid)
-        self._queue.count_pushes(len(chunks) - 1)  # each cleared turn went back in the queue
+        self.end_prefill_turns(request, len(chunks), queued=False)
         if ended:
             request.num_computed_tokens += sum(chunks[:ended])
             if self._caching:
@@ -824,7 +826,7 @@ class Scheduler:
             raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
         lanes = self._lanes
         lane = lanes.gather()
-        draft = Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        draft = self._new_draft()
         decodes = 0
         crossers = None
         if lane is not None:
