@@ -7,7 +7,7 @@ import torch
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.model import ForwardBatch, load_model
-from medha_runtime.sampling import Penalties, Sampler, SampleSpec
+from medha_runtime.sampling import Penalties, Sampler, SampleSpec, greedy_argmax
 from medha_sched import AffineCostModel
 
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
@@ -336,3 +336,34 @@ def test_prompt_logprobs_survive_chunked_prefill() -> None:
         assert a.keys() == b.keys()
         for t in a:
             assert abs(a[t] - b[t]) <= 1e-4 * max(1.0, abs(b[t]))
+
+
+def test_greedy_argmax_takes_the_first_maximum_like_argmax() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (64, 1000), generator=gen).float()  # many ties per row
+    logits[0] = 0.0  # every entry tied
+    logits[1, [7, 500, 999]] = 9.0
+    logits[2, 0] = float("-inf")
+    got = greedy_argmax(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[0] == 0 and got[1] == 7
+
+
+def test_greedy_rows_without_processing_sample_the_logits_as_given() -> None:
+    """No bias, suppression or penalty: the sampler leaves the logits untouched, and
+    a batch of greedy and drawn rows gives each row what it gives alone."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 300, generator=gen)
+    before = logits.clone()
+    specs = [
+        spec(
+            f"r{i}", temperature=0.0 if i % 2 == 0 else 0.8, seed=i, logprobs=1 if i == 2 else None
+        )
+        for i in range(5)
+    ]
+    together = Sampler().sample(logits, specs)
+    assert torch.equal(logits, before)
+    for i, one in enumerate(specs):
+        (alone,) = Sampler().sample(logits[i : i + 1], [one])
+        assert alone == together[i]
+    assert [together[i].token_id for i in (0, 2, 4)] == logits[[0, 2, 4]].argmax(-1).tolist()
