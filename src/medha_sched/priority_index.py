@@ -145,6 +145,7 @@ class KineticIndex(Generic[K]):
         self._page_lo: list[float] = []  # page -> smallest slope placed there at the layout
         self._num_free = 1
         self._open: list[int] = [0]  # every page with a free slot, and some full ones
+        # (with one page, it stays listed: a small index never looks at the list)
         self._cap = 1
         self._win: list[int] = [-1, -1]  # node -> winning slot; leaves at cap + slot
         self._ver: list[int] = [0]
@@ -219,14 +220,15 @@ class KineticIndex(Generic[K]):
         del self._slot[item]
         self._items[slot], self._tb[slot] = None, ()
         self._win[self._cap + slot] = -1
+        pages = self._page_free
         page = slot // self._page
-        free = self._page_free[page]
+        free = pages[page]
         free.append(slot)
         self._num_free += 1
-        if len(free) == 1:  # the page was full: list it as open
+        if len(free) == 1 and len(pages) > 1:  # the page was full: list it as open
             self._open.append(page)
-            if len(self._open) > 2 * len(self._page_free) + 32:  # drop the full ones
-                self._open = [p for p, f in enumerate(self._page_free) if f]
+            if len(self._open) > 2 * len(pages) + 32:  # drop the full ones
+                self._open = [p for p, f in enumerate(pages) if f]
         self._repair(slot)
 
     def discard(self, item: K) -> None:
@@ -380,6 +382,9 @@ class KineticIndex(Generic[K]):
         out for that slope, else in the nearest page with one within
         ``_NEAR_PAGES``, else in any page (one listed in ``_open``)."""
         pages = self._page_free
+        if len(pages) == 1:  # a small index: one page, and a free slot in it
+            self._num_free -= 1
+            return pages[0].pop()
         p = bisect_right(self._page_lo, slope) - 1
         if p < 0:
             p = 0
