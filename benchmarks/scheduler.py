@@ -28,10 +28,11 @@ outgrow T = 50 ms as they decode (prefills then starve), so compare 256 and
 on a shared machine, time the process spent descheduled is then left out.
 ``--warmup K`` runs K steps first, untimed (but checked): the N waiting
 prefills all arrive at once with nearly the same LARS slack, and their keys
-cross often while they fan out (kinetic certificate failures: about 250 per
-step at first with 10,000 waiting, 1 per step some 300 steps later), so the
-default (no warm-up) times that burst and a warm-up times a queue in its
-steady state.
+cross often while they fan out. With the kinetic index's leaves in order of
+arrival that was a burst of certificate failures (about 250 per step at
+first with 10,000 waiting); with leaves laid out by slope (since 2026-11-25)
+it is at most about 10 per step, so the default (no warm-up) times the
+start-up and a warm-up times a queue in its steady state.
 
     python benchmarks/scheduler.py --waiting 1000 10000 --policies lars lars-mp
     python benchmarks/scheduler.py --decodes 256 1024 --waiting 1000 --policies lars
