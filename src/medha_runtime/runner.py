@@ -35,6 +35,7 @@ worker process (:mod:`medha_runtime.worker`).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -122,7 +123,7 @@ class GroupShards(NamedTuple):
     num_q: list[int]
     kv_lens: list[int]
     is_tail: list[bool]
-    block_tables: list[list[int]]
+    block_tables: list[Sequence[int]]
 
 
 class ShardedAttention:
@@ -216,7 +217,7 @@ def build_group_batch(
             )
         ids.extend(c.token_ids)
         positions.extend(range(c.start, c.start + n))
-        blocks: list[int] = []
+        blocks: Sequence[int] = ()
         kv, is_tail, local = 0, False, 0
         if group in c.kvp_groups:
             shard = c.kvp_groups.index(group)
@@ -250,19 +251,36 @@ def build_group_batch(
     def tensor(x: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype, device=device)
 
-    width = max((len(r) for r in shards.block_tables), default=0)
-    table = [r + [0] * (width - len(r)) for r in shards.block_tables]
+    table = padded_table(shards.block_tables)
+    max_block = int(table.max()) if table.numel() else -1  # padding zeros: ids are >= 0
     batch = ForwardBatch(
         input_ids=tensor(ids, torch.int64),
         positions=tensor(positions, torch.int64),
         cu_seqlens_q=tensor(cu, torch.int32),
         kv_lens=tensor(shards.kv_lens, torch.int32),
-        block_table=tensor(table, torch.int32).reshape(len(table), width),
+        block_table=table.to(device),
         slots=tensor(slots, torch.int32),
         sample_rows=tensor(sample_rows, torch.int64),
-        host=PagedHost.from_tables(cu, shards.kv_lens, shards.block_tables, block_size),
+        host=PagedHost(cu_seqlens_q=cu, kv_lens=shards.kv_lens, max_block=max_block),
+        writes_kv=any(s >= 0 for s in slots),
     )
     return batch, shards
+
+
+def padded_table(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``[len(rows), max len]`` int32 CPU tensor of the rows, padded with zeros.
+
+    Rows that are ``array('i')`` (what :class:`~medha_runtime.plan.BlockTables`
+    holds) are copied with ``memcpy``, not converted int by int.
+    """
+    width = max((len(r) for r in rows), default=0)
+    if width == 0:
+        return torch.zeros((len(rows), 0), dtype=torch.int32)
+    flat = array("i")
+    for r in rows:
+        flat.extend(r if isinstance(r, array) and r.typecode == "i" else array("i", r))
+        flat.frombytes(bytes(flat.itemsize * (width - len(r))))
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(rows), width)
 
 
 def allocate_kv(
