@@ -198,8 +198,11 @@ class KVPCommunicator:
             if key is not None and out.dtype == torch.float32 and lse.dtype == torch.float32:
                 if len(self._fast) >= 64:
                     self._fast.clear()
-                both = tuple(self._state_views_of(shared.buffer(b), out.shape) for b in (0, 1))
-                self._fast[key] = ((shared, both), merge_fn)
+                both = []
+                for b in (0, 1):  # each buffer's states, and this rank's slots in them
+                    vb, sb = self._state_views_of(shared.buffer(b), out.shape)
+                    both.append((vb, sb, vb[:, self.index], sb[:, self.index]))
+                self._fast[key] = ((shared, tuple(both)), merge_fn)
             v[:, self.index].copy_(out.detach())  # tokens first: merged in place, no copy
             s[:, self.index].copy_(lse.detach())
             with named_comm("kvp", op):
@@ -228,9 +231,9 @@ class KVPCommunicator:
         """A repeat of an fp32 shared-memory ``ag_all`` merge (arguments already checked
         once for these shapes): write this rank's state, exchange, merge."""
         shared, both = where
-        v, s = both[shared.next_parity()]
-        v[:, self.index].copy_(out.detach())
-        s[:, self.index].copy_(lse.detach())
+        v, s, v_mine, s_mine = both[shared.next_parity()]
+        v_mine.copy_(out.detach())
+        s_mine.copy_(lse.detach())
         op = "merge[ag_all].all_gather"
         with named_comm("kvp", op):
             shared.exchange(op)
