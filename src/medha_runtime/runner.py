@@ -262,7 +262,7 @@ def build_group_batch(
         slots=tensor(slots, torch.int32),
         sample_rows=tensor(sample_rows, torch.int64),
         host=PagedHost(cu_seqlens_q=cu, kv_lens=shards.kv_lens, max_block=max_block),
-        writes_kv=any(s >= 0 for s in slots),
+        writes_kv=any(shards.is_tail),  # a chunk's KV is written on its tail group only
     )
     return batch, shards
 
