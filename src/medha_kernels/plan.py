@@ -262,17 +262,18 @@ def plan_paged_attention_from_host(
         if len(t) < need:
             raise KernelInputError(f"kv_lens[{b}]={n} needs {need} blocks, got {len(t)}")
         used.append(t[:need])
-    nonempty = [t for t in used if len(t)]
-    lo = min((min(t) for t in nonempty), default=0)
-    if lo < 0:
-        raise KernelInputError(f"block_table: block id {lo} is negative")
-    max_block = max((max(t) for t in nonempty), default=-1)
     width = max((len(t) for t in used), default=0)
     flat = array("i")
-    for t in used:
-        flat.extend(t)
-        flat.extend([0] * (width - len(t)))
+    for t in used:  # an array('i') row is one memcpy; other rows are converted
+        flat.extend(t if isinstance(t, array) and t.typecode == "i" else array("i", t))
+        flat.frombytes(bytes(flat.itemsize * (width - len(t))))
     table = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.empty(0, dtype=torch.int32)
+    max_block = -1
+    if flat:  # zero padding changes neither a negative minimum nor the maximum of ids >= 0
+        lo_t, hi_t = torch.aminmax(table)
+        if int(lo_t) < 0:
+            raise KernelInputError(f"block_table: block id {int(lo_t)} is negative")
+        max_block = int(hi_t)
     cu, lens = [int(x) for x in cu_seqlens_q], [int(x) for x in kv_lens]
     meta = _validate(
         torch.tensor(cu, dtype=torch.int32, device=device),

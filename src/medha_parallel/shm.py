@@ -47,7 +47,12 @@ import torch.distributed as dist
 from medha_parallel.errors import CommunicationError
 
 _FLAG_STRIDE = 64  # bytes between two ranks' flags (one cache line each)
-_SPINS = 64  # sched_yield rounds before a futex wait
+_SPINS = 64  # sched_yield rounds before a futex wait (ShmPipe)
+#: ShmAllGather: how long a waiter keeps yielding its core before a futex wait. A futex
+#: sleep and wake-up costs ~0.1 ms of wall on a virtual machine, more than the usual gap
+#: between two KVP ranks reaching the same merge; 64 rounds of sched_yield last ~20 us.
+#: While other processes are runnable each yield hands them the core (no CPU burned).
+_GATHER_SPIN_S = 300e-6
 _FUTEX_SLICE_S = 0.05  # a futex wait's bound, so deadlines are checked
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -135,6 +140,15 @@ class ShmAllGather:
         """
         return self._flat[(self._seq + 1) % 2]
 
+    def next_parity(self) -> int:
+        """Which of the two buffers (:meth:`buffer`) the next exchange uses."""
+        return (self._seq + 1) % 2
+
+    def buffer(self, parity: int) -> torch.Tensor:
+        """Exchange buffer ``parity`` (0 or 1), ``[size * slot_bytes]`` uint8: exchanges
+        alternate between the two (:meth:`next_buffer` is ``buffer(next_parity())``)."""
+        return self._flat[parity]
+
     def exchange(self, op: str) -> None:
         """Publish what this rank wrote to :meth:`next_buffer` and wait for every rank."""
         self._seq += 1
@@ -192,7 +206,7 @@ class ShmAllGather:
 
     def _wait(self, rank: int, seq: int, op: str) -> None:
         addr = self._base + rank * _FLAG_STRIDE
-        if not _wait_flag(self._libc, self._flags[rank], addr, seq, self.timeout_s):
+        if not _wait_flag(self._libc, self._flags[rank], addr, seq, self.timeout_s, _GATHER_SPIN_S):
             raise CommunicationError(
                 f"{op} on the kvp group failed: rank {rank} of the shared-memory group "
                 f"did not arrive within {self.timeout_s:.0f} s"
@@ -373,13 +387,35 @@ def map_group_buffer(
     return mm
 
 
-def _wait_flag(libc: Any, flag: ctypes.c_int32, addr: int, seq: int, timeout_s: float) -> bool:
+def _wait_flag(
+    libc: Any,
+    flag: ctypes.c_int32,
+    addr: int,
+    seq: int,
+    timeout_s: float,
+    spin_s: float | None = None,
+) -> bool:
     """Wait until ``flag >= seq`` (a short spin yielding the core, then futex waits on
-    ``addr``, the flag's address); False after ``timeout_s``."""
-    for _ in range(_SPINS):
-        if flag.value >= seq:
+    ``addr``, the flag's address); False after ``timeout_s``.
+
+    The spin is :data:`_SPINS` rounds, or ``spin_s`` seconds when given.
+    """
+    if spin_s is None:
+        for _ in range(_SPINS):
+            if flag.value >= seq:
+                return True
+            os.sched_yield()
+    elif flag.value < seq:
+        clock = time.perf_counter
+        end = clock() + spin_s
+        while flag.value < seq:
+            if clock() > end:
+                break
+            os.sched_yield()
+        else:
             return True
-        os.sched_yield()
+    else:
+        return True
     deadline = time.monotonic() + timeout_s
     where = ctypes.c_void_p(addr)
     slice_ = _Timespec(0, int(_FUTEX_SLICE_S * 1e9))

@@ -102,3 +102,32 @@ def test_tensor_plan_with_host_copies_reads_nothing_back(monkeypatch) -> None:
     with pytest.raises(KernelInputError, match=r"kv_lens\[1\]=12 is below its 13 queries"):
         wrong = PagedHost(cu_seqlens_q=[0, 1, 14, 14, 15, 15], kv_lens=lens, max_block=11)
         plan_paged_attention(**tensors, **SHAPES, host=wrong)
+
+
+def test_host_plan_takes_int32_arrays() -> None:
+    """Rows as ``array('i')`` (the runner's block tables) plan exactly as lists do; a
+    negative id in use is refused either way, one past ``kv_lens`` is ignored."""
+    from array import array
+
+    cu, lens, tables = _host_batch()
+    ref = plan_paged_attention_from_host(
+        cu_seqlens_q=cu, kv_lens=lens, block_tables=tables, **SHAPES
+    )
+    rows = [array("i", t) for t in tables]
+    plan = plan_paged_attention_from_host(
+        cu_seqlens_q=cu, kv_lens=lens, block_tables=rows, **SHAPES
+    )
+    assert torch.equal(plan.meta.block_table, ref.meta.block_table)
+    assert plan.meta.max_block == ref.meta.max_block == 11
+    q = torch.randn(cu[-1], 6, 16)
+    kc, vc = torch.randn(12, 4, 2, 16), torch.randn(12, 4, 2, 16)
+    for got, want in zip(plan.run(q, kc, vc), ref.run(q, kc, vc), strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(KernelInputError, match="block id -3 is negative"):
+        bad = [array("i", [7, -3]), *rows[1:]]
+        plan_paged_attention_from_host(cu_seqlens_q=cu, kv_lens=lens, block_tables=bad, **SHAPES)
+    past = [array("i", [7, 2, -5]), *rows[1:]]  # -5 lies past kv_lens[0]: not in use
+    plan = plan_paged_attention_from_host(
+        cu_seqlens_q=cu, kv_lens=lens, block_tables=past, **SHAPES
+    )
+    assert plan.meta.max_block == 11

@@ -198,6 +198,18 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
         )
     res["paged"] = _paged_batches(comm)
     res["shm"] = comm.uses_shared_memory
+    # Repeated merges of one shape (a decode step's layers): after the first, they take
+    # the remembered shared-memory path; every one must merge its own states.
+    repeats = []
+    for i in range(5):
+        gen = torch.Generator().manual_seed(100 + i)
+        outs = torch.randn(2, 3, 4, 8, generator=gen)
+        lses = torch.randn(2, 3, 4, generator=gen)
+        lses[0, 1, 2] = float("-inf")  # a head that saw no key on group 0
+        got = comm.merge(outs[comm.index], lses[comm.index], active=2)
+        repeats.append((got, merge_partials(outs, lses)))
+    res["repeats"] = repeats
+    res["fast_paths"] = len(comm._fast)
     gloo = KVPCommunicator(state, shared_memory=False)
     res["paged_gloo"] = _paged_batches(gloo)
     res["gloo_shm"] = gloo.uses_shared_memory
@@ -406,6 +418,15 @@ def test_kvp2_whole_group_merges_go_through_shared_memory_and_time_out(kvp2) -> 
     assert "merge[ag_all].all_gather on the kvp group failed" in message
     assert "did not arrive within 2 s" in message
     assert 1.5 < elapsed < 30.0, f"expected the 2 s group timeout, took {elapsed:.1f}s"
+
+
+def test_kvp2_repeated_merges_of_one_shape_each_merge_their_own_states(kvp2) -> None:
+    for res in kvp2:
+        for (out, lse), (ref_out, ref_lse) in res["repeats"]:
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-6)
+        if res["shm"]:  # the shared-memory path remembered the shapes it merged
+            assert res["fast_paths"] >= 1
 
 
 def test_kvp_timeout_raises_communication_error_naming_group_and_op(kvp2) -> None:

@@ -141,11 +141,19 @@ def test_group_batches_split_a_sequence_by_shard() -> None:
     assert g0.positions.tolist() == [40, 0, 1, 2]
     assert g0.kv_lens.tolist() == [9, 3]
     assert g0.slots.tolist() == [2 * 8 + 0, 24, 25, 26]  # local position 8 -> block 2
-    assert shards0 == ([1, 3], [9, 3], [True, True], [[9, 2], [3]])
+    assert shards0[:3] == ([1, 3], [9, 3], [True, True])
+    assert [list(t) for t in shards0.block_tables] == [[9, 2], [3]]
+    assert g0.block_table.tolist() == [[9, 2], [3, 0]]  # zero padding
+    assert g0.host is not None and g0.host.max_block == 9
+    assert g0.writes_kv
     g1, shards1 = build_group_batch(plan, tables, group=1, **kw)
     assert g1.slots.tolist() == [-1, -1, -1, -1]  # group 1 writes nothing
+    assert not g1.writes_kv  # ... so its layers skip the KV write altogether
     assert g1.kv_lens.tolist() == [32, 0]
-    assert shards1 == ([1, 3], [32, 0], [False, False], [[4, 5, 6, 7], []])
+    assert shards1[:3] == ([1, 3], [32, 0], [False, False])
+    assert [list(t) for t in shards1.block_tables] == [[4, 5, 6, 7], []]
+    assert g1.block_table.tolist() == [[4, 5, 6, 7], [0, 0, 0, 0]]
+    assert g1.host is not None and g1.host.max_block == 7
     crossing = StepPlan(1, (PlannedChunk("a", 30, (1, 2, 3, 4), (1,), ()),))
     with pytest.raises(ValueError, match="not inside shard"):
         build_group_batch(crossing, tables, group=0, **kw)

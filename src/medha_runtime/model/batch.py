@@ -32,6 +32,9 @@ class ForwardBatch:
         host: the offsets, lengths and largest block id as the host lists the
             tensors were built from (None: the plan reads them from the tensors,
             a GPU sync).
+        writes_kv: False when every slot is negative, as the host lists the
+            slots were built from say (a KVP group that holds none of the
+            step's new tokens): :meth:`write_kv` then does nothing at all.
 
     The step's attention plan (:meth:`attention_plan`) is built by the first
     layer that asks and reused by the others: the metadata is validated and
@@ -46,6 +49,7 @@ class ForwardBatch:
     slots: torch.Tensor
     sample_rows: torch.Tensor
     host: PagedHost | None = field(default=None, compare=False)
+    writes_kv: bool = field(default=True, compare=False)
     _plans: dict[tuple, PagedAttentionPlan] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -69,6 +73,8 @@ class ForwardBatch:
         tensor: no validation and no host sync, which on a GPU would stall the
         launch queue once per layer. Every layer's cache has the first one's shape.
         """
+        if not self.writes_kv:
+            return
         if self._kv_write is None:
             append_paged_kv(k, v, k_cache, v_cache, slots=self.slots)
             keep = self.slots >= 0
@@ -128,7 +134,9 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        return ForwardBatch(**{k: v if k == "host" else v.to(device) for k, v in moved.items()})
+        return ForwardBatch(
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+        )
 
     @classmethod
     def build(

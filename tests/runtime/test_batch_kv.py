@@ -1,0 +1,111 @@
+"""Host-side step metadata: int32 block tables, the padded table, and KV writes skipped."""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from medha_runtime.model import ForwardBatch
+from medha_runtime.plan import BlockTables
+from medha_runtime.runner import padded_table
+
+
+def test_block_tables_are_int32_arrays_that_grow_by_deltas() -> None:
+    tables = BlockTables()
+    tables.extend("a", ((0, (3, 1)), (1, (8,))))
+    tables.extend("a", ((0, (5,)),))
+    got = tables.blocks("a", 0)
+    assert isinstance(got, array) and got.typecode == "i"
+    assert list(got) == [3, 1, 5] and list(tables.blocks("a", 1)) == [8]
+    assert len(tables.blocks("a", 2)) == 0 and len(tables.blocks("b", 0)) == 0
+    tables.drop(["a"])
+    assert "a" not in tables and len(tables.blocks("a", 0)) == 0
+
+
+def test_padded_table_pads_arrays_and_lists_with_zeros() -> None:
+    rows = [array("i", [4, 5, 6]), [7], array("i"), (9, 2)]
+    table = padded_table(rows)
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[4, 5, 6], [7, 0, 0], [0, 0, 0], [9, 2, 0]]
+    assert padded_table([array("i"), []]).shape == (2, 0)
+    assert padded_table([]).shape == (0, 0)
+
+
+def _batch(slots: list[int], writes_kv: bool) -> ForwardBatch:
+    n = len(slots)
+    return ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        positions=torch.arange(n),
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+        kv_lens=torch.tensor([n], dtype=torch.int32),
+        block_table=torch.zeros((1, 1), dtype=torch.int32),
+        slots=torch.tensor(slots, dtype=torch.int32),
+        sample_rows=torch.tensor([n - 1]),
+        writes_kv=writes_kv,
+    )
+
+
+def test_write_kv_skipped_only_when_the_host_says_nothing_is_written() -> None:
+    k, v = torch.randn(2, 1, 4), torch.randn(2, 1, 4)
+    kc, vc = torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)
+    skip = _batch([-1, -1], writes_kv=False)
+    for _ in range(2):  # the first layer's write and the later ones
+        skip.write_kv(k, v, kc, vc)
+    assert not kc.any() and not vc.any()
+    assert skip.to("cpu").writes_kv is False
+    write = _batch([-1, 5], writes_kv=True)
+    for _ in range(2):
+        write.write_kv(k, v, kc, vc)
+    assert torch.equal(kc[1, 1], k[1]) and torch.equal(vc[1, 1], v[1])
+    assert int((kc != 0).sum()) == 4  # one slot of one head: the padding token wrote nothing
+
+
+def _sharded(plan_chunks, group: int):
+    """Group ``group``'s batch, shards and attention hook for a kvp=2 step (8-token shards)."""
+    from medha_runtime.plan import PlannedChunk, StepPlan
+    from medha_runtime.runner import ShardedAttention, build_group_batch
+
+    tables = BlockTables()
+    chunks = []
+    for rid, start, n, groups, blocks in plan_chunks:
+        tables.extend(rid, blocks)
+        chunks.append(PlannedChunk(rid, start, tuple(range(n)), groups))
+    batch, shards = build_group_batch(
+        StepPlan(0, tuple(chunks)),
+        tables,
+        group=group,
+        kvp=2,
+        group_tokens=8,
+        block_size=4,
+        device="cpu",
+    )
+    hook = ShardedAttention(comm=None)  # type: ignore[arg-type]  # planning only
+    hook.prepare(shards)
+    return batch, shards, hook
+
+
+def test_sharded_attention_takes_the_batch_plan_only_where_it_is_the_same_call() -> None:
+    from medha_parallel.kvp import plan_kvp_attention
+
+    shapes = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 4}
+    # a: decode at 13 (shard 0 full on group 0, tail on group 1); b: a 3-token chunk
+    # at 9 (tail on group 1); c: a 5-token chunk at 10 (shard 0 on group 0, full)
+    a = ("a", 13, 1, (0, 1), ((0, (0, 1)), (1, (5, 6))))
+    b = ("b", 9, 3, (0, 1), ((0, (2, 3)), (1, (7,))))
+    c = ("c", 10, 5, (0, 1), ((0, (8, 9)), (1, (10, 11))))
+    kc, vc = torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)
+    cases = {(("a", "b"), 0): False, (("a", "b"), 1): True, (("a",), 0): True}
+    cases |= {(("a", "c"), 1): True, (("a", "c"), 0): False}  # c: a full shard, many rows
+    chunks = {"a": a, "b": b, "c": c}
+    for (names, group), same in cases.items():
+        batch, shards, hook = _sharded([chunks[n] for n in names], group)
+        q = torch.randn(sum(shards.num_q), 4, 8)
+        got = hook._batch_plan(q, kc, batch)
+        if not same:
+            assert got is None, (names, group)
+            continue
+        assert got is not None and got.parts[0].rows is None, (names, group)
+        want = plan_kvp_attention(**shards._asdict(), **shapes)
+        for x, y in zip(got.partial(q, kc, vc), want.partial(q, kc, vc), strict=True):
+            assert torch.equal(x, y), (names, group)
