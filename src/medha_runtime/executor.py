@@ -402,7 +402,7 @@ class MultiprocExecutor:
 
     def _on_reply(self, rank: int, msg: Any) -> None:
         if isinstance(msg, Failed):
-            self._fail(msg.error)
+            self._fail_after_peer(rank, msg.error)
         if not isinstance(msg, Done) or msg.step_id not in self._pending:
             self._fail(f"worker rank {rank} sent {msg!r}, which answers no step in flight")
         pend = self._pending[msg.step_id]
@@ -466,6 +466,18 @@ class MultiprocExecutor:
                 self.failed = f"worker rank {rank} died (exit code {p.exitcode})"
                 self._kill()
                 return
+
+    def _fail_after_peer(self, rank: int, error: str) -> NoReturn:
+        """Rank ``rank`` failed with ``error``; if another worker is dead, name it
+        first: a survivor's failed collective is the death's consequence, and its
+        reply can arrive before the dead worker's closed pipe is read."""
+        for other, p in enumerate(self.processes):
+            if other != rank and not p.is_alive():
+                code = self._exitcode(other)
+                self._fail(
+                    f"worker rank {other} died (exit code {code}); rank {rank} then failed: {error}"
+                )
+        self._fail(error)
 
     def _exitcode(self, rank: int) -> int | None:
         p = self.processes[rank]
