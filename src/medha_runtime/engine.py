@@ -81,6 +81,12 @@ DEFAULT_TARGET_TIME = 0.05
 BUDGET_EVERY = 32
 #: a re-derived T within this fraction of the current one is not applied
 BUDGET_BAND = 0.2
+#: T follows the model only while the median relative prediction error of its
+#: last 100 steps is at most this (a model that has lost the device, e.g. under
+#: a CPU hog, can run off; T following it would run off with it)
+BUDGET_TRUST = 0.2
+#: one change moves T by at most this factor, up or down
+BUDGET_STEP = 2.0
 
 
 class RequestProgress(NamedTuple):
@@ -307,7 +313,9 @@ class LLMEngine:
         predictions) and handed to the scheduler
         (:meth:`~medha_sched.Scheduler.set_target_batch_time`, which rebuilds
         its prefill-time table) when it differs from the current T by more
-        than ``BUDGET_BAND`` (hysteresis: no flapping on noise).
+        than ``BUDGET_BAND`` (hysteresis: no flapping on noise), moved by at
+        most a factor ``BUDGET_STEP``, and only while the model's median
+        relative error over its last 100 steps is at most ``BUDGET_TRUST``.
         """
         if not self._budget_follows:
             return
@@ -319,11 +327,18 @@ class LLMEngine:
         revision = cost.revision  # type: ignore[attr-defined]
         if revision == self._budget_revision:
             return
-        self._budget_revision = revision
-        target = self._auto_target_time(cost)
+        error = self.cost_feedback.median_error
+        if error is None or error > BUDGET_TRUST:
+            return  # not trusted now: looked at again in BUDGET_EVERY steps
         current = self.scheduler_config.target_batch_time
+        target = self._auto_target_time(cost)
         if abs(target - current) <= BUDGET_BAND * current:
+            self._budget_revision = revision
             return
+        step = min(max(target, current / BUDGET_STEP), current * BUDGET_STEP)
+        if step == target:  # reached: the next look waits for a new revision
+            self._budget_revision = revision
+        target = step
         self.scheduler.set_target_batch_time(target)
         self.scheduler_config = self.scheduler.config
         self.budget_changes += 1
