@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -82,8 +83,8 @@ BUDGET_EVERY = 32
 #: a re-derived T within this fraction of the current one is not applied
 BUDGET_BAND = 0.2
 #: T follows the model only while the median relative prediction error of its
-#: last 100 steps is at most this (a model that has lost the device, e.g. under
-#: a CPU hog, can run off; T following it would run off with it)
+#: last ``BUDGET_EVERY`` steps is at most this (a model that has lost the
+#: device, e.g. under a CPU hog, can run off; T following it would run off too)
 BUDGET_TRUST = 0.2
 #: one change moves T by at most this factor, up or down
 BUDGET_STEP = 2.0
@@ -315,7 +316,8 @@ class LLMEngine:
         its prefill-time table) when it differs from the current T by more
         than ``BUDGET_BAND`` (hysteresis: no flapping on noise), moved by at
         most a factor ``BUDGET_STEP``, and only while the model's median
-        relative error over its last 100 steps is at most ``BUDGET_TRUST``.
+        relative error over the last ``BUDGET_EVERY`` steps is at most
+        ``BUDGET_TRUST``.
         """
         if not self._budget_follows:
             return
@@ -327,8 +329,8 @@ class LLMEngine:
         revision = cost.revision  # type: ignore[attr-defined]
         if revision == self._budget_revision:
             return
-        error = self.cost_feedback.median_error
-        if error is None or error > BUDGET_TRUST:
+        recent = list(self.cost_feedback.recent)[-BUDGET_EVERY:]
+        if len(recent) < BUDGET_EVERY or statistics.median(recent) > BUDGET_TRUST:
             return  # not trusted now: looked at again in BUDGET_EVERY steps
         current = self.scheduler_config.target_batch_time
         target = self._auto_target_time(cost)

@@ -38,8 +38,8 @@ def look(engine: LLMEngine) -> None:
 
 
 def predicted_with(engine: LLMEngine, error: float) -> None:
-    """The model's last 100 steps were predicted with this relative error."""
-    engine.cost_feedback.recent.extend([error] * 100)
+    """The model's last ``BUDGET_EVERY`` steps were predicted with this relative error."""
+    engine.cost_feedback.recent.extend([0.0] * 60 + [error] * BUDGET_EVERY)
 
 
 def test_t_follows_the_model_with_hysteresis() -> None:
