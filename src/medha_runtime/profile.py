@@ -149,9 +149,8 @@ def calibrate_affine(
     attention paths (chunks under 128 queries on the native kernel, large
     ones on torch's flash op, several times cheaper per pair), so it is made
     right where the budget is decided. Every constant is kept non-negative
-    (``base`` strictly positive). Probes are timed ``repeats - 1`` times
-    without a warm-up round (the generic steps' warm-up ran every code path;
-    a large first chunk can take seconds, and the start-up waits for it).
+    (``base`` strictly positive). A probe is timed once, or ``repeats`` times
+    if it takes under ``PROBE_REPEAT_BELOW`` (see :func:`_time_probes`).
     """
     room = min(_room(executor.spec), max_tokens)
     batches: list[list[Item]] = [[(1, 0)]]
@@ -169,9 +168,7 @@ def calibrate_affine(
     factors = _probe_steps(probes or {}, _room(executor.spec))
     if factors:
         extra = [[item] for item in factors]
-        probe_secs = time_steps(
-            executor, extra, vocab_size=vocab_size, repeats=max(1, repeats - 1), warmup=0
-        )
+        probe_secs = _time_probes(executor, extra, vocab_size=vocab_size, repeats=repeats)
         budget = [f * s for f, s in zip(factors.values(), probe_secs, strict=True)]
         binding = budget.index(max(budget))
         weights += [PROBE_WEIGHT if i == binding else OTHER_PROBE_WEIGHT for i in range(len(extra))]
@@ -186,6 +183,27 @@ def calibrate_affine(
     coef = _nonneg_lstsq(rows, [w**0.5 for w in weights])
     base = max(coef[0], 1e-6)
     return AffineCostModel(base=base, per_token=coef[1], per_attn=coef[2], layout=layout)
+
+
+#: a probe step that ran faster than this (seconds) is timed ``repeats`` times
+PROBE_REPEAT_BELOW = 0.5
+
+
+def _time_probes(
+    executor: Executor, steps: list[list[Item]], *, vocab_size: int, repeats: int
+) -> list[float]:
+    """Seconds of each probe step: one run without a warm-up (the generic steps'
+    warm-up ran every code path), then ``repeats - 1`` more of the steps that
+    took under ``PROBE_REPEAT_BELOW`` (a large first chunk can take seconds on
+    a CPU, and the start-up waits for every run), averaged."""
+    secs = time_steps(executor, steps, vocab_size=vocab_size, repeats=1, warmup=0)
+    cheap = [i for i, s in enumerate(secs) if s < PROBE_REPEAT_BELOW]
+    if cheap and repeats > 1:
+        again = [steps[i] for i in cheap]
+        more = time_steps(executor, again, vocab_size=vocab_size, repeats=repeats - 1, warmup=0)
+        for i, s in zip(cheap, more, strict=True):
+            secs[i] = (secs[i] + (repeats - 1) * s) / repeats
+    return secs
 
 
 def _probe_steps(probes: Mapping[Item, float], room: int) -> dict[Item, float]:
