@@ -207,6 +207,9 @@ def step_stats(steps: list[StepRecord], hog_at: float | None, skip: int = 50) ->
         "steps_over_1.25T": len(over),
         "share_over_1.25T": len(over) / len(later) if later else float("nan"),
         "target_s": steps[-1].target_s if steps else float("nan"),
+        # the automatic T follows a learning cost model: where it started, how often it moved
+        "target_first_s": steps[0].target_s if steps else float("nan"),
+        "target_changes": sum(a.target_s != b.target_s for a, b in itertools.pairwise(steps)),
         "execute_p50_s": statistics.median([s.execute_s for s in later]) if later else 0.0,
     }
     if hog_at is not None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -77,6 +78,16 @@ from medha_sched.cost.online import OnlineCostModel
 
 #: the iteration-time budget when none is given (raised for slow devices, see LLMEngine)
 DEFAULT_TARGET_TIME = 0.05
+#: steps between looks at a learning model for a new automatic budget T
+BUDGET_EVERY = 32
+#: a re-derived T within this fraction of the current one is not applied
+BUDGET_BAND = 0.2
+#: T follows the model only while the median relative prediction error of its
+#: last ``BUDGET_EVERY`` steps is at most this (a model that has lost the
+#: device, e.g. under a CPU hog, can run off; T following it would run off too)
+BUDGET_TRUST = 0.2
+#: one change moves T by at most this factor, up or down
+BUDGET_STEP = 2.0
 
 
 class RequestProgress(NamedTuple):
@@ -208,7 +219,10 @@ class LLMEngine:
                 from medha_runtime.profile import calibrate_affine
 
                 cost = calibrate_affine(
-                    self.executor, self.layout, vocab_size=self.config.vocab_size
+                    self.executor,
+                    self.layout,
+                    vocab_size=self.config.vocab_size,
+                    probes=self._budget_probes(),
                 )
                 if online:
                     cost = OnlineCostModel.from_model(cost)
@@ -221,6 +235,12 @@ class LLMEngine:
                     self.scheduler_config, target_batch_time=self._auto_target_time(cost)
                 )
             self.scheduler = Scheduler(self.scheduler_config, cost, cache=self.cache)
+            # the automatic budget follows a learning model (see _follow_budget)
+            self._budget_follows = config.target_batch_time is None and hasattr(cost, "revision")
+            self._budget_revision = getattr(cost, "revision", 0)
+            self._budget_steps = 0
+            #: times the automatic budget T was re-derived and changed
+            self.budget_changes = 0
         except BaseException:
             self.shutdown()
             raise
@@ -267,6 +287,63 @@ class LLMEngine:
             groups[0] = (RequestWork(first, 0, tail=True),)
             floor = max(floor, 1.1 * cost.predict(BatchWork(tuple(groups))))
         return max(floor, self._end_chunk_time(cost))
+
+    def _budget_probes(self) -> dict[tuple[int, int], float]:
+        """The single-request steps ``(query tokens, KV tokens)`` the automatic
+        budget is priced from, each with the factor :meth:`_auto_target_time`
+        applies to its time, for the start-up calibration to measure: one
+        grid chunk at the end of the context (2x) and, offline, a
+        ``throughput_chunk`` first chunk (1.1x). The calibration cuts them to
+        one KVP shard (with KVP > 1 the end chunk's slowest group is a full
+        shard)."""
+        grid = min(self.scheduler_config.token_grid, self.max_model_len)
+        probes = {(grid, self.max_model_len - grid): 2.0}
+        want = self.engine_config.throughput_chunk
+        if want is not None and self.scheduler_config.chunk_size is None:
+            first = min(want, self.max_model_len - 1, self.cache.group_token_limit)
+            probes[(first, 0)] = max(1.1, probes.get((first, 0), 0.0))
+        return probes
+
+    def _follow_budget(self) -> None:
+        """Re-derive the automatic budget T from the learning cost model.
+
+        Called once per executed step; does nothing unless T is automatic
+        and the model learns (has a ``revision``). Every ``BUDGET_EVERY``
+        steps, if the model's ``revision`` moved since the last look, T is
+        priced again as at start-up (:meth:`_auto_target_time`, a few
+        predictions) and handed to the scheduler
+        (:meth:`~medha_sched.Scheduler.set_target_batch_time`, which rebuilds
+        its prefill-time table) when it differs from the current T by more
+        than ``BUDGET_BAND`` (hysteresis: no flapping on noise), moved by at
+        most a factor ``BUDGET_STEP``, and only while the model's median
+        relative error over the last ``BUDGET_EVERY`` steps is at most
+        ``BUDGET_TRUST``.
+        """
+        if not self._budget_follows:
+            return
+        self._budget_steps += 1
+        if self._budget_steps < BUDGET_EVERY:
+            return
+        self._budget_steps = 0
+        cost = self.cost_model
+        revision = cost.revision  # type: ignore[attr-defined]
+        if revision == self._budget_revision:
+            return
+        recent = list(self.cost_feedback.recent)[-BUDGET_EVERY:]
+        if len(recent) < BUDGET_EVERY or statistics.median(recent) > BUDGET_TRUST:
+            return  # not trusted now: looked at again in BUDGET_EVERY steps
+        current = self.scheduler_config.target_batch_time
+        target = self._auto_target_time(cost)
+        if abs(target - current) <= BUDGET_BAND * current:
+            self._budget_revision = revision
+            return
+        step = min(max(target, current / BUDGET_STEP), current * BUDGET_STEP)
+        if step == target:  # reached: the next look waits for a new revision
+            self._budget_revision = revision
+        target = step
+        self.scheduler.set_target_batch_time(target)
+        self.scheduler_config = self.scheduler.config
+        self.budget_changes += 1
 
     def _end_chunk_time(self, cost: CostModel) -> float:
         """Twice the predicted time of one grid chunk at the end of the context."""
@@ -568,6 +645,7 @@ class LLMEngine:
         out = batch.out
         sampled = self._take_prompt_logprobs(event.result)
         self.cost_feedback.record(out, t2 - batch.submitted, event.stage_s)
+        self._follow_budget()
         rows = [c for c in out.chunks if c.samples]
         if len(sampled) != len(rows):
             raise RuntimeError(f"step {out.batch_id}: {len(sampled)} samples for {len(rows)} rows")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -118,6 +118,13 @@ def _room(spec: RunnerSpec) -> int:
     return min(spec.group_tokens, spec.num_blocks * spec.block_size)
 
 
+#: how much more the binding probe (the step the caller's budget comes from)
+#: and the other probes weigh in the calibration fit than a generic step, in
+#: squared relative error
+PROBE_WEIGHT = 1e4
+OTHER_PROBE_WEIGHT = 1.0
+
+
 def calibrate_affine(
     executor: Executor,
     layout: ParallelDegrees,
@@ -125,12 +132,25 @@ def calibrate_affine(
     vocab_size: int,
     repeats: int = 3,
     max_tokens: int = 2048,
+    probes: Mapping[Item, float] | None = None,
 ) -> AffineCostModel:
     """A quick affine cost model for this executor (a few synthetic steps).
 
-    Least squares of ``seconds ~ base + per_token * tokens + per_attn * sum q*(kv+q)``
-    over single-request prefills and decode batches of at most ``max_tokens``
-    tokens, with every constant kept non-negative (``base`` strictly positive).
+    Fits ``seconds ~ base + per_token * tokens + per_attn * sum q*(kv+q)`` to
+    single-request prefills and decode batches of at most ``max_tokens``
+    tokens, plus one single-request step per ``probes`` item ``(q, kv)`` (cut
+    to one KVP shard): the shapes a caller derives its budget from, each
+    mapped to the factor it multiplies that step's predicted time by (the
+    engine: twice a grid chunk at the end of the context, 1.1 times a
+    ``throughput_chunk`` first chunk). The fit minimises squared *relative*
+    errors; the binding probe (largest factor times measured seconds) weighs
+    ``PROBE_WEIGHT`` times a generic step, the other probes
+    ``OTHER_PROBE_WEIGHT`` times. One affine model cannot follow both CPU
+    attention paths (chunks under 128 queries on the native kernel, large
+    ones on torch's flash op, several times cheaper per pair), so it is made
+    right where the budget is decided. Every constant is kept non-negative
+    (``base`` strictly positive). A probe is timed once, or ``repeats`` times
+    if it takes under ``PROBE_REPEAT_BELOW`` (see :func:`_time_probes`).
     """
     room = min(_room(executor.spec), max_tokens)
     batches: list[list[Item]] = [[(1, 0)]]
@@ -144,12 +164,62 @@ def calibrate_affine(
     kv = min(256, room - 1)
     batches.append([(1, kv)] * 16)
     secs = time_steps(executor, batches, vocab_size=vocab_size, repeats=repeats)
-    rows = [
-        (1.0, float(sum(q for q, _ in b)), float(sum(q * (kv + q) for q, kv in b))) for b in batches
-    ]
-    coef = _nonneg_lstsq(rows, secs)
+    weights = [1.0] * len(batches)
+    factors = _probe_steps(probes or {}, _room(executor.spec))
+    if factors:
+        extra = [[item] for item in factors]
+        probe_secs = _time_probes(executor, extra, vocab_size=vocab_size, repeats=repeats)
+        budget = [f * s for f, s in zip(factors.values(), probe_secs, strict=True)]
+        binding = budget.index(max(budget))
+        weights += [PROBE_WEIGHT if i == binding else OTHER_PROBE_WEIGHT for i in range(len(extra))]
+        batches += extra
+        secs += probe_secs
+    rows = []
+    for b, s, w in zip(batches, secs, weights, strict=True):
+        scale = w**0.5 / s  # weighted relative error
+        tokens = float(sum(q for q, _ in b))
+        pairs = float(sum(q * (kv + q) for q, kv in b))
+        rows.append((scale, scale * tokens, scale * pairs))
+    coef = _nonneg_lstsq(rows, [w**0.5 for w in weights])
     base = max(coef[0], 1e-6)
     return AffineCostModel(base=base, per_token=coef[1], per_attn=coef[2], layout=layout)
+
+
+#: a probe step that ran faster than this (seconds) is timed ``repeats`` times
+PROBE_REPEAT_BELOW = 0.5
+
+
+def _time_probes(
+    executor: Executor, steps: list[list[Item]], *, vocab_size: int, repeats: int
+) -> list[float]:
+    """Seconds of each probe step: one run without a warm-up (the generic steps'
+    warm-up ran every code path), then ``repeats - 1`` more of the steps that
+    took under ``PROBE_REPEAT_BELOW`` (a large first chunk can take seconds on
+    a CPU, and the start-up waits for every run), averaged."""
+    secs = time_steps(executor, steps, vocab_size=vocab_size, repeats=1, warmup=0)
+    cheap = [i for i, s in enumerate(secs) if s < PROBE_REPEAT_BELOW]
+    if cheap and repeats > 1:
+        again = [steps[i] for i in cheap]
+        more = time_steps(executor, again, vocab_size=vocab_size, repeats=repeats - 1, warmup=0)
+        for i, s in zip(cheap, more, strict=True):
+            secs[i] = (secs[i] + (repeats - 1) * s) / repeats
+    return secs
+
+
+def _probe_steps(probes: Mapping[Item, float], room: int) -> dict[Item, float]:
+    """Each probe ``(q, kv)`` cut to fit ``room`` tokens (its KV shortened
+    first, then its queries), with its factor (the largest, where two meet)."""
+    out: dict[Item, float] = {}
+    for (q, kv), factor in probes.items():
+        if q < 1 or kv < 0 or not factor > 0:
+            raise ValueError(
+                f"a calibration probe needs q >= 1, kv >= 0 and a factor > 0, "
+                f"got {(q, kv)}: {factor!r}"
+            )
+        q = min(q, room)
+        item = (q, min(kv, room - q))
+        out[item] = max(factor, out.get(item, 0.0))
+    return out
 
 
 def _nonneg_lstsq(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:

@@ -15,7 +15,7 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
@@ -1055,3 +1055,33 @@ class Scheduler:
             del self._running[rid]
         request.status = status
         self._requests.pop(rid, None)
+
+    # ----------------------------------------------------------------- budget
+    def set_target_batch_time(self, target_batch_time: float) -> None:
+        """Change the iteration budget T (seconds) from the next batch on.
+
+        Rebuilds what T shapes: :attr:`config` (a copy with the new T), the
+        prefill-time table (chunks are simulated against T) and the queued
+        requests' remaining work (their deadlines stay as fixed at arrival).
+        With a learning cost model the feasibility table (which prompts can
+        be prefilled at all) stays as built at start-up, on the frozen model
+        and the T of that time, so a changed budget never starts refusing
+        prompts; with a fixed model it follows the new table.
+        Batches already formed keep the budget they were packed against.
+
+        Raises:
+            ValueError: ``target_batch_time`` is not a finite number > 0.
+        """
+        config = replace(self.config, target_batch_time=target_batch_time)
+        shared = self._feasibility is self.prefill_times
+        self.config = config
+        self.prefill_times = PrefillTimeCache(
+            self.cost_model,
+            target_time=config.target_batch_time,
+            token_grid=config.token_grid,
+            max_chunk_tokens=config.max_chunk_tokens,
+            group_token_limit=self.group_limit,
+        )
+        if shared:
+            self._feasibility = self.prefill_times
+        self._reprice()

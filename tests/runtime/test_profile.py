@@ -97,3 +97,93 @@ def test_calibrate_affine_and_synthetic_plans() -> None:
         assert len(executor.runner.tables) == 0  # synthetic requests are released
     finally:
         torch.set_num_threads(n)
+
+
+class _FakeExecutor:
+    """Times synthetic steps by a two-regime law (no model runs): attention
+    pairs cost 100 ns, or 20 ns on chunks of at least 128 queries and 512K
+    pairs, as the native kernel and torch's flash op do on a CPU."""
+
+    def __init__(self, group_tokens: int) -> None:
+        self.spec = RunnerSpec(
+            model="tiny", num_blocks=group_tokens // 16, group_tokens=group_tokens
+        )
+
+
+def _two_regime(batch) -> float:
+    secs = 1e-3
+    for q, kv in batch:
+        flash = q >= 128 and q * (kv + q) >= 1 << 19
+        secs += 2e-5 * q + (20e-9 if flash else 100e-9) * q * (kv + q)
+    return secs
+
+
+@pytest.fixture
+def fake_timing(monkeypatch):
+    import medha_runtime.profile as profile
+
+    timed = []
+
+    def time_steps(executor, batches, *, vocab_size, repeats=3, warmup=1):
+        timed.extend(batches)
+        return [_two_regime(b) for b in batches]
+
+    monkeypatch.setattr(profile, "time_steps", time_steps)
+    return timed
+
+
+@pytest.mark.parametrize(
+    ("probes", "binding", "plain_misses"),
+    [
+        ({(32, 32736): 2.0, (2048, 0): 1.1}, (32, 32736), False),  # long context: the end chunk
+        ({(32, 4064): 2.0, (2048, 0): 1.1}, (2048, 0), True),  # short context: the first chunk
+    ],
+)
+def test_calibration_is_exact_at_the_probe_the_budget_comes_from(
+    fake_timing, probes, binding, plain_misses
+):
+    plain = calibrate_affine(_FakeExecutor(32768), ParallelDegrees(), vocab_size=259)
+    plain_steps = list(fake_timing)
+    cost = calibrate_affine(_FakeExecutor(32768), ParallelDegrees(), vocab_size=259, probes=probes)
+    probe_steps = [[p] for p in probes]
+    # the generic steps, then each probe once, then again the ones under 0.5 s
+    again = [[p] for p in probes if _two_regime([p]) < 0.5]
+    assert fake_timing[len(plain_steps) :] == plain_steps + probe_steps + again
+    true = _two_regime([binding])
+    got = cost.predict(BatchWork.single_group(binding))
+    assert got == pytest.approx(true, rel=5e-3)
+    # the fit without probes prices a 2,048-token chunk as if on the native kernel
+    miss = abs(plain.predict(BatchWork.single_group(binding)) - true) / true
+    assert (miss > 1.0) if plain_misses else (miss < 1e-3)
+
+
+def test_calibration_probes_are_cut_to_one_shard_and_checked(fake_timing):
+    calibrate_affine(
+        _FakeExecutor(1024),
+        ParallelDegrees(),
+        vocab_size=259,
+        probes={(32, 5000): 2.0, (2048, 0): 1.1, (4096, 0): 1.5},
+    )
+    # cut to the shard, the two first chunks merged; all under 0.5 s: timed again
+    assert fake_timing[-4:] == [[(32, 992)], [(1024, 0)]] * 2
+    with pytest.raises(ValueError, match=r"got \(0, 5\): 2.0"):
+        calibrate_affine(
+            _FakeExecutor(1024), ParallelDegrees(), vocab_size=259, probes={(0, 5): 2.0}
+        )
+
+
+def test_a_slow_probe_is_timed_once(monkeypatch):
+    import medha_runtime.profile as profile
+
+    timed = []
+
+    def time_steps(executor, batches, *, vocab_size, repeats=3, warmup=1):
+        timed.append((list(batches), repeats, warmup))
+        return [2.0 if b[0][0] >= 1024 else _two_regime(b) for b in batches]
+
+    monkeypatch.setattr(profile, "time_steps", time_steps)
+    probes = {(32, 4064): 2.0, (2048, 0): 1.1}
+    calibrate_affine(_FakeExecutor(8192), ParallelDegrees(), vocab_size=259, probes=probes)
+    # the generic steps (warmed up), both probes once, then the fast one twice more
+    assert [t[1:] for t in timed] == [(3, 1), (1, 0), (2, 0)]
+    assert timed[1][0] == [[(32, 4064)], [(2048, 0)]] and timed[2][0] == [[(32, 4064)]]
