@@ -135,3 +135,23 @@ def test_a_budget_the_user_set_stays() -> None:
         assert engine.scheduler.config.target_batch_time == 0.3 and engine.budget_changes == 0
     finally:
         engine.shutdown()
+
+
+def test_the_servers_admission_snapshots_follow_a_new_budget() -> None:
+    from medha_runtime.server.engine_proc import _current_taker, _snapshot_taker
+
+    engine = LLMEngine("tiny", cost_model=slow_model(), **KW)
+    try:
+        taker = _snapshot_taker(engine)
+        assert _current_taker(engine, taker) is taker  # T as it was: kept
+        assert _current_taker(engine, None) is None  # admission off: stays off
+        engine.cost_model.rescale(0.5)
+        predicted_with(engine, 0.05)
+        look(engine)
+        assert engine.budget_changes == 1
+        fresh = _current_taker(engine, taker)
+        assert fresh is not taker
+        assert fresh.target_time == engine.scheduler.config.target_batch_time != taker.target_time
+        assert fresh._key_cache is engine.scheduler.prefill_times  # the scheduler's new table
+    finally:
+        engine.shutdown()

@@ -229,6 +229,7 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any, taker: 
             if failed is not None:
                 _fail_all(engine, tracks, send, f"the workers failed: {failed}")
                 raise _EngineDead(f"the workers failed: {failed}")
+            taker = _current_taker(engine, taker)
             send(_heartbeat(engine, taker=taker, tracks=tracks))
         if not engine.has_unfinished_requests():
             continue
@@ -369,6 +370,14 @@ def _snapshot_taker(engine: Any) -> Any:
         group_token_limit=engine.cache.group_token_limit,
         max_tokens=engine.max_model_len,
     )
+
+
+def _current_taker(engine: Any, taker: Any) -> Any:
+    """``taker``, or a new one if the engine's automatic budget T moved since it was
+    built (the scheduler then has a new prefill-time table); None stays None."""
+    if taker is None or taker.target_time == engine.scheduler_config.target_batch_time:
+        return taker
+    return _snapshot_taker(engine)
 
 
 def _start_failure(exc: BaseException) -> str:
