@@ -21,18 +21,18 @@ from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
 from medha_sched.decode_run import (
-    ZERO_TOKENS,
     decode_run_limit,
     kv_fits,
     plan_decode_run,
     plan_lane_run,
 )
-from medha_sched.decode_set import DecodeLanes, Lane, Member
+from medha_sched.decode_set import ZERO_TOKENS, DecodeLanes, Lane, Member
 from medha_sched.errors import RequestTooLongError, SchedulerError
 from medha_sched.kv_memory import KVBlockManager
 from medha_sched.output import BatchResult, BlockGrant, ScheduledChunk, ScheduleOutput
 from medha_sched.packer import ChunkSizer, Draft
 from medha_sched.policies import get_policy
+from medha_sched.policies.base import Policy
 from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
@@ -64,6 +64,33 @@ class LaneCycle:
     in_flight: list[int]
     sizes: list[int]
     times: list[list[float]]
+
+
+class _PrefillQueue(PrefillQueue):
+    """The prefill queue, also counting the queued requests whose prompt (as
+    of their latest ``push``) is shorter than ``long_min`` tokens: a scan that
+    met all of them knows every candidate left is a long prefill."""
+
+    def __init__(self, policy: Policy, *, short_below: int, long_min: int) -> None:
+        super().__init__(policy, short_below=short_below)
+        self._long_min = long_min
+        self._not_long: set[str] = set()
+
+    @property
+    def num_not_long(self) -> int:
+        """Queued requests with fewer than ``long_min`` prompt tokens to prefill."""
+        return len(self._not_long)
+
+    def push(self, request: Request) -> None:
+        super().push(request)
+        if request.num_prefill_tokens < self._long_min:
+            self._not_long.add(request.request_id)
+        else:
+            self._not_long.discard(request.request_id)
+
+    def remove(self, request_id: str) -> None:
+        super().remove(request_id)
+        self._not_long.discard(request_id)
 
 
 @dataclass
@@ -110,7 +137,9 @@ class Scheduler:
         )
         self._sizer = ChunkSizer(config, self.policy, self.group_limit)
         self._adaptive = config.adaptive
-        self._queue = PrefillQueue(self.policy, short_below=config.token_grid)
+        self._queue = _PrefillQueue(
+            self.policy, short_below=config.token_grid, long_min=config.long_prefill_threshold
+        )
         self._requests: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
         self._in_flight: dict[int, _InFlight] = {}
@@ -342,9 +371,12 @@ class Scheduler:
         spent = None  # _budget_spent(draft), evaluated again only after the draft changes
         first = True
         queue, checked = self._queue, None
+        seen = 0  # candidates met that are not long prefills
         for r in queue.iter_sorted(now):
             if len(entries) >= max_entries:
                 break
+            if long_min is not None and r.num_prefill_tokens < long_min:
+                seen += 1
             if first:  # the floor probes only pay off once a candidate has been passed over
                 first = False
                 if self._adaptive and draft.cost.time >= draft.target:
@@ -366,6 +398,12 @@ class Scheduler:
                     chosen.append(r)
                     skips = 0
                     spent = None
+                    if (
+                        long_min is not None
+                        and len(long_groups) >= kvp
+                        and seen == queue.num_not_long
+                    ):
+                        break  # every candidate left is a long prefill: blocked
                     continue
                 if smallest > draft.fits_somewhere:  # else it cannot become the floor
                     self._lower_floor(draft, smallest)
@@ -963,6 +1001,8 @@ class Scheduler:
 
     def _check_result(self, batch: _InFlight, result: BatchResult) -> None:
         tokens = result.sampled_token_ids
+        if tokens is ZERO_TOKENS:
+            return  # it holds every request's token
         if batch.lane is not None:
             for m in batch.lane.members:
                 if m.request.request_id not in tokens:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
-from medha_sched.decode_run import ZERO_TOKENS
+from medha_sched.decode_set import ZERO_TOKENS
 from medha_sched.errors import RequestTooLongError
 from medha_sched.output import BatchResult
 from medha_sched.request import Request
