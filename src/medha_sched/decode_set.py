@@ -515,6 +515,24 @@ class DecodeLanes:
         self.ready.remove(lane)
         return batch
 
+    def issue_unspelled(self, lane: Lane | None, batch_id: int) -> None:
+        """:meth:`issue` for a caller that never reads the batch (a simulator):
+        the same state afterwards (the joined members' new blocks are taken),
+        no :class:`~medha_sched.output.DecodeBatch` built."""
+        self._retired_parents, self._retired_left = [], []
+        if lane is None:
+            return
+        if lane.joined:
+            pop = self.memory.pop_new_blocks
+            for rid in lane.joined:
+                pop(rid)
+        lane.shared = True
+        lane.issued += 1
+        lane.parents = [batch_id]
+        lane.joined = {}
+        lane.left = []
+        self.ready.remove(lane)
+
     def cleared(self, lane: Lane) -> None:
         """The lane's batch cleared pipeline stage 0."""
         lane.cleared += 1

@@ -265,6 +265,45 @@ class Scheduler:
         self._pack_prefills(draft, now)
         return self._emit(draft, now, lane, grants, preempted)
 
+    def schedule_plain(
+        self, now: float
+    ) -> tuple[int, float, int, list[tuple[str, int, bool]], int]:
+        """:meth:`schedule` for a caller that reads only the batch's shape (a
+        simulator): ``(batch id, predicted seconds, decodes, prefill chunks as
+        (request id, tokens, samples) in policy order, preemptions)``. The
+        same decisions and state afterwards; no :class:`ScheduleOutput` is
+        built (an empty batch has no decodes and no chunks).
+        """
+        if now < self._clock:
+            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        self._clock = now
+        if self.prefill_times.refresh(now):
+            self._reprice()
+        draft = self._new_draft()
+        lane, _, preempted = self._pack_decodes(draft, now)
+        self._pack_prefills(draft, now)
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        decodes = 0 if lane is None else len(lane.members)
+        self._lanes.issue_unspelled(lane, batch_id)
+        chunks = []
+        entries = []
+        pop_new_blocks = self.memory.pop_new_blocks
+        for r, n in draft.entries:  # _emit, less the chunks
+            rid, start = r.request_id, r.num_scheduled_tokens
+            samples = start + n == r.num_prompt_tokens + len(r.output_token_ids)
+            pop_new_blocks(rid)
+            chunks.append((rid, n, samples))
+            r.num_scheduled_tokens = start + n
+            if start + n >= r.num_prefill_tokens and r.tpot_slo is not None:
+                self._tpot[rid] = r.tpot_slo
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            entries.append((r, start, n, samples))
+        if entries or lane is not None:
+            self._in_flight[batch_id] = _InFlight(entries, lane)
+        return batch_id, draft.cost.time, decodes, chunks, len(preempted)
+
     def _new_draft(self) -> Draft:
         """An empty batch priced by the cost model, with this step's time budget."""
         return Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
@@ -712,7 +751,7 @@ class Scheduler:
             grants = [] if crossers is None else lanes.grow_all(lane, crossers)
             if grants is None:
                 raise AssertionError("a lane cycle's last turn could not grow its KV")
-            lanes.issue(lane, first + i, grants)
+            lanes.issue_unspelled(lane, first + i)
             self._in_flight[first + i] = _InFlight([], lane)
         self._next_batch_id = first + n
         self._clock = last_start
@@ -881,19 +920,17 @@ class Scheduler:
         if sized is None:
             return None
         groups, start, n, hint = sized
-        grants: list[BlockGrant] = []
         if crossers is not None:
             got = lanes.grow_all(lane, crossers)  # type: ignore[arg-type]
             if got is None:  # short of blocks or a new shard: schedule() decides
                 self._sizer.set_hint(rid, hint)
                 return None
             del lane.cross_at[lane.issued]  # type: ignore[union-attr]
-            grants = got
         self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
         draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
         batch_id = self._next_batch_id
         self._next_batch_id += 1
-        lanes.issue(lane, batch_id, grants)
+        lanes.issue_unspelled(lane, batch_id)
         self._in_flight[batch_id] = _InFlight([(request, start, n, False)], lane)
         request.num_scheduled_tokens = start + n
         self._clock = now
