@@ -19,32 +19,13 @@ go through ``schedule()`` as usual. Every sampled token is taken to be
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from medha_sched.batch_cost import BatchCost, Work, chunk_works
 from medha_sched.cost.base import AggregateCostModel
 from medha_sched.decode_set import DecodeLanes, Lane
 from medha_sched.kv_memory import KVBlockManager
 from medha_sched.request import Request
-
-
-class _EveryTokenIsZero(Mapping[str, int]):
-    """Sampled tokens under the simulator's convention: every request's is token 0."""
-
-    def __getitem__(self, key: str) -> int:
-        return 0
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-ZERO_TOKENS: Mapping[str, int] = _EveryTokenIsZero()
 
 
 def decode_run_limit(requests: Sequence[Request], memory: KVBlockManager, max_steps: int) -> int:

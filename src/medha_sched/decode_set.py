@@ -34,7 +34,7 @@ with (to spell its chunks out later), and a change makes a new one.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -103,6 +103,26 @@ class Lane:
             self.members = list(self.members)
             self.shared = False
         return self.members
+
+
+class _EveryTokenIsZero(Mapping[str, int]):
+    """Sampled tokens under the simulator's convention: every request's is token 0."""
+
+    def __getitem__(self, key: str) -> int:
+        return 0
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+ZERO_TOKENS: Mapping[str, int] = _EveryTokenIsZero()
+"""Every request's sampled token is 0 (the simulator's; see :mod:`medha_sched.decode_run`)."""
 
 
 def decode_line(model: CostModel) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -401,6 +421,38 @@ class DecodeLanes:
         nt, kv_sum, const = lane.n_tail[0], lane.kv_sum[0], lane.const[0]
         times = []
         spent = 0.0
+        vary = [i for i, y in enumerate(b) if y]
+        if len(vary) == 2 and steps:
+            # Only two totals move with the step (KV read and attended pairs
+            # for the roofline): one row, those two entries rewritten in place
+            # by the same expressions (``nt * x`` is the same product each step).
+            i, j = vary
+            ai, bi, aj, bj = nt * a[i], b[i], nt * a[j], b[j]
+            kv = kv_sum + nt * lane.issued
+            if const is None:
+                row = [nt * x + kv * y for x, y in zip(a, b)]  # noqa: B905
+                for step in range(lane.issued, lane.issued + steps):
+                    kv = kv_sum + nt * step
+                    row[i] = ai + kv * bi
+                    row[j] = aj + kv * bj
+                    t = group_time(row)
+                    times.append(t)
+                    spent += t
+                    if spent >= budget:
+                        break
+            else:
+                ci, cj = const[i], const[j]
+                row = [nt * x + kv * y + c for x, y, c in zip(a, b, const)]  # noqa: B905
+                for step in range(lane.issued, lane.issued + steps):
+                    kv = kv_sum + nt * step
+                    row[i] = ai + kv * bi + ci
+                    row[j] = aj + kv * bj + cj
+                    t = group_time(row)
+                    times.append(t)
+                    spent += t
+                    if spent >= budget:
+                        break
+            return times
         for step in range(lane.issued, lane.issued + steps):
             kv = kv_sum + nt * step
             if const is None:
@@ -463,6 +515,24 @@ class DecodeLanes:
         self.ready.remove(lane)
         return batch
 
+    def issue_unspelled(self, lane: Lane | None, batch_id: int) -> None:
+        """:meth:`issue` for a caller that never reads the batch (a simulator):
+        the same state afterwards (the joined members' new blocks are taken),
+        no :class:`~medha_sched.output.DecodeBatch` built."""
+        self._retired_parents, self._retired_left = [], []
+        if lane is None:
+            return
+        if lane.joined:
+            pop = self.memory.pop_new_blocks
+            for rid in lane.joined:
+                pop(rid)
+        lane.shared = True
+        lane.issued += 1
+        lane.parents = [batch_id]
+        lane.joined = {}
+        lane.left = []
+        self.ready.remove(lane)
+
     def cleared(self, lane: Lane) -> None:
         """The lane's batch cleared pipeline stage 0."""
         lane.cleared += 1
@@ -483,6 +553,10 @@ class DecodeLanes:
                 r = m.request
                 if r.request_id not in skip:
                     r.output_token_ids.append(tokens[r.request_id])
+        elif tokens is ZERO_TOKENS:  # no lookup per member
+            lane.computed += 1
+            for m in lane.members:
+                m.request.output_token_ids.append(0)
         else:
             lane.computed += 1
             for m in lane.members:

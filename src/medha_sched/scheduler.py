@@ -21,18 +21,18 @@ from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
 from medha_sched.decode_run import (
-    ZERO_TOKENS,
     decode_run_limit,
     kv_fits,
     plan_decode_run,
     plan_lane_run,
 )
-from medha_sched.decode_set import DecodeLanes, Lane, Member
+from medha_sched.decode_set import ZERO_TOKENS, DecodeLanes, Lane, Member
 from medha_sched.errors import RequestTooLongError, SchedulerError
 from medha_sched.kv_memory import KVBlockManager
 from medha_sched.output import BatchResult, BlockGrant, ScheduledChunk, ScheduleOutput
 from medha_sched.packer import ChunkSizer, Draft
 from medha_sched.policies import get_policy
+from medha_sched.policies.base import Policy
 from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
@@ -64,6 +64,33 @@ class LaneCycle:
     in_flight: list[int]
     sizes: list[int]
     times: list[list[float]]
+
+
+class _PrefillQueue(PrefillQueue):
+    """The prefill queue, also counting the queued requests whose prompt (as
+    of their latest ``push``) is shorter than ``long_min`` tokens: a scan that
+    met all of them knows every candidate left is a long prefill."""
+
+    def __init__(self, policy: Policy, *, short_below: int, long_min: int) -> None:
+        super().__init__(policy, short_below=short_below)
+        self._long_min = long_min
+        self._not_long: set[str] = set()
+
+    @property
+    def num_not_long(self) -> int:
+        """Queued requests with fewer than ``long_min`` prompt tokens to prefill."""
+        return len(self._not_long)
+
+    def push(self, request: Request) -> None:
+        super().push(request)
+        if request.num_prefill_tokens < self._long_min:
+            self._not_long.add(request.request_id)
+        else:
+            self._not_long.discard(request.request_id)
+
+    def remove(self, request_id: str) -> None:
+        super().remove(request_id)
+        self._not_long.discard(request_id)
 
 
 @dataclass
@@ -110,7 +137,9 @@ class Scheduler:
         )
         self._sizer = ChunkSizer(config, self.policy, self.group_limit)
         self._adaptive = config.adaptive
-        self._queue = PrefillQueue(self.policy, short_below=config.token_grid)
+        self._queue = _PrefillQueue(
+            self.policy, short_below=config.token_grid, long_min=config.long_prefill_threshold
+        )
         self._requests: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
         self._in_flight: dict[int, _InFlight] = {}
@@ -236,6 +265,45 @@ class Scheduler:
         self._pack_prefills(draft, now)
         return self._emit(draft, now, lane, grants, preempted)
 
+    def schedule_plain(
+        self, now: float
+    ) -> tuple[int, float, int, list[tuple[str, int, bool]], int]:
+        """:meth:`schedule` for a caller that reads only the batch's shape (a
+        simulator): ``(batch id, predicted seconds, decodes, prefill chunks as
+        (request id, tokens, samples) in policy order, preemptions)``. The
+        same decisions and state afterwards; no :class:`ScheduleOutput` is
+        built (an empty batch has no decodes and no chunks).
+        """
+        if now < self._clock:
+            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        self._clock = now
+        if self.prefill_times.refresh(now):
+            self._reprice()
+        draft = self._new_draft()
+        lane, _, preempted = self._pack_decodes(draft, now)
+        self._pack_prefills(draft, now)
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        decodes = 0 if lane is None else len(lane.members)
+        self._lanes.issue_unspelled(lane, batch_id)
+        chunks = []
+        entries = []
+        pop_new_blocks = self.memory.pop_new_blocks
+        for r, n in draft.entries:  # _emit, less the chunks
+            rid, start = r.request_id, r.num_scheduled_tokens
+            samples = start + n == r.num_prompt_tokens + len(r.output_token_ids)
+            pop_new_blocks(rid)
+            chunks.append((rid, n, samples))
+            r.num_scheduled_tokens = start + n
+            if start + n >= r.num_prefill_tokens and r.tpot_slo is not None:
+                self._tpot[rid] = r.tpot_slo
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            entries.append((r, start, n, samples))
+        if entries or lane is not None:
+            self._in_flight[batch_id] = _InFlight(entries, lane)
+        return batch_id, draft.cost.time, decodes, chunks, len(preempted)
+
     def _new_draft(self) -> Draft:
         """An empty batch priced by the cost model, with this step's time budget."""
         return Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
@@ -342,9 +410,12 @@ class Scheduler:
         spent = None  # _budget_spent(draft), evaluated again only after the draft changes
         first = True
         queue, checked = self._queue, None
+        seen = 0  # candidates met that are not long prefills
         for r in queue.iter_sorted(now):
             if len(entries) >= max_entries:
                 break
+            if long_min is not None and r.num_prefill_tokens < long_min:
+                seen += 1
             if first:  # the floor probes only pay off once a candidate has been passed over
                 first = False
                 if self._adaptive and draft.cost.time >= draft.target:
@@ -366,6 +437,12 @@ class Scheduler:
                     chosen.append(r)
                     skips = 0
                     spent = None
+                    if (
+                        long_min is not None
+                        and len(long_groups) >= kvp
+                        and seen == queue.num_not_long
+                    ):
+                        break  # every candidate left is a long prefill: blocked
                     continue
                 if smallest > draft.fits_somewhere:  # else it cannot become the floor
                     self._lower_floor(draft, smallest)
@@ -674,7 +751,7 @@ class Scheduler:
             grants = [] if crossers is None else lanes.grow_all(lane, crossers)
             if grants is None:
                 raise AssertionError("a lane cycle's last turn could not grow its KV")
-            lanes.issue(lane, first + i, grants)
+            lanes.issue_unspelled(lane, first + i)
             self._in_flight[first + i] = _InFlight([], lane)
         self._next_batch_id = first + n
         self._clock = last_start
@@ -843,19 +920,17 @@ class Scheduler:
         if sized is None:
             return None
         groups, start, n, hint = sized
-        grants: list[BlockGrant] = []
         if crossers is not None:
             got = lanes.grow_all(lane, crossers)  # type: ignore[arg-type]
             if got is None:  # short of blocks or a new shard: schedule() decides
                 self._sizer.set_hint(rid, hint)
                 return None
             del lane.cross_at[lane.issued]  # type: ignore[union-attr]
-            grants = got
         self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
         draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
         batch_id = self._next_batch_id
         self._next_batch_id += 1
-        lanes.issue(lane, batch_id, grants)
+        lanes.issue_unspelled(lane, batch_id)
         self._in_flight[batch_id] = _InFlight([(request, start, n, False)], lane)
         request.num_scheduled_tokens = start + n
         self._clock = now
@@ -963,6 +1038,8 @@ class Scheduler:
 
     def _check_result(self, batch: _InFlight, result: BatchResult) -> None:
         tokens = result.sampled_token_ids
+        if tokens is ZERO_TOKENS:
+            return  # it holds every request's token
         if batch.lane is not None:
             for m in batch.lane.members:
                 if m.request.request_id not in tokens:

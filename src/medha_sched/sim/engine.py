@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
-from medha_sched.decode_run import ZERO_TOKENS
+from medha_sched.decode_set import ZERO_TOKENS
 from medha_sched.errors import RequestTooLongError
 from medha_sched.output import BatchResult
 from medha_sched.request import Request
@@ -222,21 +222,17 @@ class Simulator:
                 now = self._decode_run(now)
             elif self.spp > 1 and self._lane_cycle(now):
                 return  # every decode is in flight again
-        out = self.sched.schedule(now)
-        if out.is_empty:
+        # only the batch's shape: no ScheduleOutput (Scheduler.schedule_plain)
+        bid, predicted, n_decode, chunks, preempted = self.sched.schedule_plain(now)
+        if not chunks and not n_decode:
             return  # blocked until a batch ends; its event wakes us again
-        # The decodes come compactly (out.decodes); only the prefill chunks are read.
-        n_prefill, prefill_tokens, completes = 0, 0, []
-        for c in out.prefill_chunks:
-            n_prefill += 1
-            prefill_tokens += c.num_tokens
-            if c.samples:
-                completes.append(c.request_id)
-        bid, predicted, n_decode = out.batch_id, out.predicted_time, out.decodes.count
+        n_prefill, prefill_tokens, completes = len(chunks), 0, []
+        for rid, n, samples in chunks:
+            prefill_tokens += n
+            if samples:
+                completes.append(rid)
         self.iterations.append(
-            IterationRecord(
-                bid, now, predicted, n_decode, n_prefill, prefill_tokens, len(out.preempted)
-            )
+            IterationRecord(bid, now, predicted, n_decode, n_prefill, prefill_tokens, preempted)
         )
         sampling = n_decode + len(completes)  # every decode samples
         self._awaiting += sampling
