@@ -103,9 +103,16 @@ class ChunkSizer:
         return max(0, min(room, size - draft.num_tokens))
 
     def adaptive(
-        self, request: Request, groups: tuple[int, ...], draft: Draft, now: float
+        self,
+        request: Request,
+        groups: tuple[int, ...],
+        draft: Draft,
+        now: float,
+        *,
+        force: bool = False,
     ) -> tuple[int, bool]:
-        """``(chunk, is_long)``: the largest grid chunk that keeps the draft in budget."""
+        """``(chunk, is_long)``: the largest grid chunk that keeps the draft in budget
+        (``force``: one grid chunk even when none fits, for an empty batch)."""
         start = request.num_scheduled_tokens
         active = groups[: start // self._limit + 1]
         is_long = request.num_prefill_tokens >= self._cfg.long_prefill_threshold
@@ -121,7 +128,7 @@ class ChunkSizer:
         limit = self.room(request)
         smallest = min(self._cfg.token_grid, limit)
         single = start < self._limit  # one shard: the draft's miss memo applies
-        if single and draft.known_miss(groups[0], start, smallest, target):
+        if not force and single and draft.known_miss(groups[0], start, smallest, target):
             return 0, is_long
 
         if single:
@@ -137,6 +144,8 @@ class ChunkSizer:
         rid = request.request_id
         hint = self._last_chunk.get(rid, 0)
         chunk = largest_fitting_chunk(limit, self._cfg.token_grid, fits, hint=hint)
+        if chunk == 0 and force:
+            chunk = smallest
         if chunk == 0:
             if single:
                 draft.misses.append((groups[0], start, smallest, target))

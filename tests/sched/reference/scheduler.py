@@ -294,6 +294,16 @@ class ReferenceScheduler:
                 break  # an empty batch looks on: a request that can run must not wait
         for r in chosen:
             self._queue.remove(r.request_id)
+        if self._adaptive and not entries and not self._in_flight:
+            self._force_progress(draft, now)
+
+    def _force_progress(self, draft: Draft, now: float) -> None:
+        """Nothing runs and no chunk fits T: the first queued request that KV memory
+        allows takes one grid chunk anyway (the scheduler's liveness rule)."""
+        for r in self._queue.iter_sorted(now):
+            if self._try_prefill(r, draft, now, force=True):
+                self._queue.remove(r.request_id)
+                return
 
     def _budget_spent(self, draft: Draft) -> bool:
         """True when no prefill chunk at all can join the draft."""
@@ -324,7 +334,9 @@ class ReferenceScheduler:
         else:
             draft.fits_somewhere = tokens
 
-    def _try_prefill(self, request: Request, draft: Draft, now: float) -> bool:
+    def _try_prefill(
+        self, request: Request, draft: Draft, now: float, *, force: bool = False
+    ) -> bool:
         rid = request.request_id
         admitted = rid in self._running
         groups = (
@@ -335,7 +347,7 @@ class ReferenceScheduler:
         if groups is None:
             return False  # no memory for the whole prompt yet
         if self.config.adaptive:
-            n, is_long = self._sizer.adaptive(request, groups, draft, now)
+            n, is_long = self._sizer.adaptive(request, groups, draft, now, force=force)
         else:
             n, is_long = self._sizer.fixed(request, draft), False
         if n == 0:
