@@ -2,7 +2,8 @@
 
 Odd sizes on purpose: K not a multiple of the 8- or 16-lane vectors, N not a
 multiple of the row kernel's 3-row tasks nor of the column kernel's 24-row
-tasks and 6/8/12-row register blocks, M on both sides of every block edge
+tasks and 6/8/12-row register blocks (28-row tasks, 14-row blocks and
+128-step K slices at 17-32 rows), M on both sides of every block edge
 (the row kernel below 9 rows, the column kernel's 16/32/48/64-row vectors);
 with and without bias; the error is at most twice ``F.linear``'s in fp32.
 """
@@ -31,12 +32,12 @@ pytestmark = pytest.mark.skipif(
     not native.supports_device(torch.device("cpu")), reason="needs a C++ compiler and ninja"
 )
 
-ROWS = [1, 2, 3, 5, 8, 9, 13, 16, 17, 31, 32, 33, 47, 48, 49, 63, SMALL_M_MAX]
+ROWS = [1, 2, 3, 5, 8, 9, 13, 16, 17, 24, 31, 32, 33, 47, 48, 49, 63, SMALL_M_MAX]
 
 
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize(
-    ("n", "k"), [(1, 7), (4, 8), (13, 577), (50, 1536), (61, 100), (31, 17), (7, 4099)]
+    ("n", "k"), [(1, 7), (4, 8), (13, 577), (50, 1536), (61, 100), (31, 17), (7, 4099), (57, 300)]
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_m_matches_float64(m: int, n: int, k: int, with_bias: bool) -> None:

@@ -21,7 +21,9 @@
 // x comes from L2 either way: 32 x 1536 fp32 is 196 KB, L1 is 48 KB).
 // - register blocks of NR w-rows x MV vectors (16 MV token rows): 12 x 1 up
 //   to 16 rows, 12 x 2 up to 32, 8 x 3 up to 48, 6 x 4 up to 64 (at most 24
-//   zmm accumulators); a task owns CB = 24 rows of w;
+//   zmm accumulators); a task owns CB = 24 rows of w; from 17 to 32 rows, a
+//   variant instead: 14 x 2 blocks, 28-row tasks, K in 128-step slices (xt
+//   slice in L1), the next task prefetched at an even pace (see ktask2);
 // - each block prefetches the next block's rows into L2 as it goes (without
 //   it the kernel is ~1.3x slower: the hardware prefetcher does not keep up
 //   with a dozen row streams);
@@ -211,6 +213,116 @@ void ctask(const float* xt, int64_t MP, const float* w, float* out, const float*
   }
 }
 
+// 17 to 32 rows (two vectors of xt per k): the variant measured fastest there
+// (docs/benchmarks.md, "17-32 rows: a column-kernel variant"). Register blocks of
+// NR2 = 14 w-rows x 2 vectors (28 accumulators); the w broadcasts address
+// rows through five group pointers and one stride register (GCC otherwise
+// keeps 14 row offsets in registers and spills them inside the k loop); a task
+// owns CB2 = 28 rows and runs K in KB2 = 128-step slices (each slice of xt is
+// 128 x 32 floats, 16 KB, and stays in L1 across the task's two blocks); while
+// it runs, the next task's rows (contiguous) are prefetched into L2 at an even
+// pace that ends with the task (NR floats per k step; one line a step measured
+// ~2% slower, two lines a step ~1.15x slower, none ~1.4x slower). Each output
+// is still a sum of 64-product partial sums.
+constexpr int NR2 = 14;
+constexpr int CB2 = 28;
+constexpr int64_t KB2 = 128;
+
+// broadcast of the float at p + S * K4 bytes (S < 3): rows of a group of three
+template <int S>
+inline __m512 bcast_row(const float* p, int64_t K4) {
+#if defined(__GNUC__)
+  __m512 r;
+  if constexpr (S == 0) asm("vbroadcastss (%1), %0" : "=v"(r) : "r"(p));
+  else if constexpr (S == 1) asm("vbroadcastss (%1,%2,1), %0" : "=v"(r) : "r"(p), "r"(K4));
+  else asm("vbroadcastss (%1,%2,2), %0" : "=v"(r) : "r"(p), "r"(K4));
+  return r;
+#else
+  return _mm512_set1_ps(*reinterpret_cast<const float*>(reinterpret_cast<const char*>(p) + S * K4));
+#endif
+}
+
+template <int NR, int MV, int I>
+inline void row_fmas(__m512 (&acc)[NR][MV], const __m512 (&xv)[MV], const float* const* g,
+                     int64_t K4) {
+  if constexpr (I < NR) {
+    const __m512 b = bcast_row<I % 3>(g[I / 3], K4);
+    for (int v = 0; v < MV; ++v) acc[I][v] = _mm512_fmadd_ps(b, xv[v], acc[I][v]);
+    row_fmas<NR, MV, I + 1>(acc, xv, g, K4);
+  }
+}
+
+// sum[i][j] (+)= sum over k in [k0, k1) of w[i, k] xt[k, j], i < NR, j < 16 MV; wr = row 0 of
+// the block, xt already offset to the first x row, sum rows 64 floats apart. first: store.
+// Prefetches [pf, pfend) into L2, NR floats per k step (pf advances).
+template <int NR, int MV>
+inline void kblock(const float* xt, int64_t MP, const float* wr, int64_t K, int64_t k0,
+                   int64_t k1, float* sum, bool first, const float*& pf_io, const float* pfend) {
+  constexpr int NG = (NR + 2) / 3;
+  const float* pf = pf_io;
+  const int64_t K4 = 4 * K;
+  for (int64_t kc = k0; kc < k1; kc += KC) {
+    const int64_t kend = std::min<int64_t>(k1, kc + KC);
+    __m512 acc[NR][MV];
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < MV; ++v) acc[i][v] = _mm512_setzero_ps();
+    const float* g[NG];
+    for (int q = 0; q < NG; ++q) g[q] = wr + 3 * q * K + kc;
+    const float* xp = xt + kc * MP;
+    for (int64_t k = kc; k < kend; ++k, xp += MP) {
+      __m512 xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = _mm512_loadu_ps(xp + 16 * v);
+      if (pf < pfend) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+        pf += NR;  // NR floats a step: the task's CB2 / NR blocks spread the lines over it
+      }
+      row_fmas<NR, MV, 0>(acc, xv, g, K4);
+      for (int q = 0; q < NG; ++q) ++g[q];
+    }
+    const bool store = first && kc == k0;
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < MV; ++v) {
+        float* s = sum + i * 64 + 16 * v;
+        _mm512_store_ps(s, store ? acc[i][v] : _mm512_add_ps(_mm512_load_ps(s), acc[i][v]));
+      }
+  }
+  pf_io = pf;
+}
+
+template <int NR, int MV>
+void kblock_tail(int rows, const float* xt, int64_t MP, const float* wr, int64_t K, int64_t k0,
+                 int64_t k1, float* sum, bool first, const float*& pf, const float* pfend) {
+  if constexpr (NR > 1) {
+    if (rows == NR - 1) kblock<NR - 1, MV>(xt, MP, wr, K, k0, k1, sum, first, pf, pfend);
+    else kblock_tail<NR - 1, MV>(rows, xt, MP, wr, K, k0, k1, sum, first, pf, pfend);
+  }
+}
+
+// 17 to 32 x rows against w rows n0 .. n1 - 1 (n1 - n0 <= CB2).
+void ktask2(const float* xt, int64_t MP, const float* w, float* out, const float* bias, int64_t M,
+            int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  alignas(64) float sum[CB2 * 64];
+  const float* pf = w + n1 * K;
+  const float* pfend = w + std::min<int64_t>(N, n1 + CB2) * K;
+  for (int64_t kb = 0; kb < K; kb += KB2) {
+    const int64_t ke = std::min<int64_t>(K, kb + KB2);
+    int64_t n = n0;
+    for (; n + NR2 <= n1; n += NR2)
+      kblock<NR2, 2>(xt, MP, w + n * K, K, kb, ke, sum + (n - n0) * 64, kb == 0, pf, pfend);
+    if (n < n1) {
+      kblock_tail<NR2, 2>(static_cast<int>(n1 - n), xt, MP, w + n * K, K, kb, ke,
+                          sum + (n - n0) * 64, kb == 0, pf, pfend);
+    }
+  }
+  for (int64_t j = 0; j < M; ++j) {
+    float* o = out + j * N;
+    for (int64_t n = n0; n < n1; ++n) {
+      const float s = sum[(n - n0) * 64 + j];
+      o[n] = bias ? s + bias[n] : s;
+    }
+  }
+}
+
 // The column kernel: x transposed once into xt [K, MP], then w streamed in tasks of CB rows.
 at::Tensor linear_columns(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias) {
@@ -228,6 +340,15 @@ at::Tensor linear_columns(const at::Tensor& x, const at::Tensor& w,
   const float* wp = w.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  if (M > 16 && M <= 32) {
+    at::parallel_for(0, (N + CB2 - 1) / CB2, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t n0 = t * CB2;
+        ktask2(xt, MP, wp, op, bp, M, K, N, n0, std::min<int64_t>(N, n0 + CB2));
+      }
+    });
+    return out;
+  }
   const int64_t tasks = (N + CB - 1) / CB;
   at::parallel_for(0, tasks, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
