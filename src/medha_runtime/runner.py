@@ -168,14 +168,7 @@ class ShardedAttention:
         for n, kv, tail in zip(shards.num_q, shards.kv_lens, shards.is_tail, strict=True):
             if kv == 0 or not (tail or n == 1):
                 return None
-        plan = batch.attention_plan(
-            num_qo_heads=q.shape[1],
-            num_kv_heads=k_cache.shape[2],
-            head_dim=q.shape[2],
-            block_size=k_cache.shape[1],
-            dtype=q.dtype,
-            backend=self.backend,
-        )
+        plan = batch.attention_plan_for(q, k_cache, self.backend)
         return KVPAttentionPlan(num_q=int(q.shape[0]), parts=(KVPPart(None, plan),))
 
     def __call__(

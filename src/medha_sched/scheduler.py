@@ -255,6 +255,11 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def schedule(self, now: float) -> ScheduleOutput:
         """Form the next batch at time ``now`` (seconds, never decreasing)."""
+        draft, lane, grants, preempted = self._pack(now)
+        return self._emit(draft, now, lane, grants, preempted)
+
+    def _pack(self, now: float) -> tuple[Draft, Lane | None, list[BlockGrant], list[str]]:
+        """The next batch's draft at ``now``: ``(draft, lane, block grants, preempted)``."""
         if now < self._clock:
             raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
         self._clock = now
@@ -263,7 +268,7 @@ class Scheduler:
         draft = self._new_draft()
         lane, grants, preempted = self._pack_decodes(draft, now)
         self._pack_prefills(draft, now)
-        return self._emit(draft, now, lane, grants, preempted)
+        return draft, lane, grants, preempted
 
     def schedule_plain(
         self, now: float
@@ -274,14 +279,7 @@ class Scheduler:
         same decisions and state afterwards; no :class:`ScheduleOutput` is
         built (an empty batch has no decodes and no chunks).
         """
-        if now < self._clock:
-            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
-        self._clock = now
-        if self.prefill_times.refresh(now):
-            self._reprice()
-        draft = self._new_draft()
-        lane, _, preempted = self._pack_decodes(draft, now)
-        self._pack_prefills(draft, now)
+        draft, lane, _, preempted = self._pack(now)
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         decodes = 0 if lane is None else len(lane.members)

@@ -124,6 +124,21 @@ class ForwardBatch:
             self._plans[key] = plan
         return plan
 
+    def attention_plan_for(
+        self, q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto"
+    ) -> PagedAttentionPlan:
+        """:meth:`attention_plan` with the shapes and dtype read from the queries
+        ``q`` (``[num_q, num_qo_heads, head_dim]``) and the paged cache ``k_cache``
+        (``[num_blocks, block_size, num_kv_heads, head_dim]``)."""
+        return self.attention_plan(
+            num_qo_heads=q.shape[1],
+            num_kv_heads=k_cache.shape[2],
+            head_dim=q.shape[2],
+            block_size=k_cache.shape[1],
+            dtype=q.dtype,
+            backend=backend,
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

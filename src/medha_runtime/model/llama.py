@@ -81,15 +81,7 @@ class PagedAttention:
         *,
         layer_id: int,
     ) -> torch.Tensor:
-        plan = batch.attention_plan(
-            num_qo_heads=q.shape[1],
-            num_kv_heads=k_cache.shape[2],
-            head_dim=q.shape[2],
-            block_size=k_cache.shape[1],
-            dtype=q.dtype,
-            backend=self.backend,
-        )
-        out, _ = plan.run(q, k_cache, v_cache)
+        out, _ = batch.attention_plan_for(q, k_cache, self.backend).run(q, k_cache, v_cache)
         return out
 
 
