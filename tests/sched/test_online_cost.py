@@ -143,6 +143,37 @@ def test_relearns_one_kind_of_step_that_interleaved_steps_hide(name, coef):
         assert errs[int(0.9 * len(errs))] < 0.15, (name, "chunks" if chunk else "decodes")
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hog_noise_does_not_hide_a_mispredicted_kind_of_step(seed):
+    """A CPU hog starts: chunks become 2x slower, and every step gets heavy
+    contention noise (a quarter of them 2.5x, one in 50 descheduled for a
+    time slice, 30x). The noise must not inflate the robust scale until a
+    kind of step that is far off looks ordinary: each kind's predicted total
+    stays near its measured total (it ran 1.6x-3x high when the scale also
+    absorbed how far a kind was off)."""
+    rng = random.Random(seed)
+    model = OnlineCostModel(TRUE)
+    for i in range(400):
+        b = _interleaved(rng, i)
+        model.observe(b, _truth(b) * (1 + rng.gauss(0, 0.02)))
+    slow = (TRUE[0], TRUE[1], 2 * TRUE[2], 2 * TRUE[3], 2 * TRUE[4])
+    predicted = {True: 0.0, False: 0.0}
+    measured = {True: 0.0, False: 0.0}
+    for i in range(1500):
+        b = _interleaved(rng, i)
+        y = _truth(b, slow) * rng.choice((1.0, 1.0, 1.0, 2.5)) * math.exp(rng.gauss(0, 0.2))
+        if rng.random() < 0.02:
+            y *= 30.0
+        if i >= 500:
+            chunk = b.groups[0][0].q_tokens > 1
+            predicted[chunk] += model.predict(b)
+            measured[chunk] += y
+        model.observe(b, y)
+    for chunk in (True, False):
+        ratio = predicted[chunk] / measured[chunk]
+        assert 0.65 < ratio < 1.4, ("chunks" if chunk else "decodes", ratio)
+
+
 def test_skewed_noise_leaves_the_total_time_unbiased():
     """Steps run long more often than short (interference): the fit follows the mean."""
     rng = random.Random(11)

@@ -38,6 +38,10 @@ beyond the last 100 errors. It is robust:
   and long chunks very differently): what repeats is no outlier; its step is
   learned at full weight around a reset covariance, whose gain goes to the
   terms that dominate that class;
+* the robust scale measures the noise around each class's own recent level
+  (an EWMA of its log ratios), not how far a class is off: when it also
+  absorbed a class's bias, a class predicted 10x too high inflated the scale
+  until its residuals looked ordinary and were never flagged;
 * the covariance trace is capped, so unexcited directions cannot wind up.
 
 The model is mutable: the scheduler prices batches with the current
@@ -153,6 +157,8 @@ class OnlineCostModel(AggregateCostModel):
         self._streak_residuals: list[float] = []
         #: per class of step (:func:`_step_class`): signed streak count, last log ratios
         self._class_streaks: dict[int, tuple[int, tuple[float, ...]]] = {}
+        #: per class of step: recent level of its log ratios (EWMA)
+        self._class_centers: dict[int, float] = {}
         self.steps = 0  # observations accepted into the fit
         self.drifts = 0  # covariance resets on a change of regime
         self.errors: deque[float] = deque(maxlen=_ERROR_WINDOW)
@@ -296,7 +302,14 @@ class OnlineCostModel(AggregateCostModel):
             return  # a lone outlier: ignored (counted in the streaks only)
         elif big:
             weight = self.huber * self._scale / a
-        self._scale = 0.97 * self._scale + 0.03 * min(a, self.huber * self._scale)
+        # the scale measures noise around each class's own recent level, not
+        # how far a class is off: a class predicted 10x too high must not
+        # inflate the scale until its residuals look ordinary
+        center = self._class_centers.get(kind, 0.0)
+        spread = abs(log_r - center)
+        limit = self.reject * self._scale
+        self._class_centers[kind] = center + 0.25 * (min(max(log_r, -limit), limit) - center)
+        self._scale = 0.97 * self._scale + 0.03 * min(spread, self.huber * self._scale)
         self._scale = min(max(self._scale, 0.01), 1.0)
         self._rls(x, residual, weight)
         self.steps += 1
