@@ -104,6 +104,76 @@ def test_tracks_a_step_change():
     assert _median_error(model, random.Random(8), slow) < 0.03
 
 
+def _interleaved(rng: random.Random, i: int) -> BatchWork:
+    """Two kinds of steps in turn, as a long prompt and chats give: a 512-token
+    chunk deep in a long context (odd ``i``), then a few decodes of short contexts."""
+    if i % 2:
+        return BatchWork.single_group((512, rng.randrange(16_000, 32_000)))
+    return BatchWork.single_group(*[(1, rng.randrange(100, 400))] * rng.randrange(1, 4))
+
+
+@pytest.mark.parametrize(
+    ("name", "coef"),
+    [
+        # a hog takes the cores: long chunks 3x slower, tiny decodes as before
+        ("chunks slower", (TRUE[0], TRUE[1], 3 * TRUE[2], 3 * TRUE[3], 3 * TRUE[4])),
+        # decodes 10x faster (predicted 10x too high), chunks as before
+        ("decodes faster", (TRUE[0] / 10, TRUE[1] / 10, TRUE[2], TRUE[3], TRUE[4])),
+    ],
+)
+def test_relearns_one_kind_of_step_that_interleaved_steps_hide(name, coef):
+    """A regime change that hits two interleaved kinds of steps differently:
+    every step of one kind is far off while the other kind stays right. The
+    mispredicted kind repeats, so it is no outlier, and the well-predicted
+    steps between its steps must not hide it from the drift detector."""
+    rng = random.Random(21)
+    model = _start()
+    for i in range(600):
+        b = _interleaved(rng, i)
+        model.observe(b, _truth(b) * (1 + rng.gauss(0, 0.02)))
+    errors: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(400):
+        b = _interleaved(rng, i)
+        err = model.observe(b, _truth(b, coef) * (1 + rng.gauss(0, 0.02)))
+        if i >= 100:
+            errors[b.groups[0][0].q_tokens > 1].append(err)
+    for chunk, errs in errors.items():
+        errs.sort()
+        assert errs[len(errs) // 2] < 0.05, (name, "chunks" if chunk else "decodes")
+        assert errs[int(0.9 * len(errs))] < 0.15, (name, "chunks" if chunk else "decodes")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hog_noise_does_not_hide_a_mispredicted_kind_of_step(seed):
+    """A CPU hog starts: chunks become 2x slower, and every step gets heavy
+    contention noise (a quarter of them 2.5x, one in 50 descheduled for a
+    time slice, 30x). The noise must not inflate the robust scale until a
+    kind of step that is far off looks ordinary: each kind's predicted total
+    stays near its measured total (it ran 1.6x-3x high when the scale also
+    absorbed how far a kind was off)."""
+    rng = random.Random(seed)
+    model = OnlineCostModel(TRUE)
+    for i in range(400):
+        b = _interleaved(rng, i)
+        model.observe(b, _truth(b) * (1 + rng.gauss(0, 0.02)))
+    slow = (TRUE[0], TRUE[1], 2 * TRUE[2], 2 * TRUE[3], 2 * TRUE[4])
+    predicted = {True: 0.0, False: 0.0}
+    measured = {True: 0.0, False: 0.0}
+    for i in range(1500):
+        b = _interleaved(rng, i)
+        y = _truth(b, slow) * rng.choice((1.0, 1.0, 1.0, 2.5)) * math.exp(rng.gauss(0, 0.2))
+        if rng.random() < 0.02:
+            y *= 30.0
+        if i >= 500:
+            chunk = b.groups[0][0].q_tokens > 1
+            predicted[chunk] += model.predict(b)
+            measured[chunk] += y
+        model.observe(b, y)
+    for chunk in (True, False):
+        ratio = predicted[chunk] / measured[chunk]
+        assert 0.65 < ratio < 1.4, ("chunks" if chunk else "decodes", ratio)
+
+
 def test_skewed_noise_leaves_the_total_time_unbiased():
     """Steps run long more often than short (interference): the fit follows the mean."""
     rng = random.Random(11)

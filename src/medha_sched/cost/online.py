@@ -20,12 +20,28 @@ low quantile), with exponential forgetting. The update is O(features^2)
 (a 5 x 5 matrix, pure Python, a few tens of microseconds) and holds no history
 beyond the last 100 errors. It is robust:
 
+* how far off a step is, is judged on the log ratio ``ln(measured /
+  predicted)`` (symmetric: 20x too high is as far off as 20x too low; the
+  relative residual of an over-prediction cannot pass -1, so a class of steps
+  predicted 20x too high once looked ordinary and was never flagged);
 * residuals beyond ``huber`` robust scales are down-weighted (Huber), and a
   lone residual beyond ``reject`` scales (a pause, a page fault) is ignored;
 * ``drift_steps`` consecutive large residuals of one sign are a change of
-  regime (another process took cores, contexts past the calibrated range): the
-  covariance is reset around the current coefficients so they re-converge in
-  a few steps;
+  regime (another process took cores, contexts past the calibrated range):
+  every coefficient is rescaled by the streak's median ratio (at most 16x at
+  once) and the covariance is reset around them so they re-converge in a few
+  steps;
+* the same streaks are kept per class of step (query tokens of the slowest
+  group, by factors of 4: decodes, small chunks, long chunks, ...), so a
+  class that is persistently off is relearned even when well-predicted steps
+  of another class come between its steps (a CPU hog slows one-token steps
+  and long chunks very differently): what repeats is no outlier; its step is
+  learned at full weight around a reset covariance, whose gain goes to the
+  terms that dominate that class;
+* the robust scale measures the noise around each class's own recent level
+  (an EWMA of its log ratios), not how far a class is off: when it also
+  absorbed a class's bias, a class predicted 10x too high inflated the scale
+  until its residuals looked ordinary and were never flagged;
 * the covariance trace is capped, so unexcited directions cannot wind up.
 
 The model is mutable: the scheduler prices batches with the current
@@ -58,6 +74,10 @@ _VERSION = 1
 _MIN_STEP = 1e-6
 _MAX_COEF = 1e6  # seconds per unit: far beyond any real device, keeps state finite
 _ERROR_WINDOW = 100
+#: a drift rescales every coefficient by at most this factor (as a log) at once
+_MAX_DRIFT_LOG = math.log(16.0)
+#: classes of steps for per-class drift: query tokens of the slowest group by factors of 4
+_CLASSES = 8
 #: typical work, as feature totals in units of ``_UNITS`` (a 32-request decode
 #: at 4K context, a 512-token chunk at KV 0 and at KV 32K), whose predicted
 #: times decide when the coefficients have moved enough to bump ``revision``
@@ -132,9 +152,13 @@ class OnlineCostModel(AggregateCostModel):
         self._p: list[list[float]] = []
         self._p_cap = 0.0
         self._reset_covariance()
-        self._scale = 0.05  # robust scale of relative residuals (EWMA of clipped |r|)
+        self._scale = 0.05  # robust scale of log ratios (EWMA of clipped |ln(measured/predicted)|)
         self._streak = 0  # consecutive large residuals of one sign (signed count)
         self._streak_residuals: list[float] = []
+        #: per class of step (:func:`_step_class`): signed streak count, last log ratios
+        self._class_streaks: dict[int, tuple[int, tuple[float, ...]]] = {}
+        #: per class of step: recent level of its log ratios (EWMA)
+        self._class_centers: dict[int, float] = {}
         self.steps = 0  # observations accepted into the fit
         self.drifts = 0  # covariance resets on a change of regime
         self.errors: deque[float] = deque(maxlen=_ERROR_WINDOW)
@@ -193,7 +217,7 @@ class OnlineCostModel(AggregateCostModel):
         # measurement keep the fit unbiased for the mean time (relative to the
         # measurement, slow steps would count less and the fit would run low)
         ref = max(predicted, 1e-9)
-        self._update([f / ref for f in x], seconds / ref - 1.0)
+        self._update([f / ref for f in x], seconds / ref, _step_class(x))
         return error
 
     @property
@@ -218,37 +242,74 @@ class OnlineCostModel(AggregateCostModel):
                 best = [1.0] + [tot / u for tot, u in zip(totals, _UNITS[1:], strict=True)]
         return best
 
-    def _update(self, x: list[float], residual: float) -> None:
-        """One weighted RLS step on ``1 ~ theta . x`` with robust weighting."""
-        a = abs(residual)
+    def _update(self, x: list[float], ratio: float, kind: int) -> None:
+        """One weighted RLS step on ``1 ~ theta . x`` with robust weighting.
+
+        ``x`` are the features over the prediction, ``ratio`` measured over
+        predicted, ``kind`` the step's class (:func:`_step_class`). Outliers
+        and drift are judged on the log ratio, which is symmetric: a step
+        predicted 20x too high (relative residual -0.95) is as far off as
+        one predicted 20x too low (+19).
+        """
+        log_r = math.log(ratio)
+        residual = ratio - 1.0
+        a = abs(log_r)
         big = a > self.huber * self._scale
-        sign = 1 if residual > 0 else -1
+        sign = 1 if log_r > 0 else -1
         if big:
             if self._streak * sign > 0:
                 self._streak += sign
-                self._streak_residuals.append(residual)
+                self._streak_residuals.append(log_r)
             else:
-                self._streak, self._streak_residuals = sign, [residual]
+                self._streak, self._streak_residuals = sign, [log_r]
         else:
             self._streak, self._streak_residuals = 0, []
+        # the same per class of step: interleaved steps of another kind that
+        # are predicted well must not hide a class that is persistently off
+        count, logs = self._class_streaks.get(kind, (0, ()))
+        if big:
+            count, logs = (count + sign, (*logs, log_r)) if count * sign > 0 else (sign, (log_r,))
+        else:
+            count, logs = 0, ()
+        self._class_streaks[kind] = (count, logs[-self.drift_steps :])
         weight = 1.0
         if abs(self._streak) >= self.drift_steps:
             # A change of regime, not an outlier. Most are a uniform speed
             # change (cores taken or freed): rescale by the streak's median
             # measured/predicted ratio, then relearn around it.
-            ratio = max(1.0 + statistics.median(self._streak_residuals), 1e-3)
-            self._theta = [min(t * ratio, _MAX_COEF) for t in self._theta]
+            med = statistics.median(self._streak_residuals)
+            factor = math.exp(min(max(med, -_MAX_DRIFT_LOG), _MAX_DRIFT_LOG))
+            self._theta = [min(t * factor, _MAX_COEF) for t in self._theta]
             self._sync()
-            x = [f / ratio for f in x]
-            residual = (1.0 + residual) / ratio - 1.0
+            x = [f / factor for f in x]
+            residual = ratio / factor - 1.0
             self.drifts += 1
             self._streak, self._streak_residuals = 0, []
+            self._class_streaks.clear()
+            self._reset_covariance()
+        elif abs(count) >= self.drift_steps:
+            # One class of steps is persistently off while others are not (a
+            # CPU hog slows one-token steps far more than long chunks): what
+            # repeats is no outlier. Relearn from it (its streak's median
+            # ratio, so one wild member does not set the size) at full weight
+            # around fresh covariance; the gain goes to the terms that
+            # dominate this class.
+            residual = math.exp(statistics.median(logs)) - 1.0
+            self.drifts += 1
+            self._class_streaks[kind] = (0, ())
             self._reset_covariance()
         elif a > self.reject * self._scale:
-            return  # a lone outlier: ignored (counted in the streak only)
+            return  # a lone outlier: ignored (counted in the streaks only)
         elif big:
             weight = self.huber * self._scale / a
-        self._scale = 0.97 * self._scale + 0.03 * min(a, self.huber * self._scale)
+        # the scale measures noise around each class's own recent level, not
+        # how far a class is off: a class predicted 10x too high must not
+        # inflate the scale until its residuals look ordinary
+        center = self._class_centers.get(kind, 0.0)
+        spread = abs(log_r - center)
+        limit = self.reject * self._scale
+        self._class_centers[kind] = center + 0.25 * (min(max(log_r, -limit), limit) - center)
+        self._scale = 0.97 * self._scale + 0.03 * min(spread, self.huber * self._scale)
         self._scale = min(max(self._scale, 0.01), 1.0)
         self._rls(x, residual, weight)
         self.steps += 1
@@ -441,6 +502,13 @@ class OnlineCostModel(AggregateCostModel):
 
 def _finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _step_class(x: Sequence[float]) -> int:
+    """The class of a step, from its features in units of ``_UNITS``: the
+    slowest group's query tokens in factors of 4 (1-3 tokens, 4-15, ...)."""
+    tokens = round(x[2] * _UNITS[2])
+    return min(tokens.bit_length() // 2, _CLASSES - 1)
 
 
 def _fit_to(prior: CostModel, layout: ParallelDegrees, kw: Mapping[str, float]) -> OnlineCostModel:
