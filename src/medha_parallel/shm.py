@@ -53,6 +53,12 @@ _SPINS = 64  # sched_yield rounds before a futex wait (ShmPipe)
 #: between two KVP ranks reaching the same merge; 64 rounds of sched_yield last ~20 us.
 #: While other processes are runnable each yield hands them the core (no CPU burned).
 _GATHER_SPIN_S = 300e-6
+#: ShmPipe.peek: how long the receiving stage keeps yielding its core before a futex
+#: wait. It usually waits one stage's decode share (~1 ms on ``tiny``); a futex sleep
+#: adds its wake-up (~0.1 ms of wall, on the pipeline's critical path) and makes the
+#: sender's wake a context switch. While other processes are runnable each yield hands
+#: them the core; a longer wait (a prefill chunk) still sleeps.
+_PIPE_SPIN_S = 2e-3
 _FUTEX_SLICE_S = 0.05  # a futex wait's bound, so deadlines are checked
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -314,7 +320,9 @@ class ShmPipe:
     def peek(self) -> torch.Tensor:
         """The next message's slot (uint8 ``[slot_bytes]``, blocking) until :meth:`release`."""
         seq = self._taken + 1
-        if not _wait_flag(self._libc, self._published, self._addr, seq, self.timeout_s):
+        if not _wait_flag(
+            self._libc, self._published, self._addr, seq, self.timeout_s, _PIPE_SPIN_S
+        ):
             raise RuntimeError(
                 f"Timed out after {self.timeout_s:.0f} s waiting for the sending stage's "
                 "message on the shared-memory channel"

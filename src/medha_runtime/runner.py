@@ -382,6 +382,16 @@ class ModelRunner:
                 hidden_size=self.config.hidden_size,
                 max_inflight=max(2, spec.spp),
             )
+        attn = next(iter(self.model.layers.values())).self_attn
+        #: the attention plan's key as the layers ask for it (ForwardBatch.attention_plan_for)
+        self._plan_key = {
+            "num_qo_heads": attn.num_q_heads,
+            "num_kv_heads": self.model.num_kv_heads_local,
+            "head_dim": attn.head_dim,
+            "block_size": spec.block_size,
+            "dtype": self.model.dtype,
+            "backend": getattr(attn.attn_fn, "backend", "auto"),
+        }
         is_sampler = stage == spec.spp - 1 and tp == 0 and group == 0
         self.sampler: Sampler | None = Sampler() if is_sampler else None
         self.tables = BlockTables()
@@ -424,8 +434,13 @@ class ModelRunner:
             block_size=spec.block_size,
             device=self.device,
         )
+        # the step's fixed host work before the forward pass: a later stage does it
+        # while it waits for the previous stage's activations
+        batch.prepare_kv_write(self.kv.k[0])
         if self.attention is not None:
             self.attention.prepare(shards)
+        else:
+            batch.attention_plan(**self._plan_key)
         if self.pipeline is None:
             out = self.model(batch, self.kv)
         else:

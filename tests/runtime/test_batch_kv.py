@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 
+import pytest
 import torch
 
 from medha_runtime.model import ForwardBatch
@@ -59,6 +60,40 @@ def test_write_kv_skipped_only_when_the_host_says_nothing_is_written() -> None:
         write.write_kv(k, v, kc, vc)
     assert torch.equal(kc[1, 1], k[1]) and torch.equal(vc[1, 1], v[1])
     assert int((kc != 0).sum()) == 4  # one slot of one head: the padding token wrote nothing
+
+
+def test_prepare_kv_write_writes_what_the_checked_first_write_writes() -> None:
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    slots = [6, -1, 1]
+    caches = []
+    for prepare in (False, True):
+        kc, vc = torch.zeros(2, 4, 2, 4), torch.zeros(2, 4, 2, 4)
+        batch = _batch(slots, writes_kv=True)
+        if prepare:
+            batch.prepare_kv_write(kc)
+            batch.prepare_kv_write(kc)  # a no-op once prepared
+        for _ in range(2):  # the first layer's write and a later one
+            batch.write_kv(k, v, kc, vc)
+        caches.append((kc, vc))
+    (kc0, vc0), (kc1, vc1) = caches
+    assert torch.equal(kc0, kc1) and torch.equal(vc0, vc1)
+    assert torch.equal(kc1[1, 2], k[0]) and torch.equal(vc1[0, 1], v[2])
+    assert int((kc1 != 0).sum()) == 2 * 2 * 4  # the padding token wrote nothing
+
+
+def test_prepare_kv_write_rejects_bad_slots() -> None:
+    kc = torch.zeros(2, 4, 1, 4)
+    with pytest.raises(ValueError, match="8 is past the cache's 8 slots"):
+        _batch([1, 8], writes_kv=True).prepare_kv_write(kc)
+    bad = _batch([1, 2], writes_kv=True)
+    bad.slots = bad.slots.long()
+    with pytest.raises(ValueError, match=r"want \[2\] int32, got \[2\] torch.int64"):
+        bad.prepare_kv_write(kc)
+    skip = _batch([9, 9], writes_kv=False)
+    skip.prepare_kv_write(kc)  # nothing is written: nothing to check
+    skip.write_kv(torch.ones(2, 1, 4), torch.ones(2, 1, 4), kc, kc.clone())
+    assert not kc.any()
 
 
 def _sharded(plan_chunks, group: int):
