@@ -6,7 +6,9 @@
 // value row is read once per group, straight from the paged cache (no gather,
 // no copy per group for fp32 caches). Softmax is online over tiles of keys, in
 // base 2 internally; the LSE is stored in natural log. A row that sees no key
-// gets (0, -inf).
+// gets (0, -inf). Tasks of few rows (decode: one token's group heads) take the
+// rows of one token 3 at a time, so each key/value row is loaded once for
+// them; tasks of many rows take register-blocked tiles (blocked_tile).
 //
 // Tasks run on at::parallel_for threads, largest first, taken from a shared
 // counter (the causal triangle makes tiles of one chunk unequal).
@@ -235,6 +237,24 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
 };
 
+// max(init, s[0], ..., s[n-1]).
+inline float row_max(const float* s, int64_t n, float init) {
+  int64_t j = 0;
+  float mx = init;
+#ifdef MEDHA_AVX2
+  if (n >= 8) {
+    __m256 a = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= n; j += 8) a = _mm256_max_ps(a, _mm256_loadu_ps(s + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    mx = std::max(mx, _mm_cvtss_f32(h));
+  }
+#endif
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
 // Row r's online-softmax step over its scores s[:visible] (base 2): rescale
 // its running output, turn s into probabilities, zero s[visible:n].
 inline void online_softmax_row(Scratch& w, int64_t r, float* s, int64_t visible, int64_t n,
@@ -243,8 +263,7 @@ inline void online_softmax_row(Scratch& w, int64_t r, float* s, int64_t visible,
     std::fill(s, s + n, 0.0f);
     return;
   }
-  float mx = w.m[r];
-  for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
+  const float mx = row_max(s, visible, w.m[r]);
   const float alpha = std::exp2(w.m[r] - mx);  // 0 when the row was empty
   const float sum = exp2_shift_sum(s, visible, mx);
   std::fill(s + visible, s + n, 0.0f);
@@ -255,6 +274,103 @@ inline void online_softmax_row(Scratch& w, int64_t r, float* s, int64_t visible,
   w.l[r] = w.l[r] * alpha + sum;
   w.m[r] = mx;
 }
+
+#ifdef MEDHA_AVX2
+// Decode-sized tasks (a few rows per token): R <= 3 rows of one token at a
+// time, so each key and value row is loaded once for the R rows and 4R
+// independent accumulators keep the FMA units busy.
+constexpr int kSmallRows = 3;
+
+// s[r * kKeyTile + i] = <q_r, k_i> for R rows and 4 keys.
+template <int R>
+inline void small_scores4(const float* q, const float* const* k, int64_t D, float* s) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  }
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d);
+    const __m256 k2 = _mm256_loadu_ps(k[2] + d), k3 = _mm256_loadu_ps(k[3] + d);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_loadu_ps(q + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(x, k2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(x, k3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                    _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    float* out = s + r * kKeyTile;
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    for (int64_t e = d; e < D; ++e) {
+      for (int i = 0; i < 4; ++i) out[i] += q[r * D + e] * k[i][e];
+    }
+  }
+}
+
+// o[r][:D] += sum_j p[r * kKeyTile + j] * v_j[:D] over n value rows, for R rows.
+template <int R>
+inline void small_pv(float* o, const float* p, const float* const* v, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_loadu_ps(o + r * D + d + 8 * i);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v[j] + d;
+      const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+      const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_broadcast_ss(p + r * kKeyTile + j);
+        acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(w, v2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(w, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + r * D + d + 8 * i, acc[r][i]);
+    }
+  }
+  for (; d + 8 <= D; d += 8) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(o + r * D + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 vj = _mm256_loadu_ps(v[j] + d);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kKeyTile + j), vj, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + r * D + d, acc[r]);
+  }
+  for (; d < D; ++d) {
+    for (int r = 0; r < R; ++r) {
+      float a = o[r * D + d];
+      for (int64_t j = 0; j < n; ++j) a += p[r * kKeyTile + j] * v[j][d];
+      o[r * D + d] = a;
+    }
+  }
+}
+
+// Scores, online softmax and P.V of rows [r0, r0 + rows) of one token over
+// its ``visible`` keys of the tile (w.krow/w.vrow), rows <= kSmallRows.
+template <int R>
+inline void small_rows_tile(Scratch& w, int64_t r0, int64_t visible, int64_t D) {
+  const float* q = w.q.data() + r0 * D;
+  float* s = w.s.data() + r0 * kKeyTile;
+  int64_t j = 0;
+  for (; j + 4 <= visible; j += 4) small_scores4<R>(q, w.krow.data() + j, D, s + j);
+  for (; j < visible; ++j) {
+    for (int r = 0; r < R; ++r) s[r * kKeyTile + j] = dot1(q + r * D, w.krow[j], D);
+  }
+  for (int r = 0; r < R; ++r) online_softmax_row(w, r0 + r, s + r * kKeyTile, visible, visible, D);
+  small_pv<R>(w.o.data() + r0 * D, s, w.vrow.data(), visible, D);
+}
+#endif
 
 #ifdef MEDHA_AVX2
 constexpr int64_t kBlockedRows = 12;  // a task with this many rows takes the blocked path
@@ -336,9 +452,14 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
   const int32_t* blocks = block_table + seq * sh.max_blocks;
   for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, num_keys - j0);
-    for (int64_t j = 0; j < nk; ++j) {
-      const int64_t pos = j0 + j;
-      const int64_t slot = int64_t{blocks[pos / sh.block_size]} * sh.block_size + pos % sh.block_size;
+    // the tile's keys block by block: one division per tile, not two per key
+    int64_t blk = j0 / sh.block_size, in_blk = j0 % sh.block_size;
+    for (int64_t j = 0; j < nk; ++j, ++in_blk) {
+      if (in_blk == sh.block_size) {
+        ++blk;
+        in_blk = 0;
+      }
+      const int64_t slot = int64_t{blocks[blk]} * sh.block_size + in_blk;
       const int64_t off = (slot * Hkv + kvh) * D;
       if constexpr (kFloat) {
         w.krow[j] = k_cache + off;
@@ -360,6 +481,20 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       continue;
     }
 #endif
+#ifdef MEDHA_AVX2
+    for (int64_t tok = 0; tok < t_hi - t_lo; ++tok) {
+      // keys this token's rows see in the tile: all, or up to its own position (causal)
+      const int64_t visible = sh.causal ? std::min(nk, start + t_lo + tok - j0 + 1) : nk;
+      if (visible <= 0) continue;  // and in every later tile too
+      for (int64_t r0 = tok * G; r0 < (tok + 1) * G; r0 += kSmallRows) {
+        switch (std::min<int64_t>(kSmallRows, (tok + 1) * G - r0)) {
+          case 3: small_rows_tile<3>(w, r0, visible, D); break;
+          case 2: small_rows_tile<2>(w, r0, visible, D); break;
+          default: small_rows_tile<1>(w, r0, visible, D); break;
+        }
+      }
+    }
+#else
     for (int64_t r = 0; r < M; ++r) {
       // keys this row sees in the tile: all, or up to its own position (causal)
       const int64_t visible =
@@ -382,6 +517,7 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       w.m[r] = mx;
       accumulate_pv(o, s, w.vrow.data(), visible, D);
     }
+#endif
   }
   for (int64_t r = 0; r < M; ++r) {
     const int64_t idx = (row0 + r / G) * Hq + kvh * G + r % G;
