@@ -288,19 +288,24 @@ class Scheduler:
         entries = []
         pop_new_blocks = self.memory.pop_new_blocks
         for r, n in draft.entries:  # _emit, less the chunks
-            rid, start = r.request_id, r.num_scheduled_tokens
-            samples = start + n == r.num_prompt_tokens + len(r.output_token_ids)
-            pop_new_blocks(rid)
-            chunks.append((rid, n, samples))
-            r.num_scheduled_tokens = start + n
-            if start + n >= r.num_prefill_tokens and r.tpot_slo is not None:
-                self._tpot[rid] = r.tpot_slo
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
+            pop_new_blocks(r.request_id)
+            start, samples = self._advance(r, n, now)
+            chunks.append((r.request_id, n, samples))
             entries.append((r, start, n, samples))
         if entries or lane is not None:
             self._in_flight[batch_id] = _InFlight(entries, lane)
         return batch_id, draft.cost.time, decodes, chunks, len(preempted)
+
+    def _advance(self, r: Request, n: int, now: float) -> tuple[int, bool]:
+        """Count ``n`` more tokens of ``r`` as scheduled at ``now``: ``(the chunk's
+        start, whether it samples)``; a prefill that ends here starts its TPOT SLO."""
+        start = r.num_scheduled_tokens
+        r.num_scheduled_tokens = start + n
+        if start + n >= r.num_prefill_tokens and r.tpot_slo is not None:
+            self._tpot[r.request_id] = r.tpot_slo
+        if r.first_scheduled_time is None:
+            r.first_scheduled_time = now
+        return start, start + n == r.num_prompt_tokens + len(r.output_token_ids)
 
     def _new_draft(self) -> Draft:
         """An empty batch priced by the cost model, with this step's time budget."""
@@ -566,16 +571,11 @@ class Scheduler:
         limit, pop_new_blocks = self.group_limit, self.memory.pop_new_blocks
         groups_of = draft.groups
         for r, n in draft.entries:
-            rid, start = r.request_id, r.num_scheduled_tokens
-            samples = start + n == r.num_prompt_tokens + len(r.output_token_ids)
+            rid = r.request_id
+            start, samples = self._advance(r, n, now)
             groups = groups_of[rid][: start // limit + 1]
             ids = () if r.prompt_token_ids is None else r.token_ids(start, start + n)
             chunks.append(ScheduledChunk(rid, start, n, groups, pop_new_blocks(rid), ids, samples))
-            r.num_scheduled_tokens = start + n
-            if start + n >= r.num_prefill_tokens and r.tpot_slo is not None:
-                self._tpot[rid] = r.tpot_slo
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
             entries.append((r, start, n, samples))
         if entries or lane is not None:
             self._in_flight[batch_id] = _InFlight(entries, lane)

@@ -89,7 +89,7 @@ class Checker:
         s = self.s
         full = s.cost_model.predict(batch_work(s, out))
         assert math.isclose(full, out.predicted_time, rel_tol=1e-9, abs_tol=1e-12)
-        if not s.config.adaptive:
+        if not s.config.adaptive or self._forced(out, n_dec, starts):
             return
         if len(out.chunks) > n_dec:
             assert out.predicted_time <= out.target_time * (1 + EPS), (
@@ -97,6 +97,27 @@ class Checker:
             )
         for i in range(n_dec, len(out.chunks)):
             self._check_optimal(out, i, starts)
+
+    def _forced(self, out: ScheduleOutput, n_dec: int, starts: dict) -> bool:
+        """The budget's liveness exception (``Scheduler._force_progress``): with nothing
+        decoding or in flight and no chunk fitting its target, the batch is one chunk of
+        one grid step (or what is left of its shard or prompt), over the budget."""
+        s = self.s
+        if n_dec or len(out.chunks) != 1 or list(s._in_flight) != [out.batch_id]:
+            return False
+        c = out.chunks[0]
+        r = starts[c.request_id][0]
+        limit = min(
+            r.num_prefill_tokens - c.start,
+            s.config.max_chunk_tokens,
+            s.group_limit - c.start % s.group_limit,
+        )
+        prefix = batch_work(s, out, upto=0)
+        t = s.cost_model.predict(with_chunk(s, prefix, c.kvp_groups, c.start, c.num_tokens))
+        if t <= self._target_for(r, out) * (1 + EPS):
+            return False  # it fits: an ordinary chunk, checked as such
+        assert c.num_tokens == min(s.config.token_grid, limit), "a forced chunk is one grid step"
+        return True
 
     def _target_for(self, r: Request, out: ScheduleOutput) -> float:
         s = self.s
