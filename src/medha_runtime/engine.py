@@ -280,9 +280,8 @@ class LLMEngine:
         context needs more than half of it (slow devices, long contexts), or if
         ``throughput_chunk`` tokens at the start of a prompt need more (offline)."""
         floor = DEFAULT_TARGET_TIME
-        want = self.engine_config.throughput_chunk
-        if want is not None and self.scheduler_config.chunk_size is None:
-            first = min(want, self.max_model_len - 1, self.cache.group_token_limit)
+        first = self._throughput_first()
+        if first is not None:
             groups = [() for _ in range(self.layout.kvp)]
             groups[0] = (RequestWork(first, 0, tail=True),)
             floor = max(floor, 1.1 * cost.predict(BatchWork(tuple(groups))))
@@ -298,11 +297,18 @@ class LLMEngine:
         shard)."""
         grid = min(self.scheduler_config.token_grid, self.max_model_len)
         probes = {(grid, self.max_model_len - grid): 2.0}
-        want = self.engine_config.throughput_chunk
-        if want is not None and self.scheduler_config.chunk_size is None:
-            first = min(want, self.max_model_len - 1, self.cache.group_token_limit)
+        first = self._throughput_first()
+        if first is not None:
             probes[(first, 0)] = max(1.1, probes.get((first, 0), 0.0))
         return probes
+
+    def _throughput_first(self) -> int | None:
+        """The ``throughput_chunk`` first chunk the automatic budget must fit, cut to
+        the longest prompt and one KVP group (None: unset, or a fixed ``chunk_size``)."""
+        want = self.engine_config.throughput_chunk
+        if want is None or self.scheduler_config.chunk_size is not None:
+            return None
+        return min(want, self.max_model_len - 1, self.cache.group_token_limit)
 
     def _follow_budget(self) -> None:
         """Re-derive the automatic budget T from the learning cost model.
