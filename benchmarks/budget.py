@@ -49,6 +49,7 @@ from pathlib import Path
 
 import httpx
 
+from medha_runtime.bench.server_metrics import ErrorHistogram
 from medha_runtime.server.launch import LaunchError, ServerProcess, start_server, stop_server
 from medha_runtime.step_log import StepRecord, read_step_log
 
@@ -291,24 +292,14 @@ def server_reject_stats(url: str) -> dict:
     if not buckets or buckets[-1][1] == 0:
         return {}
     buckets.sort()
-    total = buckets[-1][1]
-
-    def quantile(q: float) -> float:
-        rank, lo, below = q * total, 0.0, 0.0
-        for le, count in buckets:
-            if count >= rank:
-                if math.isinf(le):
-                    return lo
-                return lo + (le - lo) * (rank - below) / max(count - below, 1e-9)
-            lo, below = le, count
-        return lo
-
+    # the same bucket interpolation as the prediction-error histogram's (seconds here)
+    hist = ErrorHistogram(tuple(le for le, _ in buckets), tuple(c for _, c in buckets), 0.0, None)
     within = next(count for le, count in buckets if le >= 0.010)
     return {
-        "server_reject_count": total,
-        "server_reject_p50_ms": quantile(0.5) * 1e3,
-        "server_reject_p99_ms": quantile(0.99) * 1e3,
-        "server_reject_within_10ms": within / total,
+        "server_reject_count": hist.count,
+        "server_reject_p50_ms": hist.quantile(0.5) * 1e3,
+        "server_reject_p99_ms": hist.quantile(0.99) * 1e3,
+        "server_reject_within_10ms": within / hist.count,
     }
 
 
