@@ -419,46 +419,32 @@ class DecodeLanes:
         """
         a, b = self._a, self._b
         nt, kv_sum, const = lane.n_tail[0], lane.kv_sum[0], lane.const[0]
+        if const is None:  # integer totals: adding zeros changes none of them
+            const = [0] * len(a)
         times = []
         spent = 0.0
         vary = [i for i, y in enumerate(b) if y]
-        if len(vary) == 2 and steps:
+        if len(vary) == 2:
             # Only two totals move with the step (KV read and attended pairs
             # for the roofline): one row, those two entries rewritten in place
             # by the same expressions (``nt * x`` is the same product each step).
             i, j = vary
-            ai, bi, aj, bj = nt * a[i], b[i], nt * a[j], b[j]
+            ai, bi, ci, aj, bj, cj = nt * a[i], b[i], const[i], nt * a[j], b[j], const[j]
             kv = kv_sum + nt * lane.issued
-            if const is None:
-                row = [nt * x + kv * y for x, y in zip(a, b)]  # noqa: B905
-                for step in range(lane.issued, lane.issued + steps):
-                    kv = kv_sum + nt * step
-                    row[i] = ai + kv * bi
-                    row[j] = aj + kv * bj
-                    t = group_time(row)
-                    times.append(t)
-                    spent += t
-                    if spent >= budget:
-                        break
-            else:
-                ci, cj = const[i], const[j]
-                row = [nt * x + kv * y + c for x, y, c in zip(a, b, const)]  # noqa: B905
-                for step in range(lane.issued, lane.issued + steps):
-                    kv = kv_sum + nt * step
-                    row[i] = ai + kv * bi + ci
-                    row[j] = aj + kv * bj + cj
-                    t = group_time(row)
-                    times.append(t)
-                    spent += t
-                    if spent >= budget:
-                        break
+            row = [nt * x + kv * y + c for x, y, c in zip(a, b, const)]  # noqa: B905
+            for step in range(lane.issued, lane.issued + steps):
+                kv = kv_sum + nt * step
+                row[i] = ai + kv * bi + ci
+                row[j] = aj + kv * bj + cj
+                t = group_time(row)
+                times.append(t)
+                spent += t
+                if spent >= budget:
+                    break
             return times
         for step in range(lane.issued, lane.issued + steps):
             kv = kv_sum + nt * step
-            if const is None:
-                t = group_time([nt * x + kv * y for x, y in zip(a, b)])  # noqa: B905
-            else:
-                t = group_time([nt * x + kv * y + c for x, y, c in zip(a, b, const)])  # noqa: B905
+            t = group_time([nt * x + kv * y + c for x, y, c in zip(a, b, const)])  # noqa: B905
             times.append(t)
             spent += t
             if spent >= budget:
