@@ -408,22 +408,19 @@ def _wait_flag(
 
     The spin is :data:`_SPINS` rounds, or ``spin_s`` seconds when given.
     """
+    if flag.value >= seq:
+        return True
     if spin_s is None:
         for _ in range(_SPINS):
+            os.sched_yield()
             if flag.value >= seq:
                 return True
-            os.sched_yield()
-    elif flag.value < seq:
-        clock = time.perf_counter
-        end = clock() + spin_s
-        while flag.value < seq:
-            if clock() > end:
-                break
-            os.sched_yield()
-        else:
-            return True
     else:
-        return True
+        end = time.perf_counter() + spin_s
+        while time.perf_counter() <= end:
+            os.sched_yield()
+            if flag.value >= seq:
+                return True
     deadline = time.monotonic() + timeout_s
     where = ctypes.c_void_p(addr)
     slice_ = _Timespec(0, int(_FUTEX_SLICE_S * 1e9))
