@@ -43,24 +43,10 @@ constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
 constexpr int64_t kRowsPerTask = 64;  // query rows (tokens x group heads) per task, about
 constexpr int64_t kSerialWork = int64_t{1} << 16;  // below this many row-keys, one thread
 
-// out[i] = <q, k_i> for 4 key rows of length D.
+// out[i] = <q, k_i> for 4 key rows of length D (portable path; AVX2 builds use small_scores4).
 inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
-  int64_t d = 0;
-#ifdef MEDHA_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (; d + 8 <= D; d += 8) {
-    const __m256 x = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
-    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
-    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
-    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
-  }
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-#else
   for (int i = 0; i < 4; ++i) out[i] = 0.0f;
-#endif
-  for (; d < D; ++d) {
+  for (int64_t d = 0; d < D; ++d) {
     for (int i = 0; i < 4; ++i) out[i] += q[d] * k[i][d];
   }
 }
@@ -115,35 +101,9 @@ inline float exp2_shift_sum(float* s, int64_t n, float m) {
   return total;
 }
 
-// o[:D] += sum_j p[j] * v_j[:D] over n value rows.
+// o[:D] += sum_j p[j] * v_j[:D] over n value rows (portable path; AVX2 builds use small_pv).
 inline void accumulate_pv(float* o, const float* p, const float* const* v, int64_t n, int64_t D) {
-  int64_t d = 0;
-#ifdef MEDHA_AVX2
-  for (; d + 32 <= D; d += 32) {
-    __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
-    __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 w = _mm256_set1_ps(p[j]);
-      const float* vj = v[j] + d;
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 24), a3);
-    }
-    _mm256_storeu_ps(o + d, a0);
-    _mm256_storeu_ps(o + d + 8, a1);
-    _mm256_storeu_ps(o + d + 16, a2);
-    _mm256_storeu_ps(o + d + 24, a3);
-  }
-  for (; d + 8 <= D; d += 8) {
-    __m256 a = _mm256_loadu_ps(o + d);
-    for (int64_t j = 0; j < n; ++j) {
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), a);
-    }
-    _mm256_storeu_ps(o + d, a);
-  }
-#endif
-  for (; d < D; ++d) {
+  for (int64_t d = 0; d < D; ++d) {
     float a = o[d];
     for (int64_t j = 0; j < n; ++j) a += p[j] * v[j][d];
     o[d] = a;
@@ -480,8 +440,6 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       blocked_tile(w, sh, start + t_lo - j0, nk, M);
       continue;
     }
-#endif
-#ifdef MEDHA_AVX2
     for (int64_t tok = 0; tok < t_hi - t_lo; ++tok) {
       // keys this token's rows see in the tile: all, or up to its own position (causal)
       const int64_t visible = sh.causal ? std::min(nk, start + t_lo + tok - j0 + 1) : nk;
@@ -505,17 +463,8 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       int64_t j = 0;
       for (; j + 4 <= visible; j += 4) dot4(qr, w.krow.data() + j, D, s + j);
       for (; j < visible; ++j) s[j] = dot1(qr, w.krow[j], D);
-      float mx = w.m[r];
-      for (j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
-      const float alpha = std::exp2(w.m[r] - mx);  // 0 when the row was empty
-      const float sum = exp2_shift_sum(s, visible, mx);
-      float* o = w.o.data() + r * D;
-      if (alpha != 1.0f) {
-        for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
-      }
-      w.l[r] = w.l[r] * alpha + sum;
-      w.m[r] = mx;
-      accumulate_pv(o, s, w.vrow.data(), visible, D);
+      online_softmax_row(w, r, s, visible, visible, D);
+      accumulate_pv(w.o.data() + r * D, s, w.vrow.data(), visible, D);
     }
 #endif
   }
