@@ -267,6 +267,44 @@ def test_save_load_roundtrip_and_spec(tmp_path):
     assert fresh.coefficients == pytest.approx(OnlineCostModel.load(path).coefficients)
 
 
+def test_a_saved_model_resumes_its_open_drift_streaks(tmp_path):
+    """Saved in the middle of a slowdown (drift streaks open, overall and per
+    class), a loaded model judges the next steps exactly as the saved one."""
+    rng = random.Random(12)
+    model = _start()
+    _feed(model, rng, 300, noise=0.02)
+    slow = tuple(2.5 * c for c in TRUE)
+    before = model.drifts
+    _feed(model, rng, model.drift_steps - 1, coef=slow, noise=0.0)
+    assert model.drifts == before  # the streak is open, not yet acted on
+    assert model.state()["drift"]["streak"] == model.drift_steps - 1
+    path = tmp_path / "online.json"
+    model.save(path)
+    loaded = OnlineCostModel.load(path)
+    assert loaded.median_error == model.median_error
+    for _ in range(40):
+        b = _batch(rng)
+        y = _truth(b, slow)
+        assert loaded.observe(b, y) == pytest.approx(model.observe(b, y))
+    assert loaded.drifts == model.drifts > before
+    assert loaded.coefficients == pytest.approx(model.coefficients)
+
+
+def test_bad_drift_state_is_clear(tmp_path):
+    state = _start().state()
+    state["drift"] = {"streak": 3, "streak_log_ratios": [0.5]}
+    with pytest.raises(ValueError, match="bad drift state: streak 3 does not match"):
+        OnlineCostModel.from_state(state)
+    state["drift"] = {"classes": [[1, 2]]}
+    with pytest.raises(ValueError, match="bad drift state: a classes entry"):
+        OnlineCostModel.from_state(state)
+    state["drift"] = {"errors": [float("nan")]}
+    with pytest.raises(ValueError, match="bad drift state: a non-finite"):
+        OnlineCostModel.from_state(state)
+    del state["drift"]  # a state saved before drift was kept still loads
+    assert OnlineCostModel.from_state(state).coefficients == _start().coefficients
+
+
 def test_bad_specs_and_states_are_clear(tmp_path):
     with pytest.raises(ValueError, match="needs a saved state"):
         parse_cost_model_spec("online")

@@ -430,6 +430,7 @@ class OnlineCostModel(AggregateCostModel):
             },
             "covariance": [list(row) for row in self._p],
             "robust_scale": self._scale,
+            "drift": self._drift_state(),
             "steps": self.steps,
             "drifts": self.drifts,
             "median_error": self.median_error,
@@ -464,11 +465,67 @@ class OnlineCostModel(AggregateCostModel):
             if not math.isfinite(scale) or scale <= 0:
                 raise ValueError(f"robust_scale must be > 0, got {scale!r}")
             model._scale = scale
+            if state.get("drift") is not None:
+                try:
+                    model._load_drift(state["drift"])
+                except (ValueError, TypeError) as exc:
+                    raise ValueError(f"bad drift state: {exc}") from None
             model.steps = int(state.get("steps", 0))
             model.drifts = int(state.get("drifts", 0))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"online cost model state: missing or bad field {exc}") from None
         return model
+
+    def _drift_state(self) -> dict:
+        """The robust fit's short memory: the open streaks (overall and per
+        class of step), each class's recent level, and the last errors. A
+        model resumed from it judges its next steps as the saved one would."""
+        return {
+            "streak": self._streak,
+            "streak_log_ratios": list(self._streak_residuals),
+            "classes": [
+                [kind, count, list(logs), self._class_centers.get(kind)]
+                for kind, (count, logs) in sorted(self._class_streaks.items())
+            ]
+            + [
+                [kind, 0, [], center]
+                for kind, center in sorted(self._class_centers.items())
+                if kind not in self._class_streaks
+            ],
+            "errors": list(self.errors),
+        }
+
+    def _load_drift(self, drift: Mapping) -> None:
+        """Restore :meth:`_drift_state`; a bad entry is a ``ValueError`` naming it."""
+        if not isinstance(drift, Mapping):
+            raise ValueError(f"want an object, got {drift!r}")
+        streak = drift.get("streak", 0)
+        logs = [float(v) for v in drift.get("streak_log_ratios", [])]
+        if not isinstance(streak, int) or abs(streak) != len(logs):
+            raise ValueError(f"streak {streak!r} does not match its {len(logs)} log ratios")
+        streaks: dict[int, tuple[int, tuple[float, ...]]] = {}
+        centers: dict[int, float] = {}
+        for entry in drift.get("classes", []):
+            if not isinstance(entry, list | tuple) or len(entry) != 4:
+                raise ValueError(
+                    f"a classes entry must be [kind, count, logs, center], got {entry!r}"
+                )
+            kind, count, class_logs, center = entry
+            if not isinstance(kind, int) or not isinstance(count, int):
+                raise ValueError(f"classes entry {entry!r}: kind and count must be integers")
+            streaks[kind] = (count, tuple(float(v) for v in class_logs)[-self.drift_steps :])
+            if center is not None:
+                centers[kind] = float(center)
+        errors = [float(v) for v in drift.get("errors", [])]
+        values = [*logs, *centers.values(), *errors]
+        for logs_ in streaks.values():
+            values.extend(logs_[1])
+        if not all(math.isfinite(v) for v in values) or any(e < 0 for e in errors):
+            raise ValueError("a non-finite log ratio or a negative error")
+        self._streak, self._streak_residuals = streak, logs
+        self._class_streaks, self._class_centers = streaks, centers
+        self.errors.clear()
+        self.errors.extend(errors[-_ERROR_WINDOW:])
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state` as JSON (atomically: a temporary file, then a rename)."""
