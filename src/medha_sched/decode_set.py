@@ -41,7 +41,7 @@ from typing import NamedTuple
 from medha_sched.batch_cost import Work, chunk_works
 from medha_sched.cost.base import AggregateCostModel, CostModel
 from medha_sched.kv_memory import KVBlockManager
-from medha_sched.output import BlockGrant, DecodeBatch, ScheduledChunk
+from medha_sched.output import PENDING_TOKEN, BlockGrant, DecodeBatch, ScheduledChunk
 from medha_sched.request import Request
 
 
@@ -200,6 +200,15 @@ class DecodeLanes:
             self._retired_parents += lane.parents
             self._retired_left += lane.left
             lane.parents, lane.left = [], []
+
+    def retire(self, lane: Lane) -> None:
+        """Take an empty lane out of the ready ones (if there); its history goes to
+        the next batch."""
+        if lane in self.ready:
+            self.ready.remove(lane)
+        self._retired_parents += lane.parents
+        self._retired_left += lane.left
+        lane.parents, lane.left = [], []
 
     def regroup(self, request: Request) -> None:
         """The request's KVP groups changed (a new shard): file it again."""
@@ -607,9 +616,10 @@ def _chunk(
     r = member.request
     start = member.base + steps
     groups = member.groups[: start // limit + 1]
-    return ScheduledChunk(
-        r.request_id, start, 1, groups, blocks, r.token_ids(start, start + 1), True
-    )
+    ids = r.token_ids(start, start + 1)
+    if not ids and r.prompt_token_ids is not None:
+        ids = (PENDING_TOKEN,)  # issued ahead: the batch in flight samples it
+    return ScheduledChunk(r.request_id, start, 1, groups, blocks, ids, True)
 
 
 def _spell(
