@@ -377,6 +377,7 @@ def resolve_engine(
             attention_backend=c.attention_backend,
             timeout_s=c.timeout_s,
             num_threads=c.num_threads,
+            pending_tokens=c.async_scheduling,
         ),
         num_threads=c.num_threads,
     )

@@ -80,6 +80,9 @@ class RunnerSpec:
             see :meth:`medha_parallel.KVPCommunicator.merge`).
         timeout_s: bound on every collective (worker processes).
         num_threads: torch CPU threads per worker process (None: cores / ranks).
+        pending_tokens: keep each request's last sampled token, for decodes
+            issued ahead (token id ``PENDING_TOKEN``; async scheduling, world
+            size 1 only).
     """
 
     model: str
@@ -95,6 +98,7 @@ class RunnerSpec:
     kvp_merge: str = "auto"
     timeout_s: float = 60.0
     num_threads: int | None = None
+    pending_tokens: bool = False
 
     @property
     def world_size(self) -> int:
@@ -396,9 +400,15 @@ class ModelRunner:
         is_sampler = stage == spec.spp - 1 and tp == 0 and group == 0
         self.sampler: Sampler | None = Sampler() if is_sampler else None
         self.tables = BlockTables()
-        #: world size 1: each request's last sampled token, for a decode issued
-        #: ahead (its token id is ``PENDING_TOKEN``: the previous batch samples it)
-        self._last_token: dict[str, int] | None = {} if spec.world_size == 1 else None
+        #: each request's last sampled token, for a decode issued ahead (its
+        #: token id is ``PENDING_TOKEN``: the previous batch samples it)
+        self._last_token: dict[str, int] | None = None
+        if spec.pending_tokens:
+            if spec.world_size != 1:
+                raise ValueError(
+                    f"pending_tokens (async scheduling) needs world size 1, got {spec.world_size}"
+                )
+            self._last_token = {}
 
     @property
     def is_sampler(self) -> bool:

@@ -265,3 +265,15 @@ def test_serve_flag_and_scheduler_config() -> None:
 
     assert scheduler_config(config).async_decodes is True
     assert scheduler_config(EngineConfig()).async_decodes is False
+
+
+def test_only_the_async_runner_keeps_last_tokens() -> None:
+    for async_ in (False, True):
+        engine = make_engine(async_, kv_cache_tokens=4096)
+        try:
+            assert engine.resolved.spec.pending_tokens is async_
+            run(engine, [(prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=4))])
+            kept = engine.executor.runner._last_token  # type: ignore[attr-defined]
+            assert (kept is not None) is async_
+        finally:
+            engine.shutdown()
