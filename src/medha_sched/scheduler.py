@@ -369,12 +369,27 @@ class Scheduler:
         batch in flight ends and every ready lane has none. A member crossing
         a block boundary takes its block in bulk or the lane waits (no
         preemption: every member is in flight, none can be a victim).
+
+        Members that reach ``max_output_tokens`` when the batch in flight ends
+        are not issued ahead: they leave the lane first, their decode in that
+        batch becoming one of its prefill-style entries (it ends them there).
         """
         lanes = self._lanes
         ready = lanes.ready
         if len(ready) != 1 or not self._may_issue_ahead(ready[0]):
             return None, [], []
         lane = ready[0]
+        finishers = lane.finish_at.get(lane.computed + 1)
+        if finishers:
+            flying = self._in_flight.get(lane.parents[-1]) if lane.parents else None
+            if flying is None or flying.lane is not lane:
+                return None, [], []  # not the lane's newest batch: wait for it to end
+            for m in list(finishers):
+                r = m.request
+                lanes.leave(r)  # its cursors become plain fields, the decode still in flight
+                flying.entries.append((r, r.num_scheduled_tokens - 1, 1, True))
+            if not lane.members:
+                return None, [], []  # every member finishes (the lane was retired)
         grants: list[BlockGrant] = []
         crossers = lane.cross_at.get(lane.issued)
         if crossers is not None:
@@ -392,15 +407,12 @@ class Scheduler:
 
     def _may_issue_ahead(self, lane: Lane) -> bool:
         """Whether ``lane``'s next decodes may be issued while its newest batch is in
-        flight: exactly one is, it cleared stage 0, the lane fits one batch and no
-        member reaches ``max_output_tokens`` when that batch ends."""
-        computed = lane.computed
+        flight: exactly one is, it cleared stage 0 and the lane fits one batch."""
         return (
             bool(lane.members)
-            and lane.issued == computed + 1
+            and lane.issued == lane.computed + 1
             and lane.cleared == lane.issued
             and len(lane.members) <= self.config.max_batch_requests
-            and not lane.finish_at.get(computed + 1)
         )
 
     def _settle_ahead(self, lane: Lane) -> bool:
