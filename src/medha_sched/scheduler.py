@@ -149,6 +149,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._lanes = DecodeLanes(cost_model, self.memory)
         self._async = config.async_decodes
+        # async_decodes: per lane, the members that joined it while a batch of it
+        # was in flight (they get no token when that batch ends)
+        self._fresh: dict[Lane, dict[str, Member]] = {}
         self._seq = 0  # admissions so far: a running request's place in the running order
         self._seq_of: dict[str, int] = {}
         # per-token latency targets of running requests past their prefill
@@ -380,6 +383,9 @@ class Scheduler:
             return None, [], []
         lane = ready[0]
         finishers = lane.finish_at.get(lane.computed + 1)
+        fresh = self._fresh.get(lane) if finishers and self._fresh else None
+        if fresh:  # filed as if the batch in flight held them: they finish a step later
+            finishers = [m for m in finishers if fresh.get(m.request.request_id) is not m]
         if finishers:
             flying = self._in_flight.get(lane.parents[-1]) if lane.parents else None
             if flying is None or flying.lane is not lane:
@@ -1097,15 +1103,34 @@ class Scheduler:
                 finished.append(r.request_id)
             elif samples and r.status is RequestStatus.RUNNING:
                 if lane is None:
-                    lane = self._lanes.new_lane()
-                self._lanes.join(lane, self._seq_of[r.request_id], r)
+                    lane = self._lane_to_join() if self._async else self._lanes.new_lane()
+                rid = r.request_id
+                self._lanes.join(lane, self._seq_of[rid], r)
+                if self._async and lane.issued != lane.computed:
+                    self._fresh.setdefault(lane, {})[rid] = lane.index[rid]
         return tuple(finished)
+
+    def _lane_to_join(self) -> Lane:
+        """``async_decodes``: the lane a request whose prefill just ended joins: the only
+        ready lane if it has no batch in flight, or one that cleared stage 0 (then the
+        request joins fresh: :meth:`DecodeLanes.returned_fresh`); else a new lane."""
+        ready = self._lanes.ready
+        if len(ready) == 1:
+            lane = ready[0]
+            lag = lane.issued - lane.computed
+            if lag == 0 or (lag == 1 and lane.cleared == lane.issued):
+                return lane
+        return self._lanes.new_lane()
 
     def _end_decodes(self, lane: Lane, result: BatchResult, finished: list[str]) -> None:
         """A lane's batch ended: tokens in, finished decodes out (in running order)."""
         lanes, aborting = self._lanes, self._abort_pending
         aborted = {rid for rid in aborting if lanes.where.get(rid) is lane}
-        reached = lanes.returned(lane, result.sampled_token_ids, aborted)
+        fresh = self._fresh.pop(lane, None) if self._fresh else None
+        if fresh:
+            reached = lanes.returned_fresh(lane, result.sampled_token_ids, aborted, fresh)
+        else:
+            reached = lanes.returned(lane, result.sampled_token_ids, aborted)
         if not (aborted or reached or result.stopped):
             return
         ends: list[tuple[Member, RequestStatus]] = []
@@ -1128,8 +1153,9 @@ class Scheduler:
         if tokens is ZERO_TOKENS:
             return  # it holds every request's token
         if batch.lane is not None:
+            fresh = self._fresh.get(batch.lane, ()) if self._fresh else ()
             for m in batch.lane.members:
-                if m.request.request_id not in tokens:
+                if m.request.request_id not in tokens and m.request.request_id not in fresh:
                     raise SchedulerError(
                         f"batch result has no sampled token for request {m.request.request_id!r}"
                     )

@@ -44,6 +44,8 @@ class Run:
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # rid -> rows dropped
     ahead: int = 0  # decode chunks issued with PENDING_TOKEN
     max_in_flight: int = 0
+    calls: list[ScheduleOutput] = dataclasses.field(default_factory=list)  # empty ones too
+    first_decode_due: dict[str, int] = dataclasses.field(default_factory=dict)  # rid -> call
 
 
 def drive(
@@ -103,6 +105,8 @@ def drive(
                 continue
             pos = c.start + c.num_tokens
             tokens[rid] = token_at(rid, pos)
+            if pos == len(prompts[rid]):  # its prefill ends here: a decode may follow
+                run.first_decode_due.setdefault(rid, len(run.calls))
             accepted[rid] = accepted.get(rid, 0) + 1
             if stop_after.get(rid) == pos - len(prompts[rid]) + 1:
                 stopped.add(rid)
@@ -127,6 +131,7 @@ def drive(
         formed = False
         if len(in_flight) < 2:
             out = sched.schedule(now)
+            run.calls.append(out)
             if not out.is_empty:
                 for c in out.chunks:
                     check_chunk(out, c)
@@ -260,3 +265,29 @@ def test_mode_off_issues_nothing_ahead() -> None:
 def test_async_decodes_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="async_decodes must be True or False, got 'yes'"):
         SchedulerConfig(async_decodes="yes")  # type: ignore[arg-type]
+
+
+def test_a_request_whose_prefill_ends_joins_the_decodes_in_flight() -> None:
+    """A prefill ending while the running decodes have a batch in flight: its first
+    decode is in the very next batch (it joins their lane), and theirs go on."""
+    sched = plain_scheduler(async_decodes=True)
+    reqs = [
+        Request.from_tokens("a", 0.0, prompt_of("a", 5), max_output_tokens=40),
+        Request.from_tokens("b", 0.01, prompt_of("b", 9), max_output_tokens=6),
+        Request.from_tokens("c", 0.02, prompt_of("c", 3), max_output_tokens=1),
+    ]
+    run = drive(sched, reqs, stop_after={}, abort_at={})
+    assert {rid: len(r.output_token_ids) for rid, r in run.finished.items()} == {
+        "a": 40,
+        "b": 6,
+        "c": 1,
+    }
+    due = run.first_decode_due["b"]
+    assert "b" in {c.request_id for c in run.calls[due].chunks}
+    # a's decodes: one in every call from its first decode's to its last one's
+    with_a = [
+        i
+        for i, out in enumerate(run.calls)
+        if any(c.request_id == "a" and c.samples and c.start >= 5 for c in out.chunks)
+    ]
+    assert len(with_a) == 39 and with_a == list(range(with_a[0], with_a[0] + 39))
