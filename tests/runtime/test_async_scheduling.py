@@ -277,3 +277,55 @@ def test_only_the_async_runner_keeps_last_tokens() -> None:
             assert (kept is not None) is async_
         finally:
             engine.shutdown()
+
+
+def test_staggered_arrivals_give_the_sync_outputs() -> None:
+    """Requests arrive while others decode: prefills end with the decodes' batch in
+    flight (they join the running lane at once) and requests reach max_tokens at
+    different steps (they leave it before the others go ahead)."""
+    rng = random.Random(7)
+    specs = []
+    for i, ids in enumerate(prompts(14, seed=4)):
+        n = rng.randrange(3, 30)
+        if i % 3 == 0:
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=n, frequency_penalty=0.2)
+        elif i % 3 == 1:
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=2)
+        specs.append((ids, params))
+    results = {}
+    for async_ in (False, True):
+        engine = make_engine(async_, kv_cache_tokens=4096)
+        submit, overlapped = engine.executor.submit, []
+
+        def counting(plan, submit=submit, engine=engine, overlapped=overlapped):  # type: ignore[no-untyped-def]
+            overlapped.append(engine.executor.in_flight > 0)
+            return submit(plan)
+
+        engine.executor.submit = counting  # type: ignore[method-assign]
+        done = {}
+        try:
+            pending = list(enumerate(specs))
+            while pending or engine.has_unfinished_requests():
+                for _ in range(2):
+                    if pending:
+                        i, (ids, params) = pending.pop(0)
+                        engine.add_request(ids, params, request_id=f"q{i}")
+                for out in engine.step():
+                    c = out.outputs[0]
+                    done[out.request_id] = (
+                        c.token_ids,
+                        c.text,
+                        c.finish_reason,
+                        c.stop_reason,
+                        c.logprobs,
+                    )
+        finally:
+            engine.shutdown()
+        results[async_] = done
+        assert any(overlapped) is async_
+        if async_:
+            assert sum(overlapped) > len(overlapped) // 2
+    assert_same(results[False], results[True])
+    assert len(results[True]) == len(specs)
