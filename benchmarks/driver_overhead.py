@@ -19,8 +19,20 @@ rest of the driver's work, detokenizing, runs while the rank computes). Its
 CPU time (the driver thread's clock) against the rank's is the figure a busy
 machine distorts least.
 
+``--modes sync async`` (in-process only) runs the engine without and with
+async scheduling (``LLMEngine(async_scheduling=True)``: batch N+1 is formed
+and shipped while the rank runs batch N), alternating ``--repeats`` times in
+one process. Then the rank's busy time is also measured as intervals, so
+"no rank computing" is the share of each step's wall interval that no
+``execute`` covers (``idle`` below; with the engine waiting on the rank it
+is the same figure as before, with async scheduling the rank's work of one
+step may start in the previous one). With async scheduling the driver's
+window from a batch's end to the next submit overlaps the rank's next batch:
+it is no longer serial.
+
     python benchmarks/driver_overhead.py
     python benchmarks/driver_overhead.py --layout tp2
+    python benchmarks/driver_overhead.py --modes sync async --repeats 3
 """
 
 from __future__ import annotations
@@ -45,8 +57,30 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--layout", choices=("1", "tp2"), default="1")
+    ap.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync"])
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
+    if "async" in args.modes and args.layout != "1":
+        ap.error("--modes async needs --layout 1 (async scheduling is in-process only)")
     torch.set_num_threads(1)
+    results: dict[str, list[tuple[float, float]]] = {m: [] for m in args.modes}
+    for _ in range(args.repeats):
+        for mode in args.modes:
+            results[mode].append(measure(args, mode == "async"))
+    if len(args.modes) > 1 or args.repeats > 1:
+        med = statistics.median
+        print(f"summary, {args.repeats} run(s) each, load average {os.getloadavg()[0]:.1f}:")
+        for mode, runs in results.items():
+            idle = ", ".join(f"{100 * i:.1f}%" for i, _ in runs)
+            mid = 100 * med(i for i, _ in runs)
+            print(
+                f"  {mode:5s}: no rank computing {idle} (median {mid:.1f}%)"
+                f", step wall median {1e3 * med(w for _, w in runs):.2f} ms"
+            )
+
+
+def measure(args: argparse.Namespace, async_: bool) -> tuple[float, float]:
+    """One engine, one timed run; returns (median idle share, median step wall seconds)."""
     tp = 2 if args.layout == "tp2" else 1
     engine = LLMEngine(
         "tiny",
@@ -57,10 +91,12 @@ def main() -> None:
         policy="fcfs",
         max_batch_requests=args.requests,
         cost_model=AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9),
+        async_scheduling=async_,
     )
     compute: list[float] = []  # the rank's wall seconds per step
     compute_cpu: list[float] = []  # the rank's CPU seconds per step
     gaps: list[tuple[float, float]] = []  # driver alone: a batch's end to the next submit
+    busy: list[tuple[float, float]] = []  # the rank's execute intervals (in-process)
     ex = engine.executor
     if tp == 1:
         runner = ex.runner  # type: ignore[attr-defined]
@@ -71,8 +107,10 @@ def main() -> None:
             try:
                 return execute(plan)
             finally:
-                compute.append(time.perf_counter() - t)
+                end = time.perf_counter()
+                compute.append(end - t)
                 compute_cpu.append(time.thread_time() - c)
+                busy.append((t, end))
 
         runner.execute = timed
     else:
@@ -98,9 +136,13 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
         for _ in range(args.requests):
             engine.add_request([rng.randrange(0, 256) for _ in range(args.prompt)], params)
-        while engine.stats.decode_tokens < args.requests:  # prefill, first decodes
+        full = 0  # prefill, then decode steps until three in a row run every request
+        while full < 3:
+            before = engine.stats.decode_tokens
             engine.step()
+            full = full + 1 if engine.stats.decode_tokens - before == args.requests else 0
         walls = []
+        spans = []
         gaps.clear()
         last = time.perf_counter()
         for _ in range(args.steps):
@@ -109,6 +151,7 @@ def main() -> None:
             now = time.perf_counter()
             assert engine.stats.decode_tokens - before == args.requests, "not a full decode step"
             walls.append(now - last)
+            spans.append((last, now))
             last = now
         if tp == 1:
             rank_wall, rank_cpu = compute[-args.steps :], compute_cpu[-args.steps :]
@@ -116,14 +159,18 @@ def main() -> None:
             sampler = ex.sampler_rank  # type: ignore[attr-defined]
             mine = [t for t in ex.timings if t[1] == sampler][-args.steps :]  # type: ignore[attr-defined]
             rank_wall, rank_cpu = [t[2] for t in mine], [t[3] for t in mine]
-        idle = [max(0.0, w - r) / w for w, r in zip(walls, rank_wall, strict=True)]
+        if tp == 1:  # the share of each step's interval that no execute covers
+            idle = [1.0 - covered(busy, a, b) / (b - a) for a, b in spans]
+        else:
+            idle = [max(0.0, w - r) / w for w, r in zip(walls, rank_wall, strict=True)]
         gap_wall = [g[0] for g in gaps[-args.steps :]]
         gap_cpu = [g[1] for g in gaps[-args.steps :]]
         cpu_share = [g / (g + r) for g, r in zip(gap_cpu, rank_cpu, strict=False)]
         load = os.getloadavg()[0]
+        mode = "async scheduling" if async_ else "sync"
         print(
-            f"layout {args.layout}: {args.requests} running decodes on tiny, {args.steps} steps, "
-            f"load average {load:.1f}"
+            f"layout {args.layout} ({mode}): {args.requests} running decodes on tiny, "
+            f"{args.steps} steps, load average {load:.1f}"
         )
         med = statistics.median
         print(
@@ -131,12 +178,20 @@ def main() -> None:
             f"ms of it ({1e3 * med(rank_cpu):.2f} ms CPU)"
         )
         print(f"no rank computing (wall): median {100 * med(idle):.1f}% of the step")
-        print(
-            f"driver alone, a batch's end to the next submit: {1e3 * med(gap_wall):.2f} ms wall, "
-            f"{1e3 * med(gap_cpu):.2f} ms CPU = {100 * med(cpu_share):.1f}% of the step's CPU time"
-        )
+        if gaps:
+            print(
+                f"driver, a batch's end to the next submit: {1e3 * med(gap_wall):.2f} ms wall, "
+                f"{1e3 * med(gap_cpu):.2f} ms CPU = {100 * med(cpu_share):.1f}% of the step's "
+                "CPU time" + (" (overlaps the rank's next batch)" if async_ else "")
+            )
+        return med(idle), med(walls)
     finally:
         engine.shutdown()
+
+
+def covered(intervals: list[tuple[float, float]], a: float, b: float) -> float:
+    """Seconds of ``[a, b]`` inside any of ``intervals`` (disjoint: one model thread)."""
+    return sum(max(0.0, min(e, b) - max(s, a)) for s, e in intervals)
 
 
 if __name__ == "__main__":

@@ -218,6 +218,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="reuse the KV of prompt prefixes computed before (default: on)",
     )
     s.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="form and ship the next batch while the model runs the current one "
+        "(world size 1 only: tp = spp = kvp = 1)",
+    )
+    s.add_argument(
         "--step-log",
         default=None,
         metavar="PATH",
@@ -337,6 +343,7 @@ def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -
         enable_prefix_caching=args.enable_prefix_caching,
         step_log=args.step_log,
         distributed=distributed,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -98,6 +98,11 @@ class EngineConfig:
             file (see :mod:`medha_runtime.step_log`).
         distributed: a :class:`~medha_runtime.dist_config.DistConfig` for a
             multi-node or torchrun run (this process becomes rank 0, the driver).
+        async_scheduling: form and ship batch N+1 while the model runs batch N
+            (a running request's next decode is issued before its previous
+            token is back; the model takes that token itself). Outputs are the
+            same; the driver's serial work between batches is hidden. World
+            size 1 only (tp = spp = kvp = 1).
     """
 
     model: str = "tiny"
@@ -125,6 +130,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     step_log: str | None = None
     distributed: DistConfig | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -184,6 +190,16 @@ class EngineConfig:
                 object.__setattr__(self, name, os.fspath(value))
             elif value is not None and not isinstance(value, str):
                 raise ValueError(f"{name} must be a path, got {value!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be True or False, got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling and (self.world_size != 1 or self.distributed is not None):
+            raise ValueError(
+                f"async_scheduling=True needs world size 1 (tp = spp = kvp = 1, in process), "
+                f"got tp={self.tp}, spp={self.spp}, kvp={self.kvp}"
+                + ("" if self.distributed is None else " and a distributed world")
+            )
         if self.distributed is not None:
             if not isinstance(self.distributed, DistConfig):
                 raise ValueError(f"distributed must be a DistConfig, got {self.distributed!r}")
@@ -361,6 +377,7 @@ def resolve_engine(
             attention_backend=c.attention_backend,
             timeout_s=c.timeout_s,
             num_threads=c.num_threads,
+            pending_tokens=c.async_scheduling,
         ),
         num_threads=c.num_threads,
     )
@@ -378,6 +395,8 @@ def scheduler_config(config: EngineConfig) -> SchedulerConfig:
         kw["max_chunk_tokens"] = max(SchedulerConfig().max_chunk_tokens, config.token_grid)
     if config.max_batch_requests is not None:
         kw["max_batch_requests"] = config.max_batch_requests
+    if config.async_scheduling:
+        kw["async_decodes"] = True
     return SchedulerConfig(**kw)
 
 

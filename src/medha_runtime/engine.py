@@ -64,6 +64,7 @@ from medha_runtime.sampling import (
 from medha_runtime.step_log import StepLog
 from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
+    PENDING_TOKEN,
     BatchResult,
     BatchWork,
     CostModel,
@@ -261,6 +262,12 @@ class LLMEngine:
         self._depth: int | None = None  # pipeline_depth (None: spp)
         self._text_backlog: list[tuple[_RequestState, int]] = []  # tokens not yet detokenized
         self._specs: dict[str, SampleSpec] = {}  # sampling specs that no longer change
+        #: async scheduling (EngineConfig.async_scheduling): batch N+1 is formed and
+        #: shipped right after batch N, before N's tokens are back
+        self._async = config.async_scheduling
+        #: async: request id -> the newest batch id in flight when it finished;
+        #: its rows in batches up to that one (decodes issued ahead) are dropped
+        self._dropped: dict[str, int] = {}
 
     # ------------------------------------------------------------------ setup
     def _resolve_cost_model(self, cost_model: CostModel | str) -> CostModel:
@@ -541,14 +548,19 @@ class LLMEngine:
                 raise
             if isinstance(event, StepDone):
                 return self._end_batch(event)
-            self._inflight[event.step_id].cleared = time.perf_counter()
-            self.scheduler.on_stage_end(event.step_id)
+            batch = self._inflight[event.step_id]
+            if batch.cleared is None:  # async scheduling cleared it at submit
+                batch.cleared = time.perf_counter()
+                self.scheduler.on_stage_end(event.step_id)
 
     @property
     def pipeline_depth(self) -> int:
-        """Batches in flight at most: the layout's ``spp`` (1 turns stream pipelining off)."""
+        """Batches in flight at most: the layout's ``spp`` (1 turns stream pipelining off);
+        2 with async scheduling (the batch the model runs and the next one)."""
         depth = self._depth
-        return self.layout.spp if depth is None else depth
+        if depth is None:
+            return 2 if self._async else self.layout.spp
+        return depth
 
     @pipeline_depth.setter
     def pipeline_depth(self, depth: int) -> None:
@@ -590,8 +602,13 @@ class LLMEngine:
         except WorkerError as exc:
             self.dead = str(exc)
             raise
-        self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
+        batch = self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
+        if self._async:
+            # The model runs batches in order and all of it is stage 0: once
+            # shipped, the next batch may be formed (its decodes go one ahead).
+            batch.cleared = t1
+            self.scheduler.on_stage_end(out.batch_id)
         return True
 
     def _plan(self, out: Any) -> StepPlan:
@@ -610,7 +627,9 @@ class LLMEngine:
                     raise RuntimeError(f"scheduler decode of {rid!r} carries no token id")
                 if len(c.kvp_groups) > 1:
                     sharded += 1
-                sample = specs.get(rid) or sample_spec(requests[rid])
+                sample = specs.get(rid) or sample_spec(
+                    requests[rid], ahead=int(c.token_ids[0] == PENDING_TOKEN)
+                )
                 append(PlannedChunk(rid, c.start, c.token_ids, c.kvp_groups, c.new_blocks, sample))
             decodes = len(chunks)
         for c in out.prefill_chunks:
@@ -650,20 +669,34 @@ class LLMEngine:
         batch = self._inflight.pop(event.step_id)
         out = batch.out
         sampled = self._take_prompt_logprobs(event.result)
-        self.cost_feedback.record(out, t2 - batch.submitted, event.stage_s)
+        seconds = t2 - batch.submitted
+        if self._async and event.stage_s:
+            # the batch's own execution: it waited behind the previous one after submit
+            seconds = event.stage_s[0]
+        self.cost_feedback.record(out, seconds, event.stage_s)
         self._follow_budget()
         rows = [c for c in out.chunks if c.samples]
         if len(sampled) != len(rows):
             raise RuntimeError(f"step {out.batch_id}: {len(sampled)} samples for {len(rows)} rows")
         tokens: dict[str, int] = {}
         stopped: set[str] = set()
+        dropped = self._dropped
         for c, s in zip(rows, sampled, strict=True):
-            tokens[c.request_id] = s.token_id
-            if self._append(self._requests[c.request_id], s):
-                stopped.add(c.request_id)
+            rid = c.request_id
+            if dropped and dropped.get(rid, -1) >= out.batch_id:
+                continue  # finished when an earlier batch ended: a decode issued ahead
+            tokens[rid] = s.token_id
+            if self._append(self._requests[rid], s):
+                stopped.add(rid)
+        if dropped:
+            for rid in [r for r, b in dropped.items() if b <= out.batch_id]:
+                del dropped[rid]
         done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
         if self._step_log is not None:
-            marks = (batch.scheduled, batch.submitted, t2, time.perf_counter())
+            t3 = time.perf_counter()
+            if self._async:  # execute_s: the batch's own seconds, then the read-back
+                t3, t2 = batch.submitted + seconds + (t3 - t2), batch.submitted + seconds
+            marks = (batch.scheduled, batch.submitted, t2, t3)
             self._step_log.record(out, marks, batch.start)
         outputs = []
         for rid in done:
@@ -683,6 +716,8 @@ class LLMEngine:
         self._flush_text()
         self._specs.pop(rid, None)
         st = self._requests.pop(rid)
+        if self._async and self._inflight:
+            self._dropped[rid] = next(reversed(self._inflight))  # may hold a decode of it
         if st.detok is not None and not isinstance(st.stop_reason, str):
             st.text += st.detok.flush()  # held-back bytes (a stop string already cut the text)
         self._pending_free.append(rid)
@@ -714,15 +749,17 @@ class LLMEngine:
             num_cached_tokens=min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens),
         )
 
-    def _sample_spec(self, st: _RequestState) -> SampleSpec:
+    def _sample_spec(self, st: _RequestState, ahead: int = 0) -> SampleSpec:
         """The request's sampling for its next token (the same object once it no longer
-        changes: past ``min_tokens`` and with the token history sent)."""
+        changes: past ``min_tokens`` and with the token history sent). ``ahead``:
+        tokens of it still in flight (1 for a decode issued ahead), counted
+        toward ``min_tokens``."""
         spec = self._specs.get(st.request_id)
         if spec is not None:
             return spec
         p = st.params
         suppress: tuple[int, ...] = ()
-        if len(st.output_ids) < p.min_tokens:
+        if len(st.output_ids) + ahead < p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             suppress = tuple(sorted(t for t in ids if t < self.config.vocab_size))
         top_k = p.top_k if p.top_k > 0 else 0

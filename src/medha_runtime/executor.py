@@ -180,7 +180,8 @@ class InProcessExecutor:
         self.closed = False
         self.failed: str | None = None
         self._jobs: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = (
+        # (step id, sampled rows, error, seconds the model thread spent on the step)
+        self._results: queue.SimpleQueue[tuple[int, Any, BaseException | None, float]] = (
             queue.SimpleQueue()
         )
         self._events: deque[StepEvent] = deque()
@@ -216,23 +217,28 @@ class InProcessExecutor:
         import torch
 
         torch.set_num_threads(threads)  # the intra-op pool of this thread
+        clock = time.perf_counter
         while (plan := self._jobs.get()) is not None:
+            t = clock()
             try:
-                self._results.put((plan.step_id, self.runner.execute(plan), None))
+                result = self.runner.execute(plan)
             except BaseException as exc:
-                self._results.put((plan.step_id, None, exc))
+                self._results.put((plan.step_id, None, exc, 0.0))
                 return
+            self._results.put((plan.step_id, result, None, clock() - t))
 
     def next_event(self) -> StepEvent:
         if not self._events:
             if not self._submitted:
                 raise RuntimeError("next_event: no batch in flight")
-            step_id, result, error = self._results.get()
+            step_id, result, error, seconds = self._results.get()
             if error is not None:
                 self.failed = f"step {step_id} failed: {type(error).__name__}: {error}"
                 raise error
             self._events.append(StageCleared(step_id))
-            self._events.append(StepDone(step_id, [] if result is None else result))
+            # the one stage's own seconds: with batches queued behind each other
+            # (async scheduling) submit-to-done also holds the wait for the previous one
+            self._events.append(StepDone(step_id, [] if result is None else result, (seconds,)))
         event = self._events.popleft()
         if isinstance(event, StepDone):
             self._submitted -= 1

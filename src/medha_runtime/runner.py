@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -59,6 +59,7 @@ from medha_runtime.model import ForwardBatch, KVCache, load_model
 from medha_runtime.plan import BlockTables, StepPlan
 from medha_runtime.sampling import Sampled, Sampler, logit_rows, sample_step
 from medha_runtime.stage import PipelineStage
+from medha_sched.output import PENDING_TOKEN
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class RunnerSpec:
             see :meth:`medha_parallel.KVPCommunicator.merge`).
         timeout_s: bound on every collective (worker processes).
         num_threads: torch CPU threads per worker process (None: cores / ranks).
+        pending_tokens: keep each request's last sampled token, for decodes
+            issued ahead (token id ``PENDING_TOKEN``; async scheduling, world
+            size 1 only).
     """
 
     model: str
@@ -94,6 +98,7 @@ class RunnerSpec:
     kvp_merge: str = "auto"
     timeout_s: float = 60.0
     num_threads: int | None = None
+    pending_tokens: bool = False
 
     @property
     def world_size(self) -> int:
@@ -395,6 +400,15 @@ class ModelRunner:
         is_sampler = stage == spec.spp - 1 and tp == 0 and group == 0
         self.sampler: Sampler | None = Sampler() if is_sampler else None
         self.tables = BlockTables()
+        #: each request's last sampled token, for a decode issued ahead (its
+        #: token id is ``PENDING_TOKEN``: the previous batch samples it)
+        self._last_token: dict[str, int] | None = None
+        if spec.pending_tokens:
+            if spec.world_size != 1:
+                raise ValueError(
+                    f"pending_tokens (async scheduling) needs world size 1, got {spec.world_size}"
+                )
+            self._last_token = {}
 
     @property
     def is_sampler(self) -> bool:
@@ -410,18 +424,55 @@ class ModelRunner:
             self.pipeline.forget(plan.finished)
         if self.sampler is not None:
             self.sampler.forget(plan.finished)
+        last = self._last_token
+        if last is not None:
+            for rid in plan.free:
+                last.pop(rid, None)
+            for rid in plan.finished:
+                last.pop(rid, None)
+            plan = self._fill_pending(plan, last)
         for c in plan.chunks:
             if c.new_blocks:
                 self.tables.extend(c.request_id, c.new_blocks)
         try:
-            return self._run(plan)
+            result = self._run(plan)
+            if last is not None and result:
+                rows = (c.request_id for c in plan.chunks if c.sample is not None)
+                for rid, s in zip(rows, result):  # noqa: B905 (prompt logprobs follow)
+                    last[rid] = s.token_id  # type: ignore[union-attr]
+            return result
         finally:
             if plan.release_after:
+                if last is not None:
+                    for rid in plan.release_after:
+                        last.pop(rid, None)
                 self.tables.drop(plan.release_after)
                 if self.pipeline is not None:
                     self.pipeline.forget(plan.release_after)
                 if self.sampler is not None:
                     self.sampler.forget(plan.release_after)
+
+    @staticmethod
+    def _fill_pending(plan: StepPlan, last: dict[str, int]) -> StepPlan:
+        """``plan`` with every ``PENDING_TOKEN`` decode given its request's last
+        sampled token (batches run in order, so the previous one sampled it)."""
+        chunks = plan.chunks
+        pending = [
+            i for i, c in enumerate(chunks) if c.token_ids and c.token_ids[0] == PENDING_TOKEN
+        ]
+        if not pending:
+            return plan
+        chunks = list(chunks)
+        for i in pending:
+            c = chunks[i]
+            token = last.get(c.request_id)
+            if token is None or len(c.token_ids) != 1:
+                raise RuntimeError(
+                    f"request {c.request_id!r}: a decode issued ahead at position {c.start} "
+                    "but no token was sampled for it before"
+                )
+            chunks[i] = c._replace(token_ids=(token,))
+        return replace(plan, chunks=tuple(chunks))
 
     def _run(self, plan: StepPlan) -> list[Sampled] | None:
         spec = self.spec

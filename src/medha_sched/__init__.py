@@ -29,6 +29,7 @@ from medha_sched.cost import parse_cost_model_spec as parse_cost_model_spec
 from medha_sched.errors import RequestTooLongError as RequestTooLongError
 from medha_sched.errors import SchedulerError as SchedulerError
 from medha_sched.kv_memory import KVBlockManager as KVBlockManager
+from medha_sched.output import PENDING_TOKEN as PENDING_TOKEN
 from medha_sched.output import BatchResult as BatchResult
 from medha_sched.output import ScheduledChunk as ScheduledChunk
 from medha_sched.output import ScheduleOutput as ScheduleOutput

@@ -130,6 +130,12 @@ class SchedulerConfig:
         cache_aware_slack: with prefix caching, price a request's prefill
             work (its deadline, LARS slack, SRPT) by its uncached tokens;
             False prices it by prompt length (the baseline peers use).
+        async_decodes: issue a running request's next decode while its
+            previous one is still in flight (once that batch cleared stage 0),
+            at most one ahead; the chunk's token id is
+            :data:`~medha_sched.output.PENDING_TOKEN` (the token the previous
+            batch samples). For an executor that runs batches in order (the
+            in-process one); off by default.
     """
 
     policy: str = "lars"
@@ -144,6 +150,7 @@ class SchedulerConfig:
     min_deadline: float = 0.5
     max_consecutive_skips: int = 16
     cache_aware_slack: bool = True
+    async_decodes: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy:
@@ -169,6 +176,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"cache_aware_slack must be True or False, got {self.cache_aware_slack!r}"
             )
+        if not isinstance(self.async_decodes, bool):
+            raise ValueError(f"async_decodes must be True or False, got {self.async_decodes!r}")
 
     @property
     def adaptive(self) -> bool:

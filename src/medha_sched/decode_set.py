@@ -41,7 +41,7 @@ from typing import NamedTuple
 from medha_sched.batch_cost import Work, chunk_works
 from medha_sched.cost.base import AggregateCostModel, CostModel
 from medha_sched.kv_memory import KVBlockManager
-from medha_sched.output import BlockGrant, DecodeBatch, ScheduledChunk
+from medha_sched.output import PENDING_TOKEN, BlockGrant, DecodeBatch, ScheduledChunk
 from medha_sched.request import Request
 
 
@@ -200,6 +200,15 @@ class DecodeLanes:
             self._retired_parents += lane.parents
             self._retired_left += lane.left
             lane.parents, lane.left = [], []
+
+    def retire(self, lane: Lane) -> None:
+        """Take an empty lane out of the ready ones (if there); its history goes to
+        the next batch."""
+        if lane in self.ready:
+            self.ready.remove(lane)
+        self._retired_parents += lane.parents
+        self._retired_left += lane.left
+        lane.parents, lane.left = [], []
 
     def regroup(self, request: Request) -> None:
         """The request's KVP groups changed (a new shard): file it again."""
@@ -551,6 +560,39 @@ class DecodeLanes:
         self.ready.append(lane)
         return lane.finish_at.pop(lane.computed, [])
 
+    def returned_fresh(
+        self,
+        lane: Lane,
+        tokens: Mapping[str, int],
+        skip: set[str],
+        fresh: Mapping[str, Member],
+    ) -> list[Member]:
+        """:meth:`returned` for a lane some of whose members (``fresh``: request id to
+        its member when it joined) joined after this batch was issued (decodes issued
+        ahead): they get no token, their cursors and finishing step stay where they
+        were. Members of ``fresh`` that left since are ignored.
+        """
+        keep = [m for rid, m in fresh.items() if lane.index.get(rid) is m and rid not in skip]
+        for rid in skip:
+            self._unfile(lane, lane.index[rid])
+        for m in keep:
+            r = m.request
+            _discard(lane.finish_at, lane.computed + r.max_output_tokens - r.num_output_tokens, m)
+        lane.computed += 1
+        ids = {m.request.request_id for m in keep}
+        for m in lane.members:
+            r = m.request
+            rid = r.request_id
+            if rid not in skip and rid not in ids:
+                r.output_token_ids.append(tokens[rid])
+        for m in keep:
+            r = m.request
+            r._computed -= 1  # the lane's count moved on without it
+            done = lane.computed + r.max_output_tokens - r.num_output_tokens
+            insort(lane.finish_at.setdefault(done, []), m)
+        self.ready.append(lane)
+        return lane.finish_at.pop(lane.computed, [])
+
     def advance(self, lane: Lane, steps: int, token_id: int) -> None:
         """``steps`` decode iterations of ready ``lane`` at once (a decode run).
 
@@ -607,9 +649,10 @@ def _chunk(
     r = member.request
     start = member.base + steps
     groups = member.groups[: start // limit + 1]
-    return ScheduledChunk(
-        r.request_id, start, 1, groups, blocks, r.token_ids(start, start + 1), True
-    )
+    ids = r.token_ids(start, start + 1)
+    if not ids and r.prompt_token_ids is not None:
+        ids = (PENDING_TOKEN,)  # issued ahead: the batch in flight samples it
+    return ScheduledChunk(r.request_id, start, 1, groups, blocks, ids, True)
 
 
 def _spell(

@@ -39,6 +39,11 @@ class ScheduledChunk(NamedTuple):
     samples: bool = False
 
 
+#: The token id of a decode issued ahead (``SchedulerConfig.async_decodes``):
+#: "the token the previous batch samples for this request". An executor
+#: running batches in order substitutes the request's last sampled token.
+PENDING_TOKEN = -1
+
 #: ``(group, request ids, block ids)``: ``block ids[i]`` went to ``request ids[i]``
 BlockGrant = tuple[int, tuple[str, ...], tuple[int, ...]]
 

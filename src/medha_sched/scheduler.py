@@ -148,6 +148,10 @@ class Scheduler:
         self._clock = float("-inf")
         self.num_preemptions = 0
         self._lanes = DecodeLanes(cost_model, self.memory)
+        self._async = config.async_decodes
+        # async_decodes: per lane, the members that joined it while a batch of it
+        # was in flight (they get no token when that batch ends)
+        self._fresh: dict[Lane, dict[str, Member]] = {}
         self._seq = 0  # admissions so far: a running request's place in the running order
         self._seq_of: dict[str, int] = {}
         # per-token latency targets of running requests past their prefill
@@ -326,6 +330,8 @@ class Scheduler:
         whose blocks run out preempts (the worst first) as before.
         """
         lanes = self._lanes
+        if self._async and any(ln.issued != ln.computed for ln in lanes.ready):
+            return self._pack_ahead(draft)
         lane = lanes.gather()
         if lane is None:
             return None, [], []
@@ -353,6 +359,83 @@ class Scheduler:
             draft.cost.add(lanes.works(lane))
         draft.set_decodes(len(lane.members))
         return lane, grants, preempted
+
+    # ------------------------------------------------------ decodes issued ahead
+    def _pack_ahead(self, draft: Draft) -> tuple[Lane | None, list[BlockGrant], list[str]]:
+        """``async_decodes``: a ready lane has a batch in flight (cleared stage 0).
+
+        If it is the only ready lane and may go one ahead
+        (:meth:`_may_issue_ahead`), its members' next decodes join the draft
+        (their token ids are ``PENDING_TOKEN``). Otherwise no decode is issued
+        now: lanes with and without a batch in flight cannot merge (a lane's
+        counters move all its members at once), so the others wait until the
+        batch in flight ends and every ready lane has none. A member crossing
+        a block boundary takes its block in bulk or the lane waits (no
+        preemption: every member is in flight, none can be a victim).
+
+        Members that reach ``max_output_tokens`` when the batch in flight ends
+        are not issued ahead: they leave the lane first, their decode in that
+        batch becoming one of its prefill-style entries (it ends them there).
+        """
+        lanes = self._lanes
+        ready = lanes.ready
+        if len(ready) != 1 or not self._may_issue_ahead(ready[0]):
+            return None, [], []
+        lane = ready[0]
+        finishers = lane.finish_at.get(lane.computed + 1)
+        fresh = self._fresh.get(lane) if finishers and self._fresh else None
+        if fresh:  # filed as if the batch in flight held them: they finish a step later
+            finishers = [m for m in finishers if fresh.get(m.request.request_id) is not m]
+        if finishers:
+            flying = self._in_flight.get(lane.parents[-1]) if lane.parents else None
+            if flying is None or flying.lane is not lane:
+                return None, [], []  # not the lane's newest batch: wait for it to end
+            for m in list(finishers):
+                r = m.request
+                lanes.leave(r)  # its cursors become plain fields, the decode still in flight
+                flying.entries.append((r, r.num_scheduled_tokens - 1, 1, True))
+            if not lane.members:
+                return None, [], []  # every member finishes (the lane was retired)
+        grants: list[BlockGrant] = []
+        crossers = lane.cross_at.get(lane.issued)
+        if crossers is not None:
+            got = lanes.grow_all(lane, crossers)
+            if got is None:
+                return None, [], []
+            del lane.cross_at[lane.issued]
+            grants = got
+        if lanes.exact:
+            draft.cost.seed(lanes.totals(lane))
+        else:
+            draft.cost.add(lanes.works(lane))
+        draft.set_decodes(len(lane.members))
+        return lane, grants, []
+
+    def _may_issue_ahead(self, lane: Lane) -> bool:
+        """Whether ``lane``'s next decodes may be issued while its newest batch is in
+        flight: exactly one is, it cleared stage 0 and the lane fits one batch."""
+        return (
+            bool(lane.members)
+            and lane.issued == lane.computed + 1
+            and lane.cleared == lane.issued
+            and len(lane.members) <= self.config.max_batch_requests
+        )
+
+    def _settle_ahead(self, lane: Lane) -> bool:
+        """``async_decodes``, after ``lane``'s batch ended: True when a later batch of it
+        is still in flight (issued ahead). Then the lane is ready only if it may go
+        one ahead again, and nothing may join it. An emptied lane is retired."""
+        lanes = self._lanes
+        if not lane.members:
+            lanes.retire(lane)
+            return True
+        if lane.issued == lane.computed:
+            return False
+        if lane in lanes.ready:
+            lanes.ready.remove(lane)
+        if self._may_issue_ahead(lane):
+            lanes.ready.append(lane)
+        return True
 
     def _make_room(self, request: Request, now: float) -> list[str]:
         """Grow ``request`` by a block, preempting the worst requests if needed."""
@@ -963,8 +1046,11 @@ class Scheduler:
         if stage != 0 or batch.stage0_cleared:
             return
         batch.stage0_cleared = True
-        if batch.lane is not None:
-            self._lanes.cleared(batch.lane)
+        lane = batch.lane
+        if lane is not None:
+            self._lanes.cleared(lane)
+            if self._async and lane not in self._lanes.ready and self._may_issue_ahead(lane):
+                self._lanes.ready.append(lane)  # its next decodes may go one ahead
         running, aborting = RequestStatus.RUNNING, self._abort_pending
         for r, _, n, _ in batch.entries:
             r.num_stage0_tokens += n
@@ -994,8 +1080,17 @@ class Scheduler:
         finished: list[str] = []
         lane = batch.lane
         if lane is not None:
+            if self._async and lane in self._lanes.ready:
+                self._lanes.ready.remove(lane)  # ready to go ahead, not issued: back below
+            # With async_decodes a member that finishes here may have its next
+            # decode in the batch after this one (issued ahead): that batch's
+            # result for it is dropped (it is no member any more), and the KV
+            # freed now goes only to batches formed from now on, which the
+            # in-process executor runs after that one (batches run in order).
             self._end_decodes(lane, result, finished)
-            if lane not in self._lanes.ready:
+            if self._async and self._settle_ahead(lane):
+                lane = None  # a batch of it is in flight: the prefills below start a lane
+            elif lane not in self._lanes.ready:
                 lane = None  # every decode finished: the lane is gone
         caching = self._caching
         for r, _, n, samples in batch.entries:
@@ -1008,15 +1103,34 @@ class Scheduler:
                 finished.append(r.request_id)
             elif samples and r.status is RequestStatus.RUNNING:
                 if lane is None:
-                    lane = self._lanes.new_lane()
-                self._lanes.join(lane, self._seq_of[r.request_id], r)
+                    lane = self._lane_to_join() if self._async else self._lanes.new_lane()
+                rid = r.request_id
+                self._lanes.join(lane, self._seq_of[rid], r)
+                if self._async and lane.issued != lane.computed:
+                    self._fresh.setdefault(lane, {})[rid] = lane.index[rid]
         return tuple(finished)
+
+    def _lane_to_join(self) -> Lane:
+        """``async_decodes``: the lane a request whose prefill just ended joins: the only
+        ready lane if it has no batch in flight, or one that cleared stage 0 (then the
+        request joins fresh: :meth:`DecodeLanes.returned_fresh`); else a new lane."""
+        ready = self._lanes.ready
+        if len(ready) == 1:
+            lane = ready[0]
+            lag = lane.issued - lane.computed
+            if lag == 0 or (lag == 1 and lane.cleared == lane.issued):
+                return lane
+        return self._lanes.new_lane()
 
     def _end_decodes(self, lane: Lane, result: BatchResult, finished: list[str]) -> None:
         """A lane's batch ended: tokens in, finished decodes out (in running order)."""
         lanes, aborting = self._lanes, self._abort_pending
         aborted = {rid for rid in aborting if lanes.where.get(rid) is lane}
-        reached = lanes.returned(lane, result.sampled_token_ids, aborted)
+        fresh = self._fresh.pop(lane, None) if self._fresh else None
+        if fresh:
+            reached = lanes.returned_fresh(lane, result.sampled_token_ids, aborted, fresh)
+        else:
+            reached = lanes.returned(lane, result.sampled_token_ids, aborted)
         if not (aborted or reached or result.stopped):
             return
         ends: list[tuple[Member, RequestStatus]] = []
@@ -1039,8 +1153,9 @@ class Scheduler:
         if tokens is ZERO_TOKENS:
             return  # it holds every request's token
         if batch.lane is not None:
+            fresh = self._fresh.get(batch.lane, ()) if self._fresh else ()
             for m in batch.lane.members:
-                if m.request.request_id not in tokens:
+                if m.request.request_id not in tokens and m.request.request_id not in fresh:
                     raise SchedulerError(
                         f"batch result has no sampled token for request {m.request.request_id!r}"
                     )
