@@ -175,6 +175,10 @@ class _RequestState:
     cumulative_logprob: float = 0.0
     #: per prompt token after the first (None unless ``prompt_logprobs``)
     prompt_logprobs: list[dict[int, float]] | None = None
+    #: prompt positions whose logprobs a shipped chunk asks for (answered or
+    #: in flight: with async scheduling or SPP the next chunk is planned
+    #: before the previous chunk's logprobs are back)
+    prompt_logprobs_asked: int = 0
     #: whether the sampler got the token history (penalties)
     history_sent: bool = False
     text: str = ""
@@ -789,13 +793,16 @@ class LLMEngine:
     def _prompt_spec(self, st: _RequestState, start: int, n: int) -> PromptLogprobSpec | None:
         """The prompt logprobs a chunk ``[start, start + n)`` yields, if still wanted.
 
-        Positions already answered (a recompute after preemption) are not asked again.
+        Positions already asked for (in flight, or answered before a recompute
+        after preemption) are not asked again.
         """
-        done = st.prompt_logprobs
+        if st.prompt_logprobs is None:
+            return None
         last = len(st.prompt_token_ids) - 1  # the last prompt token predicts no prompt token
-        if done is None or start != len(done) or start >= last:
+        if start != st.prompt_logprobs_asked or start >= last:
             return None
         end = min(start + n, last)
+        st.prompt_logprobs_asked = end
         targets = tuple(st.prompt_token_ids[start + 1 : end + 1])
         return PromptLogprobSpec(st.params.prompt_logprobs or 0, targets)
 

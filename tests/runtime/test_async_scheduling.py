@@ -121,6 +121,45 @@ def test_sampling_options_give_the_sync_outputs() -> None:
     assert sync["q4"][4] is not None and len(sync["q4"][4]) == 12
 
 
+def test_prompt_logprobs_of_a_chunked_prompt_match() -> None:
+    """With async scheduling a prompt's next chunk is planned before the
+    previous chunk's prompt logprobs are back: every position is still asked
+    for exactly once."""
+    ids = prompts(1, seed=4)[0] * 4  # 16-160 tokens, prefilled in chunks of 16
+    got = []
+    for async_ in (False, True):
+        engine = make_engine(async_, kv_cache_tokens=4096, token_grid=8, target_batch_time=0.0012)
+        chunks = []
+        submit = engine.executor.submit
+
+        def recording(plan, submit=submit, chunks=chunks):  # type: ignore[no-untyped-def]
+            chunks.extend(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+            return submit(plan)
+
+        engine.executor.submit = recording  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1, ignore_eos=True)
+        try:
+            engine.add_request(ids, params, request_id="p")
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += engine.step()
+            in_flight = engine.stats.max_in_flight
+        finally:
+            engine.shutdown()
+        assert len(chunks) > 1  # the prompt was prefilled in several chunks
+        assert in_flight == (2 if async_ else 1)
+        (out,) = outs
+        got.append((out.outputs[0].token_ids, out.prompt_logprobs))
+    (sync_ids, sync_lp), (async_ids, async_lp) = got
+    assert sync_ids == async_ids
+    assert len(sync_lp) == len(async_lp) == len(ids)
+    assert sync_lp[0] is None and all(e is not None for e in sync_lp[1:])
+    for x, y in zip(sync_lp[1:], async_lp[1:], strict=True):
+        assert x.keys() == y.keys()
+        for t in x:
+            assert x[t] == pytest.approx(y[t], abs=1e-4)
+
+
 def test_stop_tokens_stop_strings_eos_and_min_tokens_match() -> None:
     ps = prompts(6, seed=1)
     ref = greedy_reference(ps[0], 24)
