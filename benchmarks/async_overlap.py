@@ -1,4 +1,4 @@
-"""Async scheduling under arrivals: how many batches are shipped while another runs.
+"""Async scheduling under arrivals: how many batches are shipped while another is in flight.
 
 ``--requests`` (200) greedy requests on ``tiny`` (prompts of 8-63 tokens,
 16-127 new tokens, EOS ignored) arrive ``--per-step`` (2) at a time every
@@ -6,7 +6,8 @@
 finish at different steps. The engine runs them without and with async
 scheduling (``--repeats`` alternating pairs, one torch thread, a fixed cost
 model). For each it prints the batches shipped, how many of them were
-shipped while another batch was still running (overlapped), and the run's
+shipped while another batch was in flight (submitted, its tokens not yet
+read back: overlapped), and the run's
 wall time. Without async scheduling none overlap; with it every batch should,
 except where the scheduler must wait (a KV block not free, a lane over
 ``max_batch_requests``, two lanes to merge).
@@ -84,7 +85,7 @@ def main() -> None:
             batches, overlapped, wall = run(args, async_)
             mode = "async" if async_ else "sync "
             print(
-                f"{mode}: {batches} batches, {overlapped} shipped while another ran "
+                f"{mode}: {batches} batches, {overlapped} shipped while another was in flight "
                 f"({100 * overlapped / batches:.1f}%), wall {wall:.2f} s, "
                 f"load average {os.getloadavg()[0]:.1f}"
             )

@@ -573,6 +573,8 @@ class DecodeLanes:
         were. Members of ``fresh`` that left since are ignored.
         """
         keep = [m for rid, m in fresh.items() if lane.index.get(rid) is m and rid not in skip]
+        # an aborted fresh member leaves with the count of what it computed
+        gone = [m for rid, m in fresh.items() if lane.index.get(rid) is m and rid in skip]
         for rid in skip:
             self._unfile(lane, lane.index[rid])
         for m in keep:
@@ -585,6 +587,8 @@ class DecodeLanes:
             rid = r.request_id
             if rid not in skip and rid not in ids:
                 r.output_token_ids.append(tokens[rid])
+        for m in gone:
+            m.request._computed -= 1  # the lane's count moved on without it
         for m in keep:
             r = m.request
             r._computed -= 1  # the lane's count moved on without it

@@ -32,6 +32,9 @@ class Draft:
     target: float
     entries: list[tuple[Request, int]] = field(default_factory=list)  # prefill chunks
     num_decodes: int = 0
+    #: running decodes that hold a place in the batch (``async_decodes``: those
+    #: held back for a batch in flight count too); prefills fill the rest
+    held_decodes: int = 0
     long_groups: set[int] = field(default_factory=set)
     groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_tokens: int = 0

@@ -330,8 +330,15 @@ class Scheduler:
         whose blocks run out preempts (the worst first) as before.
         """
         lanes = self._lanes
-        if self._async and any(ln.issued != ln.computed for ln in lanes.ready):
-            return self._pack_ahead(draft)
+        if self._async:
+            # every running decode takes a place in the batch whether or not it
+            # goes now (as in one gathered lane without async): prefills must not
+            # fill the places of decodes held back for a batch in flight
+            draft.held_decodes = len(lanes) + sum(
+                1 for b in self._in_flight.values() for e in b.entries if e[3]
+            )  # and those whose sampling chunk is in flight (they join a lane at its end)
+            if any(ln.issued != ln.computed for ln in lanes.ready):
+                return self._pack_ahead(draft)
         lane = lanes.gather()
         if lane is None:
             return None, [], []
@@ -488,7 +495,8 @@ class Scheduler:
         chosen: list[Request] = []
         skips = 0
         grid, max_skips = cfg.token_grid, cfg.max_consecutive_skips
-        entries, max_entries = draft.entries, cfg.max_batch_requests - draft.num_decodes
+        entries = draft.entries
+        max_entries = cfg.max_batch_requests - max(draft.num_decodes, draft.held_decodes)
         # With adaptive chunking a long prompt cannot join once every KVP
         # group runs a long prefill in this batch (see ChunkSizer.adaptive).
         long_min = cfg.long_prefill_threshold if self._adaptive else None

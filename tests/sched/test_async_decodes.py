@@ -291,3 +291,84 @@ def test_a_request_whose_prefill_ends_joins_the_decodes_in_flight() -> None:
         if any(c.request_id == "a" and c.samples and c.start >= 5 for c in out.chunks)
     ]
     assert len(with_a) == 39 and with_a == list(range(with_a[0], with_a[0] + 39))
+
+
+class _Stepper:
+    """Forms batches as the async engine does (stage 0 cleared at once, at most
+    two in flight) and ends the oldest with token 7 for every sampled row."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched, self.flying, self.now = sched, deque(), 0.0
+
+    def form(self) -> ScheduleOutput | None:
+        out = self.sched.schedule(self.now)
+        self.now += 1e-3
+        if out.is_empty:
+            return None
+        self.sched.on_stage_end(out.batch_id)
+        self.flying.append(out)
+        return out
+
+    def end(self) -> tuple[str, ...]:
+        out = self.flying.popleft()
+        tokens = {c.request_id: 7 for c in out.chunks if c.samples}
+        return self.sched.on_batch_end(out.batch_id, BatchResult(tokens, frozenset()))
+
+
+def _async_sched(**kwargs) -> Scheduler:
+    cfg = SchedulerConfig(policy="fcfs", async_decodes=True, **kwargs)
+    cost = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+    return Scheduler(cfg, cost, cache=CacheConfig(block_size=4, num_blocks_per_group=256))
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_decodes_held_back_keep_their_places_from_prefills(async_: bool) -> None:
+    """``max_batch_requests`` bounds the running requests as without async: a
+    batch that holds its decodes back for the one in flight (or whose requests'
+    sampling chunks are in flight) must not fill their places with prefills."""
+    cfg = SchedulerConfig(policy="fcfs", async_decodes=async_, max_batch_requests=3)
+    cost = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+    sched = Scheduler(cfg, cost, cache=CacheConfig(block_size=4, num_blocks_per_group=256))
+    for i in range(12):
+        sched.add_request(
+            Request.from_tokens(f"r{i}", 0.0, [5] * (3 + i % 5), max_output_tokens=4 + i % 3)
+        )
+    stepper, most, formed = _Stepper(sched), 0, 0
+    while sched.has_unfinished_requests():
+        out = stepper.form()
+        formed += out is not None
+        most = max(most, sched.num_running)
+        if out is None or len(stepper.flying) >= 2 or not async_:
+            stepper.end()
+        assert formed < 1000
+    assert most == 3
+
+
+def test_a_fresh_member_aborted_with_two_batches_in_flight_counts_what_it_computed() -> None:
+    """A request whose prefill ended while its lane's next batch was in flight
+    joins it fresh; aborted after its first decode is issued, it finishes at the
+    end of a batch that does not hold that decode, with only its prompt computed."""
+    sched = _async_sched(max_batch_requests=64)
+    a = Request.from_tokens("a", 0.0, [1, 2, 3, 4, 5], max_output_tokens=40)
+    sched.add_request(a)
+    stepper = _Stepper(sched)
+    for _ in range(6):  # a decodes, one batch ahead
+        out = stepper.form()
+        if out is None or len(stepper.flying) >= 2:
+            stepper.end()
+    b = Request.from_tokens("b", stepper.now, [9, 9, 9], max_output_tokens=30)
+    sched.add_request(b)
+    aborted_at = None
+    for _ in range(8):
+        out = stepper.form()
+        if out is not None and any(c.request_id == "b" and c.start == 3 for c in out.chunks):
+            aborted_at = (b.num_scheduled_tokens, b.num_computed_tokens)
+            sched.abort_request("b")
+            break
+        if out is None or len(stepper.flying) >= 2:
+            stepper.end()
+    assert aborted_at == (4, 3)  # its first decode (position 3) is in flight, not computed
+    while stepper.flying:
+        stepper.end()
+    assert b.status is RequestStatus.FINISHED_ABORTED
+    assert b.num_computed_tokens == 3  # the prompt; its decode in flight was dropped
