@@ -318,8 +318,9 @@ class DistributedExecutor:
         for reply in replies.replies:
             if reply.rank == self.sampler_rank:
                 result = reply.result
-        if not self._timed:
-            return StepDone(cleared.step_id, [] if result is None else result)
+        if not self._timed:  # spp = 1: rank 0's own seconds are the batch's (with async
+            # scheduling a batch waits behind the previous one after its submit)
+            return StepDone(cleared.step_id, [] if result is None else result, (cleared.own_s,))
         stage_s = [0.0] * self.spec.spp
         stage_s[self._stage_of[0]] = cleared.own_s
         for reply in replies.replies:
