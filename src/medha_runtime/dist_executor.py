@@ -27,6 +27,8 @@ over a gloo control group. Every other rank runs the one worker loop
    slowest rank's own seconds (``compute_s - wait_s``; rank 0 times its
    share itself), as :class:`~medha_runtime.executor.MultiprocExecutor`
    reports them, so the engine's cost model learns the stage-sum latency.
+   With SPP = 1 ``stage_s`` holds rank 0's own seconds (async scheduling
+   learns from them: a batch waits behind the previous one after its submit).
 
 So the engine's stream pipelining works across nodes as it does in one:
 up to ``spp`` batches are in flight, and the next chunk of a prompt enters
