@@ -221,7 +221,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--async-scheduling",
         action="store_true",
         help="form and ship the next batch while the model runs the current one "
-        "(world size 1 only: tp = spp = kvp = 1)",
+        "(spp = 1 only; any tp and kvp)",
     )
     s.add_argument(
         "--step-log",

@@ -101,8 +101,9 @@ class EngineConfig:
         async_scheduling: form and ship batch N+1 while the model runs batch N
             (a running request's next decode is issued before its previous
             token is back; the model takes that token itself). Outputs are the
-            same; the driver's serial work between batches is hidden. World
-            size 1 only (tp = spp = kvp = 1).
+            same; the driver's serial work between batches is hidden. Any tp
+            and kvp, in process, on worker processes or distributed; spp = 1
+            only (the sampling rank sends each step's tokens to every rank).
     """
 
     model: str = "tiny"
@@ -194,11 +195,9 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"
             )
-        if self.async_scheduling and (self.world_size != 1 or self.distributed is not None):
+        if self.async_scheduling and self.spp != 1:
             raise ValueError(
-                f"async_scheduling=True needs world size 1 (tp = spp = kvp = 1, in process), "
-                f"got tp={self.tp}, spp={self.spp}, kvp={self.kvp}"
-                + ("" if self.distributed is None else " and a distributed world")
+                f"async_scheduling=True needs spp = 1 (one pipeline stage), got spp={self.spp!r}"
             )
         if self.distributed is not None:
             if not isinstance(self.distributed, DistConfig):

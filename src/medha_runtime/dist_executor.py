@@ -27,6 +27,8 @@ over a gloo control group. Every other rank runs the one worker loop
    slowest rank's own seconds (``compute_s - wait_s``; rank 0 times its
    share itself), as :class:`~medha_runtime.executor.MultiprocExecutor`
    reports them, so the engine's cost model learns the stage-sum latency.
+   With SPP = 1 ``stage_s`` holds rank 0's own seconds (async scheduling
+   learns from them: a batch waits behind the previous one after its submit).
 
 So the engine's stream pipelining works across nodes as it does in one:
 up to ``spp`` batches are in flight, and the next chunk of a prompt enters
@@ -318,8 +320,9 @@ class DistributedExecutor:
         for reply in replies.replies:
             if reply.rank == self.sampler_rank:
                 result = reply.result
-        if not self._timed:
-            return StepDone(cleared.step_id, [] if result is None else result)
+        if not self._timed:  # spp = 1: rank 0's own seconds are the batch's (with async
+            # scheduling a batch waits behind the previous one after its submit)
+            return StepDone(cleared.step_id, [] if result is None else result, (cleared.own_s,))
         stage_s = [0.0] * self.spec.spp
         stage_s[self._stage_of[0]] = cleared.own_s
         for reply in replies.replies:

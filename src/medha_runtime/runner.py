@@ -29,7 +29,11 @@ worker process (:mod:`medha_runtime.worker`).
   one collective per layer with two groups). Every group takes part in every
   merge, so collectives always line up.
 - **Sampling** happens on one rank: the last stage's TP rank 0 of KVP group 0
-  (every last-stage rank has the same logits); the others return None.
+  (every last-stage rank has the same logits); the others return None. With
+  async scheduling (``RunnerSpec.pending_tokens``, spp = 1) every rank keeps
+  each request's last token for the next batch's ``PENDING_TOKEN`` decodes:
+  the sampling rank broadcasts each step's tokens to every rank
+  (:class:`~medha_parallel.TokenBroadcast`, one ``int64`` tensor).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from medha_kernels import PagedHost
 from medha_parallel import (
     KVPCommunicator,
     ParallelState,
+    TokenBroadcast,
     TPCommunicator,
 )
 from medha_parallel.kvp import (
@@ -81,8 +86,9 @@ class RunnerSpec:
         timeout_s: bound on every collective (worker processes).
         num_threads: torch CPU threads per worker process (None: cores / ranks).
         pending_tokens: keep each request's last sampled token, for decodes
-            issued ahead (token id ``PENDING_TOKEN``; async scheduling, world
-            size 1 only).
+            issued ahead (token id ``PENDING_TOKEN``; async scheduling, spp = 1
+            only). With several ranks the sampling rank broadcasts each step's
+            sampled tokens to every rank (:class:`medha_parallel.TokenBroadcast`).
     """
 
     model: str
@@ -99,6 +105,12 @@ class RunnerSpec:
     timeout_s: float = 60.0
     num_threads: int | None = None
     pending_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pending_tokens and self.spp != 1:
+            raise ValueError(
+                f"pending_tokens (async scheduling) needs spp = 1, got spp={self.spp!r}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -403,12 +415,13 @@ class ModelRunner:
         #: each request's last sampled token, for a decode issued ahead (its
         #: token id is ``PENDING_TOKEN``: the previous batch samples it)
         self._last_token: dict[str, int] | None = None
-        if spec.pending_tokens:
-            if spec.world_size != 1:
-                raise ValueError(
-                    f"pending_tokens (async scheduling) needs world size 1, got {spec.world_size}"
-                )
+        #: with several ranks: the sampling rank's tokens to every rank, after each step
+        self._tokens: TokenBroadcast | None = None
+        if spec.pending_tokens:  # spp = 1 (RunnerSpec checks)
             self._last_token = {}
+            if state is not None and spec.world_size > 1:
+                src = state.layout.rank(tp=0, spp=spec.spp - 1, kvp=0)
+                self._tokens = TokenBroadcast(state, src=src)
 
     @property
     def is_sampler(self) -> bool:
@@ -436,10 +449,8 @@ class ModelRunner:
                 self.tables.extend(c.request_id, c.new_blocks)
         try:
             result = self._run(plan)
-            if last is not None and result:
-                rows = (c.request_id for c in plan.chunks if c.sample is not None)
-                for rid, s in zip(rows, result):  # noqa: B905 (prompt logprobs follow)
-                    last[rid] = s.token_id  # type: ignore[union-attr]
+            if last is not None:
+                self._keep_tokens(plan, result, last)
             return result
         finally:
             if plan.release_after:
@@ -451,6 +462,24 @@ class ModelRunner:
                     self.pipeline.forget(plan.release_after)
                 if self.sampler is not None:
                     self.sampler.forget(plan.release_after)
+
+    def _keep_tokens(
+        self, plan: StepPlan, result: list[Sampled] | None, last: dict[str, int]
+    ) -> None:
+        """Keep each sampled row's token for its request's next decode issued ahead;
+        with several ranks every rank gets the sampling rank's tokens (one broadcast)."""
+        rows = [c.request_id for c in plan.chunks if c.sample is not None]
+        if self._tokens is not None:
+            ids = None
+            if result is not None:  # the sampling rank (prompt logprobs follow the rows)
+                ids = [s.token_id for s in result[: len(rows)]]  # type: ignore[union-attr]
+            tokens = self._tokens.broadcast(ids, len(rows))
+        elif result:
+            tokens = [s.token_id for s in result[: len(rows)]]  # type: ignore[union-attr]
+        else:
+            return
+        for rid, token in zip(rows, tokens, strict=True):
+            last[rid] = token
 
     @staticmethod
     def _fill_pending(plan: StepPlan, last: dict[str, int]) -> StepPlan:

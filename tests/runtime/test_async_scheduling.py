@@ -280,11 +280,10 @@ def test_execution_time_is_the_batch_own_in_the_cost_feedback_and_step_log(tmp_p
     [
         ({"async_scheduling": "yes"}, "async_scheduling must be True or False, got 'yes'"),
         (
-            {"async_scheduling": True, "tp": 2},
-            "async_scheduling=True needs world size 1 (tp = spp = kvp = 1, in process), "
-            "got tp=2, spp=1, kvp=1",
+            {"async_scheduling": True, "spp": 2},
+            "async_scheduling=True needs spp = 1 (one pipeline stage), got spp=2",
         ),
-        ({"async_scheduling": True, "kvp": 2}, "got tp=1, spp=1, kvp=2"),
+        ({"async_scheduling": True, "tp": 2, "spp": 4}, "got spp=4"),
     ],
 )
 def test_bad_async_settings_are_named(kwargs: dict, message: str) -> None:

@@ -1,0 +1,77 @@
+"""TokenBroadcast latency: the sampling rank's token ids to the other ranks.
+
+Async scheduling on worker processes (spp = 1) adds one
+:class:`medha_parallel.TokenBroadcast` per step: after sampling, rank 0 sends
+the step's ``--ids`` token ids (one ``int64`` tensor, gloo) to every rank.
+This times ``--calls`` of them on ``--ranks`` forkserver processes (``file://``
+rendezvous, one torch thread each) after 200 warm-up calls and prints each
+rank's median and mean microseconds per call.
+
+    python benchmarks/token_broadcast.py
+    python benchmarks/token_broadcast.py --ids 256 --ranks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, ranks: int, init: str, ids: int, calls: int, out) -> None:  # type: ignore[no-untyped-def]
+    from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast
+
+    torch.set_num_threads(1)
+    state = ParallelState.initialize(
+        ParallelLayout(tp=ranks), backend="gloo", init_method=init, rank=rank, world_size=ranks
+    )
+    tokens = TokenBroadcast(state, src=0)
+    sent = list(range(ids)) if rank == 0 else None
+    for _ in range(200):
+        tokens.broadcast(sent, ids)
+    seconds = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        got = tokens.broadcast(sent, ids)
+        seconds.append(time.perf_counter() - t)
+    assert got == list(range(ids))
+    out.put((rank, statistics.median(seconds), statistics.fmean(seconds)))
+    state.destroy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ids", type=int, default=64)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=3000)
+    args = ap.parse_args()
+    ctx = mp.get_context("forkserver")
+    out = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [
+            ctx.Process(target=_rank, args=(r, args.ranks, init, args.ids, args.calls, out))
+            for r in range(args.ranks)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        results = sorted(out.get() for _ in procs)
+    print(
+        f"TokenBroadcast, {args.ids} ids, {args.ranks} gloo ranks, {args.calls} calls, "
+        f"load average {os.getloadavg()[0]:.1f}:"
+    )
+    for rank, med, mean in results:
+        print(f"  rank {rank}: median {1e6 * med:.1f} us, mean {1e6 * mean:.1f} us per call")
+
+
+if __name__ == "__main__":
+    main()
