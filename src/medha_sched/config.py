@@ -134,8 +134,9 @@ class SchedulerConfig:
             previous one is still in flight (once that batch cleared stage 0),
             at most one ahead; the chunk's token id is
             :data:`~medha_sched.output.PENDING_TOKEN` (the token the previous
-            batch samples). For an executor that runs batches in order (the
-            in-process one); off by default.
+            batch samples). For an executor that runs batches in order on
+            every rank and fills that token in (the runtime's
+            ``async_scheduling``); off by default. See docs/scheduling.md.
     """
 
     policy: str = "lars"
