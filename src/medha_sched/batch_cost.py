@@ -10,6 +10,7 @@ on the whole batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import add as _add
 
 from medha_sched.cost.base import AggregateCostModel, BatchWork, CostModel, RequestWork
 
@@ -84,7 +85,7 @@ class BatchCost:
             return self.time_with([(group, q_tokens, kv_tokens, True)])
         feats = agg.features(q_tokens, kv_tokens, True)
         base = self._totals[0]
-        totals = list(feats) if base is None else [b + f for b, f in zip(base, feats)]  # noqa: B905
+        totals = list(feats) if base is None else list(map(_add, base, feats))  # b + f
         time = agg.group_time(totals)
         self._probe = ((group, q_tokens, kv_tokens, True), totals, time)
         return time

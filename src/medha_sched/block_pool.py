@@ -21,6 +21,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
 
+_RUN = 8
+"""Fewest blocks whose reference counts are set as one slice when they are a run of ids."""
+_ONE = array("i", [1])
+_ZERO = array("i", [0])
+
 
 class BlockPool:
     """Block ids ``0 .. num_blocks - 1`` of one group."""
@@ -94,8 +99,18 @@ class BlockPool:
             return ()
         blocks = self._take(count)
         ref = self._ref
-        for block in blocks:
-            ref[block] = 1
+        # The blocks are distinct (free stack, cached set): count of them spanning
+        # count ids are a run. A run comes back as it went (release pushes it
+        # reversed): its ends are its first and last block.
+        if (
+            count >= _RUN
+            and abs(blocks[-1] - blocks[0]) == count - 1
+            and (hi := max(blocks)) - (lo := min(blocks)) == count - 1
+        ):
+            ref[lo : hi + 1] = _ONE * count
+        else:
+            for block in blocks:
+                ref[block] = 1
         self._num_held += count
         self.num_allocs += count
         return tuple(blocks)
@@ -112,6 +127,24 @@ class BlockPool:
         if not blocks:
             return
         ref = self._ref
+        count, first = len(blocks), blocks[0]
+        if (
+            count >= _RUN
+            and not self._hash_of
+            and blocks[-1] - first == count - 1
+            and first >= 0
+            and first + count <= self.num_blocks
+            and blocks == list(range(first, first + count))
+        ):
+            held = ref[first : first + count]
+            if min(held) == max(held) == 1:
+                # an ascending run, each block held once, none hashed: what the
+                # general path below does, with the counts cleared as a slice
+                ref[first : first + count] = _ZERO * count
+                self._num_held -= count
+                self._free.extend(reversed(blocks))
+                self.num_frees += count
+                return
         if (
             min(blocks) < 0
             or max(blocks) >= self.num_blocks

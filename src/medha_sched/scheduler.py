@@ -501,8 +501,12 @@ class Scheduler:
             return
         if tokens <= draft.fits_somewhere:
             return  # a chunk at least this big fits on some group
-        time_with_tail, target = draft.cost.time_with_tail, draft.target
-        if all(time_with_tail(g, tokens, 0) > target for g in range(self.layout.kvp)):
+        time_with_tail, target, kvp = draft.cost.time_with_tail, draft.target, self.layout.kvp
+        if (
+            time_with_tail(0, tokens, 0) > target
+            if kvp == 1
+            else all(time_with_tail(g, tokens, 0) > target for g in range(kvp))
+        ):
             draft.floor = tokens
         else:
             draft.fits_somewhere = tokens
