@@ -82,8 +82,10 @@ class BlockPool:
             )
         free = self._free
         fresh = min(count, len(free))
-        blocks = free[-fresh:][::-1] if fresh else []  # the top of the stack first
-        del free[len(free) - fresh :]
+        # the top of the stack first
+        keep = len(free) - fresh
+        blocks = free[: keep - 1 : -1] if keep else free[::-1]
+        del free[keep:]
         for _ in range(count - fresh):  # evict, least recently released first
             block = next(iter(self._cached))
             del self._cached[block]
