@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
+from operator import itemgetter
 
 _RUN = 8
 """Fewest blocks whose reference counts are set as one slice when they are a run of ids."""
@@ -147,14 +148,16 @@ class BlockPool:
                 self._free.extend(reversed(blocks))
                 self.num_frees += count
                 return
-        if (
-            min(blocks) < 0
-            or max(blocks) >= self.num_blocks
-            or (len(set(blocks)) < len(blocks) or min(map(ref.__getitem__, blocks)) < 1)
-        ):
+        ordered = sorted(blocks)  # cheap: the blocks are runs
+        if ordered[0] < 0 or ordered[-1] >= self.num_blocks:
+            self._check_release(owner, blocks)
+        counts = itemgetter(*blocks)(ref) if count > 1 else (ref[first],)
+        # (counts.count(1) is quick when it is all of them: the same small int object)
+        ones = counts.count(1) == count
+        if len(set(ordered)) < count or (not ones and min(counts) < 1):
             self._check_release(owner, blocks)
         hashed = self._hash_of
-        if not hashed and max(map(ref.__getitem__, blocks)) == 1:
+        if not hashed and ones:
             # each block held once, none hashed: all of them go back to the stack
             for block in blocks:
                 ref[block] = 0

@@ -125,3 +125,31 @@ def test_releasing_a_run_not_held_raises(twice: bool) -> None:
         with pytest.raises(AssertionError, match="more often than held"):
             pool.release("a", list(range(16, 32)))  # never allocated
     pool.check()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [3, 1, 2, -1],  # a negative id
+        [3, 1, 2, 64],  # past the pool
+        [3, 1, 2, 1],  # listed twice, held once
+        [3, 1, 2, 40],  # never allocated (scattered list)
+        [5, 6, 7, 8, 9, 10, 11, 12, 20],  # a run, then a block not held
+    ],
+)
+def test_scattered_release_checks_every_block(bad: list[int]) -> None:
+    pool = BlockPool(0, 64)
+    pool.allocate("a", 16)
+    before = list(pool._ref), list(pool._free)
+    with pytest.raises(AssertionError, match="more often than held"):
+        pool.release("a", bad)
+    assert (list(pool._ref), list(pool._free)) == before, "a refused release changed the pool"
+
+
+def test_a_block_held_twice_may_be_listed_twice() -> None:
+    pool = BlockPool(0, 64)
+    blocks = pool.allocate("a", 4)
+    pool.acquire(blocks[1])
+    pool.release("a", [blocks[1], blocks[3], blocks[1], blocks[0], blocks[2]])
+    assert pool.num_used == 0 and pool.num_free == 64
+    pool.check()
