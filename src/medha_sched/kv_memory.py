@@ -383,9 +383,8 @@ class KVBlockManager:
         if pool.num_free < len(request_ids):
             return None
         blocks = pool.allocate_each(request_ids)
-        entries = self._entries
-        for rid, block in zip(request_ids, blocks, strict=True):
-            entries[rid].blocks[-1].append(block)
+        for entry, block in zip(map(self._entries.__getitem__, request_ids), blocks, strict=True):
+            entry.blocks[-1].append(block)
         return blocks
 
     def _grow_tail(self, rid: Hashable, entry: _Entry, count: int) -> bool:
