@@ -540,8 +540,13 @@ class Scheduler:
                 self._set_cursors(request, 0)
             return False
         if not admitted:
-            ok = self.memory.admit(rid, request.num_prefill_tokens, hashes)
-            assert ok and self.memory.groups_of(rid) == groups, "admission differs from its plan"
+            if self._caching or len(groups) != 1:
+                ok = self.memory.admit(rid, request.num_prefill_tokens, hashes)
+                assert ok and self.memory.groups_of(rid) == groups, (
+                    "admission differs from its plan"
+                )
+            else:  # the plan stands: nothing changed since plan_admit
+                self.memory.admit_one_shard(rid, request.num_prefill_tokens, groups[0])
             if self._caching:
                 assert self.memory.cached_tokens(rid) == cached, "cache hit differs from its plan"
                 request.num_cached_tokens = cached
