@@ -93,10 +93,10 @@ def largest_chunk_within(
             est = n + (target - t) * (n - n0) / (t - t0)  # where the line reaches target
             if est >= limit:
                 i = top
-            elif est < grid:
-                i = 0
-            else:
+            elif est >= grid:
                 i = int(est // grid) - 1  # the largest candidate at most est
+            else:  # below the grid, or not a number (infinite times): the bracket decides
+                i = 0
         else:
             i = (lo + hi) // 2
         if i <= lo:

@@ -237,3 +237,15 @@ def test_within_non_positive_limit_gives_zero_without_probing() -> None:
     assert largest_chunk_within(0, 32, lambda n: calls.append(n) or 0.0, 1.0) == 0
     assert largest_chunk_within(-5, 32, lambda n: calls.append(n) or 0.0, 1.0) == 0
     assert calls == []
+
+
+@pytest.mark.parametrize("base", [0.0, math.inf, math.nan])
+def test_within_infinite_times_and_odd_base(base: float) -> None:
+    # times that overflow past some size: the interpolated guess is not a
+    # number, and the search must still end with the exact answer
+    def time_of(n: int) -> float:
+        return math.inf if n > 700 else 1e-3 * n
+
+    for hint in (0, 32, 2048):
+        for target in (0.1, 0.5, 0.7, math.inf):
+            check_within(4096, 32, time_of, target, base, hint)
