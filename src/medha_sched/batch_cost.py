@@ -10,6 +10,7 @@ on the whole batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import add as _add
 
 from medha_sched.cost.base import AggregateCostModel, BatchWork, CostModel, RequestWork
 
@@ -47,8 +48,8 @@ class BatchCost:
             [] if self._agg is not None else [[] for _ in range(num_groups)]
         )
         self.time = 0.0
-        # (work, totals, time) of the latest one-work probe, while still valid
-        self._probe: tuple[Work, list[float], float] | None = None
+        # work -> (totals, time) of the one-work probes since the batch last changed
+        self._probes: dict[Work, tuple[list[float], float]] = {}
 
     def seed(self, totals: Sequence[list[int] | None]) -> None:
         """Start an empty batch from summed features per group (None: an idle group).
@@ -73,7 +74,7 @@ class BatchCost:
             work = works[0]
             totals = self._totals_with(work)
             time = agg.group_time(totals)
-            self._probe = (work, totals, time)  # add() of the same work reuses it
+            self._probes[work] = (totals, time)  # add() of the same work reuses it
             return time
         return max(self._priced(works).values(), default=0.0) if works else self.time
 
@@ -84,9 +85,9 @@ class BatchCost:
             return self.time_with([(group, q_tokens, kv_tokens, True)])
         feats = agg.features(q_tokens, kv_tokens, True)
         base = self._totals[0]
-        totals = list(feats) if base is None else [b + f for b, f in zip(base, feats)]  # noqa: B905
+        totals = list(feats) if base is None else list(map(_add, base, feats))  # b + f
         time = agg.group_time(totals)
-        self._probe = ((group, q_tokens, kv_tokens, True), totals, time)
+        self._probes[(group, q_tokens, kv_tokens, True)] = (totals, time)
         return time
 
     def add(self, works: Sequence[Work]) -> None:
@@ -99,10 +100,14 @@ class BatchCost:
             return
         if not works:
             return  # nothing changes (the time is already the slowest group's)
-        probe, self._probe = self._probe, None  # the totals change: a probe goes stale
+        probes = self._probes
+        if probes:  # the totals change: the probes go stale
+            self._probes = {}
         if self._num_groups == 1 and len(works) == 1:
-            if probe is not None and probe[0] == works[0]:
-                self._totals[0], self.time = probe[1], probe[2]
+            # a search probes several sizes; the one chosen need not be the latest
+            probe = probes.get(works[0]) if probes else None
+            if probe is not None:
+                self._totals[0], self.time = probe
                 self._group_times[0] = self.time
                 return
             totals = self._totals[0] = self._totals_with(works[0])

@@ -20,6 +20,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
+from operator import itemgetter
+
+_RUN = 8
+"""Fewest blocks whose reference counts are set as one slice when they are a run of ids."""
+_ONE = array("i", [1])
+_ZERO = array("i", [0])
 
 
 class BlockPool:
@@ -77,8 +83,10 @@ class BlockPool:
             )
         free = self._free
         fresh = min(count, len(free))
-        blocks = free[-fresh:][::-1] if fresh else []  # the top of the stack first
-        del free[len(free) - fresh :]
+        # the top of the stack first
+        keep = len(free) - fresh
+        blocks = free[: keep - 1 : -1] if keep else free[::-1]
+        del free[keep:]
         for _ in range(count - fresh):  # evict, least recently released first
             block = next(iter(self._cached))
             del self._cached[block]
@@ -94,8 +102,18 @@ class BlockPool:
             return ()
         blocks = self._take(count)
         ref = self._ref
-        for block in blocks:
-            ref[block] = 1
+        # The blocks are distinct (free stack, cached set): count of them spanning
+        # count ids are a run. A run comes back as it went (release pushes it
+        # reversed): its ends are its first and last block.
+        if (
+            count >= _RUN
+            and abs(blocks[-1] - blocks[0]) == count - 1
+            and (hi := max(blocks)) - (lo := min(blocks)) == count - 1
+        ):
+            ref[lo : hi + 1] = _ONE * count
+        else:
+            for block in blocks:
+                ref[block] = 1
         self._num_held += count
         self.num_allocs += count
         return tuple(blocks)
@@ -112,14 +130,34 @@ class BlockPool:
         if not blocks:
             return
         ref = self._ref
+        count, first = len(blocks), blocks[0]
         if (
-            min(blocks) < 0
-            or max(blocks) >= self.num_blocks
-            or (len(set(blocks)) < len(blocks) or min(map(ref.__getitem__, blocks)) < 1)
+            count >= _RUN
+            and not self._hash_of
+            and blocks[-1] - first == count - 1
+            and first >= 0
+            and first + count <= self.num_blocks
+            and blocks == list(range(first, first + count))
         ):
+            held = ref[first : first + count]
+            if min(held) == max(held) == 1:
+                # an ascending run, each block held once, none hashed: what the
+                # general path below does, with the counts cleared as a slice
+                ref[first : first + count] = _ZERO * count
+                self._num_held -= count
+                self._free.extend(reversed(blocks))
+                self.num_frees += count
+                return
+        ordered = sorted(blocks)  # cheap: the blocks are runs
+        if ordered[0] < 0 or ordered[-1] >= self.num_blocks:
+            self._check_release(owner, blocks)
+        counts = itemgetter(*blocks)(ref) if count > 1 else (ref[first],)
+        # (counts.count(1) is quick when it is all of them: the same small int object)
+        ones = counts.count(1) == count
+        if len(set(ordered)) < count or (not ones and min(counts) < 1):
             self._check_release(owner, blocks)
         hashed = self._hash_of
-        if not hashed and max(map(ref.__getitem__, blocks)) == 1:
+        if not hashed and ones:
             # each block held once, none hashed: all of them go back to the stack
             for block in blocks:
                 ref[block] = 0

@@ -42,6 +42,70 @@ def largest_fitting_chunk(
     return min((lo + 1) * grid, limit)
 
 
+_GUESSES = 4
+"""Probes :func:`largest_chunk_within` places by interpolation before it bisects."""
+
+
+def largest_chunk_within(
+    limit: int,
+    grid: int,
+    time_of: Callable[[int], float],
+    target: float,
+    *,
+    base: float = 0.0,
+    hint: int = 0,
+) -> int:
+    """``largest_fitting_chunk(limit, grid, lambda n: time_of(n) <= target)``,
+    with the probes placed where the times point.
+
+    ``time_of`` (seconds of the batch with an ``n``-token chunk) must be
+    non-decreasing in ``n``; then the answer is that of
+    :func:`largest_fitting_chunk`, whatever the probes. The first probe is
+    ``hint`` (else ``limit``); each next one is where the line through the
+    two latest probes (at first, the point ``(0, base)`` and the first probe)
+    reaches ``target``, rounded down to the grid, kept strictly between the
+    largest candidate seen to fit and the smallest seen not to. With a time
+    nearly linear in ``n`` that is two or three probes. After ``_GUESSES``
+    such probes, or when the line does not rise, it bisects: at most
+    ``log2(limit / grid) + _GUESSES + 1`` calls in all.
+    """
+    if limit <= 0:
+        return 0
+    count = -(-limit // grid)
+    top = count - 1
+    lo, hi = -1, count  # candidate lo fits (-1: none seen), candidate hi does not (or none)
+    i = min(max(hint // grid - 1, 0), top) if hint > 0 else top
+    n0, t0 = 0, base
+    guesses = 0
+    while True:
+        n = (i + 1) * grid
+        if n > limit:
+            n = limit
+        t = time_of(n)
+        if t <= target:
+            lo = i
+        else:
+            hi = i
+        if hi - lo <= 1:
+            return 0 if lo < 0 else min((lo + 1) * grid, limit)
+        if guesses < _GUESSES and (t - t0) * (n - n0) > 0:  # the line rises
+            guesses += 1
+            est = n + (target - t) * (n - n0) / (t - t0)  # where the line reaches target
+            if est >= limit:
+                i = top
+            elif est >= grid:
+                i = int(est // grid) - 1  # the largest candidate at most est
+            else:  # below the grid, or not a number (infinite times): the bracket decides
+                i = 0
+        else:
+            i = (lo + hi) // 2
+        if i <= lo:
+            i = lo + 1
+        elif i >= hi:
+            i = hi - 1
+        n0, t0 = n, t
+
+
 def _gallop(top: int, start: int, grid: int, limit: int, fits: Callable[[int], bool]) -> int:
     """Largest index ``i`` in ``[0, top]`` whose candidate ``min((i + 1) * grid,
     limit)`` fits, or -1 if none does.

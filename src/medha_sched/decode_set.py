@@ -36,6 +36,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
+from operator import attrgetter
 from typing import NamedTuple
 
 from medha_sched.batch_cost import Work, chunk_works
@@ -43,6 +44,8 @@ from medha_sched.cost.base import AggregateCostModel, CostModel
 from medha_sched.kv_memory import KVBlockManager
 from medha_sched.output import PENDING_TOKEN, BlockGrant, DecodeBatch, ScheduledChunk
 from medha_sched.request import Request
+
+_REQUEST_ID = attrgetter("request.request_id")
 
 
 class Member(NamedTuple):
@@ -325,7 +328,7 @@ class DecodeLanes:
         step = lane.issued
         grow = self.memory.grow_tails
         if self.kvp == 1:  # a request never outgrows its one shard (max context)
-            rids = tuple(m.request.request_id for m in crossers)
+            rids = tuple(map(_REQUEST_ID, crossers))
             blocks = grow(0, rids)
             if blocks is None:
                 return None

@@ -286,6 +286,18 @@ class KVBlockManager:
             )
         return True
 
+    def admit_one_shard(self, request_id: Hashable, num_tokens: int, group: int) -> None:
+        """:meth:`admit` of a prompt without block hashes for which
+        :meth:`plan_admit` gave ``(group,)``, nothing having changed since:
+        the same blocks, without planning again."""
+        if request_id in self._entries:
+            raise SchedulerError(f"request {request_id!r} is already admitted")
+        new = self._pools[group].allocate(request_id, self._blocks_for(num_tokens))
+        self._entries[request_id] = _Entry(
+            groups=(group,), blocks=[list(new)], tokens=num_tokens, pending={group: list(new)}
+        )
+        self._holders[group].add(request_id)
+
     def cached_tokens(self, request_id: Hashable) -> int:
         """Prompt tokens the request found in the prefix cache when admitted."""
         return self._entry(request_id).cached_tokens
@@ -383,9 +395,8 @@ class KVBlockManager:
         if pool.num_free < len(request_ids):
             return None
         blocks = pool.allocate_each(request_ids)
-        entries = self._entries
-        for rid, block in zip(request_ids, blocks, strict=True):
-            entries[rid].blocks[-1].append(block)
+        for entry, block in zip(map(self._entries.__getitem__, request_ids), blocks, strict=True):
+            entry.blocks[-1].append(block)
         return blocks
 
     def _grow_tail(self, rid: Hashable, entry: _Entry, count: int) -> bool:

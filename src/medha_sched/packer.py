@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from medha_sched.batch_cost import BatchCost, Work, chunk_works
-from medha_sched.chunking import largest_fitting_chunk
+from medha_sched.chunking import largest_chunk_within, largest_fitting_chunk
 from medha_sched.config import SchedulerConfig
 from medha_sched.policies.base import Policy, relative_slack
 from medha_sched.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class Draft:
     """A batch being formed: its decodes (a count, priced first), then prefill chunks."""
 
@@ -164,8 +164,9 @@ class ChunkSizer:
                 return 0, is_long
             time_with_tail = cost.time_with_tail
 
-            def fits(n: int) -> bool:
-                return time_with_tail(group, n, start) <= target
+            def time_of(n: int) -> float:
+                return time_with_tail(group, n, start)
+
         else:
 
             def fits(n: int) -> bool:
@@ -174,7 +175,10 @@ class ChunkSizer:
         rid = request.request_id
         last = self._last_chunk
         hint = last.get(rid, 0)
-        chunk = largest_fitting_chunk(limit, grid, fits, hint=hint)
+        if single:
+            chunk = largest_chunk_within(limit, grid, time_of, target, base=cost.time, hint=hint)
+        else:
+            chunk = largest_fitting_chunk(limit, grid, fits, hint=hint)
         if chunk == 0 and force:
             chunk = min(grid, limit)
         if chunk == 0:

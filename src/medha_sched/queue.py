@@ -87,6 +87,9 @@ class PrefillQueue:
         # only when the iteration reaches it, as with nested loops
         request_of = self._requests.__getitem__
         classes = self._classes
+        if len(classes) == 1:  # one class (the common case): no chain to walk through
+            (index,) = classes.values()
+            return map(request_of, index.iter_sorted(now))
         return chain.from_iterable(
             map(request_of, classes[priority].iter_sorted(now)) for priority in sorted(classes)
         )

@@ -592,8 +592,12 @@ class Scheduler:
             return
         if tokens <= draft.fits_somewhere:
             return  # a chunk at least this big fits on some group
-        time_with_tail, target = draft.cost.time_with_tail, draft.target
-        if all(time_with_tail(g, tokens, 0) > target for g in range(self.layout.kvp)):
+        time_with_tail, target, kvp = draft.cost.time_with_tail, draft.target, self.layout.kvp
+        if (
+            time_with_tail(0, tokens, 0) > target
+            if kvp == 1
+            else all(time_with_tail(g, tokens, 0) > target for g in range(kvp))
+        ):
             draft.floor = tokens
         else:
             draft.fits_somewhere = tokens
@@ -627,8 +631,13 @@ class Scheduler:
                 self._set_cursors(request, 0)
             return False
         if not admitted:
-            ok = self.memory.admit(rid, request.num_prefill_tokens, hashes)
-            assert ok and self.memory.groups_of(rid) == groups, "admission differs from its plan"
+            if self._caching or len(groups) != 1:
+                ok = self.memory.admit(rid, request.num_prefill_tokens, hashes)
+                assert ok and self.memory.groups_of(rid) == groups, (
+                    "admission differs from its plan"
+                )
+            else:  # the plan stands: nothing changed since plan_admit
+                self.memory.admit_one_shard(rid, request.num_prefill_tokens, groups[0])
             if self._caching:
                 assert self.memory.cached_tokens(rid) == cached, "cache hit differs from its plan"
                 request.num_cached_tokens = cached

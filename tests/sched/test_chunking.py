@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medha_sched import BatchWork, largest_fitting_chunk
+from medha_sched.chunking import _GUESSES, largest_chunk_within
 
 from .models import poly_models
 
@@ -143,3 +144,108 @@ def test_call_count_is_logarithmic(limit: int, grid: int) -> None:
         largest_fitting_chunk(limit, grid, rec)
         worst = max(worst, len(rec.calls))
     assert worst <= max_calls(limit, grid)
+
+
+# ------------------------------------------------------ largest_chunk_within
+def max_calls_within(limit: int, grid: int) -> int:
+    count = math.ceil(limit / grid)
+    return math.ceil(math.log2(count + 1)) + _GUESSES + 1
+
+
+def check_within(limit: int, grid: int, time_of, target: float, base: float, hint: int) -> int:
+    """``largest_chunk_within`` equals the brute-force answer and stays on the grid."""
+    calls: list[int] = []
+
+    def rec(n: int) -> float:
+        calls.append(n)
+        return time_of(n)
+
+    got = largest_chunk_within(limit, grid, rec, target, base=base, hint=hint)
+    assert got == brute_force(limit, grid, lambda n: time_of(n) <= target), (limit, grid, got)
+    allowed = set(candidates(limit, grid))
+    assert all(n in allowed for n in calls), f"probed off-grid sizes {calls}"
+    assert len(calls) <= max(max_calls_within(limit, grid), 0), (limit, grid, calls)
+    if got:
+        assert got in calls, "returned a chunk it never saw fit"
+    return len(calls)
+
+
+@SETTINGS
+@given(
+    limit=st.integers(0, 5000),
+    grid=st.integers(1, 64),
+    k=st.integers(-5, 5200),
+    base=st.floats(-10.0, 6000.0),
+    hint=st.integers(0, 6000),
+)
+def test_within_threshold_matches_brute_force(limit, grid, k, base, hint) -> None:
+    # time n against target k: the answer is the largest candidate <= k
+    check_within(limit, grid, float, float(k), base, hint)
+
+
+@SETTINGS
+@given(
+    model=poly_models(),
+    limit=st.integers(0, 5000),
+    grid=st.integers(1, 64),
+    kv=st.integers(0, 50_000),
+    target=st.floats(1e-4, 0.2),
+    hint=st.integers(0, 6000),
+)
+def test_within_cost_model_matches_brute_force(model, limit, grid, kv, target, hint) -> None:
+    def time_of(n: int) -> float:
+        return model.predict(BatchWork.single_group((n, kv)))
+
+    check_within(limit, grid, time_of, target, 0.0, hint)
+
+
+@SETTINGS
+@given(
+    limit=st.integers(1, 5000),
+    grid=st.integers(1, 64),
+    steps=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=40),
+    target=st.floats(0.0, 100.0),
+    hint=st.integers(0, 6000),
+)
+def test_within_any_non_decreasing_time(limit, grid, steps, target, hint) -> None:
+    # a staircase with flat parts and jumps: the line through two probes is
+    # often flat or far off, and the answer must still be exact
+    def time_of(n: int) -> float:
+        return sum(steps[: n * len(steps) // (limit + 1) + 1])
+
+    check_within(limit, grid, time_of, target, 0.0, hint)
+
+
+def test_within_near_linear_time_takes_few_probes() -> None:
+    # about the roofline model's shape: a fixed part plus a nearly linear one
+    def time_of(n: int) -> float:
+        return 0.012 + 1.7e-5 * n + 1e-10 * n * n
+
+    probes = []
+    for target in (0.02, 0.03, 0.05, 0.08):
+        for hint in (0, 32, 640, 2048):
+            probes.append(check_within(4096, 32, time_of, target, 0.012, hint))
+    assert max(probes) <= 4, probes
+    # the bisecting search from a hint gallops: more probes for a far hint
+    rec = Recorder(lambda n: time_of(n) <= 0.05)
+    largest_fitting_chunk(4096, 32, rec, hint=32)
+    assert len(rec.calls) > 4
+
+
+def test_within_non_positive_limit_gives_zero_without_probing() -> None:
+    calls: list[int] = []
+    assert largest_chunk_within(0, 32, lambda n: calls.append(n) or 0.0, 1.0) == 0
+    assert largest_chunk_within(-5, 32, lambda n: calls.append(n) or 0.0, 1.0) == 0
+    assert calls == []
+
+
+@pytest.mark.parametrize("base", [0.0, math.inf, math.nan])
+def test_within_infinite_times_and_odd_base(base: float) -> None:
+    # times that overflow past some size: the interpolated guess is not a
+    # number, and the search must still end with the exact answer
+    def time_of(n: int) -> float:
+        return math.inf if n > 700 else 1e-3 * n
+
+    for hint in (0, 32, 2048):
+        for target in (0.1, 0.5, 0.7, math.inf):
+            check_within(4096, 32, time_of, target, base, hint)
