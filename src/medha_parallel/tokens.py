@@ -3,7 +3,7 @@
 With async scheduling (a decode issued before its previous token is back)
 every rank that embeds tokens must learn the token the previous batch sampled,
 and only one rank samples. :class:`TokenBroadcast` sends that rank's ids to
-every other rank: one ``int64`` tensor on a gloo group of the whole world
+every other rank: one ``int64`` tensor (the count, then the ids) on a gloo group of the whole world
 (made for it, so the ids never share a queue with the model's collectives and
 stay on the host whatever the model's device). Failures and timeouts raise
 :class:`~medha_parallel.errors.CommunicationError` naming ``world`` and
@@ -62,6 +62,9 @@ class TokenBroadcast:
 
         Returns:
             The ids, as a list of ``count`` ints, the same on every rank.
+
+        The count travels ahead of the ids: a rank that expects another count
+        than the sender's gets a :class:`CommunicationError` saying both.
         """
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
@@ -71,11 +74,16 @@ class TokenBroadcast:
                 raise ValueError(f"rank {self.src} sends {count} token ids, got {got}")
             if self.group is None or count == 0:
                 return list(ids)
-            buf = torch.tensor(ids, dtype=torch.int64)
+            buf = torch.tensor([count, *ids], dtype=torch.int64)
         else:
             if count == 0:
                 return []
-            buf = torch.empty(count, dtype=torch.int64)
+            buf = torch.empty(count + 1, dtype=torch.int64)
         with named_comm("world", "broadcast_tokens"):
             dist.broadcast(buf, src=self.src, group=self.group)
-        return buf.tolist()
+            sent, *got = buf.tolist()
+            if sent != count:
+                raise ValueError(
+                    f"rank {self.rank} expects {count} token ids, rank {self.src} sent {sent}"
+                )
+        return got

@@ -25,9 +25,11 @@ SPP > 1 the measured time is the sum over stages of each stage's own seconds
 (the slowest rank of the stage, less its wait for the previous stage's
 activations), which the multi-process executor reports per batch
 (``StepDone.stage_s``); both the error and the learning use it. An executor
-that reports no stage times (the torch.distributed one) leaves SPP > 1
-unlearned, its errors measured against the wall time as before. With SPP = 1
-(any TP and KVP) the wall time is the batch's latency and is used as is.
+that reports no stage times (the torch.distributed one with SPP > 1) leaves
+SPP > 1 unlearned, its errors measured against the wall time as before. With
+SPP = 1 (any TP and KVP) the wall time is the batch's latency and is used as
+is, except with async scheduling, where a batch waits behind the previous one
+and the engine passes the batch's own execution seconds instead.
 """
 
 from __future__ import annotations

@@ -79,7 +79,9 @@ class StepDone:
 
     ``stage_s`` holds, per pipeline stage in order, the seconds that stage spent
     on the batch (the slowest of its ranks, without the wait for the previous
-    stage); empty where the executor does not measure stages.
+    stage; the torch.distributed executor with spp = 1 reports rank 0's own
+    seconds, rank 0 being the sampling rank); empty where the executor does
+    not measure stages.
     """
 
     step_id: int

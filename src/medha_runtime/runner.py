@@ -361,6 +361,13 @@ class ModelRunner:
         else:
             tp, stage, group = state.coords.tp, state.coords.spp, state.coords.kvp
             self.device = state.device
+        # with several ranks: the sampling rank's tokens to every rank, after
+        # each step. Built first (collective): a rank that fails later in its
+        # start-up (a missing model file) leaves no peer waiting in new_group.
+        tokens = None
+        if spec.pending_tokens and state is not None and spec.world_size > 1:
+            src = state.layout.rank(tp=0, spp=spec.spp - 1, kvp=0)
+            tokens = TokenBroadcast(state, src=src)
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for each step's activations
         self.group, self.stage = group, stage
@@ -416,12 +423,9 @@ class ModelRunner:
         #: token id is ``PENDING_TOKEN``: the previous batch samples it)
         self._last_token: dict[str, int] | None = None
         #: with several ranks: the sampling rank's tokens to every rank, after each step
-        self._tokens: TokenBroadcast | None = None
+        self._tokens: TokenBroadcast | None = tokens
         if spec.pending_tokens:  # spp = 1 (RunnerSpec checks)
             self._last_token = {}
-            if state is not None and spec.world_size > 1:
-                src = state.layout.rank(tp=0, spp=spec.spp - 1, kvp=0)
-                self._tokens = TokenBroadcast(state, src=src)
 
     @property
     def is_sampler(self) -> bool:

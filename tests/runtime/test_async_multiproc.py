@@ -1,4 +1,4 @@
-"""Async scheduling on worker processes (tp = 2, kvp = 2; spp = 1): the sampling
+"""Async scheduling on worker processes (tp = 2, kvp = 2, both; spp = 1): the sampling
 rank broadcasts each step's tokens, every rank fills the next batch's decodes
 issued ahead, and the outputs are the synchronous engine's."""
 
@@ -20,6 +20,9 @@ LAYOUTS = [
     pytest.param({"tp": 2}, id="tp2"),
     # 32-token shards: the 36-token prompt's decodes span both KVP groups
     pytest.param({"kvp": 2, "kvp_group_tokens": 32, "max_model_len": 64}, id="kvp2"),
+    # 4 ranks: the sampling rank's tokens reach the other TP rank of its KVP
+    # group and both ranks of the other group
+    pytest.param({"tp": 2, "kvp": 2, "kvp_group_tokens": 32, "max_model_len": 64}, id="tp2kvp2"),
 ]
 
 
