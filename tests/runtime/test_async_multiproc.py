@@ -12,7 +12,7 @@ from medha_runtime.executor import StepDone
 from medha_runtime.model.tiny import tiny_config
 from medha_runtime.runner import RunnerSpec
 from medha_sched import PENDING_TOKEN
-from tests.runtime.test_async_scheduling import assert_same, make_engine, prompts, run
+from tests.runtime.test_async_scheduling import assert_same, make_engine, prompts, run, summary
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -79,14 +79,7 @@ def _generate(async_: bool, layout: dict, requests: list) -> tuple[dict, dict]:
                 if now is not None:
                     outs.append(now)
             for out in outs:
-                c = out.outputs[0]
-                done[out.request_id] = (
-                    c.token_ids,
-                    c.text,
-                    c.finish_reason,
-                    c.stop_reason,
-                    c.logprobs,
-                )
+                done[out.request_id] = summary(out)
         seen["max_in_flight"] = engine.stats.max_in_flight
     finally:
         engine.shutdown()

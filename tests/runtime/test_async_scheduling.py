@@ -31,6 +31,12 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
 
 
+def summary(out) -> tuple:  # type: ignore[no-untyped-def]
+    """A finished request's ``(token ids, text, finish, stop, logprobs)``."""
+    c = out.outputs[0]
+    return (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
+
+
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], *, eos=None):
     """Every request to completion: ``{request id: (token ids, text, finish, stop, logprobs)}``."""
     if eos is not None:
@@ -40,8 +46,7 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], *, 
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            c = out.outputs[0]
-            done[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
+            done[out.request_id] = summary(out)
     return done
 
 
@@ -351,14 +356,7 @@ def test_staggered_arrivals_give_the_sync_outputs() -> None:
                         i, (ids, params) = pending.pop(0)
                         engine.add_request(ids, params, request_id=f"q{i}")
                 for out in engine.step():
-                    c = out.outputs[0]
-                    done[out.request_id] = (
-                        c.token_ids,
-                        c.text,
-                        c.finish_reason,
-                        c.stop_reason,
-                        c.logprobs,
-                    )
+                    done[out.request_id] = summary(out)
         finally:
             engine.shutdown()
         results[async_] = done
