@@ -11,7 +11,7 @@ stay on the host whatever the model's device). Failures and timeouts raise
 
 Where every rank runs on this host (Linux on x86-64) the ids go through shared
 memory instead (:class:`_ShmTokens`): a gloo broadcast crosses the TCP stack
-and wakes a transport thread on every rank, 0.14-0.7 ms of wall per step in a
+and wakes a transport thread on every rank, 0.13-1.05 ms of wall per step in a
 ``kvp=2`` decode on ``tiny`` at 32K (``docs/benchmarks.md``), against a copy
 and a flag here. The sender never waits for the receivers (it only checks
 that they read the buffer it reuses, two broadcasts back).
