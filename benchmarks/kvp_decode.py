@@ -21,14 +21,28 @@ For each layout and repeat it reports:
 Repeats alternate the layouts (1, 2, 1, 2, ...) and the report gives the
 ratio ``kvp=2 / kvp=1`` of the medians, and the load average before and after.
 
+``--modes sync async`` runs each layout without and with async scheduling
+(``LLMEngine(async_scheduling=True)``: batch N+1 is formed and shipped while
+the ranks run batch N; with ``kvp=2`` the sampling rank broadcasts its tokens
+to the other rank), alternating within each repeat (sync kvp=1, sync kvp=2,
+async kvp=1, async kvp=2, ...); the greedy tokens must be identical across
+every mode and layout. With async scheduling a decode step's wall time is
+still the interval between two ``step()`` returns, and its CPU time counts
+the driver's work for the next batch, which overlaps the ranks' work.
+
     python benchmarks/kvp_decode.py                       # 32K context, 2 repeats
     python benchmarks/kvp_decode.py --context 8192 --new 16 --repeats 1   # quicker
+    python benchmarks/kvp_decode.py --context 32768 --new 64 --repeats 3 --modes sync async
 
 ``--ranks`` times the ranks alone instead (no engine, no driver): one decode
 step at the end of the context, run ``--steps`` times by ``ModelRunner`` s
 joined over gloo (forkserver, ``file://``, one thread each), for ``kvp=1``
 and for ``kvp=2`` with the shared-memory merge and with gloo's; it reports
-each rank's wall and thread CPU time per step (medians).
+each rank's wall and thread CPU time per step (medians). With ``--modes sync
+async`` the step samples its row (greedy) and runs kvp=1 and kvp=2 (the
+shared-memory merge) per mode; ``async`` decodes ``PENDING_TOKEN``, the
+sampling rank broadcasting each step's token to the other rank as under async
+scheduling.
 
 ``--merge`` times one KVP merge of a decode's state (one query, tiny's 4 heads
 x 16) between two ranks, through shared memory and through gloo: wall and
@@ -71,8 +85,8 @@ def _phase(before: list[float], after: list[float], steps: int = 1) -> dict[str,
     return {"total": sum(used), "path": used[0] + worker, "driver": used[0], "worker": worker}
 
 
-def run(kvp: int, prompt: list[int], args: argparse.Namespace) -> dict:
-    """One generation with ``kvp`` groups: timings and tokens."""
+def run(kvp: int, prompt: list[int], args: argparse.Namespace, async_: bool = False) -> dict:
+    """One generation with ``kvp`` groups (async scheduling if ``async_``): timings and tokens."""
     context = len(prompt) + args.new
     group = -(-context // kvp // args.block) * args.block
     engine = LLMEngine(
@@ -88,6 +102,7 @@ def run(kvp: int, prompt: list[int], args: argparse.Namespace) -> dict:
         block_size=args.block,
         cost_model=COST,
         attention_backend=args.backend,
+        async_scheduling=async_,
     )
     try:
         pids = [os.getpid(), *getattr(engine.executor, "pids", [])]
@@ -118,16 +133,27 @@ def run(kvp: int, prompt: list[int], args: argparse.Namespace) -> dict:
             # the mean over decode steps: the process clocks tick every 10 ms
             "tpot_cpu": _phase(c1, c2, len(decode_wall)),
             "tokens": list(out.outputs[0].token_ids),
+            "in_flight": engine.stats.max_in_flight,
         }
     finally:
         engine.shutdown()
 
 
-def _rank_steps(rank: int, world: int, init: str, args: argparse.Namespace, shm: bool) -> dict:
-    """Decode steps of one rank at the end of an ``args.context``-token sequence."""
+def _rank_steps(
+    rank: int, world: int, init: str, args: argparse.Namespace, shm: bool, mode: str = "plain"
+) -> dict:
+    """Decode steps of one rank at the end of an ``args.context``-token sequence.
+
+    ``mode``: ``"plain"`` (no row sampled), ``"sync"`` (the row sampled
+    greedily) or ``"async"`` (sampled, and each step's token id is
+    ``PENDING_TOKEN``: the runner keeps the last sampled token, which the
+    sampling rank broadcasts to the others, as under async scheduling).
+    """
     from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
     from medha_runtime.plan import PlannedChunk, StepPlan
     from medha_runtime.runner import ModelRunner, RunnerSpec
+    from medha_runtime.sampling_params import SampleSpec
+    from medha_sched.output import PENDING_TOKEN
 
     torch.set_num_threads(1)
     group = -(-args.context // world // args.block) * args.block
@@ -140,6 +166,7 @@ def _rank_steps(rank: int, world: int, init: str, args: argparse.Namespace, shm:
         block_size=args.block,
         group_tokens=group,
         attention_backend=args.backend,
+        pending_tokens=mode == "async",
     )
     state = None
     if world > 1:
@@ -153,8 +180,10 @@ def _rank_steps(rank: int, world: int, init: str, args: argparse.Namespace, shm:
     groups = tuple(range(world))
     blocks = tuple((g, tuple(range(group // args.block))) for g in groups)
     pos = args.context - 1
-    runner.execute(StepPlan(0, (PlannedChunk("a", pos, (7,), groups, blocks),)))
-    step = StepPlan(1, (PlannedChunk("a", pos, (7,), groups),))
+    sample = None if mode == "plain" else SampleSpec("a", 0.0, 0, 1.0, 0, None)
+    runner.execute(StepPlan(0, (PlannedChunk("a", pos, (7,), groups, blocks, sample),)))
+    token = (PENDING_TOKEN if mode == "async" else 7,)
+    step = StepPlan(1, (PlannedChunk("a", pos, token, groups, (), sample),))
     wall, cpu = [], []
     for _ in range(args.steps):
         t, c = time.perf_counter(), time.thread_time()
@@ -228,11 +257,17 @@ def ranks(args: argparse.Namespace) -> None:
     from tests.parallel.dist import launch
 
     print(f"load average before: {os.getloadavg()}")
-    runs = {"kvp=1": launch(_rank_steps, 1, args, False)}
-    runs["kvp=2 shm merge"] = launch(_rank_steps, 2, args, True)
-    runs["kvp=2 gloo merge"] = launch(_rank_steps, 2, args, False)
+    if args.modes == ["sync"]:  # as before: the step samples nothing
+        runs = {"kvp=1": launch(_rank_steps, 1, args, False)}
+        runs["kvp=2 shm merge"] = launch(_rank_steps, 2, args, True)
+        runs["kvp=2 gloo merge"] = launch(_rank_steps, 2, args, False)
+    else:  # the row sampled; alternating modes, the shared-memory merge
+        runs = {}
+        for mode in dict.fromkeys(args.modes):
+            runs[f"{mode} kvp=1"] = launch(_rank_steps, 1, args, False, mode)
+            runs[f"{mode} kvp=2"] = launch(_rank_steps, 2, args, True, mode)
     print(f"load average after: {os.getloadavg()}")
-    base = runs["kvp=1"][0]
+    base = next(iter(runs.values()))[0]
     print(f"\none decode step at {args.context} tokens, {args.steps} steps, medians per rank")
     print(f"{'':>18} {'wall ms':>8} {'x kvp=1':>8} {'CPU ms':>8} {'x kvp=1':>8}")
     for name, per_rank in runs.items():
@@ -257,6 +292,13 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="time one merge (see above)")
     ap.add_argument("--steps", type=int, default=50, help="decode steps timed with --ranks")
     ap.add_argument("--peer-ms", type=float, default=0.0, help="--merge: rank 1 arrives late")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("sync", "async"),
+        default=["sync"],
+        help="scheduling modes, run side by side (async: async scheduling)",
+    )
     args = ap.parse_args()
     if args.ranks:
         ranks(args)
@@ -267,25 +309,31 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(256) for _ in range(args.context)]
     print(f"load average before: {os.getloadavg()}")
-    results: dict[int, list[dict]] = {1: [], args.kvp: []}
-    for rep in range(args.repeats):
-        for kvp in (1, args.kvp):
-            r = run(kvp, prompt, args)
-            results[kvp].append(r)
-            print(
-                f"repeat {rep} kvp={kvp}: prefill {r['prefill']:.2f} s "
-                f"(CPU path {r['prefill_cpu']['path']:.2f} s), TPOT {1e3 * r['tpot']:.2f} ms "
-                f"(CPU path {1e3 * r['tpot_cpu']['path']:.2f} ms), load {os.getloadavg()[0]:.1f}",
-                flush=True,
-            )
-    print(f"load average after: {os.getloadavg()}")
-    tokens = results[1][0]["tokens"]
-    same = all(r["tokens"] == tokens for rs in results.values() for r in rs)
-
-    def med(kvp: int, key: str, sub: str | None = None) -> float:
-        return statistics.median(r[key] if sub is None else r[key][sub] for r in results[kvp])
-
     k = args.kvp
+    modes = list(dict.fromkeys(args.modes))
+    results: dict[tuple[str, int], list[dict]] = {(m, kvp): [] for m in modes for kvp in (1, k)}
+    for rep in range(args.repeats):
+        for mode in modes:
+            for kvp in (1, k):
+                r = run(kvp, prompt, args, mode == "async")
+                results[mode, kvp].append(r)
+                print(
+                    f"repeat {rep} {mode} kvp={kvp}: prefill {r['prefill']:.2f} s "
+                    f"(CPU path {r['prefill_cpu']['path']:.2f} s), "
+                    f"TPOT {1e3 * r['tpot']:.2f} ms "
+                    f"(CPU path {1e3 * r['tpot_cpu']['path']:.2f} ms), "
+                    f"batches in flight at most {r['in_flight']}, "
+                    f"load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+    print(f"load average after: {os.getloadavg()}")
+    tokens = results[modes[0], 1][0]["tokens"]
+    same = {key: all(r["tokens"] == tokens for r in rs) for key, rs in results.items()}
+
+    def med(key: tuple[str, int], field: str, sub: str | None = None) -> float:
+        rs = results[key]
+        return statistics.median(r[field] if sub is None else r[field][sub] for r in rs)
+
     rows = [
         ("prefill wall (s)", 1.0, "prefill", None),
         ("prefill CPU path (s)", 1.0, "prefill_cpu", "path"),
@@ -297,12 +345,26 @@ def main() -> None:
         ("TPOT CPU worker (ms)", 1e3, "tpot_cpu", "worker"),
     ]
     print(f"\ncontext {args.context}, {args.new} new tokens, chunk {args.chunk}, 1 thread per rank")
-    print(f"{'median of ' + str(args.repeats):>24} {'kvp=1':>9} {f'kvp={k}':>9} {f'{k}/1':>7}")
-    for name, scale, key, sub in rows:
-        a, b = med(1, key, sub), med(k, key, sub)
-        ratio = f"{b / a:7.2f}" if a else f"{'-':>7}"
-        print(f"{name:>24} {scale * a:9.2f} {scale * b:9.2f} {ratio}")
-    print(f"greedy tokens identical: {same}")
+    head = f"{'median of ' + str(args.repeats):>24}"
+    for mode in modes:
+        head += f" {mode + ' kvp=1':>12} {f'{mode} kvp={k}':>12} {f'{k}/1':>6}"
+    if len(modes) > 1:
+        head += f" {'async/sync kvp=1':>16} {f'kvp={k}':>7}"
+    print(head)
+    for name, scale, field, sub in rows:
+        line = f"{name:>24}"
+        for mode in modes:
+            a, b = med((mode, 1), field, sub), med((mode, k), field, sub)
+            ratio = f"{b / a:6.2f}" if a else f"{'-':>6}"
+            line += f" {scale * a:12.2f} {scale * b:12.2f} {ratio}"
+        if len(modes) > 1:
+            for kvp, width in ((1, 16), (k, 7)):
+                s_, a_ = med((modes[0], kvp), field, sub), med((modes[-1], kvp), field, sub)
+                line += f" {a_ / s_:{width}.2f}" if s_ else f" {'-':>{width}}"
+        print(line)
+    for (mode, kvp), ok in same.items():
+        print(f"greedy tokens identical to {modes[0]} kvp=1: {mode} kvp={kvp} {ok}")
+    print(f"greedy tokens identical: {all(same.values())}")
 
 
 if __name__ == "__main__":

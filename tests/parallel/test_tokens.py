@@ -1,23 +1,28 @@
-"""TokenBroadcast: one rank's token ids reach every rank of the world (gloo, 3 ranks)."""
+"""TokenBroadcast: one rank's token ids reach every rank of the world (gloo, 2-3 ranks),
+through gloo and through shared memory."""
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
-from medha_parallel import CommunicationError, ParallelLayout, ParallelState, TokenBroadcast
+from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast
+from medha_parallel.errors import CommunicationError
+from medha_parallel.tokens import SHM_MAX_IDS
 
 from .dist import launch
 
 IDS = [[5, 0, 49151, 7], [2**40, -3], [11]]  # int64 range, any order; one launch sends each
 
 
-def _worker(rank: int, world_size: int, init: str) -> dict:
+def _worker(rank: int, world_size: int, init: str, shared_memory: bool = False) -> dict:
     state = ParallelState.initialize(
         ParallelLayout(kvp=3), backend="gloo", init_method=init, rank=rank, world_size=world_size
     )
     res: dict = {}
     for src in (0, 1, 2):
-        tokens = TokenBroadcast(state, src=src)
+        tokens = TokenBroadcast(state, src=src, shared_memory=shared_memory)
+        assert tokens.uses_shared_memory == shared_memory
         got = []
         for ids in IDS:
             got.append(tokens.broadcast(ids if rank == src else None, len(ids)))
@@ -38,10 +43,76 @@ def _worker(rank: int, world_size: int, init: str) -> dict:
     return res
 
 
-def test_every_rank_gets_the_source_ids() -> None:
-    results = launch(_worker, 3)
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_every_rank_gets_the_source_ids(shared_memory: bool) -> None:
+    results = launch(_worker, 3, shared_memory)
     for rank, res in enumerate(results):
         for src in (0, 1, 2):
             assert res[src] == [*IDS, []], (rank, src)
         assert res.get("mismatch") == (None if rank == 1 else [7, 8, 9])
         assert res["repr"] == f"TokenBroadcast(rank={rank}, src=2, world_size=3)"
+
+
+def _shm_worker(rank: int, world_size: int, init: str) -> dict:
+    state = ParallelState.initialize(
+        ParallelLayout(kvp=2), backend="gloo", init_method=init, rank=rank, world_size=world_size
+    )
+    tokens = TokenBroadcast(state, src=0)  # the default: shared memory on this host
+    res: dict = {"shm": tokens.uses_shared_memory, "runs": []}
+    # the sender does not wait for the receiver: two broadcasts ahead fill both buffers
+    first, second = [1, 2, 3], [9, 8]
+    if rank == 0:
+        res["sent"] = [tokens.broadcast(first, 3), tokens.broadcast(second, 2)]
+        dist.barrier()
+    else:
+        dist.barrier()  # the receiver reads only after both were written
+        res["sent"] = [tokens.broadcast(None, 3), tokens.broadcast(None, 2)]
+    # many in a row (each buffer reused), lengths varying, and one past the shared
+    # buffer's capacity (gloo for it, on both ranks)
+    for step in range(50):
+        n = 1 + (step * 37) % 300
+        ids = [step * 1000 + i for i in range(n)]
+        res["runs"].append(tokens.broadcast(ids if rank == 0 else None, n) == ids)
+    big = list(range(-5, SHM_MAX_IDS + 5))
+    res["big"] = tokens.broadcast(big if rank == 0 else None, len(big)) == big
+    res["after"] = tokens.broadcast([2**40] if rank == 0 else None, 1)
+    tokens.close()
+    tokens.close()
+    res["closed"] = tokens.uses_shared_memory
+    return res
+
+
+def test_shared_memory_broadcast_order_and_capacity() -> None:
+    results = launch(_shm_worker, 2)
+    for rank, res in enumerate(results):
+        assert res["shm"] is True, rank
+        assert res["sent"] == [[1, 2, 3], [9, 8]], rank
+        assert res["runs"] == [True] * 50, rank
+        assert res["big"] is True, rank
+        assert res["after"] == [2**40], rank
+        assert res["closed"] is False, rank
+
+
+def _timeout_worker(rank: int, world_size: int, init: str) -> str:
+    state = ParallelState.initialize(
+        ParallelLayout(kvp=2),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=1.0,
+    )
+    tokens = TokenBroadcast(state, src=0)
+    if rank == 0:
+        return "sent nothing"
+    with pytest.raises(CommunicationError) as err:
+        tokens.broadcast(None, 4)  # rank 0 never sends
+    return str(err.value)
+
+
+def test_shared_memory_wait_times_out_naming_the_operation() -> None:
+    message = launch(_timeout_worker, 2)[1]
+    assert message == (
+        "broadcast_tokens on the world group failed: rank 0 of the shared-memory group "
+        "did not arrive within 1 s"
+    )
