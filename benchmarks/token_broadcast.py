@@ -2,10 +2,12 @@
 
 Async scheduling on worker processes (spp = 1) adds one
 :class:`medha_parallel.TokenBroadcast` per step: after sampling, rank 0 sends
-the step's ``--ids`` token ids (one ``int64`` tensor, gloo) to every rank.
+the step's ``--ids`` token ids to every rank, through shared memory where
+every rank is on this host (the default) or one gloo ``int64`` tensor.
 This times ``--calls`` of them on ``--ranks`` forkserver processes (``file://``
-rendezvous, one torch thread each) after 200 warm-up calls and prints each
-rank's median and mean microseconds per call.
+rendezvous, one torch thread each) after 200 warm-up calls, for each of
+``--transports`` in turn, and prints each rank's median and mean microseconds
+per call.
 
     python benchmarks/token_broadcast.py
     python benchmarks/token_broadcast.py --ids 256 --ranks 4
@@ -23,14 +25,15 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _rank(rank: int, ranks: int, init: str, ids: int, calls: int, out) -> None:  # type: ignore[no-untyped-def]
+def _rank(rank: int, ranks: int, init: str, ids: int, calls: int, shm: bool, out) -> None:  # type: ignore[no-untyped-def]
     from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast
 
     torch.set_num_threads(1)
     state = ParallelState.initialize(
         ParallelLayout(tp=ranks), backend="gloo", init_method=init, rank=rank, world_size=ranks
     )
-    tokens = TokenBroadcast(state, src=0)
+    tokens = TokenBroadcast(state, src=0, shared_memory=shm)
+    assert tokens.uses_shared_memory == shm
     sent = list(range(ids)) if rank == 0 else None
     for _ in range(200):
         tokens.broadcast(sent, ids)
@@ -49,13 +52,22 @@ def main() -> None:
     ap.add_argument("--ids", type=int, default=64)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--transports", nargs="+", choices=("shm", "gloo"), default=["shm", "gloo"])
     args = ap.parse_args()
+    for transport in args.transports:
+        _measure(args, transport)
+
+
+def _measure(args: argparse.Namespace, transport: str) -> None:
     ctx = mp.get_context("forkserver")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs = [
-            ctx.Process(target=_rank, args=(r, args.ranks, init, args.ids, args.calls, out))
+            ctx.Process(
+                target=_rank,
+                args=(r, args.ranks, init, args.ids, args.calls, transport == "shm", out),
+            )
             for r in range(args.ranks)
         ]
         for p in procs:
@@ -66,7 +78,7 @@ def main() -> None:
             raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
         results = sorted(out.get() for _ in procs)
     print(
-        f"TokenBroadcast, {args.ids} ids, {args.ranks} gloo ranks, {args.calls} calls, "
+        f"TokenBroadcast ({transport}), {args.ids} ids, {args.ranks} ranks, {args.calls} calls, "
         f"load average {os.getloadavg()[0]:.1f}:"
     )
     for rank, med, mean in results:
