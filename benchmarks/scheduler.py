@@ -33,6 +33,10 @@ arrival that was a burst of certificate failures (about 250 per step at
 first with 10,000 waiting); with leaves laid out by slope (since 2026-11-25)
 it is at most about 10 per step, so the default (no warm-up) times the
 start-up and a warm-up times a queue in its steady state.
+Each configuration's timed steps start after a full garbage collection:
+without it the configurations run before (their schedulers and requests)
+were collected by a generation-2 pass inside some later timed call (tens of ms
+at 10,000 waiting), which moved the mean of whichever ran later.
 
     python benchmarks/scheduler.py --waiting 1000 10000 --policies lars lars-mp
     python benchmarks/scheduler.py --decodes 256 1024 --waiting 1000 --policies lars
@@ -41,6 +45,7 @@ start-up and a warm-up times a queue in its steady state.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -121,6 +126,9 @@ def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -
     for s in scheds.values():
         for rid, arrival, prompt in specs:
             s.add_request(Request(rid, arrival, prompt, 1))
+    # The previous configurations' garbage (a 10,000-waiting run leaves much)
+    # and the set-up's is collected now, not by a pass inside a timed call.
+    gc.collect()
     clock = time.thread_time if args.cpu_time else time.perf_counter
     times = {impl: [] for impl in impls}
     spell, end = [], {impl: [] for impl in impls}
