@@ -33,6 +33,15 @@ arrival that was a burst of certificate failures (about 250 per step at
 first with 10,000 waiting); with leaves laid out by slope (since 2026-11-25)
 it is at most about 10 per step, so the default (no warm-up) times the
 start-up and a warm-up times a queue in its steady state.
+Each configuration (policy, decodes, waiting) runs in a fresh interpreter
+(``--in-process``: all in this one, as before 2026-11-26): in one process a
+configuration run after the 10,000-waiting ones read 2-10 µs slower at p50
+than the same configuration run first (lars and lars-mp make the very same
+calls and batches here; whichever ran later read slower). Each
+configuration's timed steps also start after a full garbage collection:
+without it the configurations run before (their schedulers and requests)
+were collected by a generation-2 pass inside some later timed call (tens of ms
+at 10,000 waiting), which moved the mean of whichever ran later.
 
     python benchmarks/scheduler.py --waiting 1000 10000 --policies lars lars-mp
     python benchmarks/scheduler.py --decodes 256 1024 --waiting 1000 --policies lars
@@ -41,10 +50,13 @@ start-up and a warm-up times a queue in its steady state.
 from __future__ import annotations
 
 import argparse
+import gc
+import multiprocessing
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from medha_sched import (
@@ -121,6 +133,9 @@ def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -
     for s in scheds.values():
         for rid, arrival, prompt in specs:
             s.add_request(Request(rid, arrival, prompt, 1))
+    # The previous configurations' garbage (a 10,000-waiting run leaves much)
+    # and the set-up's is collected now, not by a pass inside a timed call.
+    gc.collect()
     clock = time.thread_time if args.cpu_time else time.perf_counter
     times = {impl: [] for impl in impls}
     spell, end = [], {impl: [] for impl in impls}
@@ -165,6 +180,14 @@ def measure(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -
     return rows
 
 
+def measure_fresh(policy: str, waiting: int, decodes: int, args: argparse.Namespace) -> dict:
+    """:func:`measure` in a new interpreter (spawned), so that what earlier
+    configurations left in this process's heap cannot slow this one."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(measure, policy, waiting, decodes, args).result()
+
+
 def stats(samples: list[float], ends: list[float]) -> dict:
     ordered = sorted(samples)
     return {
@@ -189,6 +212,11 @@ def main() -> None:
     parser.add_argument(
         "--impls", nargs="+", default=list(ALL_IMPLS), choices=ALL_IMPLS, help="new comes first"
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every configuration in this process (default: a fresh one each)",
+    )
     args = parser.parse_args()
     args.impls = tuple(["new"] + [i for i in args.impls if i != "new"])
     head = (
@@ -199,7 +227,10 @@ def main() -> None:
     for policy in args.policies:
         for decodes in args.decodes:
             for waiting in args.waiting:
-                rows = measure(policy, waiting, decodes, args)
+                if args.in_process:
+                    rows = measure(policy, waiting, decodes, args)
+                else:
+                    rows = measure_fresh(policy, waiting, decodes, args)
                 base = rows["new"]["p50_us"]
                 for impl in args.impls:
                     r = rows[impl]

@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import numbers
 from bisect import bisect_right
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from typing import Any, Generic, TypeVar
@@ -231,6 +231,44 @@ class KineticIndex(Generic[K]):
                 self._open = [p for p, f in enumerate(pages) if f]
         self._repair(slot)
 
+    def remove_many(self, items: Iterable[K]) -> None:
+        """Delete each of ``items`` (distinct; ValueError at the first absent
+        one, the earlier ones removed): the index ends as after :meth:`remove`
+        of each in turn, the same winners, certificates and free slots, but a
+        match above several removed leaves is replayed once, after all of
+        them, not once per leaf."""
+        removed = 0
+        try:
+            for item in items:
+                slot = self._lookup(item)
+                del self._slot[item]
+                self._items[slot], self._tb[slot] = None, ()
+                self._win[self._cap + slot] = -1
+                pages = self._page_free
+                page = slot // self._page
+                free = pages[page]
+                free.append(slot)
+                self._num_free += 1
+                if len(free) == 1 and len(pages) > 1:  # as in remove
+                    self._open.append(page)
+                    if len(self._open) > 2 * len(pages) + 32:
+                        self._open = [p for p, f in enumerate(pages) if f]
+                removed += 1
+                if removed == 1:
+                    first = slot
+                elif removed == 2:
+                    level = {(self._cap + first) >> 1, (self._cap + slot) >> 1}
+                else:
+                    level.add((self._cap + slot) >> 1)
+        finally:  # also when an absent item stops the loop: the tree stays whole
+            if removed == 1:
+                self._repair(first)
+            elif removed:
+                self._replay_levels(level)
+                self._epoch += 1
+                if len(self._events) > 2 * self._cap + 32:
+                    self._compact_events()
+
     def discard(self, item: K) -> None:
         """Delete ``item`` if present."""
         if item in self._slot:
@@ -375,6 +413,48 @@ class KineticIndex(Generic[K]):
             if w == old != slot:
                 break
             node >>= 1
+        self.stats.comparisons += played
+
+    def _replay_levels(self, level: set[int]) -> None:
+        """Replay the matches at the nodes ``level`` (all at one depth) and,
+        level by level, those above whose winner may have changed: a node is
+        replayed once its children are, and its parent only if its winner
+        changed (the parent's match is then the same as before). At the clock.
+
+        :meth:`_climb` for several leaves at once (its loop body); the tree ends
+        in the one state every node's match at the clock determines, as after
+        climbing from each leaf in turn.
+        """
+        win, ver, cert, events = self._win, self._ver, self._cert, self._events
+        b, m, tb, now = self._b, self._m, self._tb, self._clock
+        played = 0
+        while level:
+            up: set[int] = set()
+            for node in level:
+                old = win[node]
+                a, c = win[2 * node], win[2 * node + 1]
+                version = ver[node] + 1
+                ver[node] = version
+                if a < 0 or c < 0:
+                    w, tau = (c if a < 0 else a), _INF
+                else:
+                    played += 1
+                    ma, mc = m[a], m[c]
+                    if ma < mc:  # a is below c from tau on
+                        tau = (b[c] - b[a]) / (ma - mc)
+                        w, tau = (a, _INF) if now >= tau else (c, tau)
+                    elif ma > mc:  # c is below a from tau on
+                        tau = (b[a] - b[c]) / (mc - ma)
+                        w, tau = (c, _INF) if now >= tau else (a, tau)
+                    else:
+                        w = a if (b[a], tb[a], a) < (b[c], tb[c], c) else c
+                        tau = _INF
+                    if tau < _INF:
+                        heappush(events, (tau, node, version))
+                win[node], cert[node] = w, tau
+                if w != old and node > 1:
+                    up.add(node >> 1)
+            level = up
         self.stats.comparisons += played
 
     def _take(self, slope: float) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import chain
 
 from medha_sched.policies.base import Policy
@@ -73,6 +73,25 @@ class PrefillQueue:
             self._classes[self._where.pop(request_id)].remove(request_id)
             del self._requests[request_id]
             self._short.pop(request_id, None)
+
+    def remove_many(self, request_ids: Iterable[str]) -> None:
+        """:meth:`remove` each of ``request_ids`` (distinct; one not queued is
+        skipped), each class's index repaired once for all of its removals."""
+        where, requests, short = self._where, self._requests, self._short
+        by_class: dict[int, list[str]] = {}
+        for rid in request_ids:
+            priority = where.pop(rid, None)
+            if priority is None:
+                continue
+            del requests[rid]
+            short.pop(rid, None)
+            ids = by_class.get(priority)
+            if ids is None:
+                by_class[priority] = [rid]
+            else:
+                ids.append(rid)
+        for priority, ids in by_class.items():
+            self._classes[priority].remove_many(ids)
 
     def has_remaining_below(self, tokens: int) -> bool:
         """Whether a queued request had fewer than ``tokens`` prompt tokens left

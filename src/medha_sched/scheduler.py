@@ -92,6 +92,10 @@ class _PrefillQueue(PrefillQueue):
         super().remove(request_id)
         self._not_long.discard(request_id)
 
+    def remove_many(self, request_ids: list[str]) -> None:
+        super().remove_many(request_ids)
+        self._not_long.difference_update(request_ids)
+
 
 @dataclass
 class _InFlight:
@@ -552,8 +556,8 @@ class Scheduler:
                 checked = floor
                 if not queue.has_remaining_below(floor):
                     break
-        for r in chosen:
-            self._queue.remove(r.request_id)
+        if chosen:
+            queue.remove_many([r.request_id for r in chosen])
         if self._adaptive and not entries and not draft.num_decodes and not self._in_flight:
             self._force_progress(draft, now)
 
