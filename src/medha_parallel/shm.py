@@ -342,7 +342,7 @@ class ShmPipe:
 
     def taken(self, seq: int) -> bool:
         """Whether the consumer released message ``seq`` (1-based)."""
-        return self._released.value >= seq
+        return _reached(self._released.value, seq)
 
     def wait_taken(self, seq: int) -> None:
         """Block until the consumer released message ``seq``."""
@@ -395,6 +395,13 @@ def map_group_buffer(
     return mm
 
 
+def _reached(value: int, seq: int) -> bool:
+    """Whether an int32 sequence flag reading ``value`` has reached ``seq``, modulo
+    2**32: a flag wraps after 2**31 - 1 steps (ctypes stores the low 32 bits), and
+    ``value >= seq`` would then never hold again."""
+    return (value - seq) & 0xFFFFFFFF < 0x80000000
+
+
 def _wait_flag(
     libc: Any,
     flag: ctypes.c_int32,
@@ -403,28 +410,28 @@ def _wait_flag(
     timeout_s: float,
     spin_s: float | None = None,
 ) -> bool:
-    """Wait until ``flag >= seq`` (a short spin yielding the core, then futex waits on
-    ``addr``, the flag's address); False after ``timeout_s``.
+    """Wait until ``flag`` reached ``seq`` (:func:`_reached`: a short spin yielding the
+    core, then futex waits on ``addr``, the flag's address); False after ``timeout_s``.
 
     The spin is :data:`_SPINS` rounds, or ``spin_s`` seconds when given.
     """
-    if flag.value >= seq:
+    if _reached(flag.value, seq):
         return True
     if spin_s is None:
         for _ in range(_SPINS):
             os.sched_yield()
-            if flag.value >= seq:
+            if _reached(flag.value, seq):
                 return True
     else:
         end = time.perf_counter() + spin_s
         while time.perf_counter() <= end:
             os.sched_yield()
-            if flag.value >= seq:
+            if _reached(flag.value, seq):
                 return True
     deadline = time.monotonic() + timeout_s
     where = ctypes.c_void_p(addr)
     slice_ = _Timespec(0, int(_FUTEX_SLICE_S * 1e9))
-    while (seen := flag.value) < seq:
+    while not _reached(seen := flag.value, seq):
         if time.monotonic() > deadline:
             return False
         libc.syscall(_SYS_FUTEX, where, _FUTEX_WAIT, ctypes.c_int32(seen), ctypes.byref(slice_))

@@ -132,8 +132,8 @@ class TokenBroadcast:
         src: the global rank whose ids are sent (``0 <= src < world size``).
         shared_memory: send up to :data:`SHM_MAX_IDS` ids through shared
             memory where every rank runs on this host on a supported platform
-            (default: wherever :func:`medha_parallel.shm.supported`); False:
-            always gloo. Every rank must pass the same value.
+            (None, the default, or True; decided together by all ranks);
+            False: always gloo. Every rank must pass the same value.
 
     Attributes:
         rank: this rank's global rank.
@@ -155,10 +155,11 @@ class TokenBroadcast:
                 self.group = dist.new_group(
                     list(range(world)), timeout=state.timeout, backend="gloo"
                 )
-        if shared_memory is None:
-            shared_memory = shm.supported()
         self._shm: _ShmTokens | None = None
-        if world > 1 and shared_memory:
+        self._closed = False
+        # None: every rank tries (creating the mapping is collective, and it
+        # finds None on every rank unless all are on this host and supported)
+        if world > 1 and shared_memory is not False:
             with named_comm("world", "broadcast_tokens"):
                 self._shm = _ShmTokens.create(
                     self.group, src=src, timeout_s=state.timeout.total_seconds()
@@ -184,6 +185,8 @@ class TokenBroadcast:
         """
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if self._closed:
+            raise ValueError("broadcast after close()")
         if self.rank == self.src:
             if ids is None or len(ids) != count:
                 got = None if ids is None else len(ids)
@@ -206,7 +209,9 @@ class TokenBroadcast:
         return got
 
     def close(self) -> None:
-        """Unmap the shared-memory buffer, if any (idempotent); gloo remains."""
+        """Unmap the shared-memory buffer, if any (idempotent); no broadcast follows
+        (ranks that closed and ranks that did not could pick different transports)."""
+        self._closed = True
         if self._shm is not None:
             self._shm.close()
             self._shm = None

@@ -64,6 +64,7 @@ class BatchCost:
                 self._totals[g] = t
                 self._group_times[g] = agg.group_time(t)
         self.time = max(self._group_times)
+        self._probes = {}  # probed against the empty batch
 
     def time_with(self, works: Sequence[Work]) -> float:
         """Predicted seconds if ``works`` were added (nothing changes)."""

@@ -21,6 +21,8 @@ def largest_fitting_chunk(
     calls, never the answer: the search starts there and gallops outwards,
     so an exact hint costs two calls.
     """
+    if grid < 1:
+        raise ValueError(f"grid must be >= 1, got {grid!r}")
     if limit <= 0:
         return 0
     count = -(-limit // grid)
@@ -69,6 +71,8 @@ def largest_chunk_within(
     such probes, or when the line does not rise, it bisects: at most
     ``log2(limit / grid) + _GUESSES + 1`` calls in all.
     """
+    if grid < 1:
+        raise ValueError(f"grid must be >= 1, got {grid!r}")
     if limit <= 0:
         return 0
     count = -(-limit // grid)

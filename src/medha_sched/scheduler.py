@@ -93,6 +93,7 @@ class _PrefillQueue(PrefillQueue):
         self._not_long.discard(request_id)
 
     def remove_many(self, request_ids: list[str]) -> None:
+        request_ids = list(request_ids)  # read twice (an iterator would be used up)
         super().remove_many(request_ids)
         self._not_long.difference_update(request_ids)
 

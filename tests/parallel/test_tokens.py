@@ -3,12 +3,14 @@ through gloo and through shared memory."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch.distributed as dist
 
-from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast
+from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast, shm
 from medha_parallel.errors import CommunicationError
-from medha_parallel.tokens import SHM_MAX_IDS
+from medha_parallel.tokens import _SLOT, SHM_MAX_IDS, _ShmTokens
 
 from .dist import launch
 
@@ -43,7 +45,12 @@ def _worker(rank: int, world_size: int, init: str, shared_memory: bool = False) 
     return res
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+NEEDS_SHM = pytest.mark.skipif(not shm.supported(), reason="shared memory needs Linux x86-64")
+
+
+@pytest.mark.parametrize(
+    "shared_memory", [False, pytest.param(True, marks=NEEDS_SHM)], ids=["gloo", "shm"]
+)
 def test_every_rank_gets_the_source_ids(shared_memory: bool) -> None:
     results = launch(_worker, 3, shared_memory)
     for rank, res in enumerate(results):
@@ -79,9 +86,12 @@ def _shm_worker(rank: int, world_size: int, init: str) -> dict:
     tokens.close()
     tokens.close()
     res["closed"] = tokens.uses_shared_memory
+    with pytest.raises(ValueError, match="broadcast after close"):
+        tokens.broadcast([1] if rank == 0 else None, 1)
     return res
 
 
+@NEEDS_SHM
 def test_shared_memory_broadcast_order_and_capacity() -> None:
     results = launch(_shm_worker, 2)
     for rank, res in enumerate(results):
@@ -110,9 +120,43 @@ def _timeout_worker(rank: int, world_size: int, init: str) -> str:
     return str(err.value)
 
 
+@NEEDS_SHM
 def test_shared_memory_wait_times_out_naming_the_operation() -> None:
     message = launch(_timeout_worker, 2)[1]
     assert message == (
         "broadcast_tokens on the world group failed: rank 0 of the shared-memory group "
         "did not arrive within 1 s"
     )
+
+
+@NEEDS_SHM
+def test_sequence_flags_wrap_around_int32() -> None:
+    """The int32 flags wrap after 2**31 - 1 broadcasts; broadcasts go on."""
+    mm = mmap.mmap(-1, 2 * shm._FLAG_STRIDE + 2 * _SLOT)
+    send = _ShmTokens(mm, size=2, index=0, src=0, timeout_s=1.0)
+    recv = _ShmTokens(mm, size=2, index=1, src=0, timeout_s=1.0)
+    start = 2**31 - 3
+    send._seq = recv._seq = start
+    send._flags[0].value, recv._flags[1].value = start, start
+    got = []
+    for k in range(6):
+        send.broadcast([k, k + 1], 2)
+        got.append(recv.broadcast(None, 2))
+    assert send._flags[0].value < 0  # wrapped
+    assert got == [[k, k + 1] for k in range(6)]
+    send.close()
+    recv.close()
+
+
+def _mixed_worker(rank: int, world_size: int, init: str) -> tuple:
+    if rank == 1:
+        shm.supported = lambda: False  # as on a host without shared-memory support
+    state = ParallelState.initialize(
+        ParallelLayout(kvp=2), backend="gloo", init_method=init, rank=rank, world_size=world_size
+    )
+    tokens = TokenBroadcast(state, src=0)
+    return tokens.uses_shared_memory, tokens.broadcast([1, 2, 3] if rank == 0 else None, 3)
+
+
+def test_ranks_that_cannot_all_map_shared_memory_fall_back_to_gloo_together() -> None:
+    assert launch(_mixed_worker, 2) == [(False, [1, 2, 3]), (False, [1, 2, 3])]

@@ -249,3 +249,11 @@ def test_within_infinite_times_and_odd_base(base: float) -> None:
     for hint in (0, 32, 2048):
         for target in (0.1, 0.5, 0.7, math.inf):
             check_within(4096, 32, time_of, target, base, hint)
+
+
+@pytest.mark.parametrize("grid", [0, -16])
+def test_a_grid_below_one_is_refused_by_both_searches(grid: int) -> None:
+    with pytest.raises(ValueError, match=f"grid must be >= 1, got {grid}"):
+        largest_fitting_chunk(100, grid, lambda n: True)
+    with pytest.raises(ValueError, match=f"grid must be >= 1, got {grid}"):
+        largest_chunk_within(100, grid, float, 50.0)

@@ -737,3 +737,21 @@ def test_entry_point_plugins_are_found_and_loaded(tmp_path, monkeypatch):
             parse_cost_model_spec("unloadable:x=1")
     finally:
         sys.modules.pop(module, None)
+
+
+def test_a_probe_before_seed_is_not_reused_after_it() -> None:
+    """``BatchCost.seed`` changes the batch: probes made before it are dropped."""
+    from medha_sched.batch_cost import BatchCost
+
+    from .models import PolyCostModel
+
+    model = PolyCostModel(base=1e-3, a=1e-4, b=1e-8, c=1e-7, d=1e-9, e=1e-6)
+    work = (0, 100, 0, True)
+    totals = list(model.features(5, 2000, True))
+    probed, fresh = BatchCost(model, 1), BatchCost(model, 1)
+    probed.time_with([work])  # against the empty batch
+    probed.seed([totals])
+    probed.add([work])
+    fresh.seed([list(totals)])
+    fresh.add([work])
+    assert probed.time == fresh.time

@@ -130,3 +130,21 @@ def test_queue_remove_many_across_classes() -> None:
         assert one.has_remaining_below(tokens) == many.has_remaining_below(tokens)
     for index in many._classes.values():
         index.check()
+
+
+def test_the_scheduler_queue_counts_what_an_iterator_removed() -> None:
+    """``_PrefillQueue.remove_many`` reads the ids twice; an iterator must not be
+    used up by the first read (the count of prompts that are not long drives the
+    scan's early stop)."""
+    from medha_sched.scheduler import _PrefillQueue
+
+    queue = _PrefillQueue(get_policy("lars"), short_below=64, long_min=1000)
+    requests = []
+    for i in range(4):
+        r = Request(f"r{i}", 0.0, 100, 4)
+        r.deadline, r.total_work, r.remaining_work = 2.0, 0.01, 0.01
+        queue.push(r)
+        requests.append(r)
+    queue.remove_many(r.request_id for r in requests[:2])
+    assert len(queue) == 2
+    assert queue.num_not_long == 2
