@@ -5,9 +5,9 @@ Async scheduling on worker processes (spp = 1) adds one
 the step's ``--ids`` token ids to every rank, through shared memory where
 every rank is on this host (the default) or one gloo ``int64`` tensor.
 This times ``--calls`` of them on ``--ranks`` forkserver processes (``file://``
-rendezvous, one torch thread each) after 200 warm-up calls, for each of
-``--transports`` in turn, and prints each rank's median and mean microseconds
-per call.
+rendezvous, one torch thread each: ``tests/parallel/dist.py``'s ``launch``)
+after 200 warm-up calls, for each of ``--transports`` in turn, and prints each
+rank's median and mean microseconds per call.
 
     python benchmarks/token_broadcast.py
     python benchmarks/token_broadcast.py --ids 256 --ranks 4
@@ -18,14 +18,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
+import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the launch harness: tests/
+from tests.parallel.dist import launch
 
 
-def _rank(rank: int, ranks: int, init: str, ids: int, calls: int, shm: bool, out) -> None:  # type: ignore[no-untyped-def]
+def _rank(rank: int, ranks: int, init: str, ids: int, calls: int, shm: bool) -> tuple[float, float]:
+    """Rank ``rank``'s (median, mean) seconds per broadcast."""
     from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast
 
     torch.set_num_threads(1)
@@ -43,8 +47,8 @@ def _rank(rank: int, ranks: int, init: str, ids: int, calls: int, shm: bool, out
         got = tokens.broadcast(sent, ids)
         seconds.append(time.perf_counter() - t)
     assert got == list(range(ids))
-    out.put((rank, statistics.median(seconds), statistics.fmean(seconds)))
     state.destroy()
+    return statistics.median(seconds), statistics.fmean(seconds)
 
 
 def main() -> None:
@@ -59,29 +63,13 @@ def main() -> None:
 
 
 def _measure(args: argparse.Namespace, transport: str) -> None:
-    ctx = mp.get_context("forkserver")
-    out = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [
-            ctx.Process(
-                target=_rank,
-                args=(r, args.ranks, init, args.ids, args.calls, transport == "shm", out),
-            )
-            for r in range(args.ranks)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        results = sorted(out.get() for _ in procs)
+    shm = transport == "shm"
+    results = launch(_rank, args.ranks, args.ids, args.calls, shm, timeout=600.0)
     print(
         f"TokenBroadcast ({transport}), {args.ids} ids, {args.ranks} ranks, {args.calls} calls, "
         f"load average {os.getloadavg()[0]:.1f}:"
     )
-    for rank, med, mean in results:
+    for rank, (med, mean) in enumerate(results):
         print(f"  rank {rank}: median {1e6 * med:.1f} us, mean {1e6 * mean:.1f} us per call")
 
 
