@@ -160,13 +160,12 @@ def measure(args: argparse.Namespace, async_: bool) -> tuple[float, float]:
             last = now
         if tp == 1:
             rank_wall, rank_cpu = compute[-args.steps :], compute_cpu[-args.steps :]
+            # the share of each step's interval that no execute covers
+            idle = [1.0 - covered(busy, a, b) / (b - a) for a, b in spans]
         else:
             sampler = ex.sampler_rank  # type: ignore[attr-defined]
             mine = [t for t in ex.timings if t[1] == sampler][-args.steps :]  # type: ignore[attr-defined]
             rank_wall, rank_cpu = [t[2] for t in mine], [t[3] for t in mine]
-        if tp == 1:  # the share of each step's interval that no execute covers
-            idle = [1.0 - covered(busy, a, b) / (b - a) for a, b in spans]
-        else:
             idle = [max(0.0, w - r) / w for w, r in zip(walls, rank_wall, strict=True)]
         gap_wall = [g[0] for g in gaps[-args.steps :]]
         gap_cpu = [g[1] for g in gaps[-args.steps :]]
