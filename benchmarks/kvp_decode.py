@@ -56,10 +56,15 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the launch harness: tests/
+from tests.parallel.dist import launch
 
 from medha_runtime import SamplingParams
 from medha_runtime.engine import LLMEngine
@@ -220,12 +225,6 @@ def _merges(rank: int, world: int, init: str, steps: int, shm: bool, peer_s: flo
 
 def merges(args: argparse.Namespace) -> None:
     """``--merge``: one decode-sized merge, shared memory against gloo."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.parallel.dist import launch
-
     print(f"load average before: {os.getloadavg()}")
     peer = args.peer_ms / 1e3
     runs = {
@@ -250,12 +249,6 @@ def merges(args: argparse.Namespace) -> None:
 
 def ranks(args: argparse.Namespace) -> None:
     """``--ranks``: decode steps of the ranks alone, kvp=1 against kvp=2 (two transports)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.parallel.dist import launch
-
     print(f"load average before: {os.getloadavg()}")
     if args.modes == ["sync"]:  # as before: the step samples nothing
         runs = {"kvp=1": launch(_rank_steps, 1, args, False)}
