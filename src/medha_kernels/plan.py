@@ -230,6 +230,22 @@ def plan_paged_attention(
     return _plan(meta, backend)
 
 
+def padded_block_table(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``[len(rows), longest row]`` int32 CPU tensor of block-table rows, padded with zeros.
+
+    Rows that are ``array('i')`` are copied with one ``memcpy`` each, other
+    rows converted int by int.
+    """
+    width = max((len(r) for r in rows), default=0)
+    if width == 0:
+        return torch.zeros((len(rows), 0), dtype=torch.int32)
+    flat = array("i")
+    for r in rows:
+        flat.extend(r if isinstance(r, array) and r.typecode == "i" else array("i", r))
+        flat.frombytes(bytes(flat.itemsize * (width - len(r))))
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(rows), width)
+
+
 def plan_paged_attention_from_host(
     *,
     cu_seqlens_q: Sequence[int],
@@ -262,14 +278,9 @@ def plan_paged_attention_from_host(
         if len(t) < need:
             raise KernelInputError(f"kv_lens[{b}]={n} needs {need} blocks, got {len(t)}")
         used.append(t[:need])
-    width = max((len(t) for t in used), default=0)
-    flat = array("i")
-    for t in used:  # an array('i') row is one memcpy; other rows are converted
-        flat.extend(t if isinstance(t, array) and t.typecode == "i" else array("i", t))
-        flat.frombytes(bytes(flat.itemsize * (width - len(t))))
-    table = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.empty(0, dtype=torch.int32)
+    table = padded_block_table(used)
     max_block = -1
-    if flat:  # zero padding changes neither a negative minimum nor the maximum of ids >= 0
+    if table.numel():  # zero padding changes neither a negative minimum nor the maximum of ids >= 0
         lo_t, hi_t = torch.aminmax(table)
         if int(lo_t) < 0:
             raise KernelInputError(f"block_table: block id {int(lo_t)} is negative")
@@ -278,7 +289,7 @@ def plan_paged_attention_from_host(
     meta = _validate(
         torch.tensor(cu, dtype=torch.int32, device=device),
         torch.tensor(lens, dtype=torch.int32, device=device),
-        table.reshape(len(used), width).to(device),
+        table.to(device),
         num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,

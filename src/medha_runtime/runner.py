@@ -39,7 +39,6 @@ worker process (:mod:`medha_runtime.worker`).
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -47,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from medha_kernels import PagedHost
+from medha_kernels.plan import padded_block_table
 from medha_parallel import (
     KVPCommunicator,
     ParallelState,
@@ -289,7 +289,7 @@ def build_group_batch(
     def tensor(x: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype, device=device)
 
-    table = padded_table(shards.block_tables)
+    table = padded_block_table(shards.block_tables)
     max_block = int(table.max()) if table.numel() else -1  # padding zeros: ids are >= 0
     batch = ForwardBatch(
         input_ids=tensor(ids, torch.int64),
@@ -303,22 +303,6 @@ def build_group_batch(
         writes_kv=any(shards.is_tail),  # a chunk's KV is written on its tail group only
     )
     return batch, shards
-
-
-def padded_table(rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """``[len(rows), max len]`` int32 CPU tensor of the rows, padded with zeros.
-
-    Rows that are ``array('i')`` (what :class:`~medha_runtime.plan.BlockTables`
-    holds) are copied with ``memcpy``, not converted int by int.
-    """
-    width = max((len(r) for r in rows), default=0)
-    if width == 0:
-        return torch.zeros((len(rows), 0), dtype=torch.int32)
-    flat = array("i")
-    for r in rows:
-        flat.extend(r if isinstance(r, array) and r.typecode == "i" else array("i", r))
-        flat.frombytes(bytes(flat.itemsize * (width - len(r))))
-    return torch.frombuffer(flat, dtype=torch.int32).view(len(rows), width)
 
 
 def allocate_kv(

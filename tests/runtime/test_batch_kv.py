@@ -7,9 +7,9 @@ from array import array
 import pytest
 import torch
 
+from medha_kernels.plan import padded_block_table as padded_table
 from medha_runtime.model import ForwardBatch
 from medha_runtime.plan import BlockTables
-from medha_runtime.runner import padded_table
 
 
 def test_block_tables_are_int32_arrays_that_grow_by_deltas() -> None:
