@@ -199,10 +199,7 @@ class DecodeLanes:
         """
         lane = self._remove(request)
         if not lane.members and lane in self.ready:
-            self.ready.remove(lane)
-            self._retired_parents += lane.parents
-            self._retired_left += lane.left
-            lane.parents, lane.left = [], []
+            self.retire(lane)
 
     def retire(self, lane: Lane) -> None:
         """Take an empty lane out of the ready ones (if there); its history goes to

@@ -261,12 +261,7 @@ class KVBlockManager:
             return False
         groups, hits = plan
         if not hits and len(groups) == 1:  # one shard, nothing cached: one allocation
-            group = groups[0]
-            new = self._pools[group].allocate(request_id, self._blocks_for(num_tokens))
-            self._entries[request_id] = _Entry(
-                groups=(group,), blocks=[list(new)], tokens=num_tokens, pending={group: list(new)}
-            )
-            self._holders[group].add(request_id)
+            self.admit_one_shard(request_id, num_tokens, groups[0])
             return True
         entry = _Entry(groups=tuple(groups), blocks=[[] for _ in groups], tokens=num_tokens)
         self._entries[request_id] = entry

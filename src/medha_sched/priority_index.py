@@ -216,20 +216,7 @@ class KineticIndex(Generic[K]):
 
     def remove(self, item: K) -> None:
         """Delete ``item``; ValueError if absent."""
-        slot = self._lookup(item)
-        del self._slot[item]
-        self._items[slot], self._tb[slot] = None, ()
-        self._win[self._cap + slot] = -1
-        pages = self._page_free
-        page = slot // self._page
-        free = pages[page]
-        free.append(slot)
-        self._num_free += 1
-        if len(free) == 1 and len(pages) > 1:  # the page was full: list it as open
-            self._open.append(page)
-            if len(self._open) > 2 * len(pages) + 32:  # drop the full ones
-                self._open = [p for p, f in enumerate(pages) if f]
-        self._repair(slot)
+        self.remove_many((item,))  # one item: its leaf is repaired as it goes
 
     def remove_many(self, items: Iterable[K]) -> None:
         """Delete each of ``items`` (distinct; ValueError at the first absent
@@ -249,9 +236,9 @@ class KineticIndex(Generic[K]):
                 free = pages[page]
                 free.append(slot)
                 self._num_free += 1
-                if len(free) == 1 and len(pages) > 1:  # as in remove
+                if len(free) == 1 and len(pages) > 1:  # the page was full: list it as open
                     self._open.append(page)
-                    if len(self._open) > 2 * len(pages) + 32:
+                    if len(self._open) > 2 * len(pages) + 32:  # drop the full ones
                         self._open = [p for p, f in enumerate(pages) if f]
                 removed += 1
                 if removed == 1:

@@ -216,10 +216,12 @@ def test_async_decodes_under_tight_memory(data) -> None:
     assert set(run.finished) == {r.request_id for r in requests}
 
 
-def plain_scheduler(*, async_decodes: bool, blocks: int = 256) -> Scheduler:
-    config = SchedulerConfig(policy="fcfs", async_decodes=async_decodes, max_batch_requests=64)
+def plain_scheduler(*, async_decodes: bool, max_batch_requests: int = 64) -> Scheduler:
+    config = SchedulerConfig(
+        policy="fcfs", async_decodes=async_decodes, max_batch_requests=max_batch_requests
+    )
     model = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
-    return Scheduler(config, model, cache=CacheConfig(block_size=4, num_blocks_per_group=blocks))
+    return Scheduler(config, model, cache=CacheConfig(block_size=4, num_blocks_per_group=256))
 
 
 def test_steady_decodes_go_one_ahead_and_stop_at_max_tokens() -> None:
@@ -315,20 +317,12 @@ class _Stepper:
         return self.sched.on_batch_end(out.batch_id, BatchResult(tokens, frozenset()))
 
 
-def _async_sched(**kwargs) -> Scheduler:
-    cfg = SchedulerConfig(policy="fcfs", async_decodes=True, **kwargs)
-    cost = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
-    return Scheduler(cfg, cost, cache=CacheConfig(block_size=4, num_blocks_per_group=256))
-
-
 @pytest.mark.parametrize("async_", [False, True])
 def test_decodes_held_back_keep_their_places_from_prefills(async_: bool) -> None:
     """``max_batch_requests`` bounds the running requests as without async: a
     batch that holds its decodes back for the one in flight (or whose requests'
     sampling chunks are in flight) must not fill their places with prefills."""
-    cfg = SchedulerConfig(policy="fcfs", async_decodes=async_, max_batch_requests=3)
-    cost = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
-    sched = Scheduler(cfg, cost, cache=CacheConfig(block_size=4, num_blocks_per_group=256))
+    sched = plain_scheduler(async_decodes=async_, max_batch_requests=3)
     for i in range(12):
         sched.add_request(
             Request.from_tokens(f"r{i}", 0.0, [5] * (3 + i % 5), max_output_tokens=4 + i % 3)
@@ -348,7 +342,7 @@ def test_a_fresh_member_aborted_with_two_batches_in_flight_counts_what_it_comput
     """A request whose prefill ended while its lane's next batch was in flight
     joins it fresh; aborted after its first decode is issued, it finishes at the
     end of a batch that does not hold that decode, with only its prompt computed."""
-    sched = _async_sched(max_batch_requests=64)
+    sched = plain_scheduler(async_decodes=True)
     a = Request.from_tokens("a", 0.0, [1, 2, 3, 4, 5], max_output_tokens=40)
     sched.add_request(a)
     stepper = _Stepper(sched)
