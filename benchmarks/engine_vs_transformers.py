@@ -1,6 +1,6 @@
 """``medha_runtime.LLM`` against ``transformers``' ``generate`` on one checkpoint, side by side.
 
-Both run the same checkpoint in the same dtype (fp32) with the same torch
+Both run the same checkpoint in the same dtype (fp32 unless ``--dtype``) with the same torch
 thread count, the same prompts (random token ids, equal lengths, no padding),
 greedy, EOS ignored. For each batch size:
 
@@ -17,9 +17,15 @@ The checkpoint defaults to a random one of SmolLM2-135M's shape written by
 ``transformers`` (``save_pretrained``) into a temporary directory; pass
 ``--model DIR`` for a real Hugging Face directory.
 
+``--modes sync async`` times the engine twice, with and without async
+scheduling (two engines on the same checkpoint), beside the one
+``transformers`` run. ``--device cuda --dtype bfloat16`` runs all of it on a GPU
+(the bound then uses the measured device copy rate and bf16 matmul rate).
+
     python benchmarks/engine_vs_transformers.py                       # batches 1, 8, 32
     python benchmarks/engine_vs_transformers.py --batches 8 --new 16  # quicker
     python benchmarks/engine_vs_transformers.py --threads 1 --cpu-time  # on a busy machine
+    python benchmarks/engine_vs_transformers.py --device cuda --dtype bfloat16 --modes sync async
 """
 
 from __future__ import annotations
@@ -61,9 +67,12 @@ def write_checkpoint(directory: Path) -> Path:
 CLOCK = time.perf_counter  # or time.process_time (--cpu-time)
 
 
-def machine_rates(threads: int) -> tuple[float, float]:
-    """(read bytes/s, fp32 matmul FLOP/s) measured now, with ``threads`` threads."""
+def machine_rates(threads: int, device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(read bytes/s, matmul FLOP/s in ``dtype``) measured now on ``device`` (CPU: with
+    ``threads`` threads, a sum's read rate; CUDA: a device-to-device copy's read rate)."""
     torch.set_num_threads(threads)
+    if device == "cuda":
+        return _cuda_rates(dtype)
     clock = CLOCK
     x = torch.ones(64 * 2**20 // 4 * 8)  # 512 MiB
     best_bw = 0.0
@@ -71,7 +80,7 @@ def machine_rates(threads: int) -> tuple[float, float]:
         t0 = clock()
         x.sum()
         best_bw = max(best_bw, x.numel() * 4 / (clock() - t0))
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
     best_mm = 0.0
     for _ in range(10):
         t0 = clock()
@@ -80,8 +89,35 @@ def machine_rates(threads: int) -> tuple[float, float]:
     return best_bw, best_mm
 
 
-def step_bound(model_dir: Path, batch: int, context: int, bw: float, mm: float) -> float:
-    """Seconds one decode step of ``batch`` needs at least on this machine."""
+def _cuda_rates(dtype: torch.dtype) -> tuple[float, float]:
+    """(bytes/s read by a 1 GiB device copy, matmul FLOP/s of 8192^3 in ``dtype``), best of 5."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, dtype=dtype, device="cuda")
+    b = torch.randn(8192, 8192, dtype=dtype, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    bw = src.numel() / best(lambda: dst.copy_(src))
+    mm = 2 * 8192**3 / best(lambda: a @ b)
+    return bw, mm  # the 2 GiB of buffers go back to torch's cache on return
+
+
+def step_bound(
+    model_dir: Path, batch: int, context: int, bw: float, mm: float, elem: int = 4
+) -> float:
+    """Seconds one decode step of ``batch`` needs at least on this machine, with
+    ``elem``-byte weights and KV."""
     import json
 
     c = json.loads((model_dir / "config.json").read_text())
@@ -91,12 +127,18 @@ def step_bound(model_dir: Path, batch: int, context: int, bw: float, mm: float) 
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * ffn
     params = layers * per_layer + c["vocab_size"] * h
     flops = 2 * params * batch + 4 * layers * q * context * batch
-    kv_bytes = 2 * layers * kv * context * batch * 4
-    return max((params * 4 + kv_bytes) / bw, flops / mm)
+    kv_bytes = 2 * layers * kv * context * batch * elem
+    return max((params * elem + kv_bytes) / bw, flops / mm)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def time_hf(model, prompts: list[list[int]], new: int) -> float:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
+    _sync()
     t0 = CLOCK()
     with torch.no_grad():
         out = model.generate(
@@ -106,6 +148,7 @@ def time_hf(model, prompts: list[list[int]], new: int) -> float:
             min_new_tokens=new,
             do_sample=False,
         )
+    _sync()
     elapsed = CLOCK() - t0
     assert out.shape[1] == ids.shape[1] + new
     return elapsed
@@ -130,6 +173,15 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32, help="new tokens per request")
     parser.add_argument("--prefill", type=int, default=2048, help="prefill prompt length")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("sync", "async"),
+        default=["sync"],
+        help="the engine's scheduling: sync, async (async_scheduling=True) or both",
+    )
     parser.add_argument(
         "--chunk-size",
         type=int,
@@ -144,60 +196,80 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.cpu_time:
-        if args.threads != 1:
-            parser.error("--cpu-time needs --threads 1 (CPU time adds up every thread)")
+        if args.threads != 1 or args.device != "cpu":
+            parser.error("--cpu-time needs --threads 1 on the CPU (CPU time adds up every thread)")
         global CLOCK
         CLOCK = time.process_time
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     from transformers import LlamaForCausalLM
 
     from medha_runtime import LLM
 
+    dtype = getattr(torch, args.dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_checkpoint(Path(tmp) / "ckpt")
         torch.set_num_threads(args.threads)
-        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
         most = max(args.batches) * (args.prompt + args.new)
-        llm = LLM(
-            str(model_dir),
-            dtype="float32",
-            max_model_len=max(args.prefill, args.prompt + args.new) + 16,
-            kv_cache_tokens=max(most, args.prefill) + 1024,
-            num_threads=args.threads,
-            **({} if args.chunk_size is None else {"chunk_size": args.chunk_size}),
-        )
-        bw, mm = machine_rates(args.threads)
+        engines = {
+            mode: LLM(
+                str(model_dir),
+                dtype=args.dtype,
+                device=args.device,
+                max_model_len=max(args.prefill, args.prompt + args.new) + 16,
+                kv_cache_tokens=max(most, args.prefill) + 1024,
+                num_threads=args.threads,
+                async_scheduling=mode == "async",
+                **({} if args.chunk_size is None else {"chunk_size": args.chunk_size}),
+            )
+            for mode in args.modes
+        }
+        bw, mm = machine_rates(args.threads, args.device, dtype)
         print(
+            f"device {args.device} ({_device_name(args.device)}), {args.dtype}, "
             f"load average {os.getloadavg()[0]:.1f}, chunk size {args.chunk_size}, "
             f"threads {torch.get_num_threads()}, read {bw / 1e9:.1f} GB/s, "
-            f"fp32 matmul {mm / 1e9:.0f} GFLOP/s"
+            f"matmul {mm / 1e9:.0f} GFLOP/s"
         )
         rng = random.Random(0)
         vocab = hf.config.vocab_size
         for batch in args.batches:
             prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(batch)]
-            time_llm(llm, prompts, 2)  # warm-up
-            time_hf(hf, prompts, 2)
-            ours = time_llm(llm, prompts, args.new) - time_llm(llm, prompts, 1)
+            time_hf(hf, prompts, 2)  # warm-up
             peer = time_hf(hf, prompts, args.new) - time_hf(hf, prompts, 1)
             steps = args.new - 1
-            bound = step_bound(model_dir, batch, args.prompt + args.new // 2, bw, mm)
-            print(
-                f"decode batch {batch:3d}: medha {batch * steps / ours:7.1f} tok/s "
-                f"({ours / steps * 1e3:6.1f} ms/step), transformers {batch * steps / peer:7.1f} "
-                f"tok/s ({peer / steps * 1e3:6.1f} ms/step), ratio {peer / ours:.2f}x; "
-                f"bound {bound * 1e3:.1f} ms/step (medha at {bound / (ours / steps):.0%})",
-                flush=True,
-            )
+            bound = step_bound(model_dir, batch, args.prompt + args.new // 2, bw, mm, elem)
+            for mode, llm in engines.items():
+                time_llm(llm, prompts, 2)  # warm-up
+                ours = time_llm(llm, prompts, args.new) - time_llm(llm, prompts, 1)
+                print(
+                    f"decode batch {batch:3d} [{mode:5s}]: medha {batch * steps / ours:8.1f} "
+                    f"tok/s ({ours / steps * 1e3:6.2f} ms/step), transformers "
+                    f"{batch * steps / peer:8.1f} tok/s ({peer / steps * 1e3:6.2f} ms/step), "
+                    f"ratio {peer / ours:.2f}x; bound {bound * 1e3:.2f} ms/step "
+                    f"(medha at {bound / (ours / steps):.0%})",
+                    flush=True,
+                )
         prompt = [[rng.randrange(3, vocab) for _ in range(args.prefill)]]
-        ours = time_llm(llm, prompt, 1)
         peer = time_hf(hf, prompt, 1)
-        print(
-            f"prefill {args.prefill}: medha {ours:.2f} s, transformers {peer:.2f} s, "
-            f"ratio {peer / ours:.2f}x; load average {os.getloadavg()[0]:.1f}"
-        )
-        llm.shutdown()
+        for mode, llm in engines.items():
+            ours = time_llm(llm, prompt, 1)
+            print(
+                f"prefill {args.prefill} [{mode}]: medha {ours:.3f} s, transformers {peer:.3f} s, "
+                f"ratio {peer / ours:.2f}x; load average {os.getloadavg()[0]:.1f}"
+            )
+        for llm in engines.values():
+            llm.shutdown()
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@
 #   bash benchmarks/gpu_call.sh 1    # env + correctness       (about 8.5 minutes)
 #   bash benchmarks/gpu_call.sh 2    # kernels + chunking      (about 8.5 minutes)
 #   bash benchmarks/gpu_call.sh 3    # runtime                 (about 8.5 minutes)
+#   bash benchmarks/gpu_call.sh 4    # one 15-minute session: the engine's decode speed
+#                                    # against transformers (sync and async scheduling), the
+#                                    # 8B step profile, the CUDA tests of the first run's
+#                                    # fixes (about 9 minutes; see docs/gpu.md)
 #
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
@@ -13,12 +17,12 @@
 # MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3 [gpu_suite.py arguments]}
+call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4 [gpu_suite.py arguments]}
 shift
 case "$call" in
-    1 | 2 | 3) ;;
+    1 | 2 | 3 | 4) ;;
     *)
-        echo "gpu_call: the call is 1, 2 or 3, not $call" >&2
+        echo "gpu_call: the call is 1, 2, 3 or 4, not $call" >&2
         exit 2
         ;;
 esac
@@ -59,5 +63,31 @@ case "$call" in
     3)  # no FlashInfer: the runtime's "auto" attention is Medha's Triton, and nothing JIT-compiles
         export PYTHONPATH="${src}/tmp/site"
         suite --stage runtime "$@"
+        ;;
+    4)  # no FlashInfer (nothing JIT-compiles); each part bounded, each writes its own log
+        export PYTHONPATH="${src}/tmp/site"
+        mkdir -p "$out"
+        bounded() {  # bounded SECONDS NAME COMMAND...: run, log to $out/NAME.log, go on on failure
+            local limit=$1 name=$2
+            shift 2
+            echo "== $name ($limit s): $*" | tee "$out/$name.log"
+            local t0=$SECONDS
+            timeout -k 5 "$limit" "$@" >>"$out/$name.log" 2>&1
+            echo "== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$out/$name.log"
+        }
+        m8b=random:benchmarks/models/llama3-8b-1m
+        bounded 20 env bash -c "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'"
+        bounded "${MEDHA_GPU_EVT_S:-110}" evt python3 benchmarks/engine_vs_transformers.py \
+            --device cuda --dtype bfloat16 --threads 4 --modes sync async
+        bounded "${MEDHA_GPU_SP_ASYNC_S:-90}" sp_async python3 benchmarks/step_profile.py \
+            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            --async-scheduling --no-profile --json "$out/sp_async.json"
+        bounded "${MEDHA_GPU_SP_SYNC_S:-140}" sp_sync python3 benchmarks/step_profile.py \
+            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            --json "$out/sp_sync.json"
+        bounded "${MEDHA_GPU_TESTS_S:-170}" tests python3 -m pytest -q -n 8 --dist loadfile \
+            --timeout 120 -p no:cacheprovider --junitxml="$out/tests.junit.xml" \
+            tests/kernels/test_triton.py tests/parallel tests/runtime/test_distributed.py \
+            tests/server/test_tp_server.py tests/runtime/test_async_scheduling.py
         ;;
 esac

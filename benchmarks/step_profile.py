@@ -59,8 +59,13 @@ def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(batch)]
 
 
-def run(llm: Any, prompts: list[list[int]], new: int, sync: Any, mark: bool) -> dict[str, Any]:
-    """Generate; the wall of every decode step and the whole (seconds)."""
+def run(
+    llm: Any, prompts: list[list[int]], new: int, sync: Any, mark: bool, each: bool = True
+) -> dict[str, Any]:
+    """Generate; the wall of every decode step and the whole (seconds). With ``each``
+    the device is synchronized after every step (the profiled runs: each marked step
+    holds its own kernels); without it only at the end (the timed run: with async
+    scheduling a step returns while the next batch runs, as in serving)."""
     from medha_runtime import SamplingParams
 
     engine = llm.engine
@@ -82,12 +87,14 @@ def run(llm: Any, prompts: list[list[int]], new: int, sync: Any, mark: bool) -> 
                 sync()
         else:
             outs = engine.step()
-            sync()
+            if each:
+                sync()
         if decode:
             decode_walls.append(time.perf_counter() - s0)
         steps += 1
         for out in outs:
             done[out.request_id] = out
+    sync()
     total = time.perf_counter() - t0
     lens = [len(done[r].outputs[0].token_ids) for r in rids]
     if any(n != new for n in lens):
@@ -106,10 +113,13 @@ def model_in_this_thread(llm: Any) -> Any:
     def submit(plan: Any) -> None:
         ex._check_usable()
         ex._submitted += 1
+        t = time.perf_counter()
         try:
-            ex._results.put((plan.step_id, ex.runner.execute(plan), None))
+            result = ex.runner.execute(plan)
         except BaseException as exc:  # next_event raises it, as the model thread's would be
-            ex._results.put((plan.step_id, None, exc))
+            ex._results.put((plan.step_id, None, exc, 0.0))
+        else:
+            ex._results.put((plan.step_id, result, None, time.perf_counter() - t))
 
     ex.submit = submit
     return lambda: delattr(ex, "submit")
@@ -226,6 +236,15 @@ def main() -> None:
     parser.add_argument(
         "--no-stacks", action="store_true", help="skip the with_stack run (sync call sites)"
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine schedules one batch ahead (the timed run; the profiled runs "
+        "execute each step in this thread, so they are synchronous either way)",
+    )
+    parser.add_argument(
+        "--no-profile", action="store_true", help="only the timed run (no torch.profiler runs)"
+    )
     parser.add_argument("--json", default=None, help="write the numbers here")
     args = parser.parse_args()
     for name in ("batch", "prompt_len", "new"):
@@ -244,6 +263,7 @@ def main() -> None:
         "dtype": args.dtype,
         "kv_cache_tokens": kv,
         "max_model_len": per_req,
+        "async_scheduling": args.async_scheduling,
     }
     if args.threads is not None:
         kwargs["num_threads"] = args.threads
@@ -259,7 +279,7 @@ def main() -> None:
     result: dict[str, Any] = {"args": vars(args), "load_s": load_s}
     try:
         run(llm, make_prompts(B, args.prompt_len, 1), N, sync, mark=False)  # warm-up
-        timed = run(llm, make_prompts(B, args.prompt_len, 2), N, sync, mark=False)
+        timed = run(llm, make_prompts(B, args.prompt_len, 2), N, sync, mark=False, each=False)
         walls = timed["decode_walls"]
         dw = sorted(walls)
         result["timed"] = {
@@ -286,45 +306,47 @@ def main() -> None:
                 f"{t['decode_tokens_per_s']:.1f} tokens/s"
             )
 
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if cuda:
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        undo = model_in_this_thread(llm)
-        try:
-            run(llm, make_prompts(B, args.prompt_len, 3), N, sync, mark=False)  # inline warm-up
-            with torch.profiler.profile(activities=acts) as prof:
-                profiled = run(llm, make_prompts(B, args.prompt_len, 4), N, sync, mark=True)
-            stacks = None
-            if not args.no_stacks:  # a second profiled run: where the sync calls come from
-                with torch.profiler.profile(activities=acts, with_stack=True) as stacks:
-                    run(llm, make_prompts(B, args.prompt_len, 5), N, sync, mark=True)
-        finally:
-            undo()
-        result["profiled_total_s"] = profiled["total_s"]
-        ka = prof.key_averages()
-        tables = [("cuda", "self CUDA")] if cuda else []
-        tables.append(("cpu", "self CPU"))
-        for kind, label in tables:
-            print(f"\n== key_averages by {label} time (top {args.top}), whole profiled generate ==")
-            print(
-                ka.table(
-                    sort_by=_self_key(kind, cuda), row_limit=args.top, max_name_column_width=60
+        if not args.no_profile:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            undo = model_in_this_thread(llm)
+            try:
+                run(llm, make_prompts(B, args.prompt_len, 3), N, sync, mark=False)  # inline warm-up
+                with torch.profiler.profile(activities=acts) as prof:
+                    profiled = run(llm, make_prompts(B, args.prompt_len, 4), N, sync, mark=True)
+                stacks = None
+                if not args.no_stacks:  # a second profiled run: where the sync calls come from
+                    with torch.profiler.profile(activities=acts, with_stack=True) as stacks:
+                        run(llm, make_prompts(B, args.prompt_len, 5), N, sync, mark=True)
+            finally:
+                undo()
+            result["profiled_total_s"] = profiled["total_s"]
+            ka = prof.key_averages()
+            tables = [("cuda", "self CUDA")] if cuda else []
+            tables.append(("cpu", "self CPU"))
+            for kind, label in tables:
+                print(f"\n== key_averages by {label} time (top {args.top}), profiled generate ==")
+                print(
+                    ka.table(
+                        sort_by=_self_key(kind, cuda), row_limit=args.top, max_name_column_width=60
+                    )
                 )
-            )
-        counts = profile_counts(prof, cuda)
-        result["per_decode_step"] = counts
-        if stacks is not None:
-            result["sync_stacks"] = sync_stacks(stacks)
-        print("\n== per decode step (profiled run) ==")
-        for k, v in counts.items():
-            print(f"  {k}: {json.dumps(v) if isinstance(v, dict) else v}")
-        if cuda and "gpu_busy_ms_per_step" in counts and dw:
-            busy = counts["gpu_busy_ms_per_step"]
-            wall = counts["marked_wall_ms_per_step"]
-            print(
-                f"  GPU busy {busy:.2f} ms of {wall:.2f} ms wall per decode step "
-                f"({100 * busy / wall:.0f}%); unprofiled median wall {t['decode_ms_median']:.2f} ms"
-            )
+            counts = profile_counts(prof, cuda)
+            result["per_decode_step"] = counts
+            if stacks is not None:
+                result["sync_stacks"] = sync_stacks(stacks)
+            print("\n== per decode step (profiled run) ==")
+            for k, v in counts.items():
+                print(f"  {k}: {json.dumps(v) if isinstance(v, dict) else v}")
+            if cuda and "gpu_busy_ms_per_step" in counts and dw:
+                busy = counts["gpu_busy_ms_per_step"]
+                wall = counts["marked_wall_ms_per_step"]
+                print(
+                    f"  GPU busy {busy:.2f} ms of {wall:.2f} ms wall per decode step "
+                    f"({100 * busy / wall:.0f}%); unprofiled median wall "
+                    f"{t['decode_ms_median']:.2f} ms"
+                )
     finally:
         llm.shutdown()
     if args.json:
