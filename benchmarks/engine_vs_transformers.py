@@ -17,8 +17,8 @@ The checkpoint defaults to a random one of SmolLM2-135M's shape written by
 ``transformers`` (``save_pretrained``) into a temporary directory; pass
 ``--model DIR`` for a real Hugging Face directory.
 
-``--modes sync async`` times the engine twice, with and without async
-scheduling (two engines on the same checkpoint), beside the one
+``--modes sync async graphs async-graphs`` times one engine per mode (async
+scheduling, CUDA graphs for decode steps, both) on the same checkpoint, beside the one
 ``transformers`` run. ``--device cuda --dtype bfloat16`` runs all of it on a GPU
 (the bound then uses the measured device copy rate and bf16 matmul rate).
 
@@ -178,9 +178,10 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         nargs="+",
-        choices=("sync", "async"),
+        choices=("sync", "async", "graphs", "async-graphs"),
         default=["sync"],
-        help="the engine's scheduling: sync, async (async_scheduling=True) or both",
+        help="the engine's modes, each timed: sync, async (async_scheduling=True), graphs "
+        "(cuda_graphs=True), async-graphs (both)",
     )
     parser.add_argument(
         "--chunk-size",
@@ -223,7 +224,8 @@ def main() -> None:
                 max_model_len=max(args.prefill, args.prompt + args.new) + 16,
                 kv_cache_tokens=max(most, args.prefill) + 1024,
                 num_threads=args.threads,
-                async_scheduling=mode == "async",
+                async_scheduling=mode.startswith("async"),
+                cuda_graphs=mode.endswith("graphs"),
                 **({} if args.chunk_size is None else {"chunk_size": args.chunk_size}),
             )
             for mode in args.modes
@@ -247,7 +249,7 @@ def main() -> None:
                 time_llm(llm, prompts, 2)  # warm-up
                 ours = time_llm(llm, prompts, args.new) - time_llm(llm, prompts, 1)
                 print(
-                    f"decode batch {batch:3d} [{mode:5s}]: medha {batch * steps / ours:8.1f} "
+                    f"decode batch {batch:3d} [{mode:12s}]: medha {batch * steps / ours:8.1f} "
                     f"tok/s ({ours / steps * 1e3:6.2f} ms/step), transformers "
                     f"{batch * steps / peer:8.1f} tok/s ({peer / steps * 1e3:6.2f} ms/step), "
                     f"ratio {peer / ours:.2f}x; bound {bound * 1e3:.2f} ms/step "

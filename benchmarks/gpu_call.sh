@@ -8,6 +8,9 @@
 #                                    # against transformers (sync and async scheduling), the
 #                                    # 8B step profile, the CUDA tests of the first run's
 #                                    # fixes (about 9 minutes; see docs/gpu.md)
+#   bash benchmarks/gpu_call.sh 5    # CUDA graphs for decode steps: their tests, the engine
+#                                    # against transformers and the 8B step with graphs, then
+#                                    # decode/prefill kernels beside FlashInfer (about 7.5 min)
 #
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
@@ -17,12 +20,12 @@
 # MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4 [gpu_suite.py arguments]}
+call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5 [gpu_suite.py arguments]}
 shift
 case "$call" in
-    1 | 2 | 3 | 4) ;;
+    1 | 2 | 3 | 4 | 5) ;;
     *)
-        echo "gpu_call: the call is 1, 2, 3 or 4, not $call" >&2
+        echo "gpu_call: the call is 1 to 5, not $call" >&2
         exit 2
         ;;
 esac
@@ -40,6 +43,16 @@ if [ -z "${MEDHA_GPU_SKIP_INSTALL:-}" ]; then
     export PATH="/tmp/site/bin:$PATH"
 fi
 suite() { python3 benchmarks/gpu_suite.py --out "$out" "$@"; }
+bounded() {  # bounded SECONDS NAME COMMAND...: run, log to $out/NAME.log, go on on failure
+    local limit=$1 name=$2
+    shift 2
+    mkdir -p "$out"
+    echo "== $name ($limit s): $*" | tee "$out/$name.log"
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" >>"$out/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$out/$name.log"
+}
+m8b=random:benchmarks/models/llama3-8b-1m
 if [ -n "${MEDHA_GPU_STAGES:-}" ]; then
     path="${src}/tmp/site:/tmp/fi"
     [ "$call" = 3 ] && path="${src}/tmp/site"
@@ -66,16 +79,6 @@ case "$call" in
         ;;
     4)  # no FlashInfer (nothing JIT-compiles); each part bounded, each writes its own log
         export PYTHONPATH="${src}/tmp/site"
-        mkdir -p "$out"
-        bounded() {  # bounded SECONDS NAME COMMAND...: run, log to $out/NAME.log, go on on failure
-            local limit=$1 name=$2
-            shift 2
-            echo "== $name ($limit s): $*" | tee "$out/$name.log"
-            local t0=$SECONDS
-            timeout -k 5 "$limit" "$@" >>"$out/$name.log" 2>&1
-            echo "== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$out/$name.log"
-        }
-        m8b=random:benchmarks/models/llama3-8b-1m
         bounded 20 env bash -c "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'"
         bounded "${MEDHA_GPU_EVT_S:-110}" evt python3 benchmarks/engine_vs_transformers.py \
             --device cuda --dtype bfloat16 --threads 4 --modes sync async
@@ -89,5 +92,24 @@ case "$call" in
             --timeout 120 -p no:cacheprovider --junitxml="$out/tests.junit.xml" \
             tests/kernels/test_triton.py tests/parallel tests/runtime/test_distributed.py \
             tests/server/test_tp_server.py tests/runtime/test_async_scheduling.py
+        ;;
+    5)  # CUDA graphs; FlashInfer only for the last part (its JIT compiles are slow)
+        export PYTHONPATH="${src}/tmp/site"
+        bounded "${MEDHA_GPU_TESTS_S:-90}" tests python3 -m pytest -q -p no:cacheprovider \
+            --timeout 80 tests/runtime/test_decode_graphs.py tests/kernels/test_api.py \
+            tests/kernels/test_triton.py -k "graph or longer_rows or planned or backend"
+        bounded "${MEDHA_GPU_EVT_S:-120}" evt python3 benchmarks/engine_vs_transformers.py \
+            --device cuda --dtype bfloat16 --threads 4 --modes sync async graphs async-graphs
+        for mode in graphs graphs_async; do
+            extra=()
+            [ "$mode" = graphs_async ] && extra=(--async-scheduling)
+            bounded "${MEDHA_GPU_SP_S:-60}" "sp_$mode" python3 benchmarks/step_profile.py \
+                --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 \
+                --new 32 --cuda-graphs --no-profile "${extra[@]}"
+        done
+        export PYTHONPATH="${src}/tmp/site:/tmp/fi"
+        bounded "${MEDHA_GPU_KERNELS_S:-100}" kernels_run python3 benchmarks/gpu_suite.py \
+            --out "$out" --stage kernels --budget-s 90 --kernel-ops decode,prefill \
+            --backends medha/triton,flashinfer,sdpa
         ;;
 esac

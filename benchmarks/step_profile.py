@@ -243,6 +243,9 @@ def main() -> None:
         "execute each step in this thread, so they are synchronous either way)",
     )
     parser.add_argument(
+        "--cuda-graphs", action="store_true", help="decode steps replayed from CUDA graphs"
+    )
+    parser.add_argument(
         "--no-profile", action="store_true", help="only the timed run (no torch.profiler runs)"
     )
     parser.add_argument("--json", default=None, help="write the numbers here")
@@ -264,6 +267,7 @@ def main() -> None:
         "kv_cache_tokens": kv,
         "max_model_len": per_req,
         "async_scheduling": args.async_scheduling,
+        "cuda_graphs": args.cuda_graphs,
     }
     if args.threads is not None:
         kwargs["num_threads"] = args.threads

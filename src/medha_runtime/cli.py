@@ -224,6 +224,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "(spp = 1 only; any tp and kvp)",
     )
     s.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode-only steps from CUDA graphs (one rank, Triton attention)",
+    )
+    s.add_argument(
         "--step-log",
         default=None,
         metavar="PATH",
@@ -344,6 +349,7 @@ def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -
         step_log=args.step_log,
         distributed=distributed,
         async_scheduling=args.async_scheduling,
+        cuda_graphs=args.cuda_graphs,
     )
 
 

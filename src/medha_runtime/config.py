@@ -104,6 +104,10 @@ class EngineConfig:
             same; the driver's serial work between batches is hidden. Any tp
             and kvp, in process, on worker processes or distributed; spp = 1
             only (the sampling rank sends each step's tokens to every rank).
+        cuda_graphs: replay decode-only steps from CUDA graphs, one per padded
+            batch size (see :mod:`medha_runtime.decode_graphs`): tp = spp = kvp
+            = 1 and the Triton attention backend. On a CPU the same padded
+            batches run without graphs.
     """
 
     model: str = "tiny"
@@ -132,6 +136,7 @@ class EngineConfig:
     step_log: str | None = None
     distributed: DistConfig | None = None
     async_scheduling: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -198,6 +203,13 @@ class EngineConfig:
         if self.async_scheduling and self.spp != 1:
             raise ValueError(
                 f"async_scheduling=True needs spp = 1 (one pipeline stage), got spp={self.spp!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.tp * self.spp * self.kvp != 1:
+            raise ValueError(
+                f"cuda_graphs=True needs one rank (tp = spp = kvp = 1), got tp={self.tp}, "
+                f"spp={self.spp}, kvp={self.kvp}"
             )
         if self.distributed is not None:
             if not isinstance(self.distributed, DistConfig):
@@ -377,9 +389,16 @@ def resolve_engine(
             timeout_s=c.timeout_s,
             num_threads=c.num_threads,
             pending_tokens=c.async_scheduling,
+            cuda_graph_max_batch=_graph_batch(c) if c.cuda_graphs else 0,
+            max_model_len=context,
         ),
         num_threads=c.num_threads,
     )
+
+
+def _graph_batch(config: EngineConfig) -> int:
+    """The largest decode batch captured in a CUDA graph: the batch cap, at most 256."""
+    return min(256, config.max_batch_requests or SchedulerConfig().max_batch_requests)
 
 
 def scheduler_config(config: EngineConfig) -> SchedulerConfig:

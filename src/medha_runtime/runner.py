@@ -60,6 +60,7 @@ from medha_parallel.kvp import (
     plan_kvp_attention,
 )
 from medha_runtime.cpu_memory import keep_freed_memory
+from medha_runtime.decode_graphs import DecodeGraphs
 from medha_runtime.model import ForwardBatch, KVCache, load_model
 from medha_runtime.plan import BlockTables, StepPlan
 from medha_runtime.sampling import Sampled, Sampler, logit_rows, sample_step
@@ -89,6 +90,11 @@ class RunnerSpec:
             issued ahead (token id ``PENDING_TOKEN``; async scheduling, spp = 1
             only). With several ranks the sampling rank broadcasts each step's
             sampled tokens to every rank (:class:`medha_parallel.TokenBroadcast`).
+        cuda_graph_max_batch: run decode-only steps of up to this many requests
+            on padded static batches (CUDA graphs on a GPU, see
+            :mod:`medha_runtime.decode_graphs`); 0: off. One rank only.
+        max_model_len: the most tokens a request holds (sizes the graphs' block
+            tables and attention plans; needed with ``cuda_graph_max_batch``).
     """
 
     model: str
@@ -105,8 +111,16 @@ class RunnerSpec:
     timeout_s: float = 60.0
     num_threads: int | None = None
     pending_tokens: bool = False
+    cuda_graph_max_batch: int = 0
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch and (self.world_size != 1 or self.max_model_len < 1):
+            raise ValueError(
+                f"cuda_graph_max_batch={self.cuda_graph_max_batch} needs one rank and "
+                f"max_model_len >= 1, got {self.world_size} ranks, "
+                f"max_model_len={self.max_model_len}"
+            )
         if self.pending_tokens and self.spp != 1:
             raise ValueError(
                 f"pending_tokens (async scheduling) needs spp = 1, got spp={self.spp!r}"
@@ -364,9 +378,10 @@ class ModelRunner:
             spec.model, dtype=spec.dtype, device=self.device, tp=comm, layer_range=layers
         )
         self.model.eval()
+        graphs = spec.cuda_graph_max_batch > 0
         self.kv = allocate_kv(
             num_layers=len(layers),
-            num_blocks=spec.num_blocks,
+            num_blocks=spec.num_blocks + graphs,  # the graphs' padding rows: a scratch block
             block_size=spec.block_size,
             num_kv_heads=self.model.num_kv_heads_local,
             head_dim=self.config.head_dim,
@@ -400,6 +415,18 @@ class ModelRunner:
             "dtype": self.model.dtype,
             "backend": getattr(attn.attn_fn, "backend", "auto"),
         }
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv,
+                block_size=spec.block_size,
+                max_model_len=spec.max_model_len,
+                scratch_block=spec.num_blocks,
+                max_batch=spec.cuda_graph_max_batch,
+                plan_key=self._plan_key,
+                capture=self.device.type == "cuda",
+            )
         is_sampler = stage == spec.spp - 1 and tp == 0 and group == 0
         self.sampler: Sampler | None = Sampler() if is_sampler else None
         self.tables = BlockTables()
@@ -493,6 +520,10 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan) -> list[Sampled] | None:
         spec = self.spec
+        if self.graphs is not None and self.sampler is not None and self.graphs.fits(plan):
+            logits = self.graphs.run(plan, self.tables)
+            if logits is not None:  # None: graphs just turned off, run it eagerly
+                return sample_step(self.sampler, logits, plan.chunks)  # type: ignore[return-value]
         batch, shards = build_group_batch(
             plan,
             self.tables,

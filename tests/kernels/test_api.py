@@ -81,6 +81,23 @@ def test_append_errors() -> None:
         mk.append_paged_kv(k, k, cache, cache, slots=torch.tensor([0], dtype=torch.int32))
 
 
+def test_an_explicit_backend_is_refused_for_inputs_its_can_run_declines() -> None:
+    """``native`` attention runs on CPU tensors only: asked for it with a query on
+    another device (found on a GPU, where its planner failed deep inside the C++
+    extension), resolution names the backend and the usable ones instead."""
+    from medha_kernels.backends import resolve_name
+
+    cpu = torch.device("cpu")
+    off_cpu = (torch.empty(2, 4, 8, device="meta"),)
+    with pytest.raises(
+        ValueError, match=r"backend 'native' cannot run paged_attention on these cpu inputs .* "
+        r"usable here: torch"
+    ):  # fmt: skip
+        resolve_name("paged_attention", "native", cpu, off_cpu)
+    assert resolve_name("paged_attention", "native", cpu, (torch.empty(2, 4, 8),)) == "native"
+    assert resolve_name("merge_state", "native", cpu, off_cpu) == "native"  # merges anywhere
+
+
 def test_backend_selection_errors_and_auto_logging(caplog) -> None:
     q, k, v = qkv()
     assert "torch" in mk.available_backends("cpu")

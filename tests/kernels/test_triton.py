@@ -262,6 +262,31 @@ def test_planned_paged_attention_sizes_launches_to_the_step(num_qs, kv_lens):
         assert tri_attn.decode_splits(3000, 1, q.device, BF16) == 24 > tri_attn.MAX_SPLITS
 
 
+def test_decode_plan_sized_for_longer_rows_than_the_step():
+    """A CUDA graph's decode plan is built once for the longest row possible; a step of
+    shorter rows then runs with more splits than it needs (those past each row's keys
+    are empty), and still matches the float64 truth."""
+    from medha_kernels import plan_paged_attention
+    from medha_kernels.plan import PagedHost
+    from medha_kernels.triton import attention as tri_attn
+
+    batch = _paged_batch(BF16, 64, 4, [1, 1, 1], [300, 7, 129], kv_heads=1)
+    q, k_cache, v_cache, cu, lens, table = batch
+    longest = 4096  # the table as wide as the longest row: padded with block 0
+    table = torch.nn.functional.pad(table, (0, longest // 16 - table.shape[1]))
+    batch = (q, k_cache, v_cache, cu, lens, table)
+    last = k_cache.shape[0] - 1
+    host = PagedHost(cu_seqlens_q=[0, 1, 2, 3], kv_lens=[longest] * 3, max_block=last)
+    plan = plan_paged_attention(
+        cu_seqlens_q=cu, kv_lens=lens, block_table=table, num_qo_heads=4, num_kv_heads=1,
+        head_dim=64, block_size=16, dtype=BF16, backend="triton", host=host,
+    )  # fmt: skip
+    wide = tri_attn.decode_splits(longest, 3, q.device, BF16)
+    assert wide > tri_attn.decode_splits(300, 3, q.device, BF16)
+    o, lse = plan.run(q, k_cache, v_cache)
+    _check_paged(o, lse, *batch)
+
+
 # --- merge ------------------------------------------------------------------------------
 
 

@@ -118,6 +118,16 @@ class ForwardBatch:
             raise ValueError(f"slots: {top} is past the cache's {capacity} slots")
         self._kv_write = _write_rows(slots)
 
+    def set_kv_write_index(self, index: torch.Tensor) -> None:
+        """Write every row's K/V at ``index`` (``[num_tokens]`` int64 slots, each valid
+        for the cache, on its device): what :meth:`prepare_kv_write` would keep, with
+        its checks and host reads left to the caller (a CUDA graph's static batch,
+        whose padding rows write a scratch slot)."""
+        n = self.input_ids.shape[0]
+        if index.dtype != torch.int64 or tuple(index.shape) != (n,):
+            raise ValueError(f"index: want [{n}] int64, got {list(index.shape)} {index.dtype}")
+        self._kv_write = (index, None)
+
     def attention_plan(
         self,
         *,
