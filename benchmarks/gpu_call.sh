@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_call.sh 5    # CUDA graphs for decode steps: their tests, the engine
 #                                    # against transformers and the 8B step with graphs, then
 #                                    # decode/prefill kernels beside FlashInfer (about 7.5 min)
+#   bash benchmarks/gpu_call.sh 6    # graphs on by default: their tests, the profiled 8B
+#                                    # step, decode kernels replayed from a graph (about 4 min)
 #
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
@@ -20,12 +22,12 @@
 # MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5 [gpu_suite.py arguments]}
+call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5|6 [gpu_suite.py arguments]}
 shift
 case "$call" in
-    1 | 2 | 3 | 4 | 5) ;;
+    1 | 2 | 3 | 4 | 5 | 6) ;;
     *)
-        echo "gpu_call: the call is 1 to 5, not $call" >&2
+        echo "gpu_call: the call is 1 to 6, not $call" >&2
         exit 2
         ;;
 esac
@@ -111,5 +113,18 @@ case "$call" in
         bounded "${MEDHA_GPU_KERNELS_S:-100}" kernels_run python3 benchmarks/gpu_suite.py \
             --out "$out" --stage kernels --budget-s 90 --kernel-ops decode,prefill \
             --backends medha/triton,flashinfer,sdpa
+        ;;
+    6)  # CUDA graphs on by default (one rank); decode kernels with and without a graph
+        export PYTHONPATH="${src}/tmp/site"
+        bounded "${MEDHA_GPU_TESTS_S:-80}" tests python3 -m pytest -q -p no:cacheprovider \
+            --timeout 70 tests/runtime/test_decode_graphs.py tests/kernels/test_api.py \
+            tests/kernels/test_triton.py -k "graph or longer_rows or planned or backend"
+        bounded "${MEDHA_GPU_SP_S:-75}" sp_profile python3 benchmarks/step_profile.py \
+            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            --no-stacks --top 15
+        export PYTHONPATH="${src}/tmp/site:/tmp/fi"
+        bounded "${MEDHA_GPU_KERNELS_S:-75}" kernels_run python3 benchmarks/gpu_suite.py \
+            --out "$out" --stage kernels --budget-s 65 --kernel-ops decode \
+            --backends medha/triton,medha/triton-graph,flashinfer
         ;;
 esac

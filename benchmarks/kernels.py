@@ -79,6 +79,8 @@ class Bench:
         self.fi = _import_flashinfer() if self.cuda else None
         self.flex = _compiled_flex() if self.cuda else None
         medha = [f"medha/{b}" for b in mk.available_backends(self.dev)]
+        if self.cuda and "medha/triton" in medha:  # decode replayed from a CUDA graph
+            medha.append("medha/triton-graph")
         others = ["sdpa"] + ["flashinfer"] * bool(self.fi) + ["flex"] * bool(self.flex)
         if args.backends:
             self.backends = [b for b in medha + others if b in args.backends.split(",")]
@@ -215,6 +217,8 @@ class Bench:
                 self.skip(f"decode {shape}", f"medha/{name}", str(exc))
                 continue
             fns[f"medha/{name}"] = lambda plan=plan: plan.run(q, kc, vc)
+            if name == "triton" and "medha/triton-graph" in self.backends:
+                fns["medha/triton-graph"] = self._graphed(lambda plan=plan: plan.run(q, kc, vc))
         dense_users = {"sdpa", "flex"} & set(self.backends)
         if dense_users and 2 * cache <= self.budget:  # SDPA and flex need contiguous [B, H, L, D]
             kd, vd = (
@@ -229,6 +233,17 @@ class Bench:
         flops, nbytes = 4 * b * hq * d * ctx, cache + 2 * b * hq * d * self.elt
         dense = {"sdpa": cache, "flex": cache}
         self.run(Case("decode", shape, flops, nbytes, fns), cache, dense)
+
+    @staticmethod
+    def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` captured in a CUDA graph: its replay, without the Python launch cost
+        (as the runtime's decode steps run)."""
+        fn()  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
 
     def _fi_decode(self, q, kc, vc, table, ctx):
         """FlashInfer's own decode wrapper (tensor cores for GQA), planned outside the timing."""

@@ -243,7 +243,10 @@ def main() -> None:
         "execute each step in this thread, so they are synchronous either way)",
     )
     parser.add_argument(
-        "--cuda-graphs", action="store_true", help="decode steps replayed from CUDA graphs"
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps replayed from CUDA graphs (default: the engine's, on with CUDA)",
     )
     parser.add_argument(
         "--no-profile", action="store_true", help="only the timed run (no torch.profiler runs)"

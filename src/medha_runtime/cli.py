@@ -225,8 +225,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     s.add_argument(
         "--cuda-graphs",
-        action="store_true",
-        help="replay decode-only steps from CUDA graphs (one rank, Triton attention)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode-only steps from CUDA graphs (one rank, Triton attention; "
+        "default: on with a CUDA device and one rank)",
     )
     s.add_argument(
         "--step-log",

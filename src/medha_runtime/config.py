@@ -106,8 +106,10 @@ class EngineConfig:
             only (the sampling rank sends each step's tokens to every rank).
         cuda_graphs: replay decode-only steps from CUDA graphs, one per padded
             batch size (see :mod:`medha_runtime.decode_graphs`): tp = spp = kvp
-            = 1 and the Triton attention backend. On a CPU the same padded
-            batches run without graphs.
+            = 1 and the Triton attention backend (another backend leaves them
+            off, with one warning). None (default): on for a CUDA device with
+            one rank, else off. True on a CPU runs the same padded batches
+            without graphs (what the tests check).
     """
 
     model: str = "tiny"
@@ -136,7 +138,7 @@ class EngineConfig:
     step_log: str | None = None
     distributed: DistConfig | None = None
     async_scheduling: bool = False
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -204,8 +206,10 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling=True needs spp = 1 (one pipeline stage), got spp={self.spp!r}"
             )
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(
+                f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}"
+            )
         if self.cuda_graphs and self.tp * self.spp * self.kvp != 1:
             raise ValueError(
                 f"cuda_graphs=True needs one rank (tp = spp = kvp = 1), got tp={self.tp}, "
@@ -389,11 +393,18 @@ def resolve_engine(
             timeout_s=c.timeout_s,
             num_threads=c.num_threads,
             pending_tokens=c.async_scheduling,
-            cuda_graph_max_batch=_graph_batch(c) if c.cuda_graphs else 0,
+            cuda_graph_max_batch=_graph_batch(c) if _graphs_on(c, device) else 0,
             max_model_len=context,
         ),
         num_threads=c.num_threads,
     )
+
+
+def _graphs_on(config: EngineConfig, device: str) -> bool:
+    """``cuda_graphs``, or with None: a CUDA device and one rank."""
+    if config.cuda_graphs is not None:
+        return config.cuda_graphs
+    return device == "cuda" and config.world_size == 1
 
 
 def _graph_batch(config: EngineConfig) -> int:

@@ -123,6 +123,10 @@ class DecodeGraphs:
         self.device = kv.k[0].device
         self.max_blocks = -(-max_model_len // block_size)
         self._static: dict[int, _Static] = {}
+        # one memory pool for every size's graph: their intermediates share memory (the
+        # graphs never run at once, and each replay writes its intermediates before it
+        # reads them); every graph's output stays allocated, so none is reused
+        self._pool: Any = None
         #: why graphs are off for this rank (a failed capture, another backend), or None
         self.off: str | None = None
         self.replays = 0
@@ -263,8 +267,10 @@ class DecodeGraphs:
                 for _ in range(2):  # compiles kernels, fills lazy caches outside the capture
                     self.model(batch, self.kv)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits = self.model(batch, self.kv)
         except Exception as exc:  # any failure: run eagerly from now on
             self.off = f"capturing a decode of {b} failed: {type(exc).__name__}: {exc}"
