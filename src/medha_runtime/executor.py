@@ -61,6 +61,10 @@ from medha_runtime.plan import StepPlan
 from medha_runtime.runner import ModelRunner, RunnerSpec
 from medha_runtime.sampling import Sampled
 
+#: how long a rank's failure waits for another rank's death to show (see
+#: ``MultiprocExecutor._fail_after_peer``)
+PEER_DEATH_WAIT_S = 1.0
+
 
 class WorkerError(RuntimeError):
     """A worker failed, died or timed out; the executor is unusable afterwards."""
@@ -478,9 +482,16 @@ class MultiprocExecutor:
     def _fail_after_peer(self, rank: int, error: str) -> NoReturn:
         """Rank ``rank`` failed with ``error``; if another worker is dead, name it
         first: a survivor's failed collective is the death's consequence, and its
-        reply can arrive before the dead worker's closed pipe is read."""
+        reply can arrive before the dead worker's closed pipe is read, and even
+        before the dead process is reaped (seen on a 16-core machine: rank 0's gloo
+        error named no dead peer). So each other rank gets a short join first
+        (``PEER_DEATH_WAIT_S`` in all): a healthy one only delays this error."""
+        deadline = time.monotonic() + PEER_DEATH_WAIT_S
         for other, p in enumerate(self.processes):
-            if other != rank and not p.is_alive():
+            if other == rank:
+                continue
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if not p.is_alive():
                 code = self._exitcode(other)
                 self._fail(
                     f"worker rank {other} died (exit code {code}); rank {rank} then failed: {error}"
