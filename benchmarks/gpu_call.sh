@@ -13,6 +13,8 @@
 #                                    # decode/prefill kernels beside FlashInfer (about 7.5 min)
 #   bash benchmarks/gpu_call.sh 6    # graphs on by default: their tests, the profiled 8B
 #                                    # step, decode kernels replayed from a graph (about 4 min)
+#   bash benchmarks/gpu_call.sh 7    # graphs of the layers only (LM head eager), one shared
+#                                    # block table: their tests, the 8B step, the engine (2 min)
 #
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
@@ -22,12 +24,12 @@
 # MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5|6 [gpu_suite.py arguments]}
+call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5|6|7 [gpu_suite.py arguments]}
 shift
 case "$call" in
-    1 | 2 | 3 | 4 | 5 | 6) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7) ;;
     *)
-        echo "gpu_call: the call is 1 to 6, not $call" >&2
+        echo "gpu_call: the call is 1 to 7, not $call" >&2
         exit 2
         ;;
 esac
@@ -126,5 +128,15 @@ case "$call" in
         bounded "${MEDHA_GPU_KERNELS_S:-75}" kernels_run python3 benchmarks/gpu_suite.py \
             --out "$out" --stage kernels --budget-s 65 --kernel-ops decode \
             --backends medha/triton,medha/triton-graph,flashinfer
+        ;;
+    7)  # the graphs' tests, the profiled 8B step, the engine eager against graphs
+        export PYTHONPATH="${src}/tmp/site"
+        bounded "${MEDHA_GPU_TESTS_S:-60}" tests python3 -m pytest -q -p no:cacheprovider \
+            --timeout 50 tests/runtime/test_decode_graphs.py tests/runtime/test_peer_death.py
+        bounded "${MEDHA_GPU_SP_S:-45}" sp_profile python3 benchmarks/step_profile.py \
+            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            --no-stacks --top 10
+        bounded "${MEDHA_GPU_EVT_S:-45}" evt python3 benchmarks/engine_vs_transformers.py \
+            --device cuda --dtype bfloat16 --threads 4 --modes sync graphs
         ;;
 esac

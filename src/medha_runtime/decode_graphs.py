@@ -3,8 +3,10 @@
 On a GPU a decode step of a small batch is bound by the host: each layer
 issues a dozen kernels, and Python spends longer issuing them than the GPU
 spends running them. :class:`DecodeGraphs` captures the whole forward pass of
-a decode step once per padded batch size and replays it afterwards: one
-launch instead of hundreds.
+a decode step's layers once per padded batch size and replays them
+afterwards: one launch instead of hundreds. The final norm and the LM head run
+eagerly on the step's own rows (a few launches; every graph then keeps only
+``[b, hidden_size]`` of output, not ``[b, vocab]`` of logits).
 
 A decode step of ``B`` requests runs on the smallest captured size ``b >= B``
 (1, 2, 4, 8, then multiples of 8 up to ``max_batch``). Its index tensors are
@@ -63,8 +65,10 @@ class _Static:
 
     ``ids`` ``[b]`` int64, ``positions`` ``[b]`` int64, ``kv_lens`` ``[b]`` int32,
     ``slots`` ``[b]`` int64 (every row writes: padding writes the scratch slot),
-    ``table`` ``[b, max_blocks]`` int32; ``logits`` ``[b, vocab]`` fp32, the
-    captured output.
+    ``table`` ``[b, max_blocks]`` int32 (the first ``b`` rows of one buffer every
+    size shares); ``hidden`` ``[b, hidden_size]`` (model dtype), the captured
+    output: the layers' hidden states, before the final norm and LM head, which
+    run eagerly on the step's own rows.
     """
 
     size: int
@@ -79,7 +83,7 @@ class _Static:
     host_lens: list[int] | None = None
     host_max_block: int = 0
     graph: Any = None
-    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
     batch: ForwardBatch | None = None
 
 
@@ -127,6 +131,7 @@ class DecodeGraphs:
         # graphs never run at once, and each replay writes its intermediates before it
         # reads them); every graph's output stays allocated, so none is reused
         self._pool: Any = None
+        self._tables: torch.Tensor | None = None
         #: why graphs are off for this rank (a failed capture, another backend), or None
         self.off: str | None = None
         self.replays = 0
@@ -146,22 +151,24 @@ class DecodeGraphs:
         return True
 
     def run(self, plan: StepPlan, tables: BlockTables) -> torch.Tensor | None:
-        """The step's logits ``[B, vocab]`` fp32 (B = the plan's chunks, in order; a
-        view valid until the next step), or None when graphs just turned off (the
-        caller runs the step eagerly)."""
+        """The step's logits ``[B, vocab]`` fp32 (B = the plan's chunks, in order): the
+        layers replayed on the padded batch, the final norm and LM head run eagerly
+        on its first ``B`` rows; or None when graphs just turned off (the caller runs
+        the step eagerly)."""
         size = next(s for s in self.sizes if s >= len(plan.chunks))
         st = self._static.get(size)
         if st is None:
             st = self._static[size] = self._buffers(size)
         self._fill(st, plan, tables)
         if not self.capture:
-            return self._eager(st, plan)[: len(plan.chunks)]
+            hidden = self._eager(st)
+            return self.model.compute_logits(hidden[: len(plan.chunks)])
         if st.graph is None and not self._capture(st):
             return None
         st.graph.replay()
         self.replays += 1
-        assert st.logits is not None
-        return st.logits[: len(plan.chunks)]
+        assert st.hidden is not None
+        return self.model.compute_logits(st.hidden[: len(plan.chunks)])
 
     def _buffers(self, b: int) -> _Static:
         dev = self.device
@@ -175,12 +182,20 @@ class DecodeGraphs:
             positions=zeros(b, dtype=torch.int64),
             kv_lens=torch.ones(b, dtype=torch.int32, device=dev),
             slots=torch.full((b,), self.scratch_block * self.block_size, device=dev),
-            table=torch.full(
-                (b, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev
-            ),
+            table=self._table()[:b],
             cu=torch.arange(b + 1, dtype=torch.int32, device=dev),
             rows=torch.arange(b, dtype=torch.int64, device=dev),
         )
+
+    def _table(self) -> torch.Tensor:
+        """The block-table buffer ``[largest size, max_blocks]`` int32 every size reads
+        its first rows of (one buffer: at 1M tokens a row is 256 KiB)."""
+        if self._tables is None:
+            shape = (self.sizes[-1], self.max_blocks)
+            self._tables = torch.full(
+                shape, self.scratch_block, dtype=torch.int32, device=self.device
+            )
+        return self._tables
 
     def _fill(self, st: _Static, plan: StepPlan, tables: BlockTables) -> None:
         """Copy the step's ids, positions, lengths, slots and block tables into the
@@ -235,14 +250,15 @@ class DecodeGraphs:
         batch.set_kv_write_index(st.slots)
         return batch
 
-    def _eager(self, st: _Static, plan: StepPlan) -> torch.Tensor:
-        """The padded step without a graph: the plan from this step's real lengths."""
+    def _eager(self, st: _Static) -> torch.Tensor:
+        """The padded step's hidden states ``[b, hidden_size]`` without a graph: the
+        plan from this step's real lengths."""
         b = st.size
         assert st.host_lens is not None
         host = PagedHost(
             cu_seqlens_q=list(range(b + 1)), kv_lens=st.host_lens, max_block=st.host_max_block
         )
-        return self.model(self._static_batch(st, host), self.kv)
+        return self.model(self._static_batch(st, host), self.kv, logits=False)
 
     def _capture(self, st: _Static) -> bool:
         """Capture size ``st.size``'s forward pass; on failure turn graphs off (one
@@ -265,17 +281,17 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compiles kernels, fills lazy caches outside the capture
-                    self.model(batch, self.kv)
+                    self.model(batch, self.kv, logits=False)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self.model(batch, self.kv)
+                hidden = self.model(batch, self.kv, logits=False)
         except Exception as exc:  # any failure: run eagerly from now on
             self.off = f"capturing a decode of {b} failed: {type(exc).__name__}: {exc}"
             log.warning("CUDA graphs off: %s", self.off)
             return False
-        st.graph, st.logits, st.batch = graph, logits, batch
+        st.graph, st.hidden, st.batch = graph, hidden, batch
         log.info("captured a CUDA graph for decode batches of %d", b)
         return True

@@ -367,7 +367,12 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, batch: ForwardBatch, kv: KVCache, hidden: torch.Tensor | None = None
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        hidden: torch.Tensor | None = None,
+        *,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Run this stage's layers on a batch; writes the new tokens' K/V into ``kv``.
 
@@ -376,10 +381,12 @@ class LlamaModel(nn.Module):
             kv: this stage's cache (one entry per layer in ``layer_range``).
             hidden: ``[num_tokens, hidden_size]`` from the previous stage;
                 required unless this stage is the first.
+            logits: False: the last stage also returns its hidden states (for
+                :meth:`compute_logits` later; a CUDA graph captures the layers only).
 
         Returns:
             ``[num_tokens, hidden_size]`` hidden states (in the model dtype) if
-            this is not the last stage, else fp32 logits
+            this is not the last stage or ``logits`` is False, else fp32 logits
             ``[len(batch.sample_rows), vocab_size]``.
         """
         if kv.num_layers != len(self.layers):
@@ -397,10 +404,15 @@ class LlamaModel(nn.Module):
         cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
         for i, layer in enumerate(self.layers.values()):
             x = layer(x, cos2, sin2, kv.k[i], kv.v[i], batch)
-        if not self.is_last:
+        if not self.is_last or not logits:
             return x
-        x = self.norm(x[batch.sample_rows])
-        return self.lm_head(x)[:, : self.config.vocab_size].float()
+        return self.compute_logits(x[batch.sample_rows])
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's head: ``[S, hidden_size]`` hidden states (model dtype) of
+        the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head)."""
+        return self.lm_head(self.norm(hidden))[:, : self.config.vocab_size].float()
 
 
 def _check_tp(config: ModelConfig, tp: int) -> None:
