@@ -1,6 +1,7 @@
 """Sweep the Triton attention kernels' tile shapes on a GPU and print the best per shape.
 
     python benchmarks/triton_tiles.py --json tiles.json            # on a CUDA device
+    python benchmarks/triton_tiles.py --ops decode --graph --decode-shapes 1:4096,1:32768,8:4096
 
 Each prefill configuration (query rows per program, keys per tile, warps, pipeline
 stages) runs ``medha_kernels.chunked_prefill_attention(backend="triton")`` on
@@ -29,11 +30,19 @@ from medha_kernels.triton import attention as tri
 HQ, HKV, D = 32, 8, 128
 
 
-def _time(fn, cuda: bool) -> float:
-    """Median seconds of ``fn``."""
+def _time(fn, cuda: bool, graph: bool = False) -> float:
+    """Median seconds of ``fn`` (with ``graph``: of its replay from a CUDA graph, so
+    the Python launch cost is left out, as in the runtime's decode steps)."""
     if cuda:
         import triton.testing
 
+        if graph:
+            fn()  # compile outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            fn = g.replay
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e3
     fn()
     t0 = time.perf_counter()
@@ -85,6 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="time decode configurations replayed from a CUDA graph (no launch cost)",
+    )
+    ap.add_argument(
+        "--decode-shapes",
+        default=None,
+        help="decode shapes B:L,... (default 1:1048576,1:4096,16:32768,64:4096)",
+    )
+    ap.add_argument("--ops", default="prefill,decode", help="prefill, decode or both")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -96,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             "prefill": [(512, 32768), (2048, 131072), (32, 1048576), (128, 131072)],
             "decode": [(1, 1048576), (1, 4096), (16, 32768), (64, 4096)],
         }
+    if args.decode_shapes:
+        shapes["decode"] = [
+            tuple(int(x) for x in item.split(":")) for item in args.decode_shapes.split(",")
+        ]
+    shapes = {op: cases for op, cases in shapes.items() if op in args.ops.split(",")}
     arch = "cuda9"
     saved = dict(tri._TILES_BY_ARCH.get(arch, tri._DEFAULT_TILES))
     t_end = time.monotonic() + args.budget_s
@@ -116,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     tri._TILES_BY_ARCH[arch] = {**saved, op: cfg}
                     fn = fn_or_maker if op == "prefill" else fn_or_maker()
                     try:
-                        sec = _time(fn, cuda)
+                        sec = _time(fn, cuda, graph=args.graph and op == "decode")
                     except Exception as exc:  # a config the compiler refuses (shared memory)
                         rows.append(
                             {"cfg": cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
