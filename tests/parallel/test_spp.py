@@ -95,6 +95,12 @@ def test_micro_batch_parts_round_trip_and_reject_bad_input() -> None:
     batch = MicroBatch(3, 1000, chunks)
     assert batch.num_tokens == 33 and batch.summary() == ChunkMeta(-1, 3, 1000, 33)
     assert MicroBatch.from_parts(batch.summary(), batch.chunks_tensor()) == batch
+    assert batch.chunks_tensor().reshape(-1).tolist() == batch.chunk_words()
+    assert MicroBatch.from_words(batch.summary(), batch.chunk_words()) == batch
+    with pytest.raises(ChunkHeaderError, match="rows of 6"):
+        MicroBatch.from_words(batch.summary(), batch.chunk_words()[:-1])
+    with pytest.raises(ChunkHeaderError, match="is_last must be 0 or 1"):
+        MicroBatch.from_words(batch.summary(), [*batch.chunk_words()[:-2], 2, 1])
     with pytest.raises(ChunkHeaderError, match="announces 34 tokens"):
         MicroBatch.from_parts(ChunkMeta(-1, 3, 1000, 34), batch.chunks_tensor())
     with pytest.raises(ChunkHeaderError, match="one chunk per sequence"):
@@ -342,6 +348,23 @@ def _payloads() -> list[dict[str, torch.Tensor]]:
     ]
 
 
+def _batch_payloads() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(8)
+    return [
+        {"hidden": torch.randn(3, 16, generator=g)},  # fits a slot
+        {"hidden": torch.randn(3, 512, generator=g)},  # 6 KiB: follows over gloo
+    ]
+
+
+def _shared_meta(i: int) -> ChunkMeta | MicroBatch:
+    """Plain chunks of seq 3 for :func:`_payloads`, then micro-batches of seqs 4 and 5."""
+    if i < len(_payloads()):
+        return ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+    j = i - len(_payloads())
+    chunks = (ChunkMeta(4, j, 2 * j, 2), ChunkMeta(5, j, 7 + j, 1, is_last=True, kind=1))
+    return MicroBatch(j, 3 * j, chunks)
+
+
 def _shared(rank: int, world_size: int, init: str) -> dict:
     from medha_parallel import ParallelLayout, ParallelState
     from medha_parallel.spp import SPPCommunicator
@@ -360,8 +383,8 @@ def _shared(rank: int, world_size: int, init: str) -> dict:
         comm = SPPCommunicator(state, max_inflight=2, **kw)
         out[f"{name}_uses"] = comm.uses_shared_memory
         got = []
-        for i, tensors in enumerate(_payloads()):
-            meta = ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+        for i, tensors in enumerate(_payloads() + _batch_payloads()):
+            meta = _shared_meta(i)
             if comm.is_first:
                 comm.send_chunk(meta, tensors)
             else:
@@ -381,9 +404,10 @@ def test_shared_memory_carries_chunks_like_gloo(one_thread) -> None:
     assert not s0["gloo_uses"] and not s1["gloo_uses"]
     assert s0["shm_inflight"] == 0 and s0["gloo_inflight"] == 0
     for name in ("shm", "gloo"):
-        assert len(s1[name]) == len(_payloads())
-        for i, ((meta, got), sent) in enumerate(zip(s1[name], _payloads(), strict=True)):
-            assert meta == ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+        payloads = _payloads() + _batch_payloads()
+        assert len(s1[name]) == len(payloads)
+        for i, ((meta, got), sent) in enumerate(zip(s1[name], payloads, strict=True)):
+            assert meta == _shared_meta(i)
             assert sorted(got) == sorted(sent)
             for key, t in sent.items():
                 assert got[key].dtype == t.dtype and got[key].shape == t.shape, (name, i, key)
