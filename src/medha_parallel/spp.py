@@ -93,7 +93,10 @@ class SPPStats:
 
     ``recv_s`` is time blocked in ``recv_chunk``, which includes waiting for the
     previous stage to finish its compute; ``send_s`` is time inside
-    ``send_chunk`` (posting plus any backpressure wait).
+    ``send_chunk`` (posting plus any backpressure wait). ``recv_wait_cpu_s`` is
+    the thread CPU seconds a shared-memory receive spent waiting for its
+    message: the wait spins a while (yielding its core) before it sleeps, so
+    on an idle core it is CPU however little work it does.
     """
 
     chunks_sent: int = 0
@@ -105,6 +108,7 @@ class SPPStats:
     send_s: float = 0.0
     recv_s: float = 0.0
     drain_s: float = 0.0
+    recv_wait_cpu_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -448,8 +452,12 @@ class SPPCommunicator:
         micro-batch's well-formed ``_chunks`` rows as ints (else None; the tensor
         then stays among the others). The slot is released either way."""
         assert self._in is not None
-        with named_comm("spp", "recv"):
-            view, addr = self._in.peek_buffer()
+        c0 = time.thread_time()
+        try:
+            with named_comm("spp", "recv"):
+                view, addr = self._in.peek_buffer()
+        finally:
+            self.stats.recv_wait_cpu_s += time.thread_time() - c0
         try:
             meta, specs = decode_header_words(_HEADER.unpack_from(view, 0))
             if not _WORD.unpack_from(view, _HEADER_BYTES)[0]:  # the tensors follow over gloo
