@@ -27,6 +27,9 @@ class Step:
 
     plan: StepPlan
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        return Step, (self.plan,)  # pickled by the constructor: no per-field state dict
+
 
 @dataclass(frozen=True, slots=True)
 class Ping:
@@ -82,6 +85,10 @@ class Done:
     compute_s: float = 0.0
     cpu_s: float = 0.0
     wait_s: float = 0.0
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        args = (self.rank, self.step_id, self.result, self.compute_s, self.cpu_s, self.wait_s)
+        return Done, args  # pickled by the constructor: no per-field state dict
 
 
 @dataclass(frozen=True, slots=True)
