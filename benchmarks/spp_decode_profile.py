@@ -69,6 +69,7 @@ class Timers:
                 return fn(*args, **kwargs)
             finally:
                 timers.add(label, time.thread_time() - c0, time.perf_counter() - w0)
+                timers.stamp(label + " returned")
 
         setattr(owner, attr, timed)
 
@@ -110,6 +111,19 @@ def instrument(parts: list, timers: Timers, decode: Callable[[Any], int | None])
     from medha_runtime.runner import ModelRunner
 
     execute = ModelRunner.execute
+
+    from medha_runtime.model.llama import LlamaModel
+
+    forward = LlamaModel.forward
+
+    def forward_stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        timers.stamp("layers start")
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            timers.stamp("layers done")
+
+    LlamaModel.forward = forward_stamped  # type: ignore[method-assign]
 
     def execute_timed(self: Any, plan: Any) -> Any:
         timers.step = decode(plan)
