@@ -17,7 +17,9 @@ For each it reports TTFT (the wall time from adding the request to the step
 that samples the first token), TPOT (median wall time between output
 tokens) and whether the greedy tokens equal ``spp1``'s. Beside them, a
 projection from CPU time, which a busy machine distorts far less: every rank
-reports its thread's CPU seconds per step, and the projected TTFT is when the
+reports its thread's CPU seconds per step (without a later stage's wait for the
+previous stage's activations, which spins on an idle core before it sleeps:
+``Done.cpu_s``), and the projected TTFT is when the
 last prefill step would leave the last stage if each stage took exactly that
 long (a sum without overlap; a stream pipeline with it); the projected TPOT
 is a decode step's CPU time summed over the stages (the driver and the

@@ -258,6 +258,13 @@ class ShmPipe:
         self._released = ctypes.c_int32.from_buffer(mm, offset + _FLAG_STRIDE)
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=offset + 2 * _FLAG_STRIDE)
         self._slots = data[: slots * slot_bytes].view(slots, slot_bytes)
+        # the same slots as memoryviews and addresses (struct and ctypes.memmove: no tensor op)
+        first = offset + 2 * _FLAG_STRIDE
+        whole = memoryview(mm)
+        self._views = [
+            whole[first + i * slot_bytes : first + (i + 1) * slot_bytes] for i in range(slots)
+        ]
+        self._slot_addrs = [self._addr + 2 * _FLAG_STRIDE + i * slot_bytes for i in range(slots)]
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._sent = 0  # producer: messages published
         self._taken = 0  # consumer: messages released
@@ -301,6 +308,14 @@ class ShmPipe:
 
     def reserve(self) -> torch.Tensor:
         """The next slot to fill (uint8 ``[slot_bytes]``), once the consumer freed it."""
+        return self._slots[self._free_slot()]
+
+    def reserve_buffer(self) -> tuple[memoryview, int]:
+        """:meth:`reserve` as a writable ``memoryview`` of the slot and the slot's address."""
+        i = self._free_slot()
+        return self._views[i], self._slot_addrs[i]
+
+    def _free_slot(self) -> int:
         seq = self._sent + 1
         if not _wait_flag(
             self._libc, self._released, self._addr + _FLAG_STRIDE, seq - self.slots, self.timeout_s
@@ -309,7 +324,7 @@ class ShmPipe:
                 f"Timed out after {self.timeout_s:.0f} s: the receiving stage released no "
                 f"slot of the shared-memory channel ({self.slots} messages unread)"
             )
-        return self._slots[(seq - 1) % self.slots]
+        return (seq - 1) % self.slots
 
     def publish(self) -> None:
         """Hand the slot :meth:`reserve` returned (now filled) to the consumer."""
@@ -319,6 +334,14 @@ class ShmPipe:
 
     def peek(self) -> torch.Tensor:
         """The next message's slot (uint8 ``[slot_bytes]``, blocking) until :meth:`release`."""
+        return self._slots[self._next_message()]
+
+    def peek_buffer(self) -> tuple[memoryview, int]:
+        """:meth:`peek` as a ``memoryview`` of the slot and the slot's address."""
+        i = self._next_message()
+        return self._views[i], self._slot_addrs[i]
+
+    def _next_message(self) -> int:
         seq = self._taken + 1
         if not _wait_flag(
             self._libc, self._published, self._addr, seq, self.timeout_s, _PIPE_SPIN_S
@@ -327,7 +350,7 @@ class ShmPipe:
                 f"Timed out after {self.timeout_s:.0f} s waiting for the sending stage's "
                 "message on the shared-memory channel"
             )
-        return self._slots[(seq - 1) % self.slots]
+        return (seq - 1) % self.slots
 
     def release(self) -> None:
         """Free the slot :meth:`peek` returned: the producer may fill it again."""
@@ -357,6 +380,7 @@ class ShmPipe:
     def close(self) -> None:
         """Drop this channel's views (the mapping closes with its last user)."""
         self._slots = torch.empty(0, 0, dtype=torch.uint8)
+        self._views, self._slot_addrs = [], []
 
 
 def map_group_buffer(

@@ -33,7 +33,9 @@ the order of every member sequence checked on receipt.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -54,7 +56,9 @@ from medha_parallel.spp_header import (
     MicroBatch,
     TensorSpec,
     decode_header,
+    decode_header_words,
     encode_header,
+    header_words,
 )
 from medha_parallel.state import ParallelState
 
@@ -89,7 +93,10 @@ class SPPStats:
 
     ``recv_s`` is time blocked in ``recv_chunk``, which includes waiting for the
     previous stage to finish its compute; ``send_s`` is time inside
-    ``send_chunk`` (posting plus any backpressure wait).
+    ``send_chunk`` (posting plus any backpressure wait). ``recv_wait_cpu_s`` is
+    the thread CPU seconds a shared-memory receive spent waiting for its
+    message: the wait spins a while (yielding its core) before it sleeps, so
+    on an idle core it is CPU however little work it does.
     """
 
     chunks_sent: int = 0
@@ -101,6 +108,7 @@ class SPPStats:
     send_s: float = 0.0
     recv_s: float = 0.0
     drain_s: float = 0.0
+    recv_wait_cpu_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -256,58 +264,104 @@ class SPPCommunicator:
             raise ValueError(f"stage {self.stage} is the last stage: there is no next stage")
         if CHUNKS_TENSOR in tensors:
             raise ChunkHeaderError(f"tensor name {CHUNKS_TENSOR!r} is reserved")
-        if isinstance(meta, MicroBatch):
-            tensors = {**tensors, CHUNKS_TENSOR: meta.chunks_tensor().to(self.device)}
-            header = encode_header(meta.summary(), tensors).to(self.device)
-        elif meta.seq_id == MICRO_BATCH_SEQ:
+        if not isinstance(meta, MicroBatch) and meta.seq_id == MICRO_BATCH_SEQ:
             raise ChunkHeaderError(f"seq_id {MICRO_BATCH_SEQ} is reserved for micro-batches")
+        if self._out is not None:
+            message = self._shared_message(meta, tensors)
         else:
-            header = encode_header(meta, tensors).to(self.device)
+            if isinstance(meta, MicroBatch):
+                tensors = {**tensors, CHUNKS_TENSOR: meta.chunks_tensor().to(self.device)}
+                header = encode_header(meta.summary(), tensors).to(self.device)
+            else:
+                header = encode_header(meta, tensors).to(self.device)
+            buffers = [header] + [tensors[name].contiguous() for name in sorted(tensors)]
         t0 = time.perf_counter()
         self._reap()
         while len(self._inflight) >= self.max_inflight:
             self.stats.backpressure_waits += 1
             self._inflight.popleft().wait()
-        buffers = [header] + [tensors[name].contiguous() for name in sorted(tensors)]
-        dst = self.stage + 1
         if self._out is not None:
-            handle = self._send_shared(meta, buffers, dst)
+            handle, nbytes = self._send_shared(meta, *message)
         else:
+            dst = self.stage + 1
             with named_comm("spp", "send"):
                 works = [
                     dist.isend(b, group=self.group, group_dst=dst) for b in buffers if b.numel() > 0
                 ]
             handle = SendHandle(meta, works, buffers)
+            nbytes = sum(b.numel() * b.element_size() for b in buffers)
         self._inflight.append(handle)
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
         self.stats.chunks_sent += 1
-        self.stats.bytes_sent += sum(b.numel() * b.element_size() for b in buffers)
+        self.stats.bytes_sent += nbytes
         self.stats.send_s += time.perf_counter() - t0
         return handle
 
-    def _send_shared(self, meta: Meta, buffers: list[torch.Tensor], dst: int) -> SendHandle:
-        """Header (and tensors, if they fit) into the next slot; the rest over gloo."""
+    def _shared_message(
+        self, meta: Meta, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[list[int], list[torch.Tensor | list[int]], list[int]]:
+        """What :meth:`_send_shared` writes, built with Python ints and no tensor op: the
+        header words, the payloads in header order (a contiguous CPU tensor, or a
+        micro-batch's ``_chunks`` rows as ints) and their byte sizes."""
+        summary, rows = (
+            (meta.summary(), meta.chunk_words()) if isinstance(meta, MicroBatch) else (meta, None)
+        )
+        names = sorted(tensors) if rows is None else sorted([*tensors, CHUNKS_TENSOR])
+        specs, payloads, sizes = [], [], []
+        for name in names:
+            if rows is not None and name == CHUNKS_TENSOR:
+                specs.append(TensorSpec(name, torch.int64, (len(rows) // 6, 6)))
+                payloads.append(rows)
+                sizes.append(8 * len(rows))
+                continue
+            t = tensors[name]
+            if not isinstance(t, torch.Tensor):
+                raise ChunkHeaderError(
+                    f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor"
+                )
+            t = t.contiguous() if t.device.type == "cpu" else t.cpu()  # stage on this host's CPU
+            specs.append(TensorSpec(name, t.dtype, tuple(t.shape)))
+            payloads.append(t)
+            sizes.append(t.numel() * t.element_size())
+        return header_words(summary, specs), payloads, sizes
+
+    def _send_shared(
+        self,
+        meta: Meta,
+        words: list[int],
+        payloads: list[torch.Tensor | list[int]],
+        sizes: list[int],
+    ) -> tuple[SendHandle, int]:
+        """Header (and tensors, if they fit) into the next slot; the rest over gloo.
+        Returns the send's handle and its bytes."""
         assert self._out is not None
-        header, tensors = buffers[0], buffers[1:]
-        offsets, end = _slot_layout([t.numel() * t.element_size() for t in tensors])
+        offsets, end = _slot_layout(sizes)
         inline = end <= self._out.slot_bytes
+        later: list[torch.Tensor] = []
         with named_comm("spp", "send"):
-            slot = self._out.reserve()  # free: at most max_inflight are unread (see above)
-            slot[:_HEADER_BYTES].view(torch.int64).copy_(header)
-            slot[_HEADER_BYTES:_SLOT_PREFIX].view(torch.int64).fill_(int(inline))
+            view, addr = self._out.reserve_buffer()  # free: at most max_inflight are unread
+            _HEADER.pack_into(view, 0, *words)
+            _WORD.pack_into(view, _HEADER_BYTES, int(inline))
             if inline:
-                for t, off in zip(tensors, offsets, strict=True):
-                    if t.numel() > 0:
-                        n = t.numel() * t.element_size()
-                        slot[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+                for p, off, n in zip(payloads, offsets, sizes, strict=True):
+                    if isinstance(p, list):
+                        struct.pack_into(f"={len(p)}q", view, off, *p)
+                    elif n:
+                        ctypes.memmove(addr + off, p.data_ptr(), n)
             self._out.publish()
             works = []
             if not inline:
+                later = [
+                    torch.tensor(p, dtype=torch.int64).view(-1, 6) if isinstance(p, list) else p
+                    for p in payloads
+                ]
+                dst = self.stage + 1
                 works = [
-                    dist.isend(t, group=self.group, group_dst=dst) for t in tensors if t.numel() > 0
+                    dist.isend(t, group=self.group, group_dst=dst) for t in later if t.numel() > 0
                 ]
         seq = self._out.published
-        return SendHandle(meta, works, [] if inline else tensors, slot=(self._out, seq))
+        handle = SendHandle(meta, works, later, slot=(self._out, seq))
+        return handle, _HEADER_BYTES + sum(sizes)
 
     def drain(self) -> None:
         """Wait for every outstanding send."""
@@ -341,9 +395,10 @@ class SPPCommunicator:
         src = self.stage - 1
         t0 = time.perf_counter()
         try:
+            rows: tuple[int, ...] | None = None  # a micro-batch's _chunks, read from the slot
             try:
                 if self._in is not None:
-                    header, meta, specs, tensors = self._recv_shared()
+                    meta, specs, tensors, rows = self._recv_shared()
                 else:
                     header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
                     with named_comm("spp", "recv"):
@@ -366,15 +421,18 @@ class SPPCommunicator:
         finally:
             self.stats.recv_s += time.perf_counter() - t0
         self.stats.chunks_received += 1
-        self.stats.bytes_received += header.numel() * 8
+        self.stats.bytes_received += _HEADER_BYTES + (0 if rows is None else 8 * len(rows))
         self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
         got: Meta = meta
         if meta.seq_id == MICRO_BATCH_SEQ:
-            rows = tensors.pop(CHUNKS_TENSOR, None)
+            chunks = tensors.pop(CHUNKS_TENSOR, None)
             try:
-                if rows is None:
+                if rows is not None:
+                    got = MicroBatch.from_words(meta, rows)
+                elif chunks is None:
                     raise ChunkHeaderError(f"a micro-batch header without {CHUNKS_TENSOR!r}")
-                got = MicroBatch.from_parts(meta, rows.cpu())
+                else:
+                    got = MicroBatch.from_parts(meta, chunks.cpu())
             except ChunkHeaderError as exc:
                 raise SPPProtocolError(f"recv on the spp group from stage {src}: {exc}") from exc
         if expect is not None:
@@ -386,28 +444,48 @@ class SPPCommunicator:
                     self._check_order(member)
         return got, tensors
 
-    def _recv_shared(self) -> tuple[torch.Tensor, ChunkMeta, list[TensorSpec], Tensors]:
-        """The next slot: its header, decoded (raises :class:`ChunkHeaderError`), the
-        tensor specs still to receive over gloo, and the tensors that came with it
-        (the slot is released either way)."""
+    def _recv_shared(
+        self,
+    ) -> tuple[ChunkMeta, list[TensorSpec], Tensors, tuple[int, ...] | None]:
+        """The next slot: its header's meta (raises :class:`ChunkHeaderError`), the tensor
+        specs still to receive over gloo, the tensors that came with it, and a
+        micro-batch's well-formed ``_chunks`` rows as ints (else None; the tensor
+        then stays among the others). The slot is released either way."""
         assert self._in is not None
-        with named_comm("spp", "recv"):
-            slot = self._in.peek()
+        c0 = time.thread_time()
         try:
-            header = slot[:_HEADER_BYTES].view(torch.int64).clone()
-            inline = bool(slot[_HEADER_BYTES:_SLOT_PREFIX].view(torch.int64).item())
-            meta, specs = decode_header(header)
-            if not inline:
-                return header, meta, specs, {}
-            tensors: Tensors = {}
+            with named_comm("spp", "recv"):
+                view, addr = self._in.peek_buffer()
+        finally:
+            self.stats.recv_wait_cpu_s += time.thread_time() - c0
+        try:
+            meta, specs = decode_header_words(_HEADER.unpack_from(view, 0))
+            if not _WORD.unpack_from(view, _HEADER_BYTES)[0]:  # the tensors follow over gloo
+                return meta, specs, {}, None
             sizes = [math.prod(sp.shape) * sp.dtype.itemsize for sp in specs]
-            offsets, _ = _slot_layout(sizes)
+            offsets, end = _slot_layout(sizes)
+            if end > len(view):
+                raise ChunkHeaderError(
+                    f"header announces {end} bytes in a slot of {len(view)}: the stream is "
+                    "out of step"
+                )
+            tensors: Tensors = {}
+            rows = None
+            batch = meta.seq_id == MICRO_BATCH_SEQ
             for sp, off, n in zip(specs, offsets, sizes, strict=True):
+                if (
+                    batch
+                    and sp.name == CHUNKS_TENSOR
+                    and sp.dtype == torch.int64
+                    and sp.shape[1:] == (6,)
+                ):
+                    rows = struct.unpack_from(f"={n // 8}q", view, off)
+                    continue
                 buf = torch.empty(sp.shape, dtype=sp.dtype)
                 if n > 0:
-                    buf.reshape(-1).view(torch.uint8).copy_(slot[off : off + n])
+                    ctypes.memmove(buf.data_ptr(), addr + off, n)
                 tensors[sp.name] = buf
-            return header, meta, [], tensors
+            return meta, [], tensors, rows
         finally:
             self._in.release()
 
@@ -457,6 +535,8 @@ class SPPCommunicator:
 #: slot (1) or over gloo (0), then each tensor's bytes (header order) on 64-byte bounds
 _HEADER_BYTES = HEADER_WORDS * 8
 _SLOT_PREFIX = _HEADER_BYTES + 8
+_HEADER = struct.Struct(f"={HEADER_WORDS}q")  # native byte order, as torch's int64
+_WORD = struct.Struct("=q")
 
 
 def _slot_layout(sizes: list[int]) -> tuple[list[int], int]:

@@ -26,7 +26,7 @@ is_last, kind per row, in batch order).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -129,13 +129,16 @@ class MicroBatch:
         """The meta its header carries."""
         return ChunkMeta(MICRO_BATCH_SEQ, self.index, self.stream_pos, self.num_tokens)
 
+    def chunk_words(self) -> list[int]:
+        """The ``_chunks`` rows flattened: 6 ints per member (see the module docstring)."""
+        words: list[int] = []
+        for c in self.chunks:
+            words += (c.seq_id, c.chunk_idx, c.start_pos, c.num_tokens, int(c.is_last), c.kind)
+        return words
+
     def chunks_tensor(self) -> torch.Tensor:
         """int64 ``[n, 6]``: one row per member (see the module docstring)."""
-        rows = [
-            [c.seq_id, c.chunk_idx, c.start_pos, c.num_tokens, int(c.is_last), c.kind]
-            for c in self.chunks
-        ]
-        return torch.tensor(rows, dtype=torch.int64)
+        return torch.tensor(self.chunk_words(), dtype=torch.int64).view(len(self.chunks), 6)
 
     @classmethod
     def from_parts(cls, summary: ChunkMeta, rows: torch.Tensor) -> MicroBatch:
@@ -144,8 +147,16 @@ class MicroBatch:
             raise ChunkHeaderError(
                 f"{CHUNKS_TENSOR} must be int64 [n, 6], got {rows.dtype} {list(rows.shape)}"
             )
+        return cls.from_words(summary, rows.reshape(-1).tolist())
+
+    @classmethod
+    def from_words(cls, summary: ChunkMeta, words: Sequence[int]) -> MicroBatch:
+        """:meth:`from_parts` from the ``_chunks`` rows flattened (:meth:`chunk_words`)."""
+        if len(words) % 6:
+            raise ChunkHeaderError(f"{CHUNKS_TENSOR}: {len(words)} words are not rows of 6")
         chunks = []
-        for seq, idx, pos, n, last, kind in rows.tolist():
+        for i in range(0, len(words), 6):
+            seq, idx, pos, n, last, kind = words[i : i + 6]
             if last not in (0, 1):
                 raise ChunkHeaderError(f"{CHUNKS_TENSOR}: is_last must be 0 or 1, got {last}")
             chunks.append(ChunkMeta(seq, idx, pos, n, is_last=bool(last), kind=kind))
@@ -191,8 +202,20 @@ def _words_name(words: tuple[int, ...]) -> str:
 
 def encode_header(meta: ChunkMeta, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The CPU int64 ``[HEADER_WORDS]`` header for ``meta`` and ``tensors`` (sorted by name)."""
-    if len(tensors) > MAX_TENSORS:
-        raise ChunkHeaderError(f"a chunk carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
+    specs = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise ChunkHeaderError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        specs.append(TensorSpec(name, t.dtype, tuple(t.shape)))
+    return torch.tensor(header_words(meta, specs), dtype=torch.int64)
+
+
+def header_words(meta: ChunkMeta, specs: Sequence[TensorSpec]) -> list[int]:
+    """:func:`encode_header` as ``HEADER_WORDS`` Python ints, for tensors described by
+    ``specs`` (sorted by name; a channel that writes the words itself needs no tensor)."""
+    if len(specs) > MAX_TENSORS:
+        raise ChunkHeaderError(f"a chunk carries at most {MAX_TENSORS} tensors, got {len(specs)}")
     words = [
         MAGIC,
         VERSION,
@@ -202,21 +225,23 @@ def encode_header(meta: ChunkMeta, tensors: Mapping[str, torch.Tensor]) -> torch
         meta.num_tokens,
         int(bool(meta.is_last)),
         meta.kind,
-        len(tensors),
+        len(specs),
         HEADER_WORDS,
     ]
-    for name in sorted(tensors):
-        t = tensors[name]
-        if not isinstance(t, torch.Tensor):
-            raise ChunkHeaderError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if t.dtype not in _DTYPE_CODE:
-            raise ChunkHeaderError(f"tensor {name!r}: dtype {t.dtype} cannot be sent")
-        if t.dim() > MAX_NDIM:
-            raise ChunkHeaderError(f"tensor {name!r}: {t.dim()} dims, at most {MAX_NDIM}")
-        shape = list(t.shape) + [0] * (MAX_NDIM - t.dim())
-        words += [*_name_words(name), _DTYPE_CODE[t.dtype], t.dim(), *shape]
+    prev = None
+    for spec in specs:
+        name, dtype, shape = spec.name, spec.dtype, spec.shape
+        if prev is not None and name <= prev:
+            raise ChunkHeaderError(f"tensor names are not sorted and unique at {name!r}")
+        prev = name
+        if dtype not in _DTYPE_CODE:
+            raise ChunkHeaderError(f"tensor {name!r}: dtype {dtype} cannot be sent")
+        if len(shape) > MAX_NDIM:
+            raise ChunkHeaderError(f"tensor {name!r}: {len(shape)} dims, at most {MAX_NDIM}")
+        words += [*_name_words(name), _DTYPE_CODE[dtype], len(shape), *shape]
+        words += [0] * (MAX_NDIM - len(shape))
     words += [0] * (HEADER_WORDS - 1 - len(words)) + [MAGIC]
-    return torch.tensor(words, dtype=torch.int64)
+    return words
 
 
 def decode_header(header: torch.Tensor) -> tuple[ChunkMeta, list[TensorSpec]]:
@@ -225,7 +250,13 @@ def decode_header(header: torch.Tensor) -> tuple[ChunkMeta, list[TensorSpec]]:
         raise ChunkHeaderError(
             f"header must be int64 [{HEADER_WORDS}], got {header.dtype} {list(header.shape)}"
         )
-    w = header.tolist()
+    return decode_header_words(header.tolist())
+
+
+def decode_header_words(w: Sequence[int]) -> tuple[ChunkMeta, list[TensorSpec]]:
+    """:func:`decode_header` from the header's ``HEADER_WORDS`` words as Python ints."""
+    if len(w) != HEADER_WORDS:
+        raise ChunkHeaderError(f"header must be {HEADER_WORDS} words, got {len(w)}")
     if w[0] != MAGIC:
         raise ChunkHeaderError(
             f"bad magic {w[0]:#x} (expected {MAGIC:#x}): not an SPP chunk header, "

@@ -24,10 +24,11 @@ for one batch when nothing else is in flight.
   in flight, one per stage; the sampling rank's reply carries the tokens.
 
   Failures surface as :class:`WorkerError` in the driver, never as a hang:
-  a worker that raises sends its traceback; a worker that dies is seen
-  through its process sentinel within ``poll_s``; a wait with no reply from
-  any rank for ``step_timeout_s`` fails. Ranks blocked in a collective with a
-  dead peer give up after the collective timeout (``RunnerSpec.timeout_s``).
+  a worker that raises sends its traceback; a worker that dies is seen at
+  once through its process sentinel, which every wait watches beside the
+  pipes; a wait with no reply from any rank for ``step_timeout_s`` fails.
+  Ranks blocked in a collective with a dead peer give up after the
+  collective timeout (``RunnerSpec.timeout_s``).
   After a failure every worker is killed and the executor refuses further steps.
 
   :meth:`MultiprocExecutor.shutdown` sends a shutdown message, joins the
@@ -46,6 +47,7 @@ import contextlib
 import os
 import pickle
 import queue
+import selectors
 import shutil
 import tempfile
 import threading
@@ -284,7 +286,7 @@ class MultiprocExecutor:
         start_timeout_s: bound on starting every worker and loading the model.
         step_timeout_s: bound on a wait in which no rank replies.
         join_timeout_s: how long shutdown waits before killing workers.
-        poll_s: how often a wait checks that every worker is still alive.
+        poll_s: the longest single wait; a quiet one checks every worker is alive.
     """
 
     def __init__(
@@ -306,6 +308,7 @@ class MultiprocExecutor:
         self.failed: str | None = None
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self._events: deque[StepEvent] = deque()
+        self._selector: selectors.BaseSelector | None = None  # built by the first wait
         #: the sampling rank's compute time in the last step it finished (seconds)
         self.last_compute_s = 0.0
         #: set to a list to collect ``(step_id, rank, compute_s, cpu_s)`` per reply
@@ -378,6 +381,9 @@ class MultiprocExecutor:
             raise RuntimeError("next_event: no batch in flight")
         oldest = next(iter(self._pending))
         deadline = time.monotonic() + self.step_timeout_s
+        if self._selector is None:
+            self._selector = self._make_selector()
+        select = self._selector.select
         while not self._events:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -386,14 +392,29 @@ class MultiprocExecutor:
                     f"step {oldest} timed out after {self.step_timeout_s:.0f}s waiting for "
                     f"ranks {waiting}"
                 )
-            ready = wait(self.conns, timeout=min(self.poll_s, left))
-            for conn in ready:
-                rank = self.conns.index(conn)  # type: ignore[arg-type]
-                self._on_reply(rank, self._recv(rank, f"step {oldest}"))
+            ready = select(min(self.poll_s, left))
+            exited = not ready  # a quiet poll_s: check every worker anyway
+            for key, _ in ready:
+                rank, is_reply = key.data
+                if is_reply:
+                    self._on_reply(rank, self._recv(rank, f"step {oldest}"))
+                else:
+                    exited = True  # its process ended: read the replies first, then fail
             if ready:
                 deadline = time.monotonic() + self.step_timeout_s
-            self._check_alive(f"step {oldest}")
+            if exited:
+                self._check_alive(f"step {oldest}")
         return self._events.popleft()
+
+    def _make_selector(self) -> selectors.BaseSelector:
+        """One selector for every wait: each worker's pipe (data ``(rank, True)``) and
+        process sentinel (``(rank, False)``, readable once the process ended), so a
+        wait notices a reply or a death at once, without polling every process."""
+        selector = selectors.DefaultSelector()
+        for rank, (conn, p) in enumerate(zip(self.conns, self.processes, strict=True)):
+            selector.register(conn, selectors.EVENT_READ, (rank, True))
+            selector.register(p.sentinel, selectors.EVENT_READ, (rank, False))
+        return selector
 
     def execute(self, plan: StepPlan) -> list[Sampled]:
         """Run one step with nothing else in flight; the sampled rows in plan order."""
@@ -518,6 +539,10 @@ class MultiprocExecutor:
 
     def _close(self) -> None:
         self.closed = True
+        if self._selector is not None:
+            with contextlib.suppress(Exception):
+                self._selector.close()
+            self._selector = None
         for conn in self.conns:
             with contextlib.suppress(Exception):
                 conn.close()

@@ -27,6 +27,9 @@ class Step:
 
     plan: StepPlan
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        return Step, (self.plan,)  # pickled by the constructor: no per-field state dict
+
 
 @dataclass(frozen=True, slots=True)
 class Ping:
@@ -68,7 +71,9 @@ class Done:
         step_id: the plan's ``step_id``.
         result: the sampled rows (the sampling rank) or None (every other rank).
         compute_s: the wall seconds the rank spent running the step.
-        cpu_s: the CPU seconds of the rank's thread in that time.
+        cpu_s: the CPU seconds of the rank's thread in that time, less what a
+            later SPP stage's thread spent waiting for the previous stage's
+            activations (the shared-memory receive spins before it sleeps).
         wait_s: the part of ``compute_s`` a later SPP stage spent waiting for
             the previous stage's activations (0 on stage 0 and without SPP);
             ``compute_s - wait_s`` is the stage's own time.
@@ -80,6 +85,10 @@ class Done:
     compute_s: float = 0.0
     cpu_s: float = 0.0
     wait_s: float = 0.0
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        args = (self.rank, self.step_id, self.result, self.compute_s, self.cpu_s, self.wait_s)
+        return Done, args  # pickled by the constructor: no per-field state dict
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,12 @@ class StepPlan:
     finished: tuple[str, ...] = ()
     release_after: tuple[str, ...] = ()
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # pickled by the constructor (every step goes to every worker): a frozen slots
+        # dataclass would otherwise pickle a state dict built field by field
+        args = (self.step_id, self.chunks, self.free, self.finished, self.release_after)
+        return StepPlan, args
+
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)

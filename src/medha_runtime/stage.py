@@ -76,6 +76,9 @@ class PipelineStage:
         #: wall seconds the last :meth:`run` spent before this stage's layers
         #: started (waiting for the previous stage's activations)
         self.wait_s = 0.0
+        #: thread CPU seconds the last :meth:`run` spent in that wait (the shared-memory
+        #: receive spins, yielding its core, before it sleeps: CPU on an idle core)
+        self.wait_cpu_s = 0.0
         self._t0 = 0.0
 
     @property
@@ -116,10 +119,13 @@ class PipelineStage:
         self._batch = batch
         self._t0 = time.perf_counter()
         self.wait_s = 0.0
+        stats = self.comm.stats
+        spun = stats.recv_wait_cpu_s
         try:
             _, out = self.runner.step(self.micro_batch(plan), batch)
         finally:
             self._batch = None
+            self.wait_cpu_s = stats.recv_wait_cpu_s - spun
         return out["logits" if self.comm.is_last else "hidden"]
 
     def drain(self) -> None:

@@ -57,7 +57,9 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
             return 1
         seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
         pipeline = getattr(runner, "pipeline", None)
-        wait = pipeline.wait_s if pipeline is not None else 0.0
+        wait = 0.0
+        if pipeline is not None:  # a later stage: its wait for the previous stage is not its work
+            wait, cpu = pipeline.wait_s, cpu - pipeline.wait_cpu_s
         done = Done(rank, msg.plan.step_id, result, seconds, cpu, wait)
         if not _reply(transport, done):
             return 1

@@ -5,20 +5,26 @@ Each distributed test is one 2-rank launch running several sub-cases.
 
 from __future__ import annotations
 
+import mmap
+import struct
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from medha_parallel import shm
+from medha_parallel.spp import SPPCommunicator, SPPProtocolError, SPPStats
 from medha_parallel.spp_header import (
     HEADER_WORDS,
     MAX_TENSORS,
     ChunkHeaderError,
     ChunkMeta,
     MicroBatch,
+    TensorSpec,
     decode_header,
     encode_header,
+    header_words,
 )
 from tests.numerics import assert_twice_torch
 
@@ -88,6 +94,11 @@ def test_header_rejects_bad_input_with_clear_errors() -> None:
         encode_header(meta, {f"t{i}": torch.zeros(1) for i in range(MAX_TENSORS + 1)})
     with pytest.raises(ChunkHeaderError, match="chunk_idx"):
         ChunkMeta(seq_id=0, chunk_idx=-1, start_pos=0, num_tokens=1)
+    specs = [TensorSpec("b", torch.float32, (1,)), TensorSpec("a", torch.float32, (1,))]
+    with pytest.raises(ChunkHeaderError, match="not sorted"):
+        header_words(meta, specs)
+    x = torch.zeros(1)
+    assert header_words(meta, specs[::-1]) == encode_header(meta, {"a": x, "b": x}).tolist()
 
 
 def test_micro_batch_parts_round_trip_and_reject_bad_input() -> None:
@@ -95,6 +106,12 @@ def test_micro_batch_parts_round_trip_and_reject_bad_input() -> None:
     batch = MicroBatch(3, 1000, chunks)
     assert batch.num_tokens == 33 and batch.summary() == ChunkMeta(-1, 3, 1000, 33)
     assert MicroBatch.from_parts(batch.summary(), batch.chunks_tensor()) == batch
+    assert batch.chunks_tensor().reshape(-1).tolist() == batch.chunk_words()
+    assert MicroBatch.from_words(batch.summary(), batch.chunk_words()) == batch
+    with pytest.raises(ChunkHeaderError, match="rows of 6"):
+        MicroBatch.from_words(batch.summary(), batch.chunk_words()[:-1])
+    with pytest.raises(ChunkHeaderError, match="is_last must be 0 or 1"):
+        MicroBatch.from_words(batch.summary(), [*batch.chunk_words()[:-2], 2, 1])
     with pytest.raises(ChunkHeaderError, match="announces 34 tokens"):
         MicroBatch.from_parts(ChunkMeta(-1, 3, 1000, 34), batch.chunks_tensor())
     with pytest.raises(ChunkHeaderError, match="one chunk per sequence"):
@@ -342,6 +359,23 @@ def _payloads() -> list[dict[str, torch.Tensor]]:
     ]
 
 
+def _batch_payloads() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(8)
+    return [
+        {"hidden": torch.randn(3, 16, generator=g)},  # fits a slot
+        {"hidden": torch.randn(3, 512, generator=g)},  # 6 KiB: follows over gloo
+    ]
+
+
+def _shared_meta(i: int) -> ChunkMeta | MicroBatch:
+    """Plain chunks of seq 3 for :func:`_payloads`, then micro-batches of seqs 4 and 5."""
+    if i < len(_payloads()):
+        return ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+    j = i - len(_payloads())
+    chunks = (ChunkMeta(4, j, 2 * j, 2), ChunkMeta(5, j, 7 + j, 1, is_last=True, kind=1))
+    return MicroBatch(j, 3 * j, chunks)
+
+
 def _shared(rank: int, world_size: int, init: str) -> dict:
     from medha_parallel import ParallelLayout, ParallelState
     from medha_parallel.spp import SPPCommunicator
@@ -360,8 +394,8 @@ def _shared(rank: int, world_size: int, init: str) -> dict:
         comm = SPPCommunicator(state, max_inflight=2, **kw)
         out[f"{name}_uses"] = comm.uses_shared_memory
         got = []
-        for i, tensors in enumerate(_payloads()):
-            meta = ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+        for i, tensors in enumerate(_payloads() + _batch_payloads()):
+            meta = _shared_meta(i)
             if comm.is_first:
                 comm.send_chunk(meta, tensors)
             else:
@@ -381,12 +415,40 @@ def test_shared_memory_carries_chunks_like_gloo(one_thread) -> None:
     assert not s0["gloo_uses"] and not s1["gloo_uses"]
     assert s0["shm_inflight"] == 0 and s0["gloo_inflight"] == 0
     for name in ("shm", "gloo"):
-        assert len(s1[name]) == len(_payloads())
-        for i, ((meta, got), sent) in enumerate(zip(s1[name], _payloads(), strict=True)):
-            assert meta == ChunkMeta(3, i, i, 1, is_last=i % 2 == 1, kind=1)
+        payloads = _payloads() + _batch_payloads()
+        assert len(s1[name]) == len(payloads)
+        for i, ((meta, got), sent) in enumerate(zip(s1[name], payloads, strict=True)):
+            assert meta == _shared_meta(i)
             assert sorted(got) == sorted(sent)
             for key, t in sent.items():
                 assert got[key].dtype == t.dtype and got[key].shape == t.shape, (name, i, key)
                 assert torch.equal(got[key], t), (name, i, key)
                 assert got[key].is_contiguous()
         assert s0[f"{name}_stats"].bytes_sent == s1[f"{name}_stats"].bytes_received
+    # the receive's wait (a spin, then a futex sleep) is measured where it happens
+    spin = s1["shm_stats"].recv_wait_cpu_s
+    assert 0 < spin <= s1["shm_stats"].recv_s
+    assert s1["gloo_stats"].recv_wait_cpu_s == 0.0
+
+
+@pytest.mark.skipif(not shm.supported(), reason="shared memory needs Linux x86-64")
+def test_a_shared_memory_slot_announcing_more_than_it_holds_is_refused() -> None:
+    # one channel in a private mapping, read by a stage-1 communicator without a group
+    pipe = shm.ShmPipe(
+        mmap.mmap(-1, shm.ShmPipe.nbytes(slots=1, slot_bytes=4096)),
+        0,
+        slots=1,
+        slot_bytes=4096,
+        timeout_s=1.0,
+    )
+    comm = SPPCommunicator.__new__(SPPCommunicator)
+    comm.ranks, comm.stage, comm.device, comm.check_order = [0, 1], 1, "cpu", True
+    comm.stats, comm._next, comm._in, comm.group = SPPStats(), {}, pipe, None
+    big = TensorSpec("hidden", torch.float32, (64, 64))  # 16 KiB, "inline" in a 4 KiB slot
+    view, _ = pipe.reserve_buffer()
+    struct.pack_into(f"={HEADER_WORDS}q", view, 0, *header_words(ChunkMeta(1, 0, 0, 64), [big]))
+    struct.pack_into("=q", view, 8 * HEADER_WORDS, 1)
+    pipe.publish()
+    with pytest.raises(SPPProtocolError, match="slot of 4096"):
+        comm.recv_chunk()
+    assert pipe.taken(1)  # the slot was released all the same

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from medha_runtime import LLM, SamplingParams
-from medha_runtime.executor import MultiprocExecutor, WorkerError
+from medha_runtime.executor import MultiprocExecutor, StageCleared, WorkerError
 from medha_runtime.plan import BlockTables, PlannedChunk, StepPlan
 from medha_runtime.runner import build_group_batch, stage_layers
 from medha_sched import AffineCostModel
@@ -103,6 +103,22 @@ def test_tp2_kvp2_four_ranks_match_one_process(single) -> None:
     got, llm = _run(tp=2, kvp=2, kvp_group_tokens=32)
     assert got == single
     assert llm.engine.stats.sharded_chunks > 0
+
+
+def test_a_worker_killed_mid_step_is_a_clear_error() -> None:
+    llm = LLM("tiny", spp=2, max_model_len=64, timeout_s=20, **COMMON)
+    executor = llm.engine.executor
+    assert isinstance(executor, MultiprocExecutor)
+    pids = executor.pids
+    executor.poll_s = 600.0  # no periodic check: the wait itself must see the death
+    os.kill(pids[1], signal.SIGSTOP)  # stage 1 never answers the step
+    executor.submit(StepPlan(7, (PlannedChunk("x", 0, (1, 2, 3, 4), (0,), ((0, (0,)),)),)))
+    assert isinstance(executor.next_event(), StageCleared)  # stage 0 did its share
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError, match="rank 1 died during step 7"):
+        executor.next_event()
+    assert not _alive(pids)
+    llm.shutdown()
 
 
 def test_a_killed_worker_is_a_clear_error() -> None:
