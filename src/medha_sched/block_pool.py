@@ -165,6 +165,20 @@ class BlockPool:
             self._free.extend(reversed(blocks))
             self.num_frees += len(blocks)
             return
+        if ones:
+            # each block held once: every one leaves, the hashed ones to the cache
+            # (in order, as the loop below adds them), the others to the stack
+            lo = ordered[0]
+            if ordered[-1] - lo == count - 1:  # distinct: a run of ids
+                ref[lo : lo + count] = _ZERO * count
+            else:
+                for block in blocks:
+                    ref[block] = 0
+            self._num_held -= count
+            self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
+            self._free.extend(reversed([b for b in blocks if b not in hashed]))
+            self.num_frees += count
+            return
         freed = []
         for block in blocks:
             left = ref[block] - 1
