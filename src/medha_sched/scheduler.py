@@ -97,6 +97,13 @@ class _PrefillQueue(PrefillQueue):
         super().remove_many(request_ids)
         self._not_long.difference_update(request_ids)
 
+    def renew(self, request: Request) -> None:
+        super().renew(request)
+        if request.num_prefill_tokens < self._long_min:
+            self._not_long.add(request.request_id)
+        else:
+            self._not_long.discard(request.request_id)
+
 
 @dataclass
 class _InFlight:
@@ -161,6 +168,9 @@ class Scheduler:
         self._seq_of: dict[str, int] = {}
         # per-token latency targets of running requests past their prefill
         self._tpot: dict[str, float] = {}
+        # turns of long prompts waiting together: those that left the queue at
+        # a turn whose batch has not cleared stage 0 (still in the index)
+        self._turn_out: set[str] = set()
         self._caching = self.cache.enable_prefix_caching
         # prefix cache lookups at admission, in prompt tokens (vLLM's counters)
         self.prefix_cache_queries = 0
@@ -992,8 +1002,8 @@ class Scheduler:
         if len(queue) > 1:
             if now is None or queue.num_not_long:
                 return None
-            request = next(queue.iter_sorted(now))
-            if request.request_id not in self._running:
+            request = queue.first(now)
+            if request is None or request.request_id not in self._running:
                 return None  # its first chunk admits it: schedule() decides
             for batch in self._in_flight.values():
                 if batch.entries and not batch.stage0_cleared:
@@ -1032,7 +1042,7 @@ class Scheduler:
         if shared:
             if queue.num_not_long:
                 return None
-            request = next(queue.iter_sorted(now), None)
+            request = queue.first(now)
             if request is None or request.request_id not in self._running:
                 return None
         rid = request.request_id  # type: ignore[union-attr]
@@ -1070,8 +1080,8 @@ class Scheduler:
         lanes.issue_unspelled(lane, batch_id)
         self._in_flight[batch_id] = _InFlight([(request, start, n, False)], lane)
         request.num_scheduled_tokens = start + n
-        if shared:
-            queue.remove_many([rid])
+        if shared:  # out of the queue, as the scan takes it: renewed at clear_turn
+            self._turn_out.add(rid)
         self._clock = now
         return batch_id, n, draft.cost.time, decodes
 
@@ -1082,21 +1092,28 @@ class Scheduler:
         batch.stage0_cleared = True
         if batch.lane is not None:
             self._lanes.cleared(batch.lane)
-        queue = self._queue
+        out = self._turn_out
         for r, _, n, _ in batch.entries:
             r.num_stage0_tokens += n
             self._refresh_work(r)
-            if r.request_id not in queue:  # long prompts waiting together: queued again
-                queue.push(r)
+            if out and r.request_id in out:
+                # long prompts waiting together: it left the queue at its turn
+                # and is queued again now (on_stage_end's push), in one step
+                out.discard(r.request_id)
+                self._queue.renew(r)
 
     def end_prefill_turns(self, request: Request | None, turns: int, queued: bool) -> None:
         """After ``turns`` :meth:`prefill_turn` calls: the request left the queue
         at the first and went back after each but the last; ``queued``: its
         last batch cleared stage 0 too (it waits in the queue again). None:
-        turns of long prompts waiting together, which left the queue as it is."""
-        if request is None:
-            return
+        turns of long prompts waiting together; the prompt whose last turn has
+        not cleared stage 0 leaves the queue now (as the scan took it out)."""
         queue = self._queue
+        if request is None:
+            for rid in self._turn_out:  # its last turn has not cleared stage 0
+                queue.remove(rid)
+            self._turn_out.clear()
+            return
         queue.remove(request.request_id)
         queue.count_pushes(turns - 1)
         if queued:
