@@ -148,6 +148,29 @@ class BlockPool:
                 self._free.extend(reversed(blocks))
                 self.num_frees += count
                 return
+        last = blocks[-1]
+        if count >= _RUN and abs(last - first) == count - 1:
+            # a run of ids, either way (a freed prefix goes back last block first):
+            # each held once, the counts are cleared as a slice
+            lo = first if first < last else last
+            if (
+                lo >= 0
+                and lo + count <= self.num_blocks
+                and blocks
+                == list(range(first, last + 1) if first < last else range(first, last - 1, -1))
+            ):
+                held = ref[lo : lo + count]
+                if min(held) == max(held) == 1:
+                    ref[lo : lo + count] = _ZERO * count
+                    self._num_held -= count
+                    hashed = self._hash_of
+                    if hashed:  # as the loop below: hashed ones cached in order
+                        self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
+                        self._free.extend(reversed([b for b in blocks if b not in hashed]))
+                    else:
+                        self._free.extend(reversed(blocks))
+                    self.num_frees += count
+                    return
         ordered = sorted(blocks)  # cheap: the blocks are runs
         if ordered[0] < 0 or ordered[-1] >= self.num_blocks:
             self._check_release(owner, blocks)
