@@ -171,13 +171,13 @@ class BlockPool:
                         self._free.extend(reversed(blocks))
                     self.num_frees += count
                     return
-        ordered = sorted(blocks)  # cheap: the blocks are runs
-        if ordered[0] < 0 or ordered[-1] >= self.num_blocks:
+        lo, hi = min(blocks), max(blocks)
+        if lo < 0 or hi >= self.num_blocks:
             self._check_release(owner, blocks)
         counts = itemgetter(*blocks)(ref) if count > 1 else (ref[first],)
         # (counts.count(1) is quick when it is all of them: the same small int object)
         ones = counts.count(1) == count
-        if len(set(ordered)) < count or (not ones and min(counts) < 1):
+        if len(set(blocks)) < count or (not ones and min(counts) < 1):
             self._check_release(owner, blocks)
         hashed = self._hash_of
         if not hashed and ones:
@@ -191,8 +191,7 @@ class BlockPool:
         if ones:
             # each block held once: every one leaves, the hashed ones to the cache
             # (in order, as the loop below adds them), the others to the stack
-            lo = ordered[0]
-            if ordered[-1] - lo == count - 1:  # distinct: a run of ids
+            if hi - lo == count - 1:  # distinct: a run of ids
                 ref[lo : lo + count] = _ZERO * count
             else:
                 for block in blocks:
