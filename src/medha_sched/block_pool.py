@@ -148,13 +148,36 @@ class BlockPool:
                 self._free.extend(reversed(blocks))
                 self.num_frees += count
                 return
-        ordered = sorted(blocks)  # cheap: the blocks are runs
-        if ordered[0] < 0 or ordered[-1] >= self.num_blocks:
+        last = blocks[-1]
+        if count >= _RUN and abs(last - first) == count - 1:
+            # a run of ids, either way (a freed prefix goes back last block first):
+            # each held once, the counts are cleared as a slice
+            lo = first if first < last else last
+            if (
+                lo >= 0
+                and lo + count <= self.num_blocks
+                and blocks
+                == list(range(first, last + 1) if first < last else range(first, last - 1, -1))
+            ):
+                held = ref[lo : lo + count]
+                if min(held) == max(held) == 1:
+                    ref[lo : lo + count] = _ZERO * count
+                    self._num_held -= count
+                    hashed = self._hash_of
+                    if hashed:  # as the loop below: hashed ones cached in order
+                        self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
+                        self._free.extend(reversed([b for b in blocks if b not in hashed]))
+                    else:
+                        self._free.extend(reversed(blocks))
+                    self.num_frees += count
+                    return
+        lo, hi = min(blocks), max(blocks)
+        if lo < 0 or hi >= self.num_blocks:
             self._check_release(owner, blocks)
         counts = itemgetter(*blocks)(ref) if count > 1 else (ref[first],)
         # (counts.count(1) is quick when it is all of them: the same small int object)
         ones = counts.count(1) == count
-        if len(set(ordered)) < count or (not ones and min(counts) < 1):
+        if len(set(blocks)) < count or (not ones and min(counts) < 1):
             self._check_release(owner, blocks)
         hashed = self._hash_of
         if not hashed and ones:
@@ -164,6 +187,19 @@ class BlockPool:
             self._num_held -= len(blocks)
             self._free.extend(reversed(blocks))
             self.num_frees += len(blocks)
+            return
+        if ones:
+            # each block held once: every one leaves, the hashed ones to the cache
+            # (in order, as the loop below adds them), the others to the stack
+            if hi - lo == count - 1:  # distinct: a run of ids
+                ref[lo : lo + count] = _ZERO * count
+            else:
+                for block in blocks:
+                    ref[block] = 0
+            self._num_held -= count
+            self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
+            self._free.extend(reversed([b for b in blocks if b not in hashed]))
+            self.num_frees += count
             return
         freed = []
         for block in blocks:

@@ -214,6 +214,30 @@ class KineticIndex(Generic[K]):
         self._b[slot], self._m[slot] = b, m
         self._repair(slot)
 
+    def renew(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> bool:
+        """:meth:`remove` then :meth:`add` of ``item`` in one repair, when that
+        pair would leave it in its slot and the free lists as they were: one
+        page, or its slot's page has another free slot and is the page laid
+        out for the new slope. The tree then ends in the same state (every
+        node's match at the clock). Returns False, changing nothing, otherwise.
+        """
+        slot = self._lookup(item)
+        b = _coordinate(item, "intercept", intercept)
+        m = _coordinate(item, "slope", slope)
+        if not isinstance(tiebreak, tuple):
+            raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
+        pages = self._page_free
+        if len(pages) > 1:
+            page = slot // self._page
+            if not pages[page]:
+                return False  # remove would list the page as open again
+            p = bisect_right(self._page_lo, m) - 1
+            if (p if p > 0 else 0) != page:
+                return False  # add would take a slot elsewhere
+        self._b[slot], self._m[slot], self._tb[slot] = b, m, tiebreak
+        self._repair(slot)
+        return True
+
     def remove(self, item: K) -> None:
         """Delete ``item``; ValueError if absent."""
         self.remove_many((item,))  # one item: its leaf is repaired as it goes

@@ -57,6 +57,27 @@ class PrefillQueue:
         self._where[rid] = request.priority
         self._requests[rid] = request
 
+    def renew(self, request: Request) -> None:
+        """:meth:`remove` then :meth:`push` of a queued request (a new insertion,
+        with the next tie-break), the index repaired once where it can be."""
+        rid = request.request_id
+        priority = self._where[rid]
+        if priority == request.priority:
+            intercept, slope = self._policy.line(request)
+            seq = self._seq + 1
+            if self._classes[priority].renew(
+                rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
+            ):
+                self._seq = seq
+                left = request.num_prefill_tokens - request.num_scheduled_tokens
+                if left < self._short_below:
+                    self._short[rid] = left
+                else:
+                    self._short.pop(rid, None)
+                return
+        self.remove(rid)
+        self.push(request)
+
     def only(self) -> Request:
         """The one queued request (the queue must hold exactly one)."""
         assert len(self._requests) == 1, "the queue holds more or fewer than one request"
@@ -99,6 +120,16 @@ class PrefillQueue:
         assert tokens <= self._short_below, "only short requests are counted"
         short = self._short
         return bool(short) and min(short.values()) < tokens
+
+    def first(self, now: float) -> Request | None:
+        """The first request of :meth:`iter_sorted` at ``now`` (None: empty), without
+        the enumeration: the winner of its class's index once advanced to ``now``."""
+        classes = self._classes
+        for priority in sorted(classes) if len(classes) > 1 else classes:
+            rid = classes[priority].peek(now)
+            if rid is not None:
+                return self._requests[rid]
+        return None
 
     def iter_sorted(self, now: float) -> Iterator[Request]:
         """Requests in service order at time ``now``; do not mutate while iterating."""

@@ -97,6 +97,13 @@ class _PrefillQueue(PrefillQueue):
         super().remove_many(request_ids)
         self._not_long.difference_update(request_ids)
 
+    def renew(self, request: Request) -> None:
+        super().renew(request)
+        if request.num_prefill_tokens < self._long_min:
+            self._not_long.add(request.request_id)
+        else:
+            self._not_long.discard(request.request_id)
+
 
 @dataclass
 class _InFlight:
@@ -161,6 +168,9 @@ class Scheduler:
         self._seq_of: dict[str, int] = {}
         # per-token latency targets of running requests past their prefill
         self._tpot: dict[str, float] = {}
+        # turns of long prompts waiting together: those that left the queue at
+        # a turn whose batch has not cleared stage 0 (still in the index)
+        self._turn_out: set[str] = set()
         self._caching = self.cache.enable_prefix_caching
         # prefix cache lookups at admission, in prompt tokens (vLLM's counters)
         self.prefix_cache_queries = 0
@@ -968,7 +978,7 @@ class Scheduler:
         return range(first, first + len(chunks))
 
     # -------------------------------------------------- prefill beside decodes
-    def turns_prefill(self) -> Request | None:
+    def turns_prefill(self, now: float | None = None) -> Request | None:
         """The request whose prefill chunks, beside the decodes, make the next
         batches, if any: with adaptive chunking and an exact cost model, it is
         the only request waiting, every other running request decodes, and
@@ -977,16 +987,31 @@ class Scheduler:
         0, is the ready decodes plus its next chunk; :meth:`prefill_turn`,
         :meth:`clear_turn` and :meth:`end_prefill_turns` take them without
         the queue scan or a :class:`ScheduleOutput`.
+
+        Long prompts waiting together (``now`` given; every queued prompt
+        long, the first at ``now`` admitted, every batch in flight cleared
+        stage 0): each next batch is the ready decodes plus a chunk of the
+        prompt first in the queue at its time. Its long chunk holds every KVP
+        group, so the scan stops after it (see :meth:`_pack_prefills`); the
+        turns (``prefill_turn(None, ...)``) look up only that first prompt.
+        Returns the first prompt at ``now``.
         """
-        if (
-            not self._adaptive
-            or not self._lanes.exact
-            or len(self._queue) != 1
-            or self._abort_pending
-            or len(self._running) != len(self._lanes) + 1
-        ):
+        queue = self._queue
+        if not self._adaptive or not self._lanes.exact or not queue or self._abort_pending:
             return None
-        request = self._queue.only()
+        if len(queue) > 1:
+            if now is None or queue.num_not_long:
+                return None
+            request = queue.first(now)
+            if request is None or request.request_id not in self._running:
+                return None  # its first chunk admits it: schedule() decides
+            for batch in self._in_flight.values():
+                if batch.entries and not batch.stage0_cleared:
+                    return None
+            return request
+        if len(self._running) != len(self._lanes) + 1:
+            return None
+        request = queue.only()
         if request.request_id not in self._running or request.request_id in self._lanes:
             return None
         for batch in self._in_flight.values():
@@ -995,15 +1020,32 @@ class Scheduler:
                     return None
         return request
 
-    def prefill_turn(self, request: Request, now: float) -> tuple[int, int, float, int] | None:
+    def prefill_turn(
+        self, request: Request | None, now: float
+    ) -> tuple[int, int, float, int] | None:
         """Issue the ready decodes and ``request``'s next chunk at ``now`` as
         ``schedule`` would: ``(batch id, tokens, predicted seconds, decodes)``; None,
         changing no decision, when no chunk joins, the chunk would end the
         prefill, or the decodes would need a preemption or a split. The batch
         is in flight as ``schedule`` leaves it (its id is the next one).
+
+        ``request`` None: long prompts wait together (see :meth:`turns_prefill`);
+        the chunk is the first queued prompt's, taken out of the queue as the
+        scan takes it (:meth:`clear_turn` puts it back). None also when a short
+        prompt waits, that prompt is not admitted, or its chunk leaves a KVP
+        group free.
         """
         if now < self._clock:
             raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        queue = self._queue
+        shared = request is None
+        if shared:
+            if queue.num_not_long:
+                return None
+            request = queue.first(now)
+            if request is None or request.request_id not in self._running:
+                return None
+        rid = request.request_id  # type: ignore[union-attr]
         lanes = self._lanes
         lane = lanes.gather()
         draft = self._new_draft()
@@ -1018,11 +1060,13 @@ class Scheduler:
             draft.set_decodes(decodes)
         if draft.cost.time >= draft.target:
             return None
-        rid = request.request_id
         sized = self._turn_chunk(request, draft, now)
         if sized is None:
             return None
         groups, start, n, hint = sized
+        if shared and len(set(groups[: start // self.group_limit + 1])) < self.layout.kvp:
+            self._sizer.set_hint(rid, hint)  # a free KVP group: the scan would go on
+            return None
         if crossers is not None:
             got = lanes.grow_all(lane, crossers)  # type: ignore[arg-type]
             if got is None:  # short of blocks or a new shard: schedule() decides
@@ -1036,6 +1080,8 @@ class Scheduler:
         lanes.issue_unspelled(lane, batch_id)
         self._in_flight[batch_id] = _InFlight([(request, start, n, False)], lane)
         request.num_scheduled_tokens = start + n
+        if shared:  # out of the queue, as the scan takes it: renewed at clear_turn
+            self._turn_out.add(rid)
         self._clock = now
         return batch_id, n, draft.cost.time, decodes
 
@@ -1046,18 +1092,32 @@ class Scheduler:
         batch.stage0_cleared = True
         if batch.lane is not None:
             self._lanes.cleared(batch.lane)
+        out = self._turn_out
         for r, _, n, _ in batch.entries:
             r.num_stage0_tokens += n
             self._refresh_work(r)
+            if out and r.request_id in out:
+                # long prompts waiting together: it left the queue at its turn
+                # and is queued again now (on_stage_end's push), in one step
+                out.discard(r.request_id)
+                self._queue.renew(r)
 
-    def end_prefill_turns(self, request: Request, turns: int, queued: bool) -> None:
+    def end_prefill_turns(self, request: Request | None, turns: int, queued: bool) -> None:
         """After ``turns`` :meth:`prefill_turn` calls: the request left the queue
         at the first and went back after each but the last; ``queued``: its
-        last batch cleared stage 0 too (it waits in the queue again)."""
-        self._queue.remove(request.request_id)
-        self._queue.count_pushes(turns - 1)
+        last batch cleared stage 0 too (it waits in the queue again). None:
+        turns of long prompts waiting together; the prompt whose last turn has
+        not cleared stage 0 leaves the queue now (as the scan took it out)."""
+        queue = self._queue
+        if request is None:
+            for rid in self._turn_out:  # its last turn has not cleared stage 0
+                queue.remove(rid)
+            self._turn_out.clear()
+            return
+        queue.remove(request.request_id)
+        queue.count_pushes(turns - 1)
         if queued:
-            self._queue.push(request)
+            queue.push(request)
 
     # ---------------------------------------------------------------- results
     def on_stage_end(self, batch_id: int, *, stage: int = 0) -> None:

@@ -213,8 +213,9 @@ class Simulator:
         if self._awaiting == len(self._live) or not self.pipeline.stage0_free(now):
             return  # every request waits for a token: the batch would be empty
         if self.decode_runs:
-            if self.sched.num_queued == 1 and (
-                (self._awaiting == 0 and self._lone_prefill(now))
+            queued = self.sched.num_queued
+            if queued and (
+                (queued == 1 and self._awaiting == 0 and self._lone_prefill(now))
                 or (self.spp > 1 and self._prefill_turns(now))
             ):
                 return  # the prefill's chunks went in bulk
@@ -432,9 +433,11 @@ class Simulator:
         ``schedule`` (a wake-up at its time). SPP > 1 (with one stage a
         batch clears stage 0 when it ends).
         """
-        request = self.sched.turns_prefill()
+        request = self.sched.turns_prefill(now)
         if request is None:
             return False
+        if self.sched.num_queued > 1:
+            request = None  # long prompts wait together: each turn takes the first
         in_flight = self._in_flight
         horizon = self._horizon()
         sched = self.sched
