@@ -92,13 +92,6 @@ def resolve_name(op: str, backend: str, device: torch.device, args: tuple = ()) 
         raise ValueError(
             f"backend {backend!r} cannot run {op} on {device}; usable here: {usable or 'none'}"
         )
-    if args and not _accepts(backend, op, args):
-        here = [b for b in available_backends(device) if _lookup(op, b, device)]
-        usable = ", ".join(b for b in here if _accepts(b, op, args))
-        raise ValueError(
-            f"backend {backend!r} cannot run {op} on these {device} inputs (see its "
-            f"can_run); usable here: {usable or 'none'}"
-        )
     return backend
 
 

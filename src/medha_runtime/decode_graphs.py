@@ -13,26 +13,30 @@ A decode step of ``B`` requests runs on the smallest captured size ``b >= B``
 static buffers that the step fills before the replay; rows ``B..b`` are
 padding: token 0 at position 0, one key, written to and read from a scratch
 KV block that no request owns (the cache holds one block more than the
-scheduler's pool). The attention plan of a size is built once, for
-``max_model_len`` keys per row, so its launch grid never changes; the split-KV
-decode kernel reads each row's real length from the device and leaves the
-splits past it empty. Only Triton's attention plan is graph-safe this way
-(FlashInfer's and the torch reference's plans read the lengths on the host):
-another backend leaves graphs off.
+scheduler's pool). A graph's attention plan is built once, for a bound on the
+keys per row (the step's longest row rounded up to ``KV_BUCKET_MIN`` times a
+power of two, at most ``max_model_len``), so its launch grid never changes;
+the split-KV decode kernel reads each row's real length from the device and
+leaves the splits past it empty. Each padded size keeps one graph per bound it
+met: short rows do not pay for the splits of ``max_model_len``-long ones.
+Only Triton's attention plan is graph-safe this way (FlashInfer's and the
+torch reference's plans read the lengths on the host): another backend leaves
+graphs off.
 
 On a CPU (``capture=False``) the same padded static batches run eagerly, with
 the plan rebuilt from each step's real lengths: the tests check the padding
 and buffers against the plain path there.
 
-Graphs are captured lazily, the first time a size is needed; a capture that
-fails turns graphs off for the rank with one warning, and the step runs eagerly.
+Graphs are captured lazily, the first time a (size, bound) is needed. A capture
+that fails leaves that (size, bound) eager (one warning each); a backend whose
+plan is not graph-safe turns graphs off for the rank.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +46,21 @@ from medha_runtime.model import ForwardBatch, KVCache
 from medha_runtime.plan import BlockTables, StepPlan
 
 log = logging.getLogger(__name__)
+
+#: the smallest bound on a graph's keys per row (the Triton decode's fewest keys per split)
+KV_BUCKET_MIN = 128
+
+
+def kv_bucket(max_kv: int, max_model_len: int) -> int:
+    """The bound a graph's attention plan is built for, for a step whose longest row
+    has ``max_kv`` keys: ``KV_BUCKET_MIN`` times the smallest power of two that holds
+    it, at most ``max_model_len``."""
+    if max_kv < 1 or max_kv > max_model_len:
+        raise ValueError(f"max_kv must be in [1, {max_model_len}], got {max_kv}")
+    bound = KV_BUCKET_MIN
+    while bound < max_kv:
+        bound *= 2
+    return min(bound, max_model_len)
 
 
 def graph_sizes(max_batch: int) -> tuple[int, ...]:
@@ -82,9 +101,10 @@ class _Static:
     #: the last fill's lengths and largest block id (host), for the eager path's plan
     host_lens: list[int] | None = None
     host_max_block: int = 0
-    graph: Any = None
-    hidden: torch.Tensor | None = None
-    batch: ForwardBatch | None = None
+    #: per KV bound: (the graph, its output ``hidden``, the static batch it holds)
+    graphs: dict[int, tuple[Any, torch.Tensor, ForwardBatch]] = field(default_factory=dict)
+    #: KV bounds whose capture failed (run eagerly)
+    failed: set[int] = field(default_factory=set)
 
 
 class DecodeGraphs:
@@ -160,15 +180,20 @@ class DecodeGraphs:
         if st is None:
             st = self._static[size] = self._buffers(size)
         self._fill(st, plan, tables)
+        n = len(plan.chunks)
         if not self.capture:
-            hidden = self._eager(st)
-            return self.model.compute_logits(hidden[: len(plan.chunks)])
-        if st.graph is None and not self._capture(st):
+            return self.model.compute_logits(self._eager(st)[:n])
+        assert st.host_lens is not None
+        bound = kv_bucket(max(st.host_lens[:n]), self.max_model_len)
+        if bound in st.failed:
             return None
-        st.graph.replay()
+        entry = st.graphs.get(bound) or self._capture(st, bound)
+        if entry is None:
+            return None
+        graph, hidden, _ = entry
+        graph.replay()
         self.replays += 1
-        assert st.hidden is not None
-        return self.model.compute_logits(st.hidden[: len(plan.chunks)])
+        return self.model.compute_logits(hidden[:n])
 
     def _buffers(self, b: int) -> _Static:
         dev = self.device
@@ -260,38 +285,51 @@ class DecodeGraphs:
         )
         return self.model(self._static_batch(st, host), self.kv, logits=False)
 
-    def _capture(self, st: _Static) -> bool:
-        """Capture size ``st.size``'s forward pass; on failure turn graphs off (one
-        warning) and return False."""
+    def _capture(self, st: _Static, bound: int) -> tuple[Any, torch.Tensor, ForwardBatch] | None:
+        """Capture size ``st.size``'s layers with an attention plan for ``bound`` keys per
+        row. On failure the stream and pool are left as before, this (size, bound) runs
+        eagerly from now on (or every size, for a backend whose plan is not
+        graph-safe), one warning, and None."""
         b = st.size
         host = PagedHost(
             cu_seqlens_q=list(range(b + 1)),
-            kv_lens=[self.max_model_len] * b,  # the plan's grid: the longest row possible
+            kv_lens=[bound] * b,  # the plan's grid: rows of up to ``bound`` keys
             max_block=self.kv.num_blocks - 1,
         )
         batch = self._static_batch(st, host)
+        plan = batch.attention_plan(**self.plan_key)
+        if plan.backend != "triton":
+            self.off = (
+                f"the {plan.backend!r} attention plan reads lengths on the host; CUDA graphs "
+                "need the 'triton' backend"
+            )
+            log.warning("CUDA graphs off: %s", self.off)
+            return None
+        current = torch.cuda.current_stream(self.device)
         try:
-            plan = batch.attention_plan(**self.plan_key)
-            if plan.backend != "triton":
-                raise RuntimeError(
-                    f"the {plan.backend!r} attention plan reads lengths on the host; "
-                    "CUDA graphs need the 'triton' backend"
-                )
             stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compiles kernels, fills lazy caches outside the capture
                     self.model(batch, self.kv, logits=False)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            current.wait_stream(stream)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 hidden = self.model(batch, self.kv, logits=False)
-        except Exception as exc:  # any failure: run eagerly from now on
-            self.off = f"capturing a decode of {b} failed: {type(exc).__name__}: {exc}"
-            log.warning("CUDA graphs off: %s", self.off)
-            return False
-        st.graph, st.hidden, st.batch = graph, hidden, batch
-        log.info("captured a CUDA graph for decode batches of %d", b)
-        return True
+        except Exception as exc:  # this (size, bound) runs eagerly from now on
+            torch.cuda.set_stream(current)  # a failed capture_end skips the stream's exit
+            st.failed.add(bound)
+            log.warning(
+                "CUDA graph for decodes of %d (rows up to %d keys) not captured, run "
+                "eagerly: %s: %s",
+                b,
+                bound,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        st.graphs[bound] = (graph, hidden, batch)
+        log.info("captured a CUDA graph for decodes of %d, rows up to %d keys", b, bound)
+        return st.graphs[bound]

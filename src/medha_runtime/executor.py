@@ -505,18 +505,20 @@ class MultiprocExecutor:
         first: a survivor's failed collective is the death's consequence, and its
         reply can arrive before the dead worker's closed pipe is read, and even
         before the dead process is reaped (seen on a 16-core machine: rank 0's gloo
-        error named no dead peer). So each other rank gets a short join first
-        (``PEER_DEATH_WAIT_S`` in all): a healthy one only delays this error."""
+        error named no dead peer). So every other rank is polled for up to
+        ``PEER_DEATH_WAIT_S``: with all of them healthy this error comes that late."""
         deadline = time.monotonic() + PEER_DEATH_WAIT_S
-        for other, p in enumerate(self.processes):
-            if other == rank:
-                continue
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if not p.is_alive():
-                code = self._exitcode(other)
-                self._fail(
-                    f"worker rank {other} died (exit code {code}); rank {rank} then failed: {error}"
-                )
+        while True:
+            for other, p in enumerate(self.processes):
+                if other != rank and not p.is_alive():
+                    code = self._exitcode(other)
+                    self._fail(
+                        f"worker rank {other} died (exit code {code}); rank {rank} then "
+                        f"failed: {error}"
+                    )
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
         self._fail(error)
 
     def _exitcode(self, rank: int) -> int | None:

@@ -81,21 +81,24 @@ def test_append_errors() -> None:
         mk.append_paged_kv(k, k, cache, cache, slots=torch.tensor([0], dtype=torch.int32))
 
 
-def test_an_explicit_backend_is_refused_for_inputs_its_can_run_declines() -> None:
-    """``native`` attention runs on CPU tensors only: asked for it with a query on
-    another device (found on a GPU, where its planner failed deep inside the C++
-    extension), resolution names the backend and the usable ones instead."""
-    from medha_kernels.backends import resolve_name
+def test_native_attention_refuses_inputs_off_the_cpu_by_name() -> None:
+    """Asked for explicitly on a GPU (the benchmark did, on the H200), the native
+    attention named the problem deep inside its C++ planner ("cu_seqlens_q: expected a
+    contiguous int32 CPU tensor"); it now refuses the device first."""
+    import types
 
-    cpu = torch.device("cpu")
-    off_cpu = (torch.empty(2, 4, 8, device="meta"),)
-    with pytest.raises(
-        ValueError, match=r"backend 'native' cannot run paged_attention on these cpu inputs .* "
-        r"usable here: torch"
-    ):  # fmt: skip
-        resolve_name("paged_attention", "native", cpu, off_cpu)
-    assert resolve_name("paged_attention", "native", cpu, (torch.empty(2, 4, 8),)) == "native"
-    assert resolve_name("merge_state", "native", cpu, off_cpu) == "native"  # merges anywhere
+    from medha_kernels._checks import KernelInputError
+    from medha_kernels.native import attention as native
+
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    want = r"native plan_paged_attention runs on the CPU only; the inputs are on cuda:0"
+    with pytest.raises(KernelInputError, match=want):
+        native.plan_paged_attention(on_gpu)
+    q = torch.empty(2, 4, 8, device="meta")
+    with pytest.raises(KernelInputError, match="native paged_attention runs on the CPU only"):
+        native.paged_attention(q, q, q, q, q, q, True, 1.0)
+    with pytest.raises(KernelInputError, match="native chunked_prefill_attention runs on the CPU"):
+        native.chunked_prefill_attention(q, q, q, 0, True, 1.0)
 
 
 def test_backend_selection_errors_and_auto_logging(caplog) -> None:

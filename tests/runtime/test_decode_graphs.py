@@ -12,7 +12,7 @@ import torch
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.config import EngineConfig
-from medha_runtime.decode_graphs import graph_sizes
+from medha_runtime.decode_graphs import KV_BUCKET_MIN, graph_sizes, kv_bucket
 from medha_runtime.plan import PlannedChunk, StepPlan
 from medha_runtime.sampling_params import PromptLogprobSpec, SampleSpec
 
@@ -31,6 +31,17 @@ def test_graph_sizes_cover_every_batch_with_little_padding() -> None:
             assert padded - b < max(8, b)  # never more than double, at most 7 rows past 8
     with pytest.raises(ValueError, match="max_batch must be >= 1, got 0"):
         graph_sizes(0)
+
+
+def test_kv_bounds_double_from_the_fewest_keys_per_split_up_to_the_context() -> None:
+    assert KV_BUCKET_MIN == 128
+    assert [kv_bucket(n, 4096) for n in (1, 128, 129, 256, 257, 3000, 4096)] == [
+        128, 128, 256, 256, 512, 4096, 4096,
+    ]  # fmt: skip
+    assert kv_bucket(600, 600) == 600 and kv_bucket(100, 600) == 128
+    for bad in (0, 4097):
+        with pytest.raises(ValueError, match=rf"max_kv must be in \[1, 4096\], got {bad}"):
+            kv_bucket(bad, 4096)
 
 
 def _prompts(n: int) -> list[dict]:
@@ -114,5 +125,13 @@ def test_cuda_graph_replays_give_the_eager_tokens() -> None:
     assert graphs is not None and graphs.off is None, graphs and graphs.off
     assert graphs.capture and graphs.replays > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # rows past 128 and 256 keys: the same sizes get graphs for larger KV bounds
+    long = [{"prompt_token_ids": [7 + i % 50 for i in range(300 + j)]} for j in range(3)]
+    p = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in eager.generate(long, p)]
+    got = [o.outputs[0].token_ids for o in graphed.generate(long, p)]
+    assert got == want
+    assert any(len(st.graphs) >= 2 for st in graphs._static.values())
+    assert not any(st.failed for st in graphs._static.values())
     eager.shutdown()
     graphed.shutdown()

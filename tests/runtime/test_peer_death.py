@@ -13,22 +13,22 @@ from medha_runtime.executor import MultiprocExecutor, WorkerError
 
 
 class _DyingProcess:
-    """Alive until it is joined with a timeout: a process in exit, not yet reaped."""
+    """A process in exit, not yet reaped: alive for its first few polls."""
 
-    def __init__(self, exitcode: int) -> None:
+    def __init__(self, exitcode: int, polls: int = 3) -> None:
         self._exitcode = exitcode
-        self.joined = False
+        self.polls = polls
 
     def join(self, timeout: float | None = None) -> None:
-        if timeout is None or timeout > 0:
-            self.joined = True
+        pass
 
     def is_alive(self) -> bool:
-        return not self.joined
+        self.polls -= 1
+        return self.polls >= 0
 
     @property
     def exitcode(self) -> int | None:
-        return self._exitcode if self.joined else None
+        return None if self.polls >= 0 else self._exitcode
 
 
 class _Healthy:

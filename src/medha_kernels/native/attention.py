@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from medha_kernels._checks import KernelInputError
 from medha_kernels.native.cpu_flash import flash_attention, use_flash
 from medha_kernels.native.jit import get_module
 
@@ -31,6 +32,7 @@ def plan_paged_attention(meta: PagedMeta):
     go to torch's CPU flash-attention op over their gathered K/V; the rest of the
     step runs in one native call.
     """
+    _require_cpu("plan_paged_attention", meta.device)
     counts = meta.query_counts
     flash = {b for b, (n, kv) in enumerate(zip(counts, meta.lens, strict=True)) if use_flash(n, kv)}
     group = meta.num_qo_heads // meta.num_kv_heads
@@ -66,6 +68,16 @@ def plan_paged_attention(meta: PagedMeta):
     return run
 
 
+def _require_cpu(op: str, device: torch.device) -> None:
+    """The native attention reads host memory: refuse other devices by name (an explicit
+    ``backend="native"`` on a GPU would otherwise fail inside the extension)."""
+    if device.type != "cpu":
+        raise KernelInputError(
+            f"native {op} runs on the CPU only; the inputs are on {device} "
+            "(use backend='triton' or 'flashinfer' there)"
+        )
+
+
 def _native_run(cu: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, meta, group: int):
     """One native call over the sequences ``cu`` / ``lens`` / ``table`` describe."""
     ext = get_module("cpu")
@@ -95,6 +107,7 @@ def paged_attention(
     """See :func:`medha_kernels.paged_attention` (arguments already checked)."""
     from medha_kernels.plan import plan_paged_attention as plan
 
+    _require_cpu("paged_attention", q.device)
     return plan(
         cu_seqlens_q=cu_seqlens_q,
         kv_lens=kv_lens,
@@ -119,6 +132,7 @@ def chunked_prefill_attention(
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`medha_kernels.chunked_prefill_attention`: contiguous K/V as one block."""
+    _require_cpu("chunked_prefill_attention", q.device)
     num_q, hq, _ = q.shape
     num_kv = k.shape[0]
     if num_kv == 0 or num_q == 0:
