@@ -83,6 +83,10 @@ class _PrefillQueue(PrefillQueue):
 
     def push(self, request: Request) -> None:
         super().push(request)
+        self._classify(request)
+
+    def _classify(self, request: Request) -> None:
+        """Count ``request`` as not long, or no longer, by its prompt left to prefill."""
         if request.num_prefill_tokens < self._long_min:
             self._not_long.add(request.request_id)
         else:
@@ -99,10 +103,7 @@ class _PrefillQueue(PrefillQueue):
 
     def renew(self, request: Request) -> None:
         super().renew(request)
-        if request.num_prefill_tokens < self._long_min:
-            self._not_long.add(request.request_id)
-        else:
-            self._not_long.discard(request.request_id)
+        self._classify(request)
 
 
 @dataclass
