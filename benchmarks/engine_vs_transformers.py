@@ -246,7 +246,7 @@ def main() -> None:
             steps = args.new - 1
             bound = step_bound(model_dir, batch, args.prompt + args.new // 2, bw, mm, elem)
             for mode, llm in engines.items():
-                time_llm(llm, prompts, 2)  # warm-up
+                time_llm(llm, prompts, args.new)  # warm-up: every CUDA graph it needs captured
                 ours = time_llm(llm, prompts, args.new) - time_llm(llm, prompts, 1)
                 print(
                     f"decode batch {batch:3d} [{mode:12s}]: medha {batch * steps / ours:8.1f} "
