@@ -152,7 +152,7 @@ class DecodeGraphs:
         # reads them); every graph's output stays allocated, so none is reused
         self._pool: Any = None
         self._tables: torch.Tensor | None = None
-        #: why graphs are off for this rank (a failed capture, another backend), or None
+        #: why graphs are off for this rank (an attention backend that is not graph-safe)
         self.off: str | None = None
         self.replays = 0
 
@@ -173,8 +173,8 @@ class DecodeGraphs:
     def run(self, plan: StepPlan, tables: BlockTables) -> torch.Tensor | None:
         """The step's logits ``[B, vocab]`` fp32 (B = the plan's chunks, in order): the
         layers replayed on the padded batch, the final norm and LM head run eagerly
-        on its first ``B`` rows; or None when graphs just turned off (the caller runs
-        the step eagerly)."""
+        on its first ``B`` rows; or None when this size and KV bound run eagerly (a
+        failed capture, or graphs just turned off: the caller runs the step)."""
         size = next(s for s in self.sizes if s >= len(plan.chunks))
         st = self._static.get(size)
         if st is None:
