@@ -996,8 +996,13 @@ class Scheduler:
         group, so the scan stops after it (see :meth:`_pack_prefills`); the
         turns (``prefill_turn(None, ...)``) look up only that first prompt.
         Returns the first prompt at ``now``.
+
+        Never with ``async_decodes``: the turns do not issue decodes ahead nor
+        hold them back as :meth:`schedule` does then.
         """
         queue = self._queue
+        if self._async:
+            return None
         if not self._adaptive or not self._lanes.exact or not queue or self._abort_pending:
             return None
         if len(queue) > 1:
