@@ -57,6 +57,9 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
 class ChunkHeaderError(ValueError):
     """A header that cannot be encoded, or a received one that is malformed."""
 
@@ -80,7 +83,12 @@ class ChunkMeta:
 
     def __post_init__(self) -> None:
         ints = (self.seq_id, self.chunk_idx, self.start_pos, self.num_tokens, self.kind)
-        if all(type(v) is int for v in ints) and min(ints[1:4]) >= 0:
+        if (
+            all(type(v) is int for v in ints)
+            and min(ints[1:4]) >= 0
+            and min(ints) >= _I64_MIN
+            and max(ints) <= _I64_MAX
+        ):
             return  # the common case, checked once per chunk per stage
         for name in ("seq_id", "chunk_idx", "start_pos", "num_tokens", "kind"):
             value = getattr(self, name)
@@ -89,6 +97,11 @@ class ChunkMeta:
         for name in ("chunk_idx", "start_pos", "num_tokens"):
             if getattr(self, name) < 0:
                 raise ChunkHeaderError(f"ChunkMeta.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("seq_id", "chunk_idx", "start_pos", "num_tokens", "kind"):
+            if not _I64_MIN <= getattr(self, name) <= _I64_MAX:  # a header word is int64
+                raise ChunkHeaderError(
+                    f"ChunkMeta.{name} must fit in int64, got {getattr(self, name)}"
+                )
 
 
 #: the ``seq_id`` of a micro-batch's summary header (plain chunks use ids >= 0)

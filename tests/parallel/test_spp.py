@@ -92,6 +92,10 @@ def test_header_rejects_bad_input_with_clear_errors() -> None:
         encode_header(meta, {"x" * 25: torch.zeros(1)})
     with pytest.raises(ChunkHeaderError, match="at most"):
         encode_header(meta, {f"t{i}": torch.zeros(1) for i in range(MAX_TENSORS + 1)})
+    with pytest.raises(ChunkHeaderError, match=r"ChunkMeta\.kind must fit in int64, got 92233"):
+        ChunkMeta(seq_id=0, chunk_idx=0, start_pos=0, num_tokens=1, kind=2**63)
+    with pytest.raises(ChunkHeaderError, match=r"ChunkMeta\.seq_id must fit in int64"):
+        ChunkMeta(seq_id=-(2**63) - 1, chunk_idx=0, start_pos=0, num_tokens=1)
     with pytest.raises(ChunkHeaderError, match="chunk_idx"):
         ChunkMeta(seq_id=0, chunk_idx=-1, start_pos=0, num_tokens=1)
     specs = [TensorSpec("b", torch.float32, (1,)), TensorSpec("a", torch.float32, (1,))]
