@@ -244,11 +244,18 @@ def build_group_batch(
     group_tokens: int,
     block_size: int,
     device: torch.device | str,
+    capacity: int | None = None,
 ) -> tuple[ForwardBatch, GroupShards]:
     """KVP group ``group``'s view of a step: its :class:`ForwardBatch` and :class:`GroupShards`.
 
     Positions are absolute; slots, KV lengths and block tables are local to
     the group's shard of each sequence (see the module docstring).
+
+    ``capacity``: the slots of each layer's cache (``num_blocks * block_size``).
+    Given, a batch whose every row writes its K/V here gets its int64 write
+    index from the host list (:meth:`ForwardBatch.set_kv_write_index`, checked
+    against ``capacity`` on the host): what :meth:`ForwardBatch.prepare_kv_write`
+    would keep, without its tensor reductions and host reads.
     """
     g_tokens = group_tokens
     ids: list[int] = []
@@ -316,6 +323,10 @@ def build_group_batch(
         host=PagedHost(cu_seqlens_q=cu, kv_lens=shards.kv_lens, max_block=max_block),
         writes_kv=any(shards.is_tail),  # a chunk's KV is written on its tail group only
     )
+    if capacity is not None and all(shards.is_tail):  # every row writes: slots all >= 0
+        if slots and (top := max(slots)) >= capacity:
+            raise ValueError(f"slots: {top} is past the cache's {capacity} slots")
+        batch.set_kv_write_index(tensor(slots, torch.int64))
     return batch, shards
 
 
@@ -532,6 +543,7 @@ class ModelRunner:
             group_tokens=spec.group_tokens,
             block_size=spec.block_size,
             device=self.device,
+            capacity=self.kv.k[0].shape[0] * spec.block_size,
         )
         # the step's fixed host work before the forward pass: a later stage does it
         # while it waits for the previous stage's activations
@@ -541,7 +553,9 @@ class ModelRunner:
         else:
             batch.attention_plan(**self._plan_key)
         if self.pipeline is None:
-            out = self.model(batch, self.kv)
+            # logits only where they are sampled: a KVP group other than 0 would compute
+            # them and drop them (with TP, every TP rank takes part in the LM head's gather)
+            out = self.model(batch, self.kv, logits=self.sampler is not None or spec.tp > 1)
         else:
             out = self.pipeline.run(plan, batch)  # non-last stages: sent on, not awaited
             if not self.pipeline.is_last:
