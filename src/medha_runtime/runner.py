@@ -39,7 +39,7 @@ worker process (:mod:`medha_runtime.worker`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -180,12 +180,15 @@ class ShardedAttention:
         self.strategy = strategy
         self.shards: GroupShards | None = None
         self.plan: KVPAttentionPlan | None = None
+        #: the plan's partial state per layer: its one paged-attention call's ``run``
+        #: where that covers every row (a decode step), else ``plan.partial``
+        self._partial: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __repr__(self) -> str:
         return f"ShardedAttention({self.comm}, backend={self.backend!r})"
 
     def prepare(self, shards: GroupShards) -> None:
-        self.shards, self.plan = shards, None
+        self.shards, self.plan, self._partial = shards, None, None
 
     def _batch_plan(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch
@@ -211,6 +214,14 @@ class ShardedAttention:
         *,
         layer_id: int,
     ) -> torch.Tensor:
+        partial = self._partial
+        if partial is not None:  # every layer after the step's first: what
+            # kvp_paged_attention runs, less its frames (each runs cold after the
+            # previous layer's attention streamed its KV shard through the caches)
+            out, lse = partial(q, k_cache, v_cache)
+            strategy = self.strategy
+            merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=strategy)  # type: ignore[arg-type]
+            return merged
         if self.plan is None:
             if self.shards is None:
                 raise RuntimeError("ShardedAttention.prepare was not called for this step")
@@ -232,6 +243,11 @@ class ShardedAttention:
             comm=self.comm,
             strategy=self.strategy,  # type: ignore[arg-type]
         )
+        parts = self.plan.parts
+        if len(parts) == 1 and parts[0].rows is None:
+            self._partial = parts[0].plan.run
+        else:
+            self._partial = self.plan.partial
         return out
 
 
