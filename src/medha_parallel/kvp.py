@@ -32,6 +32,7 @@ Two entry points share the partial-state and merge code:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -42,12 +43,13 @@ import torch.distributed as dist
 from medha_kernels import (
     PagedAttentionPlan,
     chunked_prefill_attention,
+    native,
     plan_paged_attention_from_host,
 )
 from medha_kernels.backends import resolve
 from medha_parallel import shm
 from medha_parallel.compat import all_gather_concat
-from medha_parallel.errors import named_comm
+from medha_parallel.errors import CommunicationError, named_comm
 from medha_parallel.merge import merge_partials, merge_weights, weighted_output
 from medha_parallel.state import ParallelState
 
@@ -55,6 +57,18 @@ MergeStrategy = Literal["auto", "ag_lse_ar", "ag_all"]
 STRATEGIES: tuple[str, ...] = ("auto", "ag_lse_ar", "ag_all")
 #: "auto" all-gathers whole states (one collective) up to this many bytes per rank
 AG_ALL_MAX_BYTES = 1 << 20
+
+
+_memmove = ctypes.memmove
+
+
+def _direct(merge_fn: Callable) -> Callable:
+    """``merge_fn``, or the native extension's op itself where ``merge_fn`` is
+    :func:`medha_kernels.native.merge_states` (whose wrapper only makes the inputs
+    contiguous: the shared-memory views are; the op still checks them)."""
+    if merge_fn is native.merge_states:
+        return native.get_module("cpu").merge_states
+    return merge_fn
 
 
 class KVPCommunicator:
@@ -199,10 +213,15 @@ class KVPCommunicator:
                 if len(self._fast) >= 64:
                     self._fast.clear()
                 both = []
-                for b in (0, 1):  # each buffer's states, and this rank's slots in them
+                for b in (0, 1):  # each buffer's states, this rank's slots, their addresses
                     vb, sb = self._state_views_of(shared.buffer(b), out.shape)
-                    both.append((vb, sb, vb[:, self.index], sb[:, self.index]))
-                self._fast[key] = ((shared, tuple(both)), merge_fn)
+                    mine = (vb[:, self.index], sb[:, self.index])
+                    # a decode's slots (one query) are contiguous: copied by address
+                    one = mine[0].is_contiguous() and mine[1].is_contiguous()
+                    addrs = (mine[0].data_ptr(), mine[1].data_ptr()) if one else (0, 0)
+                    both.append((vb, sb, *mine, *addrs))
+                sizes = (out.numel() * 4, lse.numel() * 4)
+                self._fast[key] = ((shared, tuple(both), *sizes), _direct(merge_fn))
             v[:, self.index].copy_(out.detach())  # tokens first: merged in place, no copy
             s[:, self.index].copy_(lse.detach())
             with named_comm("kvp", op):
@@ -229,14 +248,32 @@ class KVPCommunicator:
         self, out: torch.Tensor, lse: torch.Tensor, where: tuple, merge_fn: Callable
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A repeat of an fp32 shared-memory ``ag_all`` merge (arguments already checked
-        once for these shapes): write this rank's state, exchange, merge."""
-        shared, both = where
-        v, s, v_mine, s_mine = both[shared.next_parity()]
-        v_mine.copy_(out.detach())
-        s_mine.copy_(lse.detach())
-        op = "merge[ag_all].all_gather"
-        with named_comm("kvp", op):
-            shared.exchange(op)
+        once for these shapes): write this rank's state, exchange, merge.
+
+        A decode step makes one such call per layer, each right after its attention
+        streamed the layer's KV shard through the caches: every Python frame and
+        dispatched op here runs cold (several microseconds each), so it spends none
+        the merge does not need. Contiguous states (what the attention returns) are
+        copied into this rank's slots with ``memmove`` where those are contiguous too
+        (one query; fp32 on the CPU: the key says so; ``copy_`` otherwise), and the
+        merge calls the native op directly.
+        """
+        shared, both, out_bytes, lse_bytes = where
+        v, s, v_mine, s_mine, v_addr, s_addr = both[shared.next_parity()]
+        if v_addr and out.is_contiguous() and lse.is_contiguous():
+            _memmove(v_addr, out.data_ptr(), out_bytes)
+            _memmove(s_addr, lse.data_ptr(), lse_bytes)
+        else:
+            v_mine.copy_(out.detach())
+            s_mine.copy_(lse.detach())
+        try:
+            shared.exchange("merge[ag_all].all_gather")
+        except CommunicationError:
+            raise
+        except Exception as exc:  # as named_comm: name the group and the op
+            raise CommunicationError(
+                f"merge[ag_all].all_gather on the kvp group failed: {exc}"
+            ) from exc
         return merge_fn(v, s)
 
     def _merge_fn(self, v: torch.Tensor, s: torch.Tensor) -> Callable:

@@ -14,12 +14,18 @@ flag is seen after the stores to the data before it):
 - group rank 0 creates a file in ``/dev/shm``, sends its path to the group
   over the process group, every rank maps it, then rank 0 unlinks it (the
   mappings keep it alive; nothing is left behind if a rank dies);
-- the file holds one int32 sequence flag per rank (64 bytes apart) and two
-  buffers of ``n`` slots of ``slot_bytes``;
+- the file holds one int32 sequence flag per rank (64 bytes apart; next to
+  it, in the same line, the rank's int32 *sleeping* word) and two buffers of
+  ``n`` slots of ``slot_bytes``;
 - all-gather number ``s``: each rank copies its bytes to its slot of buffer
-  ``s % 2``, stores ``s`` in its flag and wakes waiters; then waits until
-  every flag is ``>= s`` (a short spin yielding the core, then futex waits)
-  and copies the ``n`` slots out;
+  ``s % 2``, stores ``s`` in its flag and wakes waiters (a futex wake, made
+  only if a peer's sleeping word is set: a decode's merges almost never find
+  one, and the syscall was a third of a merge's cost); then waits until every
+  flag is ``>= s`` (a short spin yielding the core, then futex waits with the
+  sleeping word set) and copies the ``n`` slots out. Total store order lets a
+  rank's load of a peer's sleeping word pass its own store to its flag, so a
+  wake can be missed when both happen at once: a sleeper then wakes at the
+  end of its futex slice (:data:`_GATHER_SLICE_S`, 1 ms), rechecks, and goes on;
 - two buffers suffice: a rank writes buffer ``s % 2`` again at ``s + 2``,
   after every peer stored ``s + 1``, which each does only after reading ``s``.
 
@@ -60,6 +66,8 @@ _GATHER_SPIN_S = 300e-6
 #: them the core; a longer wait (a prefill chunk) still sleeps.
 _PIPE_SPIN_S = 2e-3
 _FUTEX_SLICE_S = 0.05  # a futex wait's bound, so deadlines are checked
+#: ShmAllGather: a futex wait's bound, the longest a missed wake delays a sleeper
+_GATHER_SLICE_S = 1e-3
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
@@ -92,11 +100,15 @@ class ShmAllGather:
         self._mm = mm
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         self._flags = [ctypes.c_int32.from_buffer(mm, r * _FLAG_STRIDE) for r in range(size)]
+        #: set by a rank while it sleeps (futex) waiting for a peer; written by it alone
+        self._sleeping = [ctypes.c_int32.from_buffer(mm, r * _FLAG_STRIDE + 4) for r in range(size)]
+        self._peers = [r for r in range(size) if r != index]
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=size * _FLAG_STRIDE)
         self._flat = data[: 2 * size * slot_bytes].view(2, size * slot_bytes)
         self._buffers = self._flat.view(2, size, slot_bytes)
         self._seq = 0
         self._libc = ctypes.CDLL(None, use_errno=True)
+        self._own_flag = ctypes.c_void_p(self._base + index * _FLAG_STRIDE)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
@@ -160,9 +172,14 @@ class ShmAllGather:
         self._seq += 1
         seq = self._seq
         self._flags[self.index].value = seq
-        _wake(self._libc, self._base + self.index * _FLAG_STRIDE, self.size)
-        for r in range(self.size):
-            if r != self.index:
+        sleeping = self._sleeping
+        for r in self._peers:
+            if sleeping[r].value:
+                self._libc.syscall(_SYS_FUTEX, self._own_flag, _FUTEX_WAKE, self.size, None)
+                break
+        flags = self._flags
+        for r in self._peers:
+            if not _reached(flags[r].value, seq):
                 self._wait(r, seq, op)
 
     def gather(
@@ -211,8 +228,30 @@ class ShmAllGather:
         return views[seq % 2]
 
     def _wait(self, rank: int, seq: int, op: str) -> None:
-        addr = self._base + rank * _FLAG_STRIDE
-        if not _wait_flag(self._libc, self._flags[rank], addr, seq, self.timeout_s, _GATHER_SPIN_S):
+        """Wait for ``rank``'s flag to reach ``seq``: a spin yielding the core for
+        :data:`_GATHER_SPIN_S`, then futex waits of :data:`_GATHER_SLICE_S` with this
+        rank's sleeping word set (see the module docstring)."""
+        flag = self._flags[rank]
+        end = time.perf_counter() + _GATHER_SPIN_S
+        while time.perf_counter() <= end:
+            os.sched_yield()
+            if _reached(flag.value, seq):
+                return
+        mine = self._sleeping[self.index]
+        mine.value = 1
+        try:
+            reached = _wait_flag(
+                self._libc,
+                flag,
+                self._base + rank * _FLAG_STRIDE,
+                seq,
+                self.timeout_s,
+                0.0,
+                _GATHER_SLICE_S,
+            )
+        finally:
+            mine.value = 0
+        if not reached:
             raise CommunicationError(
                 f"{op} on the kvp group failed: rank {rank} of the shared-memory group "
                 f"did not arrive within {self.timeout_s:.0f} s"
@@ -433,9 +472,11 @@ def _wait_flag(
     seq: int,
     timeout_s: float,
     spin_s: float | None = None,
+    slice_s: float = _FUTEX_SLICE_S,
 ) -> bool:
     """Wait until ``flag`` reached ``seq`` (:func:`_reached`: a short spin yielding the
-    core, then futex waits on ``addr``, the flag's address); False after ``timeout_s``.
+    core, then futex waits on ``addr``, the flag's address, of at most ``slice_s``
+    each); False after ``timeout_s``.
 
     The spin is :data:`_SPINS` rounds, or ``spin_s`` seconds when given.
     """
@@ -454,7 +495,7 @@ def _wait_flag(
                 return True
     deadline = time.monotonic() + timeout_s
     where = ctypes.c_void_p(addr)
-    slice_ = _Timespec(0, int(_FUTEX_SLICE_S * 1e9))
+    slice_ = _Timespec(0, int(slice_s * 1e9))
     while not _reached(seen := flag.value, seq):
         if time.monotonic() > deadline:
             return False

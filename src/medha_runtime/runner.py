@@ -39,7 +39,7 @@ worker process (:mod:`medha_runtime.worker`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -180,12 +180,15 @@ class ShardedAttention:
         self.strategy = strategy
         self.shards: GroupShards | None = None
         self.plan: KVPAttentionPlan | None = None
+        #: the plan's partial state per layer: its one paged-attention call's ``run``
+        #: where that covers every row (a decode step), else ``plan.partial``
+        self._partial: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __repr__(self) -> str:
         return f"ShardedAttention({self.comm}, backend={self.backend!r})"
 
     def prepare(self, shards: GroupShards) -> None:
-        self.shards, self.plan = shards, None
+        self.shards, self.plan, self._partial = shards, None, None
 
     def _batch_plan(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch
@@ -211,6 +214,14 @@ class ShardedAttention:
         *,
         layer_id: int,
     ) -> torch.Tensor:
+        partial = self._partial
+        if partial is not None:  # every layer after the step's first: what
+            # kvp_paged_attention runs, less its frames (each runs cold after the
+            # previous layer's attention streamed its KV shard through the caches)
+            out, lse = partial(q, k_cache, v_cache)
+            strategy = self.strategy
+            merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=strategy)  # type: ignore[arg-type]
+            return merged
         if self.plan is None:
             if self.shards is None:
                 raise RuntimeError("ShardedAttention.prepare was not called for this step")
@@ -232,6 +243,11 @@ class ShardedAttention:
             comm=self.comm,
             strategy=self.strategy,  # type: ignore[arg-type]
         )
+        parts = self.plan.parts
+        if len(parts) == 1 and parts[0].rows is None:
+            self._partial = parts[0].plan.run
+        else:
+            self._partial = self.plan.partial
         return out
 
 
@@ -244,11 +260,18 @@ def build_group_batch(
     group_tokens: int,
     block_size: int,
     device: torch.device | str,
+    capacity: int | None = None,
 ) -> tuple[ForwardBatch, GroupShards]:
     """KVP group ``group``'s view of a step: its :class:`ForwardBatch` and :class:`GroupShards`.
 
     Positions are absolute; slots, KV lengths and block tables are local to
     the group's shard of each sequence (see the module docstring).
+
+    ``capacity``: the slots of each layer's cache (``num_blocks * block_size``).
+    Given, a batch whose every row writes its K/V here gets its int64 write
+    index from the host list (:meth:`ForwardBatch.set_kv_write_index`, checked
+    against ``capacity`` on the host): what :meth:`ForwardBatch.prepare_kv_write`
+    would keep, without its tensor reductions and host reads.
     """
     g_tokens = group_tokens
     ids: list[int] = []
@@ -316,6 +339,10 @@ def build_group_batch(
         host=PagedHost(cu_seqlens_q=cu, kv_lens=shards.kv_lens, max_block=max_block),
         writes_kv=any(shards.is_tail),  # a chunk's KV is written on its tail group only
     )
+    if capacity is not None and all(shards.is_tail):  # every row writes: slots all >= 0
+        if slots and (top := max(slots)) >= capacity:
+            raise ValueError(f"slots: {top} is past the cache's {capacity} slots")
+        batch.set_kv_write_index(tensor(slots, torch.int64))
     return batch, shards
 
 
@@ -532,6 +559,7 @@ class ModelRunner:
             group_tokens=spec.group_tokens,
             block_size=spec.block_size,
             device=self.device,
+            capacity=self.kv.k[0].shape[0] * spec.block_size,
         )
         # the step's fixed host work before the forward pass: a later stage does it
         # while it waits for the previous stage's activations
@@ -541,7 +569,9 @@ class ModelRunner:
         else:
             batch.attention_plan(**self._plan_key)
         if self.pipeline is None:
-            out = self.model(batch, self.kv)
+            # logits only where they are sampled: a KVP group other than 0 would compute
+            # them and drop them (with TP, every TP rank takes part in the LM head's gather)
+            out = self.model(batch, self.kv, logits=self.sampler is not None or spec.tp > 1)
         else:
             out = self.pipeline.run(plan, batch)  # non-last stages: sent on, not awaited
             if not self.pipeline.is_last:

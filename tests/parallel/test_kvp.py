@@ -208,8 +208,27 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
         lses[0, 1, 2] = float("-inf")  # a head that saw no key on group 0
         got = comm.merge(outs[comm.index], lses[comm.index], active=2)
         repeats.append((got, merge_partials(outs, lses)))
+    # one query (a decode): this rank's slots are contiguous and written by address;
+    # a non-contiguous state (odd repeats: a transposed copy) takes copy_; in repeats
+    # 2 and 3 one group arrives 20 ms late: the other, past its spin, sleeps on the
+    # futex with its sleeping word set, and the late one's exchange must wake it
+    for i in range(6):
+        if i in (2, 3) and comm.index == i % 2:
+            time.sleep(0.02)
+        gen = torch.Generator().manual_seed(200 + i)
+        outs = torch.randn(2, 1, 4, 8, generator=gen)
+        lses = torch.randn(2, 1, 4, generator=gen)
+        lses[1 - i % 2, 0, i % 4] = float("-inf")
+        out = outs[comm.index]
+        if i % 2:
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+            assert not out.is_contiguous()
+        got = comm.merge(out, lses[comm.index], active=2)
+        repeats.append((tuple(t.clone() for t in got), merge_partials(outs, lses)))
     res["repeats"] = repeats
     res["fast_paths"] = len(comm._fast)
+    if comm.uses_shared_memory:  # nobody sleeps once every merge returned
+        res["sleeping"] = [w.value for w in comm._shm._sleeping]  # type: ignore[union-attr]
     gloo = KVPCommunicator(state, shared_memory=False)
     res["paged_gloo"] = _paged_batches(gloo)
     res["gloo_shm"] = gloo.uses_shared_memory
@@ -426,7 +445,8 @@ def test_kvp2_repeated_merges_of_one_shape_each_merge_their_own_states(kvp2) -> 
             torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-6)
         if res["shm"]:  # the shared-memory path remembered the shapes it merged
-            assert res["fast_paths"] >= 1
+            assert res["fast_paths"] >= 2
+            assert res["sleeping"] == [0, 0]
 
 
 def test_kvp_timeout_raises_communication_error_naming_group_and_op(kvp2) -> None:

@@ -144,3 +144,35 @@ def test_sharded_attention_takes_the_batch_plan_only_where_it_is_the_same_call()
         want = plan_kvp_attention(**shards._asdict(), **shapes)
         for x, y in zip(got.partial(q, kc, vc), want.partial(q, kc, vc), strict=True):
             assert torch.equal(x, y), (names, group)
+
+
+def test_group_batch_with_capacity_keeps_the_write_index_prepare_would() -> None:
+    """``build_group_batch(capacity=...)``: where every row writes its K/V on this group,
+    the int64 write index comes from the host list, equal to what
+    ``prepare_kv_write`` keeps; a slot past the capacity is refused by name."""
+    from medha_runtime.plan import PlannedChunk, StepPlan
+    from medha_runtime.runner import build_group_batch
+
+    tables = BlockTables()
+    tables.extend("a", ((0, (0, 1)), (1, (5, 6))))
+    tables.extend("b", ((0, (2, 3)), (1, (7,))))
+    # a: decode at 13 (tail on group 1); b: a 3-token chunk at 9 (tail on group 1)
+    step = StepPlan(
+        0, (PlannedChunk("a", 13, (1,), (0, 1)), PlannedChunk("b", 9, (1, 2, 3), (0, 1)))
+    )
+    kw = {"kvp": 2, "group_tokens": 8, "block_size": 4, "device": "cpu"}
+    kc = torch.zeros(8, 4, 2, 8)
+    tail, _ = build_group_batch(step, tables, group=1, capacity=32, **kw)
+    plain, _ = build_group_batch(step, tables, group=1, **kw)
+    assert tail._kv_write is not None and plain._kv_write is None
+    plain.prepare_kv_write(kc)
+    assert plain._kv_write is not None
+    idx, rows = tail._kv_write
+    assert rows is None and idx.dtype == torch.int64
+    assert torch.equal(idx, plain._kv_write[0]) and plain._kv_write[1] is None
+    assert idx.tolist() == [6 * 4 + 1, 7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3]
+    # group 0 holds neither tail: nothing written, nothing kept
+    head, _ = build_group_batch(step, tables, group=0, capacity=32, **kw)
+    assert not head.writes_kv and head._kv_write is None
+    with pytest.raises(ValueError, match="31 is past the cache's 30 slots"):
+        build_group_batch(step, tables, group=1, capacity=30, **kw)

@@ -1,0 +1,158 @@
+"""Where a KVP rank's decode step goes: thread CPU per part, kvp=1 against kvp=2.
+
+One decode step at the end of a ``--context``-token sequence on ``tiny`` (as
+``kvp_decode.py --ranks --modes sync``: the row sampled greedily, KV of
+zeros), run ``--steps`` times by ``ModelRunner`` s (kvp=1: one process;
+kvp=2: two joined over gloo, forkserver, ``file://``, the shared-memory
+merge; one torch thread each). The parts are timed by wrapping the functions
+that do them with the thread CPU clock (each wrapped call adds ~1-2 us):
+
+- batch build (``build_group_batch``), ``prepare_kv_write``, embedding,
+  rotary tables;
+- per layer: RMSNorm, the linear layers, rotary, the KV write, the
+  attention plan (the step's first layer), the local attention over this
+  rank's shard (``PagedAttentionPlan.run``), the merge
+  (``KVPCommunicator.merge``) and its shared-memory exchange (the wait for
+  the peer included);
+- logits, sampling; the model's forward pass and the whole step.
+
+Prints microseconds of thread CPU per step (the mean) and calls per step, for
+kvp=1 and each kvp=2 rank, and the load average before and after.
+
+    python benchmarks/kvp_step_profile.py                  # 32K context, 300 steps
+    python benchmarks/kvp_step_profile.py --context 8192 --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the launch harness: tests/
+from tests.parallel.dist import launch
+
+
+def _profile(rank: int, world: int, init: str, context: int, steps: int, block: int) -> dict:
+    """Thread CPU seconds and calls per step, by part, on this rank."""
+    import medha_parallel.kvp as kvp
+    import medha_parallel.linear as linear
+    import medha_parallel.shm as shm
+    from medha_kernels import PagedAttentionPlan
+    from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
+    from medha_runtime import runner as runner_mod
+    from medha_runtime.model import batch as batch_mod
+    from medha_runtime.model import llama
+    from medha_runtime.plan import PlannedChunk, StepPlan
+    from medha_runtime.runner import ModelRunner, RunnerSpec
+    from medha_runtime.sampling_params import SampleSpec
+
+    torch.set_num_threads(1)
+    used: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+    on = [False]
+    clock = time.thread_time
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not on[0]:
+                return fn(*args, **kwargs)
+            t = clock()
+            out = fn(*args, **kwargs)
+            used[label] += clock() - t
+            calls[label] += 1
+            return out
+
+        setattr(owner, name, timed)
+
+    for owner, name, label in (
+        (runner_mod, "build_group_batch", "batch build"),
+        (batch_mod.ForwardBatch, "prepare_kv_write", "prepare_kv_write"),
+        (llama.VocabParallelEmbedding, "forward", "embedding"),
+        (llama, "rotary_tables", "rotary tables"),
+        (llama.RMSNorm, "forward", "rmsnorm"),
+        (linear.ColumnParallelLinear, "forward", "linear"),
+        (linear.RowParallelLinear, "forward", "linear"),
+        (llama, "apply_rotary_", "rotary"),
+        (batch_mod.ForwardBatch, "write_kv", "KV write"),
+        (batch_mod.ForwardBatch, "attention_plan", "attention plan"),
+        (kvp, "plan_kvp_attention", "attention plan"),
+        (PagedAttentionPlan, "run", "attention (local)"),
+        (kvp.KVPCommunicator, "merge", "merge (all)"),
+        (shm.ShmAllGather, "exchange", "merge: exchange + wait"),
+        (llama.LlamaModel, "compute_logits", "logits"),
+        (runner_mod, "sample_step", "sampling"),
+        (llama.LlamaModel, "forward", "model forward"),
+    ):
+        wrap(owner, name, label)
+    group = -(-context // world // block) * block
+    spec = RunnerSpec(
+        model="tiny",
+        dtype="float32",
+        device="cpu",
+        kvp=world,
+        num_blocks=group // block + 1,
+        block_size=block,
+        group_tokens=group,
+    )
+    state = None
+    if world > 1:
+        state = ParallelState.initialize(
+            ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world, device="cpu"
+        )
+    runner = ModelRunner(spec, state)
+    if runner.attention is not None:
+        runner.attention.comm = KVPCommunicator(state, shared_memory=True)
+    groups = tuple(range(world))
+    blocks = tuple((g, tuple(range(group // block))) for g in groups)
+    pos = context - 1
+    sample = SampleSpec("a", 0.0, 0, 1.0, 0, None)
+    runner.execute(StepPlan(0, (PlannedChunk("a", pos, (7,), groups, blocks, sample),)))
+    step = StepPlan(1, (PlannedChunk("a", pos, (7,), groups, (), sample),))
+    for _ in range(20):
+        runner.execute(step)
+    wrap(ModelRunner, "execute", "STEP")
+    walls = []
+    on[0] = True
+    for _ in range(steps):
+        t = time.perf_counter()
+        runner.execute(step)
+        walls.append(time.perf_counter() - t)
+    on[0] = False
+    parts = {k: (v / steps, calls[k] / steps) for k, v in used.items()}
+    return parts | {"wall (median)": (statistics.median(walls), 1.0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--block", type=int, default=16)
+    args = ap.parse_args()
+    print(f"load average before: {os.getloadavg()}")
+    one = launch(_profile, 1, args.context, args.steps, args.block)[0]
+    two = launch(_profile, 2, args.context, args.steps, args.block)
+    print(f"load average after: {os.getloadavg()}")
+    print(f"\none decode step at {args.context} tokens, {args.steps} steps: thread CPU us per step")
+    print(f"{'part':>24} {'kvp=1':>15} {'kvp=2 r0':>15} {'kvp=2 r1':>15}")
+    names = list(dict.fromkeys([*two[0], *two[1], *one]))
+    for name in names:
+        line = f"{name:>24}"
+        for res in (one, *two):
+            got = res.get(name)
+            line += f" {1e6 * got[0]:9.1f} ({got[1]:3.0f})" if got else f" {'-':>15}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
