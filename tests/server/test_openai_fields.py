@@ -392,3 +392,35 @@ def test_sigterm_while_the_engine_starts_exits_0(tmp_path: Path) -> None:
     text = log_file.read_text()
     assert rc == 0 and took < 5.0, (rc, took, text)
     assert "stopped while the engine was starting" in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("target", ["group", "engine"])
+def test_sigterm_to_the_process_group_or_the_engine_stops_cleanly(
+    tmp_path: Path, target: str
+) -> None:
+    """``systemd`` (KillMode=control-group), ``kill -TERM -PGID`` and ``pkill -f`` signal
+    the engine process too; it used to stop first, and the server then exited 1 with
+    "the engine died (the engine process exited with code 0)". Now the engine says it
+    stopped on SIGTERM and the server stops as on its own signal: exit code 0."""
+    log_file = tmp_path / "serve.log"
+    with open(log_file, "w") as log:
+        cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", "--port", "0"]
+        proc = subprocess.Popen(cmd, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while (m := re.search(r"engine process pid (\d+)", log_file.read_text())) is None:
+                assert time.monotonic() < deadline and proc.poll() is None, log_file.read_text()
+                time.sleep(0.05)
+            if target == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                os.kill(int(m.group(1)), signal.SIGTERM)
+            rc = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log_file.read_text()
+    assert rc == 0, text
+    assert "the engine process got SIGTERM: stopping the server" in text
+    assert "engine died" not in text and "Traceback" not in text

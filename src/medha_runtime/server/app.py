@@ -177,6 +177,16 @@ def build_app(config: ServerConfig) -> FastAPI:
             logger.info("shutting down: aborted %d in-flight engine request(s)", len(ids))
 
     app.state.on_signal = on_signal
+
+    def on_engine_stopped(signal_name: str) -> None:
+        """The engine process stopped on a signal (e.g. the whole process group got
+        SIGTERM): end every request and stop the server, as on our own signal."""
+        logger.info("the engine process got %s: stopping the server", signal_name)
+        on_signal()
+        if app.state.request_exit is not None:
+            app.state.request_exit()
+
+    client.on_stopped.append(on_engine_stopped)
     _install_errors(app, front)
     _install_routes(app, front, client, metrics)
     return app

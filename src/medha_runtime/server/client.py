@@ -29,6 +29,7 @@ from medha_runtime.server.messages import (
     Alive,
     EngineFailed,
     EngineReady,
+    EngineStopped,
     Heartbeat,
     RequestDelta,
     Shutdown,
@@ -67,6 +68,10 @@ class EngineClient:
         self.on_heartbeat: list[Any] = []
         #: called once, with the reason, when the engine is found dead
         self.on_dead: list[Any] = []
+        #: called once when the engine stopped on SIGTERM (EngineStopped)
+        self.on_stopped: list[Any] = []
+        #: the signal the engine stopped on, once it said so
+        self.stopped: str | None = None
         self._dir = tempfile.mkdtemp(prefix="medha-serve-")
         self.in_addr = f"ipc://{os.path.join(self._dir, 'to_engine')}"
         self.out_addr = f"ipc://{os.path.join(self._dir, 'from_engine')}"
@@ -181,11 +186,19 @@ class EngineClient:
                     self._mark_dead(msg.error)
             elif isinstance(msg, EngineFailed):
                 self._mark_dead(msg.message)
+            elif isinstance(msg, EngineStopped) and self.stopped is None:
+                self.stopped = msg.signal
+                for cb in self.on_stopped:
+                    cb(msg.signal)
 
     async def _watch_loop(self) -> None:
-        while self.dead is None:
+        while self.dead is None and self.stopped is None:
             await asyncio.sleep(0.25)
             if not self.proc.is_alive():
+                if self.proc.exitcode == 0:  # a clean stop: its EngineStopped may be in flight
+                    await asyncio.sleep(0.5)
+                    if self.stopped is not None:
+                        return
                 self._mark_dead(f"the engine process exited with code {self.proc.exitcode}")
             elif time.monotonic() - self.last_beat > HEARTBEAT_TIMEOUT_S:
                 self._mark_dead(f"no heartbeat from the engine for {HEARTBEAT_TIMEOUT_S:g} s")

@@ -32,6 +32,7 @@ from medha_runtime.server.messages import (
     Alive,
     EngineFailed,
     EngineReady,
+    EngineStopped,
     Heartbeat,
     ModelInfo,
     RequestDelta,
@@ -139,6 +140,8 @@ def engine_main(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) 
         pulse = Pulse(ctx, out_addr, Alive(), period_s=HEARTBEAT_S)
         taker = _snapshot_taker(engine) if args.admission == "reject" else None
         _loop(engine, pull, send, parent_pid, lambda: stopping, taker)
+        if stopping:  # SIGTERM, not the HTTP process's Shutdown: it must stop too
+            send(EngineStopped())
     except _EngineDead as exc:  # the workers are gone: one line, no traceback
         print(f"medha-runtime engine: {exc}", file=sys.stderr, flush=True)
         dead = True

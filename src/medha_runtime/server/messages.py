@@ -86,6 +86,14 @@ class EngineFailed:
 
 
 @dataclass
+class EngineStopped:
+    """The engine process got SIGTERM and stopped cleanly (a process-group stop, or
+    the engine signalled alone): the server stops too, with exit code 0."""
+
+    signal: str = "SIGTERM"
+
+
+@dataclass
 class AddFailed:
     request_id: str
     message: str
