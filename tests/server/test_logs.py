@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from medha_runtime.server.logs import StatsLogger, access_line, startup_summary
 from medha_runtime.server.messages import EngineReady, Heartbeat, ModelInfo
 
@@ -49,8 +51,13 @@ def test_summary_and_access_line() -> None:
     text = "\n".join(startup_summary(ready, served_name="t", address="http://127.0.0.1:8000"))
     parts = ["model tiny", "dtype float32", "device cpu", "tp=1 spp=2 kvp=1", "lars-mp"]
     parts += ["OnlineCostModel", "50.0 ms", "KV pool 2,048 tokens", "http://127.0.0.1:8000"]
+    parts += ["decode steps: no CUDA graphs; async scheduling off"]
     for part in parts:
         assert part in text
+    on_gpu = dataclasses.replace(info, cuda_graph_max_batch=256, async_scheduling=True)
+    ready = dataclasses.replace(ready, info=on_gpu)
+    text = "\n".join(startup_summary(ready, served_name="t", address="http://127.0.0.1:8000"))
+    assert "decode steps: CUDA graphs for decode batches up to 256; async scheduling on" in text
     line = access_line(
         request_id="cmpl-1",
         route="/v1/completions",

@@ -177,6 +177,8 @@ def _model_info(engine: Any) -> ModelInfo:
         kvp_group_tokens=int(cache.max_tokens_per_group),
         block_size=int(cache.block_size),
         vocab_size=int(engine.config.vocab_size),
+        cuda_graph_max_batch=int(engine.spec.cuda_graph_max_batch),
+        async_scheduling=bool(engine.scheduler_config.async_decodes),
     )
 
 

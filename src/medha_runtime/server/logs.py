@@ -3,7 +3,8 @@
 - :func:`setup_logging`: ``LEVEL MM-DD HH:MM:SS.mmm [module] message`` lines on
   stderr for the ``medha_runtime`` loggers, at ``--log-level``;
 - :func:`startup_summary`: one block once the engine is ready: model, dtype,
-  device, layout, policy, cost model, T, the KV pool in tokens, the address;
+  device, layout, policy, cost model, T, the KV pool in tokens, how decode
+  steps run (CUDA graphs, async scheduling), the address;
 - :func:`access_line`: one line per request: id, route, status, prompt and
   output tokens, TTFT, end-to-end time, finish reason(s)
   (``--disable-log-requests`` turns them off);
@@ -19,7 +20,7 @@ import logging
 import time
 from typing import Any
 
-from medha_runtime.server.messages import EngineReady, Heartbeat
+from medha_runtime.server.messages import EngineReady, Heartbeat, ModelInfo
 
 logger = logging.getLogger("medha_runtime.server")
 
@@ -57,11 +58,19 @@ def startup_summary(ready: EngineReady, *, served_name: str, address: str) -> li
             f"({info.kv_pool_tokens // info.block_size:,} blocks of {info.block_size}), "
             f"at most {info.kvp_group_tokens:,} tokens of a request per group, "
             f"max model len {ready.max_model_len:,}",
+            _execution(info),
         ]
     else:
         lines.append(f"layout {ready.layout}, max model len {ready.max_model_len:,}")
     lines.append(f"engine process pid {ready.pid}; serving on {address}")
     return lines
+
+
+def _execution(info: ModelInfo) -> str:
+    """How steps run: CUDA graphs for decodes or not, async scheduling or not."""
+    n = info.cuda_graph_max_batch
+    graphs = f"CUDA graphs for decode batches up to {n}" if n else "no CUDA graphs"
+    return f"decode steps: {graphs}; async scheduling {'on' if info.async_scheduling else 'off'}"
 
 
 def _layout(text: str) -> str:

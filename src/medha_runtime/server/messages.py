@@ -67,6 +67,9 @@ class ModelInfo:
     kvp_group_tokens: int
     block_size: int
     vocab_size: int
+    #: decode batches of up to this many requests replay CUDA graphs (0: eager)
+    cuda_graph_max_batch: int = 0
+    async_scheduling: bool = False
 
 
 @dataclass
