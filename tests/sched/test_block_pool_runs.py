@@ -58,6 +58,11 @@ def test_runs_and_scattered_blocks_match_the_plain_stack(seed: int, num_blocks: 
     pool, model = BlockPool(0, num_blocks), StackModel(num_blocks)
     held: list[list[int]] = []  # one entry per reference taken (a block list)
     runs = scattered = 0
+    if num_blocks >= 40:  # a run from the fresh stack first: every example tests the fast path
+        got = pool.allocate("r", 8)
+        assert got == model.allocate(8) and max(got) - min(got) == 7
+        runs += 1
+        held.append(list(got))
     for _ in range(120):
         op = rng.random()
         if op < 0.45 and pool.num_free:
