@@ -57,6 +57,8 @@ bounded() {  # bounded SECONDS NAME COMMAND...: run, log to $out/NAME.log, go on
     echo "== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$out/$name.log"
 }
 m8b=random:benchmarks/models/llama3-8b-1m
+# the 8B step profile's shape (step_profile.py), shared by calls 4-7
+sp8b=(--model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32)
 if [ -n "${MEDHA_GPU_STAGES:-}" ]; then
     path="${src}/tmp/site:/tmp/fi"
     [ "$call" = 3 ] && path="${src}/tmp/site"
@@ -87,10 +89,10 @@ case "$call" in
         bounded "${MEDHA_GPU_EVT_S:-110}" evt python3 benchmarks/engine_vs_transformers.py \
             --device cuda --dtype bfloat16 --threads 4 --modes sync async
         bounded "${MEDHA_GPU_SP_ASYNC_S:-90}" sp_async python3 benchmarks/step_profile.py \
-            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            "${sp8b[@]}" \
             --async-scheduling --no-profile --json "$out/sp_async.json"
         bounded "${MEDHA_GPU_SP_SYNC_S:-140}" sp_sync python3 benchmarks/step_profile.py \
-            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            "${sp8b[@]}" \
             --json "$out/sp_sync.json"
         bounded "${MEDHA_GPU_TESTS_S:-170}" tests python3 -m pytest -q -n 8 --dist loadfile \
             --timeout 120 -p no:cacheprovider --junitxml="$out/tests.junit.xml" \
@@ -108,8 +110,7 @@ case "$call" in
             extra=()
             [ "$mode" = graphs_async ] && extra=(--async-scheduling)
             bounded "${MEDHA_GPU_SP_S:-60}" "sp_$mode" python3 benchmarks/step_profile.py \
-                --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 \
-                --new 32 --cuda-graphs --no-profile "${extra[@]}"
+                "${sp8b[@]}" --cuda-graphs --no-profile "${extra[@]}"
         done
         export PYTHONPATH="${src}/tmp/site:/tmp/fi"
         bounded "${MEDHA_GPU_KERNELS_S:-100}" kernels_run python3 benchmarks/gpu_suite.py \
@@ -122,7 +123,7 @@ case "$call" in
             --timeout 70 tests/runtime/test_decode_graphs.py tests/kernels/test_api.py \
             tests/kernels/test_triton.py -k "graph or longer_rows or planned or backend"
         bounded "${MEDHA_GPU_SP_S:-75}" sp_profile python3 benchmarks/step_profile.py \
-            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            "${sp8b[@]}" \
             --no-stacks --top 15
         export PYTHONPATH="${src}/tmp/site:/tmp/fi"
         bounded "${MEDHA_GPU_KERNELS_S:-75}" kernels_run python3 benchmarks/gpu_suite.py \
@@ -134,7 +135,7 @@ case "$call" in
         bounded "${MEDHA_GPU_TESTS_S:-60}" tests python3 -m pytest -q -p no:cacheprovider \
             --timeout 50 tests/runtime/test_decode_graphs.py tests/runtime/test_peer_death.py
         bounded "${MEDHA_GPU_SP_S:-45}" sp_profile python3 benchmarks/step_profile.py \
-            --model "$m8b" --device cuda --dtype bfloat16 --batch 8 --prompt-len 512 --new 32 \
+            "${sp8b[@]}" \
             --no-stacks --top 10
         bounded "${MEDHA_GPU_EVT_S:-45}" evt python3 benchmarks/engine_vs_transformers.py \
             --device cuda --dtype bfloat16 --threads 4 --modes sync graphs

@@ -49,7 +49,7 @@ from medha_kernels import (
 from medha_kernels.backends import resolve
 from medha_parallel import shm
 from medha_parallel.compat import all_gather_concat
-from medha_parallel.errors import CommunicationError, named_comm
+from medha_parallel.errors import named_comm
 from medha_parallel.merge import merge_partials, merge_weights, weighted_output
 from medha_parallel.state import ParallelState
 
@@ -266,14 +266,8 @@ class KVPCommunicator:
         else:
             v_mine.copy_(out.detach())
             s_mine.copy_(lse.detach())
-        try:
+        with named_comm("kvp", "merge[ag_all].all_gather"):
             shared.exchange("merge[ag_all].all_gather")
-        except CommunicationError:
-            raise
-        except Exception as exc:  # as named_comm: name the group and the op
-            raise CommunicationError(
-                f"merge[ag_all].all_gather on the kvp group failed: {exc}"
-            ) from exc
         return merge_fn(v, s)
 
     def _merge_fn(self, v: torch.Tensor, s: torch.Tensor) -> Callable:
@@ -480,6 +474,21 @@ class KVPAttentionPlan:
         parts = self.parts
         if len(parts) == 1 and parts[0].rows is None:
             return parts[0].plan.run(q, k_cache, v_cache)
+        return self._partial_parts(q, k_cache, v_cache)
+
+    def partial_fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`partial` without its row check, for a step's later layers (the first
+        one checked the rows): the one paged-attention ``run`` where it covers every row
+        (a decode step), else the loop over the parts."""
+        parts = self.parts
+        if len(parts) == 1 and parts[0].rows is None:
+            return parts[0].plan.run
+        return self._partial_parts
+
+    def _partial_parts(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self.parts
         out, lse = empty_state(q)
         for part in parts:
             assert part.rows is not None

@@ -59,7 +59,7 @@ _SPINS = 64  # sched_yield rounds before a futex wait (ShmPipe)
 #: between two KVP ranks reaching the same merge; 64 rounds of sched_yield last ~20 us.
 #: While other processes are runnable each yield hands them the core (no CPU burned).
 _GATHER_SPIN_S = 300e-6
-#: ShmPipe.peek: how long the receiving stage keeps yielding its core before a futex
+#: ShmPipe.peek_buffer: how long the receiving stage keeps yielding its core before a futex
 #: wait. It usually waits one stage's decode share (~1 ms on ``tiny``); a futex sleep
 #: adds its wake-up (~0.1 ms of wall, on the pipeline's critical path) and makes the
 #: sender's wake a context switch. While other processes are runnable each yield hands
@@ -232,23 +232,13 @@ class ShmAllGather:
         :data:`_GATHER_SPIN_S`, then futex waits of :data:`_GATHER_SLICE_S` with this
         rank's sleeping word set (see the module docstring)."""
         flag = self._flags[rank]
-        end = time.perf_counter() + _GATHER_SPIN_S
-        while time.perf_counter() <= end:
-            os.sched_yield()
-            if _reached(flag.value, seq):
-                return
+        if _spin(flag, seq, _GATHER_SPIN_S):
+            return
         mine = self._sleeping[self.index]
         mine.value = 1
         try:
-            reached = _wait_flag(
-                self._libc,
-                flag,
-                self._base + rank * _FLAG_STRIDE,
-                seq,
-                self.timeout_s,
-                0.0,
-                _GATHER_SLICE_S,
-            )
+            addr = self._base + rank * _FLAG_STRIDE
+            reached = _futex_wait(self._libc, flag, addr, seq, self.timeout_s, _GATHER_SLICE_S)
         finally:
             mine.value = 0
         if not reached:
@@ -269,11 +259,11 @@ class ShmAllGather:
 class ShmPipe:
     """A one-way channel of message slots from one process to one other on this host.
 
-    The producer fills the next free slot (:meth:`reserve`, then
+    The producer fills the next free slot (:meth:`reserve_buffer`, then
     :meth:`publish`); the consumer waits for it (:meth:`peek`), reads it and
     frees it (:meth:`release`). Messages arrive in the order they were
     published; at most ``slots`` are published and not yet released (the
-    producer's :meth:`reserve` waits for the oldest: backpressure). Two int32
+    producer's :meth:`reserve_buffer` waits for the oldest: backpressure). Two int32
     counters, a cache line each, say how many messages were published and
     released; a waiter spins briefly (yielding the core), then sleeps on a
     futex that the other side wakes.
@@ -295,9 +285,7 @@ class ShmPipe:
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + offset
         self._published = ctypes.c_int32.from_buffer(mm, offset)
         self._released = ctypes.c_int32.from_buffer(mm, offset + _FLAG_STRIDE)
-        data = torch.frombuffer(mm, dtype=torch.uint8, offset=offset + 2 * _FLAG_STRIDE)
-        self._slots = data[: slots * slot_bytes].view(slots, slot_bytes)
-        # the same slots as memoryviews and addresses (struct and ctypes.memmove: no tensor op)
+        # the slots as memoryviews and addresses (struct and ctypes.memmove: no tensor op)
         first = offset + 2 * _FLAG_STRIDE
         whole = memoryview(mm)
         self._views = [
@@ -345,12 +333,9 @@ class ShmPipe:
             for i in range(size - 1)
         ]
 
-    def reserve(self) -> torch.Tensor:
-        """The next slot to fill (uint8 ``[slot_bytes]``), once the consumer freed it."""
-        return self._slots[self._free_slot()]
-
     def reserve_buffer(self) -> tuple[memoryview, int]:
-        """:meth:`reserve` as a writable ``memoryview`` of the slot and the slot's address."""
+        """The next slot to fill, once the consumer freed it: a writable ``memoryview``
+        of its ``slot_bytes`` and its address."""
         i = self._free_slot()
         return self._views[i], self._slot_addrs[i]
 
@@ -366,17 +351,14 @@ class ShmPipe:
         return (seq - 1) % self.slots
 
     def publish(self) -> None:
-        """Hand the slot :meth:`reserve` returned (now filled) to the consumer."""
+        """Hand the slot :meth:`reserve_buffer` returned (now filled) to the consumer."""
         self._sent += 1
         self._published.value = self._sent
         _wake(self._libc, self._addr, 1)
 
-    def peek(self) -> torch.Tensor:
-        """The next message's slot (uint8 ``[slot_bytes]``, blocking) until :meth:`release`."""
-        return self._slots[self._next_message()]
-
     def peek_buffer(self) -> tuple[memoryview, int]:
-        """:meth:`peek` as a ``memoryview`` of the slot and the slot's address."""
+        """The next message's slot (blocking), readable until :meth:`release`: a
+        ``memoryview`` of it and its address."""
         i = self._next_message()
         return self._views[i], self._slot_addrs[i]
 
@@ -392,7 +374,7 @@ class ShmPipe:
         return (seq - 1) % self.slots
 
     def release(self) -> None:
-        """Free the slot :meth:`peek` returned: the producer may fill it again."""
+        """Free the slot :meth:`peek_buffer` returned: the producer may fill it again."""
         self._taken += 1
         self._released.value = self._taken
         _wake(self._libc, self._addr + _FLAG_STRIDE, 1)
@@ -418,7 +400,6 @@ class ShmPipe:
 
     def close(self) -> None:
         """Drop this channel's views (the mapping closes with its last user)."""
-        self._slots = torch.empty(0, 0, dtype=torch.uint8)
         self._views, self._slot_addrs = [], []
 
 
@@ -480,19 +461,35 @@ def _wait_flag(
 
     The spin is :data:`_SPINS` rounds, or ``spin_s`` seconds when given.
     """
-    if _reached(flag.value, seq):
-        return True
+    return (
+        _reached(flag.value, seq)
+        or _spin(flag, seq, spin_s)
+        or _futex_wait(libc, flag, addr, seq, timeout_s, slice_s)
+    )
+
+
+def _spin(flag: ctypes.c_int32, seq: int, spin_s: float | None) -> bool:
+    """Yield the core until ``flag`` reached ``seq``, for :data:`_SPINS` rounds or
+    ``spin_s`` seconds; whether it did."""
     if spin_s is None:
         for _ in range(_SPINS):
             os.sched_yield()
             if _reached(flag.value, seq):
                 return True
-    else:
-        end = time.perf_counter() + spin_s
-        while time.perf_counter() <= end:
-            os.sched_yield()
-            if _reached(flag.value, seq):
-                return True
+        return False
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() <= end:
+        os.sched_yield()
+        if _reached(flag.value, seq):
+            return True
+    return False
+
+
+def _futex_wait(
+    libc: Any, flag: ctypes.c_int32, addr: int, seq: int, timeout_s: float, slice_s: float
+) -> bool:
+    """Futex waits of at most ``slice_s`` on ``addr`` until ``flag`` reached ``seq``;
+    False after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     where = ctypes.c_void_p(addr)
     slice_ = _Timespec(0, int(slice_s * 1e9))

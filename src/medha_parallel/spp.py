@@ -59,6 +59,7 @@ from medha_parallel.spp_header import (
     decode_header_words,
     encode_header,
     header_words,
+    tensor_spec,
 )
 from medha_parallel.state import ParallelState
 
@@ -315,12 +316,8 @@ class SPPCommunicator:
                 sizes.append(8 * len(rows))
                 continue
             t = tensors[name]
-            if not isinstance(t, torch.Tensor):
-                raise ChunkHeaderError(
-                    f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor"
-                )
+            specs.append(tensor_spec(name, t))  # staging keeps the dtype and shape
             t = t.contiguous() if t.device.type == "cpu" else t.cpu()  # stage on this host's CPU
-            specs.append(TensorSpec(name, t.dtype, tuple(t.shape)))
             payloads.append(t)
             sizes.append(t.numel() * t.element_size())
         return header_words(summary, specs), payloads, sizes

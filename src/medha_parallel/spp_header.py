@@ -213,14 +213,16 @@ def _words_name(words: tuple[int, ...]) -> str:
     return name.decode("ascii")
 
 
+def tensor_spec(name: str, t: object) -> TensorSpec:
+    """``t``'s spec under ``name``; ChunkHeaderError if ``t`` is not a tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise ChunkHeaderError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    return TensorSpec(name, t.dtype, tuple(t.shape))
+
+
 def encode_header(meta: ChunkMeta, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The CPU int64 ``[HEADER_WORDS]`` header for ``meta`` and ``tensors`` (sorted by name)."""
-    specs = []
-    for name in sorted(tensors):
-        t = tensors[name]
-        if not isinstance(t, torch.Tensor):
-            raise ChunkHeaderError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        specs.append(TensorSpec(name, t.dtype, tuple(t.shape)))
+    specs = [tensor_spec(name, tensors[name]) for name in sorted(tensors)]
     return torch.tensor(header_words(meta, specs), dtype=torch.int64)
 
 

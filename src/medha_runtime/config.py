@@ -210,7 +210,7 @@ class EngineConfig:
             raise ValueError(
                 f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}"
             )
-        if self.cuda_graphs and self.tp * self.spp * self.kvp != 1:
+        if self.cuda_graphs and self.world_size != 1:
             raise ValueError(
                 f"cuda_graphs=True needs one rank (tp = spp = kvp = 1), got tp={self.tp}, "
                 f"spp={self.spp}, kvp={self.kvp}"

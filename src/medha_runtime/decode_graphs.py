@@ -259,7 +259,8 @@ class DecodeGraphs:
         st.slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=nb)
         st.table[:, : table.shape[1]].copy_(table, non_blocking=nb)
         st.host_lens = lens
-        st.host_max_block = max(max(r) for r in rows)
+        if not self.capture:  # the eager path's plan (block ids >= 0: the zero padding is no max)
+            st.host_max_block = int(table.max())
 
     def _static_batch(self, st: _Static, host: PagedHost) -> ForwardBatch:
         batch = ForwardBatch(

@@ -56,7 +56,6 @@ from medha_parallel import (
 from medha_parallel.kvp import (
     KVPAttentionPlan,
     KVPPart,
-    kvp_paged_attention,
     plan_kvp_attention,
 )
 from medha_runtime.cpu_memory import keep_freed_memory
@@ -215,14 +214,7 @@ class ShardedAttention:
         layer_id: int,
     ) -> torch.Tensor:
         partial = self._partial
-        if partial is not None:  # every layer after the step's first: what
-            # kvp_paged_attention runs, less its frames (each runs cold after the
-            # previous layer's attention streamed its KV shard through the caches)
-            out, lse = partial(q, k_cache, v_cache)
-            strategy = self.strategy
-            merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=strategy)  # type: ignore[arg-type]
-            return merged
-        if self.plan is None:
+        if partial is None:  # the step's first layer plans, and checks the rows once
             if self.shards is None:
                 raise RuntimeError("ShardedAttention.prepare was not called for this step")
             self.plan = self._batch_plan(q, k_cache, batch) or plan_kvp_attention(
@@ -235,20 +227,14 @@ class ShardedAttention:
                 device=q.device,
                 backend=self.backend,
             )
-        out, _ = kvp_paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            plan=self.plan,
-            comm=self.comm,
-            strategy=self.strategy,  # type: ignore[arg-type]
-        )
-        parts = self.plan.parts
-        if len(parts) == 1 and parts[0].rows is None:
-            self._partial = parts[0].plan.run
-        else:
-            self._partial = self.plan.partial
-        return out
+            out, lse = self.plan.partial(q, k_cache, v_cache)
+            self._partial = self.plan.partial_fn()
+        else:  # later layers: the partial state with fewest frames (each runs cold after
+            # the previous layer's attention streamed its KV shard through the caches)
+            out, lse = partial(q, k_cache, v_cache)
+        # what kvp_paged_attention does: one merge over the whole KVP group
+        merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=self.strategy)  # type: ignore[arg-type]
+        return merged
 
 
 def build_group_batch(
@@ -442,6 +428,8 @@ class ModelRunner:
             "dtype": self.model.dtype,
             "backend": getattr(attn.attn_fn, "backend", "auto"),
         }
+        #: slots of each layer's cache (the KV write index is checked against it)
+        self._kv_slots = self.kv.k[0].shape[0] * spec.block_size
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -481,9 +469,7 @@ class ModelRunner:
             self.sampler.forget(plan.finished)
         last = self._last_token
         if last is not None:
-            for rid in plan.free:
-                last.pop(rid, None)
-            for rid in plan.finished:
+            for rid in (*plan.free, *plan.finished):
                 last.pop(rid, None)
             plan = self._fill_pending(plan, last)
         for c in plan.chunks:
@@ -511,16 +497,14 @@ class ModelRunner:
         """Keep each sampled row's token for its request's next decode issued ahead;
         with several ranks every rank gets the sampling rank's tokens (one broadcast)."""
         rows = [c.request_id for c in plan.chunks if c.sample is not None]
+        # the sampling rank's ids (prompt logprobs follow the sampled rows)
+        ids = None if result is None else [s.token_id for s in result[: len(rows)]]  # type: ignore[union-attr]
         if self._tokens is not None:
-            ids = None
-            if result is not None:  # the sampling rank (prompt logprobs follow the rows)
-                ids = [s.token_id for s in result[: len(rows)]]  # type: ignore[union-attr]
-            tokens = self._tokens.broadcast(ids, len(rows))
-        elif result:
-            tokens = [s.token_id for s in result[: len(rows)]]  # type: ignore[union-attr]
-        else:
+            ids = self._tokens.broadcast(ids, len(rows))
+        elif not result:
             return
-        for rid, token in zip(rows, tokens, strict=True):
+        assert ids is not None
+        for rid, token in zip(rows, ids, strict=True):
             last[rid] = token
 
     @staticmethod
@@ -559,7 +543,7 @@ class ModelRunner:
             group_tokens=spec.group_tokens,
             block_size=spec.block_size,
             device=self.device,
-            capacity=self.kv.k[0].shape[0] * spec.block_size,
+            capacity=self._kv_slots,
         )
         # the step's fixed host work before the forward pass: a later stage does it
         # while it waits for the previous stage's activations

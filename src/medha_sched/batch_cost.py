@@ -84,11 +84,10 @@ class BatchCost:
         agg = self._agg
         if agg is None or self._num_groups != 1:
             return self.time_with([(group, q_tokens, kv_tokens, True)])
-        feats = agg.features(q_tokens, kv_tokens, True)
-        base = self._totals[0]
-        totals = list(feats) if base is None else list(map(_add, base, feats))  # b + f
+        work = (group, q_tokens, kv_tokens, True)
+        totals = self._totals_with(work)
         time = agg.group_time(totals)
-        self._probes[(group, q_tokens, kv_tokens, True)] = (totals, time)
+        self._probes[work] = (totals, time)
         return time
 
     def add(self, works: Sequence[Work]) -> None:
@@ -132,9 +131,7 @@ class BatchCost:
         assert self._agg is not None
         feats = self._agg.features(q, kv, tail)
         base = self._totals[g]
-        if base is None:
-            return [0 + f for f in feats]
-        return [0 + b + f for b, f in zip(base, feats, strict=True)]
+        return list(feats) if base is None else list(map(_add, base, feats))  # b + f
 
     def _priced(self, works: Sequence[Work], *, commit: bool = False) -> dict[int, float]:
         agg = self._agg

@@ -118,6 +118,25 @@ class BlockPool:
         self.num_allocs += count
         return tuple(blocks)
 
+    def _drop_once(self, blocks: list[int], lo: int, *, run: bool) -> None:
+        """Release ``blocks`` (distinct, each held once; ``run``: the ids ``lo`` to ``lo +
+        len - 1`` in some order): what the general loop of :meth:`release` does. The
+        hashed ones go to the cache in order, the others back to the stack."""
+        count, ref = len(blocks), self._ref
+        if run:
+            ref[lo : lo + count] = _ZERO * count
+        else:
+            for block in blocks:
+                ref[block] = 0
+        self._num_held -= count
+        hashed = self._hash_of
+        if hashed:
+            self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
+            self._free.extend(reversed([b for b in blocks if b not in hashed]))
+        else:
+            self._free.extend(reversed(blocks))
+        self.num_frees += count
+
     def allocate_each(self, owners: Sequence[Hashable]) -> tuple[int, ...]:
         """One block for each of ``owners``, in order: the blocks that
         ``allocate(owner, 1)`` called for each owner in turn would give."""
@@ -130,25 +149,7 @@ class BlockPool:
         if not blocks:
             return
         ref = self._ref
-        count, first = len(blocks), blocks[0]
-        if (
-            count >= _RUN
-            and not self._hash_of
-            and blocks[-1] - first == count - 1
-            and first >= 0
-            and first + count <= self.num_blocks
-            and blocks == list(range(first, first + count))
-        ):
-            held = ref[first : first + count]
-            if min(held) == max(held) == 1:
-                # an ascending run, each block held once, none hashed: what the
-                # general path below does, with the counts cleared as a slice
-                ref[first : first + count] = _ZERO * count
-                self._num_held -= count
-                self._free.extend(reversed(blocks))
-                self.num_frees += count
-                return
-        last = blocks[-1]
+        count, first, last = len(blocks), blocks[0], blocks[-1]
         if count >= _RUN and abs(last - first) == count - 1:
             # a run of ids, either way (a freed prefix goes back last block first):
             # each held once, the counts are cleared as a slice
@@ -161,15 +162,7 @@ class BlockPool:
             ):
                 held = ref[lo : lo + count]
                 if min(held) == max(held) == 1:
-                    ref[lo : lo + count] = _ZERO * count
-                    self._num_held -= count
-                    hashed = self._hash_of
-                    if hashed:  # as the loop below: hashed ones cached in order
-                        self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
-                        self._free.extend(reversed([b for b in blocks if b not in hashed]))
-                    else:
-                        self._free.extend(reversed(blocks))
-                    self.num_frees += count
+                    self._drop_once(blocks, lo, run=True)
                     return
         lo, hi = min(blocks), max(blocks)
         if lo < 0 or hi >= self.num_blocks:
@@ -179,28 +172,10 @@ class BlockPool:
         ones = counts.count(1) == count
         if len(set(blocks)) < count or (not ones and min(counts) < 1):
             self._check_release(owner, blocks)
+        if ones:  # each block held once (and distinct): every one leaves
+            self._drop_once(blocks, lo, run=hi - lo == count - 1)
+            return
         hashed = self._hash_of
-        if not hashed and ones:
-            # each block held once, none hashed: all of them go back to the stack
-            for block in blocks:
-                ref[block] = 0
-            self._num_held -= len(blocks)
-            self._free.extend(reversed(blocks))
-            self.num_frees += len(blocks)
-            return
-        if ones:
-            # each block held once: every one leaves, the hashed ones to the cache
-            # (in order, as the loop below adds them), the others to the stack
-            if hi - lo == count - 1:  # distinct: a run of ids
-                ref[lo : lo + count] = _ZERO * count
-            else:
-                for block in blocks:
-                    ref[block] = 0
-            self._num_held -= count
-            self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
-            self._free.extend(reversed([b for b in blocks if b not in hashed]))
-            self.num_frees += count
-            return
         freed = []
         for block in blocks:
             left = ref[block] - 1

@@ -41,11 +41,7 @@ class PrefillQueue:
         """Insert, or refresh the key of a request whose progress changed."""
         intercept, slope = self._policy.line(request)
         rid = request.request_id
-        left = request.num_prefill_tokens - request.num_scheduled_tokens
-        if left < self._short_below:
-            self._short[rid] = left
-        else:
-            self._short.pop(rid, None)
+        self._note_left(request)
         if rid in self._where:
             self._classes[self._where[rid]].update(rid, intercept=intercept, slope=slope)
             return
@@ -69,14 +65,19 @@ class PrefillQueue:
                 rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
             ):
                 self._seq = seq
-                left = request.num_prefill_tokens - request.num_scheduled_tokens
-                if left < self._short_below:
-                    self._short[rid] = left
-                else:
-                    self._short.pop(rid, None)
+                self._note_left(request)
                 return
         self.remove(rid)
         self.push(request)
+
+    def _note_left(self, request: Request) -> None:
+        """Track ``request`` among the short prompts by the prompt it has left."""
+        rid = request.request_id
+        left = request.num_prefill_tokens - request.num_scheduled_tokens
+        if left < self._short_below:
+            self._short[rid] = left
+        else:
+            self._short.pop(rid, None)
 
     def only(self) -> Request:
         """The one queued request (the queue must hold exactly one)."""

@@ -376,12 +376,17 @@ class Scheduler:
                     return None, grants, preempted
         if len(lane.members) > cap:
             lanes.split(lane, cap)
+        self._price_lane(draft, lane)
+        return lane, grants, preempted
+
+    def _price_lane(self, draft: Draft, lane: Lane) -> None:
+        """Put ``lane``'s decodes in ``draft``: its cost and its decode count."""
+        lanes = self._lanes
         if lanes.exact:
             draft.cost.seed(lanes.totals(lane))
         else:
             draft.cost.add(lanes.works(lane))
         draft.set_decodes(len(lane.members))
-        return lane, grants, preempted
 
     # ------------------------------------------------------ decodes issued ahead
     def _pack_ahead(self, draft: Draft) -> tuple[Lane | None, list[BlockGrant], list[str]]:
@@ -427,11 +432,7 @@ class Scheduler:
                 return None, [], []
             del lane.cross_at[lane.issued]
             grants = got
-        if lanes.exact:
-            draft.cost.seed(lanes.totals(lane))
-        else:
-            draft.cost.add(lanes.works(lane))
-        draft.set_decodes(len(lane.members))
+        self._price_lane(draft, lane)
         return lane, grants, []
 
     def _may_issue_ahead(self, lane: Lane) -> bool:
@@ -1116,8 +1117,7 @@ class Scheduler:
         not cleared stage 0 leaves the queue now (as the scan took it out)."""
         queue = self._queue
         if request is None:
-            for rid in self._turn_out:  # its last turn has not cleared stage 0
-                queue.remove(rid)
+            queue.remove_many(self._turn_out)  # its last turn has not cleared stage 0
             self._turn_out.clear()
             return
         queue.remove(request.request_id)
