@@ -432,41 +432,20 @@ class KineticIndex(Generic[K]):
         replayed once its children are, and its parent only if its winner
         changed (the parent's match is then the same as before). At the clock.
 
-        :meth:`_climb` for several leaves at once (its loop body); the tree ends
-        in the one state every node's match at the clock determines, as after
-        climbing from each leaf in turn.
+        :meth:`_settle` for several leaves at once, level by level (it runs once
+        per batch of removals, so the call per node is not written out as in
+        :meth:`_climb`); the tree ends in the one state every node's match at the
+        clock determines, as after climbing from each leaf in turn.
         """
-        win, ver, cert, events = self._win, self._ver, self._cert, self._events
-        b, m, tb, now = self._b, self._m, self._tb, self._clock
-        played = 0
+        win, settle = self._win, self._settle
         while level:
             up: set[int] = set()
             for node in level:
                 old = win[node]
-                a, c = win[2 * node], win[2 * node + 1]
-                version = ver[node] + 1
-                ver[node] = version
-                if a < 0 or c < 0:
-                    w, tau = (c if a < 0 else a), _INF
-                else:
-                    played += 1
-                    ma, mc = m[a], m[c]
-                    if ma < mc:  # a is below c from tau on
-                        tau = (b[c] - b[a]) / (ma - mc)
-                        w, tau = (a, _INF) if now >= tau else (c, tau)
-                    elif ma > mc:  # c is below a from tau on
-                        tau = (b[a] - b[c]) / (mc - ma)
-                        w, tau = (c, _INF) if now >= tau else (a, tau)
-                    else:
-                        w = a if (b[a], tb[a], a) < (b[c], tb[c], c) else c
-                        tau = _INF
-                    if tau < _INF:
-                        heappush(events, (tau, node, version))
-                win[node], cert[node] = w, tau
-                if w != old and node > 1:
+                settle(node)
+                if win[node] != old and node > 1:
                     up.add(node >> 1)
             level = up
-        self.stats.comparisons += played
 
     def _take(self, slope: float) -> int:
         """A free slot for a line of ``slope`` (there is one): in the page laid
