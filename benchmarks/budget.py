@@ -28,6 +28,7 @@ request's arrival in the ASGI app to the 429 sent).
 
     python benchmarks/budget.py --out /tmp/budget                   # issue setup
     python benchmarks/budget.py --out /tmp/budget --long-tokens 8192 # a shorter run
+    python benchmarks/budget.py --out /tmp/budget --runs quiet --layout "--spp 2"  # worker ranks
 
 Prints a Markdown report (also OUT/report.md) and writes OUT/results.json.
 """
@@ -41,6 +42,7 @@ import json
 import math
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,8 +59,10 @@ PY = sys.executable
 VOCAB = 250  # tiny's vocabulary has 259 ids; stay below the special ones
 
 
-def start_tiny(flags: list[str], log: Path, threads: int) -> ServerProcess:
-    """``serve tiny`` with ``threads`` torch threads; exits the benchmark if it cannot start."""
+def start_tiny(flags: list[str], log: Path, threads: int, layout: str = "") -> ServerProcess:
+    """``serve tiny`` with ``threads`` torch threads (per rank) and the ``--layout`` flags
+    (e.g. ``"--spp 2"``); exits the benchmark if it cannot start."""
+    flags = [*flags, *shlex.split(layout)]
     print("$ medha-runtime serve tiny " + " ".join(flags), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     try:
@@ -200,7 +204,7 @@ async def replay(args: argparse.Namespace, url: str, trace: list[dict]) -> list[
 def step_stats(steps: list[StepRecord], hog_at: float | None, skip: int = 50) -> dict:
     later = steps[skip:]
     errors = [s.error for s in later]
-    over = [s for s in later if s.target_s and s.execute_s > 1.25 * s.target_s]
+    over = [s for s in later if s.target_s and s.measured_s > 1.25 * s.target_s]
     out = {
         "steps": len(steps),
         "error_median": statistics.median(errors) if errors else float("nan"),
@@ -316,7 +320,7 @@ def run_long(args: argparse.Namespace, name: str, hog_after: float | None) -> di
     steps_path = out / f"{name}.steps.jsonl"
     flags = ["--max-model-len", str(args.long_tokens + 256), "--step-log", str(steps_path)]
     flags += ["--cost-model-out", str(out / f"{name}.online.json"), "--log-level", "warning"]
-    server = start_tiny(flags, out / f"{name}.server.log", args.engine_threads)
+    server = start_tiny(flags, out / f"{name}.server.log", args.engine_threads, args.layout)
     try:
         run = asyncio.run(long_and_chats(args, server.url, hog_after))
     finally:
@@ -358,7 +362,7 @@ def run_admission(args: argparse.Namespace, capacity: float | None) -> dict:
     trace: list[dict] = []
     for mode in ("reject", "accept"):
         flags, log = servers[mode]
-        server = start_tiny(flags, log, args.engine_threads)
+        server = start_tiny(flags, log, args.engine_threads, args.layout)
         url = server.url
         try:
             if not trace:
@@ -399,8 +403,9 @@ def fmt(x: object, unit: str = "", scale: float = 1.0, digits: int = 3) -> str:
 
 
 def report(args: argparse.Namespace, results: dict) -> str:
+    serve = " ".join(["serve tiny", *shlex.split(args.layout)])
     lines = [
-        f"budget benchmark: serve tiny, long prompt {args.long_tokens} tokens, a "
+        f"budget benchmark: {serve}, long prompt {args.long_tokens} tokens, a "
         f"{args.chat_prompt}-token chat ({args.chat_output} tokens out) every {args.chat_every} s",
         "",
         "| run | steps | T (ms) | error median | error p90 | steps > 1.25T | chat ITL p90 during "
@@ -469,6 +474,11 @@ def main() -> None:
     ap.add_argument("--hog-procs", type=int, default=2, help="CPU-spinning processes")
     ap.add_argument("--hog-after", type=float, default=None, help="s (default: half quiet's)")
     ap.add_argument("--engine-threads", type=int, default=1, help="OMP_NUM_THREADS of servers")
+    ap.add_argument(
+        "--layout",
+        default="",
+        help='serve flags of a parallel layout, e.g. "--spp 2" or "--tp 2 --kvp 2" (one host)',
+    )
     ap.add_argument("--overload", type=float, default=2.0)
     ap.add_argument("--adm-duration", type=float, default=30.0)
     ap.add_argument("--adm-prompt", type=int, nargs=2, default=(256, 2048))

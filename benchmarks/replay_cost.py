@@ -78,13 +78,13 @@ def replay(path: str, init: str, skip: int) -> dict:
         batch = BatchWork(groups=(tuple(RequestWork(q, kv, True) for q, kv in r.items),))
         predicted = model.predict(batch)
         t0 = time.perf_counter()
-        err = model.observe(batch, r.execute_s)
+        err = model.observe(batch, r.measured_s)
         spent += time.perf_counter() - t0
         errors.append(float("nan") if err is None else err)
         if i >= skip:
             s = sums.setdefault(kind(r.items), [0.0, 0.0, 0])
             s[0] += predicted
-            s[1] += r.execute_s
+            s[1] += r.measured_s
             s[2] += 1
     hog = hog_step(path)
     out = {

@@ -701,7 +701,11 @@ class LLMEngine:
             if self._async:  # execute_s: the batch's own seconds, then the read-back
                 t3, t2 = batch.submitted + seconds + (t3 - t2), batch.submitted + seconds
             marks = (batch.scheduled, batch.submitted, t2, t3)
-            self._step_log.record(out, marks, batch.start)
+            # SPP > 1: the stage times the cost model measures itself against
+            stages = event.stage_s if len(event.stage_s) > 1 else ()
+            if stages and self.cost_feedback.measured(seconds, stages) is None:
+                stages = ()
+            self._step_log.record(out, marks, batch.start, stages)
         outputs = []
         for rid in done:
             st = self._requests[rid]

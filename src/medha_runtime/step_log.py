@@ -8,11 +8,19 @@ one JSON object per line for every batch it runs::
      "execute_s": 0.0521,                    # the executor (forward pass and sampling)
      "finish_s": 0.0002,                     # results back into the scheduler
      "predicted_s": 0.0498,                  # the cost model's latency for the batch
-     "error": 0.044,                         # |predicted_s - execute_s| / execute_s
+     "error": 0.044,                         # |predicted_s - measured| / measured
      "target_s": 0.05,                       # the budget T the batch was packed against
      "monotonic_s": 81234.567,               # time.monotonic() when schedule() began
      "items": [[1, 300], [512, 1024]],       # [query tokens, KV tokens cached before]
      "requests": ["a", "b"]}                 # the items' request ids
+
+With stream pipelining (SPP > 1) a record also holds ``"stage_s"``: each
+stage's own seconds for the batch (its slowest rank, less its wait for the
+previous stage). The batch's latency through the model is then their sum,
+which is what the cost model predicts and learns (``execute_s`` also holds
+the wait behind the previous batch on a later stage), so ``error`` is
+measured against that sum; without ``stage_s`` it is measured against
+``execute_s``.
 
 The gap between two consecutive ``start_s`` is the whole iteration as a
 client sees it: the three phases above plus whatever the caller does between
@@ -51,11 +59,19 @@ class StepRecord:
     requests: tuple[str, ...] = ()
     target_s: float = 0.0
     monotonic_s: float = 0.0
+    stage_s: tuple[float, ...] = ()
+
+    @property
+    def measured_s(self) -> float:
+        """The batch's latency through the model: the sum of ``stage_s`` with SPP > 1,
+        else ``execute_s``."""
+        return sum(self.stage_s) if self.stage_s else self.execute_s
 
     @property
     def error(self) -> float:
-        """Relative prediction error ``|predicted_s - execute_s| / execute_s``."""
-        return abs(self.predicted_s - self.execute_s) / self.execute_s if self.execute_s else 0.0
+        """Relative prediction error ``|predicted_s - measured_s| / measured_s``."""
+        measured = self.measured_s
+        return abs(self.predicted_s - measured) / measured if measured else 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -75,10 +91,11 @@ class StepRecord:
             requests=tuple(str(r) for r in d.get("requests", ())),
             target_s=float(d.get("target_s", 0.0)),
             monotonic_s=float(d.get("monotonic_s", 0.0)),
+            stage_s=tuple(float(t) for t in d.get("stage_s", ())),
         )
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "step": self.step,
             "start_s": round(self.start_s, 6),
             "schedule_s": round(self.schedule_s, 6),
@@ -91,6 +108,9 @@ class StepRecord:
             "target_s": round(self.target_s, 6),
             "monotonic_s": round(self.monotonic_s, 6),
         }
+        if self.stage_s:
+            d["stage_s"] = [round(t, 6) for t in self.stage_s]
+        return d
 
 
 class StepLog:
@@ -105,9 +125,16 @@ class StepLog:
         except OSError as exc:
             raise ValueError(f"cannot write the step log {self.path!r}: {exc.strerror}") from None
 
-    def record(self, out: ScheduleOutput, marks: Sequence[float], start_s: float) -> None:
+    def record(
+        self,
+        out: ScheduleOutput,
+        marks: Sequence[float],
+        start_s: float,
+        stage_s: Sequence[float] = (),
+    ) -> None:
         """Log batch ``out``; ``marks`` are four ``perf_counter`` readings: before
-        scheduling, after it, after the executor and after the results went back."""
+        scheduling, after it, after the executor and after the results went back.
+        ``stage_s``: each stage's own seconds with SPP > 1 (empty otherwise)."""
         if self._file is None:
             return
         t0, t1, t2, t3 = marks
@@ -122,6 +149,7 @@ class StepLog:
             requests=tuple(c.request_id for c in out.chunks),
             target_s=out.target_time,
             monotonic_s=time.monotonic() - (time.perf_counter() - t0),
+            stage_s=tuple(stage_s),
         )
         self._file.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
 
@@ -186,13 +214,14 @@ def step_overheads(records: Sequence[StepRecord], *, max_idle_s: float = 0.05) -
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PredictionCheck:
-    """A cost model's predictions against the executor times of logged steps.
+    """A cost model's predictions against the measured times of logged steps
+    (:attr:`StepRecord.measured_s`: ``execute_s``, or the stage sum with SPP > 1).
 
     Attributes:
         steps: steps compared.
-        measured_s: total ``execute_s``.
+        measured_s: total measured seconds.
         predicted_s: total predicted seconds.
-        median_ratio: median over steps of ``execute_s / predicted``.
+        median_ratio: median over steps of measured over predicted seconds.
     """
 
     steps: int
@@ -207,10 +236,10 @@ def check_predictions(model: CostModel, records: Sequence[StepRecord]) -> Predic
     if not records:
         raise ValueError("the step log is empty")
     predicted = [model.predict(BatchWork.single_group(*r.items)) for r in records]
-    ratios = [r.execute_s / p for r, p in zip(records, predicted, strict=True) if p > 0]
+    ratios = [r.measured_s / p for r, p in zip(records, predicted, strict=True) if p > 0]
     return PredictionCheck(
         steps=len(records),
-        measured_s=sum(r.execute_s for r in records),
+        measured_s=sum(r.measured_s for r in records),
         predicted_s=sum(predicted),
         median_ratio=statistics.median(ratios) if ratios else float("nan"),
     )

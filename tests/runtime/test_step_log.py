@@ -87,3 +87,29 @@ def test_overheads_skip_idle_gaps():
     assert o.execute_share == pytest.approx(0.8)
     with pytest.raises(ValueError, match="no back-to-back steps"):
         step_overheads(recs[4:6])
+
+
+def test_spp_records_measure_the_stage_sum(tmp_path):
+    """With SPP > 1 each record holds the stages' own seconds, and the error is
+    measured against their sum (what the cost model learns), not the wall time."""
+    rec = StepRecord(
+        step=3, start_s=0, schedule_s=0, execute_s=0.5, finish_s=0, predicted_s=0.3,
+        items=((1, 3),), stage_s=(0.1, 0.15),
+    )  # fmt: skip
+    assert rec.measured_s == pytest.approx(0.25)
+    assert rec.error == pytest.approx(0.05 / 0.25)
+    back = StepRecord.from_dict(rec.to_dict())
+    assert back == rec
+    plain = StepRecord.from_dict({k: v for k, v in rec.to_dict().items() if k != "stage_s"})
+    assert plain.stage_s == () and plain.error == pytest.approx(0.2 / 0.5)
+    path = tmp_path / "spp.jsonl"
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [[5 + i for i in range(n)] for n in (9, 70)]
+    with LLM("tiny", spp=2, cost_model=COST, chunk_size=32, step_log=path) as llm:
+        llm.generate(prompts, params)
+    records = read_step_log(path)
+    assert records and all(len(r.stage_s) == 2 and min(r.stage_s) > 0 for r in records)
+    for r in records:
+        assert r.error == pytest.approx(abs(r.predicted_s - sum(r.stage_s)) / sum(r.stage_s))
+    check = check_predictions(COST, records)
+    assert check.measured_s == pytest.approx(sum(sum(r.stage_s) for r in records))
