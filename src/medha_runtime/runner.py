@@ -471,8 +471,9 @@ class ModelRunner:
             self._last_token = {}
             if back is not None:
                 self.returned = ReturnedTokens(back, self._last_token)
-        #: wall seconds the last step waited for the last stage's tokens (stage 0, spp > 1)
-        self.token_wait_s = 0.0
+        #: wall and thread CPU seconds the last step waited for the last stage's tokens
+        #: (stage 0, spp > 1; the wait spins, yielding its core, before it sleeps)
+        self.token_wait_s = self.token_wait_cpu_s = 0.0
 
     @property
     def is_sampler(self) -> bool:
@@ -491,7 +492,9 @@ class ModelRunner:
         last, returned = self._last_token, self.returned
         if returned is not None:  # stage 0, spp > 1: what the last stage sent back so far
             returned.drop((*plan.free, *plan.finished))
+            c0 = time.thread_time()
             self.token_wait_s = returned.take(block=_has_pending(plan))
+            self.token_wait_cpu_s = time.thread_time() - c0 if self.token_wait_s else 0.0
             plan = self._fill_pending(plan, last)  # type: ignore[arg-type]
         elif last is not None:
             for rid in (*plan.free, *plan.finished):
