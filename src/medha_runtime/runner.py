@@ -48,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -490,12 +491,14 @@ class ModelRunner:
         if self.sampler is not None:
             self.sampler.forget(plan.finished)
         last, returned = self._last_token, self.returned
+        fill = None
         if returned is not None:  # stage 0, spp > 1: what the last stage sent back so far
             returned.drop((*plan.free, *plan.finished))
-            c0 = time.thread_time()
-            self.token_wait_s = returned.take(block=_has_pending(plan))
-            self.token_wait_cpu_s = time.thread_time() - c0 if self.token_wait_s else 0.0
-            plan = self._fill_pending(plan, last)  # type: ignore[arg-type]
+            returned.take(block=False)
+            self.token_wait_s = self.token_wait_cpu_s = 0.0
+            pending = _pending_rows(plan)
+            if pending:  # the batch is built first, then its tokens awaited (_fill_returned)
+                fill = partial(self._fill_returned, pending)
         elif last is not None:
             for rid in (*plan.free, *plan.finished):
                 last.pop(rid, None)
@@ -504,7 +507,7 @@ class ModelRunner:
             if c.new_blocks:
                 self.tables.extend(c.request_id, c.new_blocks)
         try:
-            result = self._run(plan)
+            result = self._run(plan, fill)
             if returned is not None:
                 returned.ran(plan)
             elif self._send_back is not None:
@@ -571,7 +574,35 @@ class ModelRunner:
             chunks[i] = c._replace(token_ids=(token,))
         return replace(plan, chunks=tuple(chunks))
 
-    def _run(self, plan: StepPlan) -> list[Sampled] | None:
+    def _fill_returned(self, pending: list[tuple[int, str]], batch: ForwardBatch) -> None:
+        """Stage 0, spp > 1: wait for the ids of every batch before this one (the last
+        stage sends them), then put the ``PENDING_TOKEN`` decodes' tokens at their
+        ``(row, request id)`` in the built batch's ``input_ids``."""
+        returned, last = self.returned, self._last_token
+        assert returned is not None and last is not None
+        c0 = time.thread_time()
+        self.token_wait_s = returned.take(block=True)
+        self.token_wait_cpu_s = time.thread_time() - c0
+        tokens = []
+        for _, rid in pending:
+            token = last.get(rid)
+            if token is None:
+                raise RuntimeError(
+                    f"request {rid!r}: a decode issued ahead but no token was sampled for it before"
+                )
+            tokens.append(token)
+        ids = batch.input_ids
+        if len(pending) == 1:
+            ids[pending[0][0]] = tokens[0]
+        else:
+            rows = torch.tensor([r for r, _ in pending], dtype=torch.int64, device=ids.device)
+            ids[rows] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
+
+    def _run(
+        self, plan: StepPlan, fill: Callable[[ForwardBatch], None] | None = None
+    ) -> list[Sampled] | None:
+        """Run the plan; ``fill`` (stage 0, spp > 1) completes the built batch's
+        token ids just before its forward pass."""
         spec = self.spec
         if self.graphs is not None and self.sampler is not None and self.graphs.fits(plan):
             logits = self.graphs.run(plan, self.tables)
@@ -594,6 +625,8 @@ class ModelRunner:
             self.attention.prepare(shards)
         else:
             batch.attention_plan(**self._plan_key)
+        if fill is not None:
+            fill(batch)
         if self.pipeline is None:
             # logits only where they are sampled: a KVP group other than 0 would compute
             # them and drop them (with TP, every TP rank takes part in the LM head's gather)
@@ -607,9 +640,18 @@ class ModelRunner:
         return sample_step(self.sampler, out, plan.chunks)  # type: ignore[return-value]
 
 
-def _has_pending(plan: StepPlan) -> bool:
-    """Whether ``plan`` holds a decode whose token id is ``PENDING_TOKEN``."""
-    return any(c.token_ids and c.token_ids[0] == PENDING_TOKEN for c in plan.chunks)
+def _pending_rows(plan: StepPlan) -> list[tuple[int, str]]:
+    """``(row in the batch, request id)`` of each decode of ``plan`` whose token id is
+    ``PENDING_TOKEN``."""
+    rows, at = [], 0
+    for c in plan.chunks:
+        ids = c.token_ids
+        if ids and ids[0] == PENDING_TOKEN:
+            if len(ids) != 1:
+                raise RuntimeError(f"request {c.request_id!r}: a pending chunk of {len(ids)} ids")
+            rows.append((at, c.request_id))
+        at += len(ids)
+    return rows
 
 
 class ReturnedTokens:
@@ -618,9 +660,10 @@ class ReturnedTokens:
     batch that samples, in batch order, into each request's last token.
 
     Before each plan: :meth:`drop` the requests it frees, then :meth:`take`
-    what arrived (blocking for every earlier batch's ids when the plan holds a
-    ``PENDING_TOKEN`` decode; otherwise never, so prefill chunks keep
-    pipelining); after it ran, :meth:`ran` notes its sampled rows. Ids that
+    what arrived without blocking; a plan holding a ``PENDING_TOKEN`` decode
+    builds its batch and then blocks in :meth:`take` for every earlier
+    batch's ids (so prefill chunks keep pipelining, and the wait overlaps the
+    batch build); after it ran, :meth:`ran` notes its sampled rows. Ids that
     arrive for a request dropped after their batch (finished, preempted,
     released) are not kept.
 

@@ -12,7 +12,9 @@ from medha_runtime.config import EngineConfig
 from medha_runtime.dist_config import DistConfig
 from medha_runtime.executor import MultiprocExecutor, StageCleared
 from medha_runtime.model.tiny import tiny_config
-from medha_runtime.runner import RunnerSpec
+from medha_runtime.plan import PlannedChunk, StepPlan
+from medha_runtime.runner import ReturnedTokens, RunnerSpec, _pending_rows
+from medha_runtime.sampling import SampleSpec
 from medha_sched import PENDING_TOKEN
 from tests.runtime.test_async_scheduling import assert_same, make_engine, prompts, summary
 
@@ -60,6 +62,7 @@ def _generate(async_: bool, requests: list, **layout) -> tuple[dict, dict]:
     seen = {"pending": 0, "pending_batches": [], "cleared_before_issue": True}
     submit, next_event = engine.executor.submit, engine.executor.next_event
     cleared: set[int] = set()
+    shipped: list[int] = []
 
     def counting(plan):  # type: ignore[no-untyped-def]
         n = sum(1 for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
@@ -67,7 +70,8 @@ def _generate(async_: bool, requests: list, **layout) -> tuple[dict, dict]:
             seen["pending"] += n
             seen["pending_batches"].append(plan.step_id)
             # a decode goes ahead only once the batch before it really cleared stage 0
-            seen["cleared_before_issue"] &= plan.step_id - 1 in cleared
+            seen["cleared_before_issue"] &= bool(shipped) and shipped[-1] in cleared
+        shipped.append(plan.step_id)
         return submit(plan)
 
     def watched():  # type: ignore[no-untyped-def]
@@ -151,3 +155,46 @@ def test_async_spp_is_allowed_on_workers_and_refused_distributed() -> None:
     assert "torch.distributed executor" in message and "spp = 1 only" in message
     # spp = 1 stays allowed there
     assert EngineConfig(async_scheduling=True, tp=2, distributed=DistConfig(world_size=2))
+
+
+class _Channel:
+    """A stand-in for TokenReturn's receiving end: messages queued by the test."""
+
+    def __init__(self) -> None:
+        self.messages: list[list[int]] = []
+
+    def arrived(self) -> bool:
+        return bool(self.messages)
+
+    def recv(self, count: int) -> list[int]:
+        ids = self.messages.pop(0)
+        assert len(ids) == count
+        return ids
+
+
+def _plan(step: int, *rids: str) -> StepPlan:
+    chunks = tuple(
+        PlannedChunk(r, 5, (PENDING_TOKEN,), (0,), (), SampleSpec(r, 0.0, 0, 1.0, 0, None))
+        for r in rids
+    )
+    return StepPlan(step, chunks)
+
+
+def test_returned_tokens_keep_order_and_skip_requests_dropped_after_their_batch() -> None:
+    channel, last = _Channel(), {}
+    back = ReturnedTokens(channel, last)  # type: ignore[arg-type]
+    back.take(block=False)
+    back.ran(_plan(0, "a", "b"))  # batch 0 samples a and b
+    back.ran(_plan(1, "a"))  # batch 1 samples a
+    back.drop(["b"])  # b finished before batch 2: batch 0's id for it is stale
+    channel.messages.append([10, 20])
+    back.take(block=False)  # batch 0's ids arrived, batch 1's not yet: no wait
+    assert last == {"a": 10} and back.gone == {"b": 2}
+    channel.messages.append([11])
+    back.take(block=True)
+    assert last == {"a": 11} and not back.waiting and back.gone == {}
+    back.ran(_plan(2, "b"))  # b again (a new request with that id): its ids count
+    channel.messages.append([30])
+    back.take(block=True)
+    assert last == {"a": 11, "b": 30}
+    assert _pending_rows(_plan(3, "a", "b")) == [(0, "a"), (1, "b")]
