@@ -16,7 +16,9 @@ Stream pipelining: with ``spp > 1`` up to ``spp`` batches are in flight (see
 :meth:`LLMEngine.step`); the engine calls ``scheduler.on_stage_end`` when a
 batch clears stage 0 and forms the next batch then, while the earlier one runs
 on the later stages. :attr:`LLMEngine.pipeline_depth` = 1 runs one batch at a
-time (the old pipeline).
+time (the old pipeline). With async scheduling a running decode is issued
+once the batch before it cleared stage 0, before its token is back: the last
+stage sends that token straight to stage 0 (``RunnerSpec.pending_tokens``).
 
 The cost model learns: by default (``cost_model=None`` or ``"online"``) the
 start-up calibration seeds an :class:`~medha_sched.cost.online.OnlineCostModel`
@@ -700,7 +702,8 @@ class LLMEngine:
         done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
         if self._step_log is not None:
             t3 = time.perf_counter()
-            if self._async and self.layout.spp == 1:  # execute_s: the batch's own seconds
+            if self._async and self.layout.spp == 1:
+                # execute_s: the batch's own seconds, then the read-back
                 t3, t2 = batch.submitted + seconds + (t3 - t2), batch.submitted + seconds
             marks = (batch.scheduled, batch.submitted, t2, t3)
             self._step_log.record(out, marks, batch.start)
