@@ -198,3 +198,25 @@ def test_returned_tokens_keep_order_and_skip_requests_dropped_after_their_batch(
     back.take(block=True)
     assert last == {"a": 11, "b": 30}
     assert _pending_rows(_plan(3, "a", "b")) == [(0, "a"), (1, "b")]
+
+
+def test_llm_spp2_async_greedy_tokens_are_one_process_sync() -> None:
+    """The offline API: ``LLM(spp=2, async_scheduling=True)`` against ``LLM()``, greedy,
+    prompts of different lengths reaching max_tokens at different steps."""
+    from medha_runtime import LLM
+    from tests.runtime.test_async_scheduling import COST
+
+    ps = prompts(5, seed=21)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 17, 9, 25, 1)
+    ]
+    outs = {}
+    for async_, spp in ((False, 1), (True, 2)):
+        with LLM(
+            "tiny", spp=spp, async_scheduling=async_, max_model_len=256, cost_model=COST, seed=3
+        ) as llm:
+            assert llm.engine.resolved.spec.pending_tokens is async_
+            outs[spp] = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
+            in_flight = llm.engine.stats.max_in_flight
+    assert [len(t) for t in outs[1]] == [3, 17, 9, 25, 1]
+    assert outs[2] == outs[1] and in_flight == 2
