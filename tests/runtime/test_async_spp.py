@@ -220,3 +220,32 @@ def test_llm_spp2_async_greedy_tokens_are_one_process_sync() -> None:
             in_flight = llm.engine.stats.max_in_flight
     assert [len(t) for t in outs[1]] == [3, 17, 9, 25, 1]
     assert outs[2] == outs[1] and in_flight == 2
+
+
+def test_a_small_kv_pool_preempts_with_spp2_async() -> None:
+    """Preempted requests (their last tokens dropped on stage 0, then recomputed)
+    give one process's synchronous outputs."""
+    from tests.runtime.test_async_scheduling import run
+
+    ps = prompts(6, seed=3)
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)) for p in ps]
+    requests += [(ps[0], SamplingParams(temperature=0.8, seed=4, max_tokens=40))]
+    got = {}
+    for async_, spp in ((False, 1), (True, 2)):
+        engine = make_engine(async_, spp=spp, kv_cache_tokens=224, max_model_len=128)
+        pending = []
+        submit = engine.executor.submit
+
+        def counting(plan, submit=submit, pending=pending):  # type: ignore[no-untyped-def]
+            pending.extend(c for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
+            return submit(plan)
+
+        engine.executor.submit = counting  # type: ignore[method-assign]
+        try:
+            got[spp] = run(engine, requests)
+            stats = engine.stats
+        finally:
+            engine.shutdown()
+        assert stats.preemptions > 0
+        assert bool(pending) is async_
+    assert_same(got[1], got[2])
