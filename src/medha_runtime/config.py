@@ -206,6 +206,14 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"
             )
+        if self.async_scheduling and self.spp != 1 and self.max_batch_requests is not None:
+            from medha_parallel.tokens import SHM_MAX_IDS
+
+            if self.max_batch_requests > SHM_MAX_IDS:  # a batch's sampled ids: one message
+                raise ValueError(
+                    f"async_scheduling=True with spp={self.spp} takes at most {SHM_MAX_IDS} "
+                    f"requests per batch, got max_batch_requests={self.max_batch_requests}"
+                )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(
                 f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}"

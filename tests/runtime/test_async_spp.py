@@ -153,6 +153,12 @@ def test_async_spp_is_allowed_on_workers_and_refused_distributed() -> None:
     assert "\n" not in message
     assert message.startswith("async_scheduling=True with spp=2 (tp=2, spp=2, kvp=1) needs")
     assert "torch.distributed executor" in message and "spp = 1 only" in message
+    with pytest.raises(
+        ValueError,
+        match="spp=2 takes at most 4096 requests per batch, got max_batch_requests=4097",
+    ):
+        EngineConfig(async_scheduling=True, spp=2, max_batch_requests=4097)
+    assert EngineConfig(async_scheduling=True, spp=2, max_batch_requests=4096)
     # spp = 1 stays allowed there
     assert EngineConfig(async_scheduling=True, tp=2, distributed=DistConfig(world_size=2))
 
