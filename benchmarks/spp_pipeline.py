@@ -11,7 +11,10 @@ calibration). Three runs per repeat:
 - ``spp2``: two stages, stream pipelining on (up to two batches in flight:
   chunk ``i+1`` runs on stage 0 while chunk ``i`` runs on stage 1);
 - ``spp2-serial``: two stages, one batch at a time (``pipeline_depth = 1``,
-  the runtime's pipeline before stream pipelining), for contrast.
+  the runtime's pipeline before stream pipelining), for contrast;
+- ``spp2-async`` (asked for with ``--layouts``): ``spp2`` with async
+  scheduling: a decode is issued once the batch before it cleared stage 0,
+  and the last stage sends its sampled token straight to stage 0.
 
 For each it reports TTFT (the wall time from adding the request to the step
 that samples the first token), TPOT (median wall time between output
@@ -31,6 +34,7 @@ of one run are the figure to read).
 
     python benchmarks/spp_pipeline.py                 # 8K-token prompt, 3 repeats
     python benchmarks/spp_pipeline.py --context 2048 --repeats 1   # quicker
+    python benchmarks/spp_pipeline.py --layouts spp1,spp2,spp2-async
 """
 
 from __future__ import annotations
@@ -48,7 +52,15 @@ from medha_runtime import SamplingParams
 from medha_runtime.engine import LLMEngine
 from medha_sched import AffineCostModel
 
-LAYOUTS = {"spp1": (1, None), "spp2": (2, None), "spp2-serial": (2, 1)}
+#: name -> (spp, pipeline depth (None: the engine's), async scheduling)
+LAYOUTS = {
+    "spp1": (1, None, False),
+    "spp2": (2, None, False),
+    "spp2-serial": (2, 1, False),
+    "spp2-async": (2, None, True),
+}
+#: what runs when --layouts is not given
+DEFAULT_LAYOUTS = ("spp1", "spp2", "spp2-serial")
 
 
 def time_request(engine: LLMEngine, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
@@ -70,10 +82,11 @@ def time_request(engine: LLMEngine, prompt: list[int], new: int) -> tuple[float,
 
 
 def run_one(name: str, prompt: list[int], args: argparse.Namespace) -> dict:
-    spp, depth = LAYOUTS[name]
+    spp, depth, async_ = LAYOUTS[name]
     engine = LLMEngine(
         "tiny",
         spp=spp,
+        async_scheduling=async_,
         num_threads=1,
         max_model_len=len(prompt) + args.new + 16,
         kv_cache_tokens=len(prompt) + args.new + 64,
@@ -142,12 +155,19 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="output tokens")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset")
+    ap.add_argument(
+        "--layouts",
+        default=",".join(DEFAULT_LAYOUTS),
+        help=f"comma-separated, of {', '.join(LAYOUTS)}",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(0)
     prompt = [rng.randrange(0, 256) for _ in range(args.context)]
     names = [n for n in args.layouts.split(",") if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layout {unknown[0]!r}: one of {', '.join(LAYOUTS)}")
     load0 = os.getloadavg()
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(args.repeats):

@@ -20,4 +20,5 @@ from medha_parallel.linear import ColumnParallelLinear as ColumnParallelLinear
 from medha_parallel.linear import RowParallelLinear as RowParallelLinear
 from medha_parallel.merge import merge_partials as merge_partials
 from medha_parallel.tokens import TokenBroadcast as TokenBroadcast
+from medha_parallel.tokens import TokenReturn as TokenReturn
 from medha_parallel.tp import TPCommunicator as TPCommunicator

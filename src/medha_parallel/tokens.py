@@ -15,6 +15,12 @@ and wakes a transport thread on every rank, 0.13-1.05 ms of wall per step in a
 ``kvp=2`` decode on ``tiny`` at 32K (``docs/benchmarks.md``), against a copy
 and a flag here. The sender never waits for the receivers (it only checks
 that they read the buffer it reuses, two broadcasts back).
+
+:class:`TokenReturn` is the one-way path with stream pipelining: the last
+stage's sampling rank sends each batch's ids to the ranks of stage 0 only,
+through a ring of shared-memory buffers; a receiver can look for a message
+without blocking (stage 0 waits only when a plan holds a decode whose token is
+pending).
 """
 
 from __future__ import annotations
@@ -216,3 +222,166 @@ class TokenBroadcast:
             self._shm.close()
             self._shm = None
             self.uses_shared_memory = False
+
+
+#: messages a :class:`TokenReturn` holds that its receivers did not read yet, at most
+RETURN_SLOTS = 8
+
+
+class TokenReturn:
+    """Token ids from one rank (``src``) to a set of ranks (``dst``), one message per
+    call, in order, through shared memory on this host; the receivers may read
+    without blocking.
+
+    With stream pipelining and async scheduling the last stage's sampling rank
+    sends each batch's sampled ids straight to every rank of stage 0, which
+    needs them for the next decode issued ahead (its token id is pending);
+    the driver's round trip is no longer on that path.
+
+    Building one is collective over the whole world (it creates a process group
+    of ``src`` and ``dst``; every rank calls it, at the same point of its
+    start-up); ranks outside ``src`` and ``dst`` get an inactive channel.
+
+    The mapping holds one int32 flag per member (64 bytes apart: the
+    sender's counts its messages, a receiver's the messages it read) and
+    ``slots`` buffers of ``1 + max_ids`` little-endian int64s (the
+    count, then the ids). Message ``s`` (1-based) goes to buffer
+    ``(s - 1) % slots``; the sender first waits until every receiver
+    read message ``s - slots``; a receiver reads message ``s`` once the
+    sender's flag is ``>= s`` and stores ``s`` in its own flag.
+
+    Args:
+        state: this rank's parallel state.
+        src: the sending global rank.
+        dst: the receiving global ranks (not ``src``; at least one).
+        max_ids: the most ids one message carries.
+        slots: messages sent and not yet read, at most (the sender waits for
+            the oldest beyond that).
+
+    Raises:
+        CommunicationError: (on every rank) when the members do not all run on
+            this host on a supported platform (Linux on x86-64): there is no
+            other transport.
+
+    Attributes:
+        rank: this rank's global rank.
+        src, dst: the sending and receiving global ranks.
+        is_sender, is_receiver: this rank's part.
+        sent: messages this rank sent (sender) or read (receiver) so far.
+    """
+
+    def __init__(
+        self,
+        state: ParallelState,
+        *,
+        src: int,
+        dst: Sequence[int],
+        max_ids: int = SHM_MAX_IDS,
+        slots: int = RETURN_SLOTS,
+    ) -> None:
+        world = state.layout.world_size
+        dst = tuple(dst)
+        for r in (src, *dst):
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+                raise ValueError(f"src and dst must be ranks in [0, {world}), got {r!r}")
+        if not dst or src in dst or len(set(dst)) != len(dst):
+            raise ValueError(f"dst must be distinct ranks other than src={src}, got {dst!r}")
+        if isinstance(max_ids, bool) or not isinstance(max_ids, int) or max_ids < 1:
+            raise ValueError(f"max_ids must be an int >= 1, got {max_ids!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        self.slots = slots
+        self.rank, self.src, self.dst, self.max_ids = state.rank, src, dst, max_ids
+        self.is_sender, self.is_receiver = state.rank == src, state.rank in dst
+        self.timeout_s = state.timeout.total_seconds()
+        self.sent = 0
+        members = sorted((src, *dst))
+        with named_comm("world", "new_group"):
+            group = dist.new_group(members, timeout=state.timeout, backend="gloo")
+        self._mm: mmap.mmap | None = None
+        if not (self.is_sender or self.is_receiver):
+            return
+        self._slot = shm._lines(8 * (1 + max_ids))
+        nbytes = len(members) * shm._FLAG_STRIDE + slots * self._slot
+        with named_comm("world", "return_tokens"):
+            mm = shm.map_group_buffer(group, nbytes, prefix="medha-return")
+        if mm is None:
+            raise CommunicationError(
+                f"return_tokens: ranks {members} cannot share memory (they must all run on "
+                "one host, Linux on x86-64); there is no other transport"
+            )
+        self._mm = mm
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        self._flags = [
+            ctypes.c_int32.from_buffer(mm, i * shm._FLAG_STRIDE) for i in range(len(members))
+        ]
+        self._data = len(members) * shm._FLAG_STRIDE
+        self._index = members.index(state.rank)
+        self._src_index = members.index(src)
+        self._receivers = [members.index(r) for r in dst]
+        self._libc = ctypes.CDLL(None, use_errno=True)
+
+    def __repr__(self) -> str:
+        return f"TokenReturn(rank={self.rank}, src={self.src}, dst={list(self.dst)})"
+
+    def _offset(self, seq: int) -> int:
+        return self._data + ((seq - 1) % self.slots) * self._slot
+
+    def send(self, ids: Sequence[int]) -> None:
+        """The sender's next message: ``ids`` (at most ``max_ids``; may be empty).
+        Waits only while the oldest buffer is unread (``slots`` back)."""
+        if not self.is_sender or self._mm is None:
+            raise ValueError(f"rank {self.rank} is not the sender of {self!r} (or it is closed)")
+        count = len(ids)
+        if count > self.max_ids:
+            raise ValueError(f"a message carries at most {self.max_ids} token ids, got {count}")
+        seq = self.sent + 1
+        if seq > self.slots:
+            for i in self._receivers:
+                self._wait(i, seq - self.slots)
+        struct.pack_into(f"<{count + 1}q", self._mm, self._offset(seq), count, *ids)
+        self.sent = seq
+        self._flags[self._index].value = seq
+        shm._wake(self._libc, self._base + self._index * shm._FLAG_STRIDE, len(self._receivers))
+
+    def arrived(self) -> bool:
+        """Receiver: whether the next message is there (never blocks)."""
+        return shm._reached(self._flags[self._src_index].value, self.sent + 1)
+
+    def recv(self, count: int) -> list[int]:
+        """Receiver: the next message (blocking until it arrives), which must hold
+        ``count`` ids (a :class:`CommunicationError` says both counts otherwise)."""
+        if not self.is_receiver or self._mm is None:
+            raise ValueError(f"rank {self.rank} is not a receiver of {self!r} (or it is closed)")
+        seq = self.sent + 1
+        self._wait(self._src_index, seq, shm._PIPE_SPIN_S)
+        offset = self._offset(seq)
+        (sent,) = struct.unpack_from("<q", self._mm, offset)
+        got = list(struct.unpack_from(f"<{min(count, sent)}q", self._mm, offset + 8))
+        self.sent = seq
+        self._flags[self._index].value = seq  # read: the sender may reuse the buffer
+        shm._wake(self._libc, self._base + self._index * shm._FLAG_STRIDE, 1)
+        if sent != count:
+            raise CommunicationError(
+                f"return_tokens failed: rank {self.rank} expects {count} token ids in "
+                f"message {seq}, rank {self.src} sent {sent}"
+            )
+        return got
+
+    def _wait(self, index: int, seq: int, spin_s: float | None = None) -> None:
+        flag = self._flags[index]
+        addr = self._base + index * shm._FLAG_STRIDE
+        if not shm._wait_flag(self._libc, flag, addr, seq, self.timeout_s, spin_s):
+            who = self.src if index == self._src_index else "a receiver"
+            raise CommunicationError(
+                f"return_tokens failed: rank {who} did not reach message {seq} of the "
+                f"shared-memory channel within {self.timeout_s:.0f} s"
+            )
+
+    def close(self) -> None:
+        """Unmap the buffer (idempotent); no message follows."""
+        self._flags = []
+        if self._mm is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                self._mm.close()
+            self._mm = None

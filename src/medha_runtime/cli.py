@@ -221,7 +221,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--async-scheduling",
         action="store_true",
         help="form and ship the next batch while the model runs the current one "
-        "(spp = 1 only; any tp and kvp)",
+        "(any tp and kvp; with spp > 1 once it cleared stage 0, the last stage "
+        "sending its tokens to stage 0 through shared memory: one node, no torchrun)",
     )
     s.add_argument(
         "--cuda-graphs",

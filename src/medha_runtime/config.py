@@ -102,8 +102,12 @@ class EngineConfig:
             (a running request's next decode is issued before its previous
             token is back; the model takes that token itself). Outputs are the
             same; the driver's serial work between batches is hidden. Any tp
-            and kvp, in process, on worker processes or distributed; spp = 1
-            only (the sampling rank sends each step's tokens to every rank).
+            and kvp, in process, on worker processes or distributed (the
+            sampling rank sends each step's tokens to every rank). With spp > 1
+            (worker processes on one host only: the torch.distributed executor
+            refuses it) a decode is issued once the previous batch cleared
+            stage 0, and the last stage sends its tokens straight to stage 0
+            through shared memory.
         cuda_graphs: replay decode-only steps from CUDA graphs, one per padded
             batch size (see :mod:`medha_runtime.decode_graphs`): tp = spp = kvp
             = 1 and the Triton attention backend (another backend leaves them
@@ -202,10 +206,14 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"
             )
-        if self.async_scheduling and self.spp != 1:
-            raise ValueError(
-                f"async_scheduling=True needs spp = 1 (one pipeline stage), got spp={self.spp!r}"
-            )
+        if self.async_scheduling and self.spp != 1 and self.max_batch_requests is not None:
+            from medha_parallel.tokens import SHM_MAX_IDS
+
+            if self.max_batch_requests > SHM_MAX_IDS:  # a batch's sampled ids: one message
+                raise ValueError(
+                    f"async_scheduling=True with spp={self.spp} takes at most {SHM_MAX_IDS} "
+                    f"requests per batch, got max_batch_requests={self.max_batch_requests}"
+                )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(
                 f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}"
@@ -218,6 +226,13 @@ class EngineConfig:
         if self.distributed is not None:
             if not isinstance(self.distributed, DistConfig):
                 raise ValueError(f"distributed must be a DistConfig, got {self.distributed!r}")
+            if self.async_scheduling and self.spp != 1:
+                raise ValueError(
+                    f"async_scheduling=True with spp={self.spp} (tp={self.tp}, spp={self.spp}, "
+                    f"kvp={self.kvp}) needs worker processes on one host (the last stage "
+                    "sends its tokens to stage 0 through shared memory); the torch.distributed "
+                    "executor (distributed=...) runs it with spp = 1 only"
+                )
             world = self.tp * self.spp * self.kvp
             if self.distributed.world_size != world:
                 raise ValueError(

@@ -16,7 +16,9 @@ Stream pipelining: with ``spp > 1`` up to ``spp`` batches are in flight (see
 :meth:`LLMEngine.step`); the engine calls ``scheduler.on_stage_end`` when a
 batch clears stage 0 and forms the next batch then, while the earlier one runs
 on the later stages. :attr:`LLMEngine.pipeline_depth` = 1 runs one batch at a
-time (the old pipeline).
+time (the old pipeline). With async scheduling a running decode is issued
+once the batch before it cleared stage 0, before its token is back: the last
+stage sends that token straight to stage 0 (``RunnerSpec.pending_tokens``).
 
 The cost model learns: by default (``cost_model=None`` or ``"online"``) the
 start-up calibration seeds an :class:`~medha_sched.cost.online.OnlineCostModel`
@@ -560,10 +562,10 @@ class LLMEngine:
     @property
     def pipeline_depth(self) -> int:
         """Batches in flight at most: the layout's ``spp`` (1 turns stream pipelining off);
-        2 with async scheduling (the batch the model runs and the next one)."""
+        with async scheduling and spp = 1, 2 (the batch the model runs and the next one)."""
         depth = self._depth
         if depth is None:
-            return 2 if self._async else self.layout.spp
+            return 2 if self._async and self.layout.spp == 1 else self.layout.spp
         return depth
 
     @pipeline_depth.setter
@@ -608,9 +610,11 @@ class LLMEngine:
             raise
         batch = self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
-        if self._async:
+        if self._async and self.layout.spp == 1:
             # The model runs batches in order and all of it is stage 0: once
             # shipped, the next batch may be formed (its decodes go one ahead).
+            # With spp > 1 that waits for the batch to really clear stage 0
+            # (StageCleared), whose ranks then wait for the last stage's tokens.
             batch.cleared = t1
             self.scheduler.on_stage_end(out.batch_id)
         return True
@@ -674,7 +678,7 @@ class LLMEngine:
         out = batch.out
         sampled = self._take_prompt_logprobs(event.result)
         seconds = t2 - batch.submitted
-        if self._async and event.stage_s:
+        if self._async and event.stage_s and self.layout.spp == 1:
             # the batch's own execution: it waited behind the previous one after submit
             seconds = event.stage_s[0]
         self.cost_feedback.record(out, seconds, event.stage_s)
@@ -698,7 +702,8 @@ class LLMEngine:
         done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
         if self._step_log is not None:
             t3 = time.perf_counter()
-            if self._async:  # execute_s: the batch's own seconds, then the read-back
+            if self._async and self.layout.spp == 1:
+                # execute_s: the batch's own seconds, then the read-back
                 t3, t2 = batch.submitted + seconds + (t3 - t2), batch.submitted + seconds
             marks = (batch.scheduled, batch.submitted, t2, t3)
             # SPP > 1: the stage times the cost model measures itself against

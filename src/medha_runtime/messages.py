@@ -71,11 +71,12 @@ class Done:
         step_id: the plan's ``step_id``.
         result: the sampled rows (the sampling rank) or None (every other rank).
         compute_s: the wall seconds the rank spent running the step.
-        cpu_s: the CPU seconds of the rank's thread in that time, less what a
-            later SPP stage's thread spent waiting for the previous stage's
-            activations (the shared-memory receive spins before it sleeps).
+        cpu_s: the CPU seconds of the rank's thread in that time, less what
+            its thread spent in the waits of ``wait_s`` (the shared-memory
+            receives spin before they sleep).
         wait_s: the part of ``compute_s`` a later SPP stage spent waiting for
-            the previous stage's activations (0 on stage 0 and without SPP);
+            the previous stage's activations, or stage 0 (async scheduling)
+            for the last stage's sampled tokens (0 without SPP);
             ``compute_s - wait_s`` is the stage's own time.
     """
 

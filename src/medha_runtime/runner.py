@@ -33,14 +33,22 @@ worker process (:mod:`medha_runtime.worker`).
   async scheduling (``RunnerSpec.pending_tokens``, spp = 1) every rank keeps
   each request's last token for the next batch's ``PENDING_TOKEN`` decodes:
   the sampling rank broadcasts each step's tokens to every rank
-  (:class:`~medha_parallel.TokenBroadcast`, one ``int64`` tensor).
+  (:class:`~medha_parallel.TokenBroadcast`, one ``int64`` tensor). With
+  spp > 1 only stage 0 embeds tokens: the sampling rank sends each batch's
+  ids straight to every stage-0 rank (:class:`~medha_parallel.TokenReturn`,
+  shared memory), and stage 0 waits for them only before a plan that holds a
+  ``PENDING_TOKEN`` decode (:class:`ReturnedTokens`); later stages never read
+  the token ids.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -51,6 +59,7 @@ from medha_parallel import (
     KVPCommunicator,
     ParallelState,
     TokenBroadcast,
+    TokenReturn,
     TPCommunicator,
 )
 from medha_parallel.kvp import (
@@ -86,9 +95,11 @@ class RunnerSpec:
         timeout_s: bound on every collective (worker processes).
         num_threads: torch CPU threads per worker process (None: cores / ranks).
         pending_tokens: keep each request's last sampled token, for decodes
-            issued ahead (token id ``PENDING_TOKEN``; async scheduling, spp = 1
-            only). With several ranks the sampling rank broadcasts each step's
-            sampled tokens to every rank (:class:`medha_parallel.TokenBroadcast`).
+            issued ahead (token id ``PENDING_TOKEN``; async scheduling). With
+            several ranks and spp = 1 the sampling rank broadcasts each step's
+            sampled tokens to every rank (:class:`medha_parallel.TokenBroadcast`);
+            with spp > 1 it sends them to the stage-0 ranks only
+            (:class:`medha_parallel.TokenReturn`: every rank on this host).
         cuda_graph_max_batch: run decode-only steps of up to this many requests
             on padded static batches (CUDA graphs on a GPU, see
             :mod:`medha_runtime.decode_graphs`); 0: off. One rank only.
@@ -119,10 +130,6 @@ class RunnerSpec:
                 f"cuda_graph_max_batch={self.cuda_graph_max_batch} needs one rank and "
                 f"max_model_len >= 1, got {self.world_size} ranks, "
                 f"max_model_len={self.max_model_len}"
-            )
-        if self.pending_tokens and self.spp != 1:
-            raise ValueError(
-                f"pending_tokens (async scheduling) needs spp = 1, got spp={self.spp!r}"
             )
 
     @property
@@ -375,10 +382,17 @@ class ModelRunner:
         # with several ranks: the sampling rank's tokens to every rank, after
         # each step. Built first (collective): a rank that fails later in its
         # start-up (a missing model file) leaves no peer waiting in new_group.
-        tokens = None
+        tokens = back = None
         if spec.pending_tokens and state is not None and spec.world_size > 1:
             src = state.layout.rank(tp=0, spp=spec.spp - 1, kvp=0)
-            tokens = TokenBroadcast(state, src=src)
+            if spec.spp == 1:
+                tokens = TokenBroadcast(state, src=src)
+            else:  # stage 0 alone embeds tokens: the ids go back there only
+                layout = state.layout
+                dst = [
+                    layout.rank(tp=t, spp=0, kvp=g) for g in range(spec.kvp) for t in range(spec.tp)
+                ]
+                back = TokenReturn(state, src=src, dst=dst, slots=max(8, 2 * spec.spp))
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for each step's activations
         self.group, self.stage = group, stage
@@ -450,8 +464,17 @@ class ModelRunner:
         self._last_token: dict[str, int] | None = None
         #: with several ranks: the sampling rank's tokens to every rank, after each step
         self._tokens: TokenBroadcast | None = tokens
-        if spec.pending_tokens:  # spp = 1 (RunnerSpec checks)
+        #: spp > 1: the sampling rank's channel to stage 0 (None on the other stages)
+        self._send_back: TokenReturn | None = back if back is not None and back.is_sender else None
+        #: spp > 1, stage 0: the ids the last stage sent back, batch by batch
+        self.returned: ReturnedTokens | None = None
+        if spec.pending_tokens and (spec.spp == 1 or stage == 0):
             self._last_token = {}
+            if back is not None:
+                self.returned = ReturnedTokens(back, self._last_token)
+        #: wall and thread CPU seconds the last step waited for the last stage's tokens
+        #: (stage 0, spp > 1; the wait spins, yielding its core, before it sleeps)
+        self.token_wait_s = self.token_wait_cpu_s = 0.0
 
     @property
     def is_sampler(self) -> bool:
@@ -467,8 +490,16 @@ class ModelRunner:
             self.pipeline.forget(plan.finished)
         if self.sampler is not None:
             self.sampler.forget(plan.finished)
-        last = self._last_token
-        if last is not None:
+        last, returned = self._last_token, self.returned
+        fill = None
+        if returned is not None:  # stage 0, spp > 1: what the last stage sent back so far
+            returned.drop((*plan.free, *plan.finished))
+            returned.take(block=False)
+            self.token_wait_s = self.token_wait_cpu_s = 0.0
+            pending = _pending_rows(plan)
+            if pending:  # the batch is built first, then its tokens awaited (_fill_returned)
+                fill = partial(self._fill_returned, pending)
+        elif last is not None:
             for rid in (*plan.free, *plan.finished):
                 last.pop(rid, None)
             plan = self._fill_pending(plan, last)
@@ -476,13 +507,19 @@ class ModelRunner:
             if c.new_blocks:
                 self.tables.extend(c.request_id, c.new_blocks)
         try:
-            result = self._run(plan)
-            if last is not None:
+            result = self._run(plan, fill)
+            if returned is not None:
+                returned.ran(plan)
+            elif self._send_back is not None:
+                self._send_tokens(plan, result)
+            elif last is not None:
                 self._keep_tokens(plan, result, last)
             return result
         finally:
             if plan.release_after:
-                if last is not None:
+                if returned is not None:
+                    returned.drop(plan.release_after)
+                elif last is not None:
                     for rid in plan.release_after:
                         last.pop(rid, None)
                 self.tables.drop(plan.release_after)
@@ -507,6 +544,14 @@ class ModelRunner:
         for rid, token in zip(rows, ids, strict=True):
             last[rid] = token
 
+    def _send_tokens(self, plan: StepPlan, result: list[Sampled] | None) -> None:
+        """spp > 1, the sampling rank: the sampled rows' ids to stage 0 (one message
+        per batch that samples; prompt logprobs follow the sampled rows)."""
+        rows = sum(1 for c in plan.chunks if c.sample is not None)
+        if rows:
+            assert result is not None and self._send_back is not None
+            self._send_back.send([s.token_id for s in result[:rows]])  # type: ignore[union-attr]
+
     @staticmethod
     def _fill_pending(plan: StepPlan, last: dict[str, int]) -> StepPlan:
         """``plan`` with every ``PENDING_TOKEN`` decode given its request's last
@@ -529,7 +574,35 @@ class ModelRunner:
             chunks[i] = c._replace(token_ids=(token,))
         return replace(plan, chunks=tuple(chunks))
 
-    def _run(self, plan: StepPlan) -> list[Sampled] | None:
+    def _fill_returned(self, pending: list[tuple[int, str]], batch: ForwardBatch) -> None:
+        """Stage 0, spp > 1: wait for the ids of every batch before this one (the last
+        stage sends them), then put the ``PENDING_TOKEN`` decodes' tokens at their
+        ``(row, request id)`` in the built batch's ``input_ids``."""
+        returned, last = self.returned, self._last_token
+        assert returned is not None and last is not None
+        c0 = time.thread_time()
+        self.token_wait_s = returned.take(block=True)
+        self.token_wait_cpu_s = time.thread_time() - c0
+        tokens = []
+        for _, rid in pending:
+            token = last.get(rid)
+            if token is None:
+                raise RuntimeError(
+                    f"request {rid!r}: a decode issued ahead but no token was sampled for it before"
+                )
+            tokens.append(token)
+        ids = batch.input_ids
+        if len(pending) == 1:
+            ids[pending[0][0]] = tokens[0]
+        else:
+            rows = torch.tensor([r for r, _ in pending], dtype=torch.int64, device=ids.device)
+            ids[rows] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
+
+    def _run(
+        self, plan: StepPlan, fill: Callable[[ForwardBatch], None] | None = None
+    ) -> list[Sampled] | None:
+        """Run the plan; ``fill`` (stage 0, spp > 1) completes the built batch's
+        token ids just before its forward pass."""
         spec = self.spec
         if self.graphs is not None and self.sampler is not None and self.graphs.fits(plan):
             logits = self.graphs.run(plan, self.tables)
@@ -552,6 +625,8 @@ class ModelRunner:
             self.attention.prepare(shards)
         else:
             batch.attention_plan(**self._plan_key)
+        if fill is not None:
+            fill(batch)
         if self.pipeline is None:
             # logits only where they are sampled: a KVP group other than 0 would compute
             # them and drop them (with TP, every TP rank takes part in the LM head's gather)
@@ -563,6 +638,78 @@ class ModelRunner:
         if self.sampler is None:
             return None
         return sample_step(self.sampler, out, plan.chunks)  # type: ignore[return-value]
+
+
+def _pending_rows(plan: StepPlan) -> list[tuple[int, str]]:
+    """``(row in the batch, request id)`` of each decode of ``plan`` whose token id is
+    ``PENDING_TOKEN``."""
+    rows, at = [], 0
+    for c in plan.chunks:
+        ids = c.token_ids
+        if ids and ids[0] == PENDING_TOKEN:
+            if len(ids) != 1:
+                raise RuntimeError(f"request {c.request_id!r}: a pending chunk of {len(ids)} ids")
+            rows.append((at, c.request_id))
+        at += len(ids)
+    return rows
+
+
+class ReturnedTokens:
+    """Stage 0 with spp > 1 and async scheduling: the ids the last stage's sampling
+    rank sends back (:class:`~medha_parallel.TokenReturn`), one message per
+    batch that samples, in batch order, into each request's last token.
+
+    Before each plan: :meth:`drop` the requests it frees, then :meth:`take`
+    what arrived without blocking; a plan holding a ``PENDING_TOKEN`` decode
+    builds its batch and then blocks in :meth:`take` for every earlier
+    batch's ids (so prefill chunks keep pipelining, and the wait overlaps the
+    batch build); after it ran, :meth:`ran` notes its sampled rows. Ids that
+    arrive for a request dropped after their batch (finished, preempted,
+    released) are not kept.
+
+    Args:
+        channel: this rank's receiving end.
+        last: request id -> its last sampled token (updated in place).
+    """
+
+    def __init__(self, channel: TokenReturn, last: dict[str, int]) -> None:
+        self.channel, self.last = channel, last
+        #: (plan number, its sampled rows' request ids) whose ids are not read yet
+        self.waiting: deque[tuple[int, list[str]]] = deque()
+        #: request id -> the number of the first plan run after it was dropped
+        self.gone: dict[str, int] = {}
+        self.plans = 0  # plans run so far (the next one's number)
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Requests whose state is gone before the next plan runs."""
+        for rid in request_ids:
+            self.last.pop(rid, None)
+            if self.waiting:  # ids of earlier batches for it may still come
+                self.gone[rid] = self.plans
+
+    def take(self, *, block: bool) -> float:
+        """Read the ids that arrived (``block``: every batch's so far); returns the
+        wall seconds spent waiting."""
+        waiting, channel, last, gone = self.waiting, self.channel, self.last, self.gone
+        t0 = time.perf_counter()
+        while waiting and (block or channel.arrived()):
+            number, rows = waiting.popleft()
+            ids = channel.recv(len(rows))
+            for rid, token in zip(rows, ids, strict=True):
+                if gone.get(rid, -1) <= number:
+                    last[rid] = token
+        if gone:  # a drop matters only to the ids of batches run before it
+            first = waiting[0][0] if waiting else self.plans
+            for rid in [r for r, n in gone.items() if n <= first]:
+                del gone[rid]
+        return time.perf_counter() - t0 if block else 0.0
+
+    def ran(self, plan: StepPlan) -> None:
+        """The plan ran on this stage: its sampled rows' ids come back later."""
+        rows = [c.request_id for c in plan.chunks if c.sample is not None]
+        if rows:
+            self.waiting.append((self.plans, rows))
+        self.plans += 1
 
 
 def kv_bytes_per_token(

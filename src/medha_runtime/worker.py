@@ -60,6 +60,9 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
         wait = 0.0
         if pipeline is not None:  # a later stage: its wait for the previous stage is not its work
             wait, cpu = pipeline.wait_s, cpu - pipeline.wait_cpu_s
+            # stage 0 with async scheduling: its wait for the last stage's tokens
+            wait += getattr(runner, "token_wait_s", 0.0)
+            cpu -= getattr(runner, "token_wait_cpu_s", 0.0)
         done = Done(rank, msg.plan.step_id, result, seconds, cpu, wait)
         if not _reply(transport, done):
             return 1

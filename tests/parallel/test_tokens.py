@@ -8,9 +8,9 @@ import mmap
 import pytest
 import torch.distributed as dist
 
-from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast, shm
+from medha_parallel import ParallelLayout, ParallelState, TokenBroadcast, TokenReturn, shm
 from medha_parallel.errors import CommunicationError
-from medha_parallel.tokens import _SLOT, SHM_MAX_IDS, _ShmTokens
+from medha_parallel.tokens import _SLOT, RETURN_SLOTS, SHM_MAX_IDS, _ShmTokens
 
 from .dist import launch
 
@@ -160,3 +160,60 @@ def _mixed_worker(rank: int, world_size: int, init: str) -> tuple:
 
 def test_ranks_that_cannot_all_map_shared_memory_fall_back_to_gloo_together() -> None:
     assert launch(_mixed_worker, 2) == [(False, [1, 2, 3]), (False, [1, 2, 3])]
+
+
+def _return_worker(rank: int, world_size: int, init: str) -> dict:
+    state = ParallelState.initialize(
+        ParallelLayout(spp=2, kvp=2),
+        backend="gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world_size,
+    )
+    # rank 3 sends to ranks 0 and 1; rank 2 takes no part (an inactive channel)
+    ret = TokenReturn(state, src=3, dst=[0, 1], max_ids=8)
+    res: dict = {"repr": repr(ret), "got": [], "early": None}
+    messages = [[i, -i, 2**40 + i][: i % 4] for i in range(3 * RETURN_SLOTS)]
+    if rank == 3:
+        with pytest.raises(ValueError, match="at most 8 token ids, got 9"):
+            ret.send(list(range(9)))
+        # RETURN_SLOTS messages go without any receiver reading: no wait
+        for ids in messages[:RETURN_SLOTS]:
+            ret.send(ids)
+        dist.barrier()
+        for ids in messages[RETURN_SLOTS:]:  # each waits for a buffer read back
+            ret.send(ids)
+        dist.barrier()
+        ret.send([7, 8, 9])
+    elif rank in (0, 1):
+        with pytest.raises(ValueError, match="is not the sender"):
+            ret.send([1])
+        dist.barrier()  # every one of the first RETURN_SLOTS is there: none blocks
+        res["early"] = [ret.arrived()]
+        for ids in messages:
+            res["got"].append(ret.recv(len(ids)))
+        res["early"].append(ret.arrived())  # nothing more yet
+        dist.barrier()
+        with pytest.raises(CommunicationError, match=r"rank \d expects 2 token ids in message"):
+            ret.recv(2)
+    else:
+        with pytest.raises(ValueError, match="is not a receiver"):
+            ret.recv(1)
+        dist.barrier()
+        dist.barrier()
+    with pytest.raises(ValueError, match=r"dst must be distinct ranks other than src=1"):
+        TokenReturn(state, src=1, dst=[1, 2])
+    ret.close()
+    ret.close()
+    return res
+
+
+@NEEDS_SHM
+def test_token_return_reaches_stage_zero_in_order() -> None:
+    results = launch(_return_worker, 4)
+    messages = [[i, -i, 2**40 + i][: i % 4] for i in range(3 * RETURN_SLOTS)]
+    for rank in (0, 1):
+        assert results[rank]["got"] == messages
+        assert results[rank]["early"] == [True, False]
+    assert results[2]["got"] == []
+    assert results[3]["repr"] == "TokenReturn(rank=3, src=3, dst=[0, 1])"

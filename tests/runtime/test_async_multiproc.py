@@ -1,6 +1,7 @@
-"""Async scheduling on worker processes (tp = 2, kvp = 2, both; spp = 1): the sampling
-rank broadcasts each step's tokens, every rank fills the next batch's decodes
-issued ahead, and the outputs are the synchronous engine's."""
+"""Async scheduling on worker processes (tp = 2, kvp = 2, both; spp = 1, and
+test_async_spp.py for spp > 1): the sampling rank broadcasts each step's tokens,
+every rank fills the next batch's decodes issued ahead, and the outputs are the
+synchronous engine's."""
 
 from __future__ import annotations
 
@@ -108,16 +109,14 @@ def test_async_on_workers_gives_the_sync_outputs(layout: dict, workload) -> None
         assert out[0] == ref[: len(out[0])]
 
 
-def test_spp2_async_is_refused_by_the_config_and_the_runner_spec() -> None:
-    with pytest.raises(ValueError, match=r"async_scheduling=True needs spp = 1 .*got spp=2"):
-        EngineConfig(async_scheduling=True, spp=2)
+def test_async_with_any_layout_is_accepted_by_the_config_and_the_runner_spec() -> None:
+    # spp > 1 too (tests/runtime/test_async_spp.py runs it; only the torch.distributed
+    # executor refuses it)
     config = EngineConfig(async_scheduling=True, tp=2, kvp=2, max_model_len=256)  # any tp, kvp
     assert config.resolve(tiny_config()).spec.pending_tokens is True
-    with pytest.raises(
-        ValueError, match=r"pending_tokens \(async scheduling\) needs spp = 1, got spp=3"
-    ):
-        RunnerSpec(model="tiny", spp=3, pending_tokens=True)
-    assert RunnerSpec(model="tiny", spp=3).world_size == 3
+    config = EngineConfig(async_scheduling=True, spp=2, max_model_len=256)
+    assert config.resolve(tiny_config()).spec.pending_tokens is True
+    assert RunnerSpec(model="tiny", spp=3, pending_tokens=True).world_size == 3
 
 
 def test_distributed_executor_runs_async_tp2(workload, monkeypatch) -> None:

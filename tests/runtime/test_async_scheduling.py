@@ -11,6 +11,7 @@ import pytest
 from medha_runtime import SamplingParams
 from medha_runtime.cli import build_parser, engine_config
 from medha_runtime.config import EngineConfig
+from medha_runtime.dist_config import DistConfig
 from medha_runtime.engine import LLMEngine
 from medha_runtime.executor import StepDone
 from medha_runtime.step_log import read_step_log
@@ -285,10 +286,14 @@ def test_execution_time_is_the_batch_own_in_the_cost_feedback_and_step_log(tmp_p
     [
         ({"async_scheduling": "yes"}, "async_scheduling must be True or False, got 'yes'"),
         (
-            {"async_scheduling": True, "spp": 2},
-            "async_scheduling=True needs spp = 1 (one pipeline stage), got spp=2",
+            {"async_scheduling": True, "spp": 2, "distributed": DistConfig(world_size=2)},
+            "async_scheduling=True with spp=2 (tp=1, spp=2, kvp=1) needs worker processes "
+            "on one host",
         ),
-        ({"async_scheduling": True, "tp": 2, "spp": 4}, "got spp=4"),
+        (
+            {"async_scheduling": True, "tp": 2, "spp": 4, "distributed": DistConfig(world_size=8)},
+            "executor (distributed=...) runs it with spp = 1 only",
+        ),
     ],
 )
 def test_bad_async_settings_are_named(kwargs: dict, message: str) -> None:
