@@ -52,6 +52,12 @@ def _check_count(rank: int, count: int, src: int, sent: int) -> None:
         )
 
 
+def return_slots(spp: int) -> int:
+    """Buffers of the :class:`TokenReturn` ring an ``spp``-stage pipeline uses: at most
+    that many batches may be in flight (unread messages never outnumber them)."""
+    return max(8, 2 * spp)
+
+
 class _ShmTokens:
     """One rank's ids to the other ranks of a group on this host, through shared memory.
 
@@ -259,7 +265,7 @@ class TokenReturn:
             the oldest beyond that).
 
     Raises:
-        CommunicationError: (on every rank) when the members do not all run on
+        CommunicationError: (on every member) when the members do not all run on
             this host on a supported platform (Linux on x86-64): there is no
             other transport.
 
@@ -346,6 +352,8 @@ class TokenReturn:
 
     def arrived(self) -> bool:
         """Receiver: whether the next message is there (never blocks)."""
+        if not self.is_receiver or self._mm is None:
+            raise ValueError(f"rank {self.rank} is not a receiver of {self!r} (or it is closed)")
         return shm._reached(self._flags[self._src_index].value, self.sent + 1)
 
     def recv(self, count: int) -> list[int]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,6 +208,15 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"
             )
+        if self.async_scheduling and self.spp != 1:
+            from medha_parallel import shm
+
+            if not shm.supported():  # the last stage's ids go back through shared memory
+                raise ValueError(
+                    f"async_scheduling=True with spp={self.spp} needs shared memory between "
+                    f"the ranks (Linux on x86-64); this is {sys.platform} on "
+                    f"{platform.machine()}"
+                )
         if self.async_scheduling and self.spp != 1 and self.max_batch_requests is not None:
             from medha_parallel.tokens import SHM_MAX_IDS
 

@@ -126,6 +126,12 @@ class DistributedExecutor:
                 f"the layout tp*spp*kvp={spec.world_size} does not match the distributed "
                 f"world size {config.world_size}"
             )
+        if spec.pending_tokens and spec.spp > 1:
+            raise ValueError(
+                f"async scheduling (pending_tokens) with spp={spec.spp} (tp={spec.tp}, "
+                f"kvp={spec.kvp}) needs worker processes on one host; the torch.distributed "
+                "executor runs it with spp = 1 only"
+            )
         self.spec, self.config = spec, config
         self.join_timeout_s = join_timeout_s
         self.failed: str | None = None

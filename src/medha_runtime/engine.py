@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from medha_parallel.tokens import return_slots
 from medha_runtime.config import EngineConfig
 from medha_runtime.cost_feedback import CostFeedback
 from medha_runtime.executor import StepDone, WorkerError, make_executor
@@ -572,6 +573,13 @@ class LLMEngine:
     def pipeline_depth(self, depth: int) -> None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"pipeline_depth must be an integer >= 1, got {depth!r}")
+        spp = self.layout.spp
+        if self._async and spp > 1 and depth > return_slots(spp):
+            # the last stage would block on a full token ring stage 0 no longer reads
+            raise ValueError(
+                f"pipeline_depth={depth} with async scheduling and spp={spp} exceeds the "
+                f"{return_slots(spp)} batches the token return ring holds"
+            )
         self._depth = depth
 
     def _may_issue(self) -> bool:

@@ -67,6 +67,7 @@ from medha_parallel.kvp import (
     KVPPart,
     plan_kvp_attention,
 )
+from medha_parallel.tokens import return_slots
 from medha_runtime.cpu_memory import keep_freed_memory
 from medha_runtime.decode_graphs import DecodeGraphs
 from medha_runtime.model import ForwardBatch, KVCache, load_model
@@ -392,7 +393,7 @@ class ModelRunner:
                 dst = [
                     layout.rank(tp=t, spp=0, kvp=g) for g in range(spec.kvp) for t in range(spec.tp)
                 ]
-                back = TokenReturn(state, src=src, dst=dst, slots=max(8, 2 * spec.spp))
+                back = TokenReturn(state, src=src, dst=dst, slots=return_slots(spec.spp))
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for each step's activations
         self.group, self.stage = group, stage
@@ -577,7 +578,8 @@ class ModelRunner:
     def _fill_returned(self, pending: list[tuple[int, str]], batch: ForwardBatch) -> None:
         """Stage 0, spp > 1: wait for the ids of every batch before this one (the last
         stage sends them), then put the ``PENDING_TOKEN`` decodes' tokens at their
-        ``(row, request id)`` in the built batch's ``input_ids``."""
+        ``(row, request id)`` in the built batch's ``input_ids`` (``[N]`` int64, the
+        step's tokens in order)."""
         returned, last = self.returned, self._last_token
         assert returned is not None and last is not None
         c0 = time.thread_time()

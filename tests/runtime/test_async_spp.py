@@ -161,6 +161,13 @@ def test_async_spp_is_allowed_on_workers_and_refused_distributed() -> None:
     assert EngineConfig(async_scheduling=True, spp=2, max_batch_requests=4096)
     # spp = 1 stays allowed there
     assert EngineConfig(async_scheduling=True, tp=2, distributed=DistConfig(world_size=2))
+    # the executor itself refuses it too, before starting anything
+    from medha_runtime.dist_executor import DistributedExecutor
+
+    spec = RunnerSpec(model="tiny", spp=2, pending_tokens=True)
+    refused = r"\(pending_tokens\) with spp=2 \(tp=1, kvp=1\) needs worker"
+    with pytest.raises(ValueError, match=refused):
+        DistributedExecutor(spec, DistConfig(world_size=2, local_ranks=2))
 
 
 class _Channel:
@@ -224,6 +231,14 @@ def test_llm_spp2_async_greedy_tokens_are_one_process_sync() -> None:
             assert llm.engine.resolved.spec.pending_tokens is async_
             outs[spp] = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
             in_flight = llm.engine.stats.max_in_flight
+            if async_:  # deeper than the token ring: the last stage would block on it
+                with pytest.raises(
+                    ValueError,
+                    match="pipeline_depth=9 with async scheduling "
+                    "and spp=2 exceeds the 8 batches the token return ring",
+                ):
+                    llm.engine.pipeline_depth = 9
+                llm.engine.pipeline_depth = 8
     assert [len(t) for t in outs[1]] == [3, 17, 9, 25, 1]
     assert outs[2] == outs[1] and in_flight == 2
 
