@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medha_kernels import rms_norm
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
@@ -88,9 +89,10 @@ class PagedAttention:
 class RMSNorm(nn.Module):
     """RMSNorm as in transformers: normalize in fp32, cast back, then scale.
 
-    Two ops for 16-bit inputs: ``F.rms_norm`` without a weight normalizes in
-    fp32 and rounds once to the input dtype (transformers' ``h.to(input_dtype)``;
-    bit-identical on the CPU, one fused kernel on a GPU), then the scale.
+    Through :func:`medha_kernels.rms_norm`: one native call for fp32 on the CPU
+    (bit-identical), else ``F.rms_norm`` (fp32: one composite op, the same
+    arithmetic; 16-bit: without a weight, normalizing in fp32 and rounding once
+    to the input dtype as transformers' ``h.to(input_dtype)``, then the scale).
     """
 
     def __init__(
@@ -106,9 +108,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, the same arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
+        """``[N, hidden_size]`` → normalized ``[N, hidden_size]`` (the same dtype)."""
+        return rms_norm(x, self.weight, self.eps)[1]
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's ``fused_add_rms_norm``: ``h = x + residual`` and its norm, ``(h, norm(h))``;
+        ``x``, ``residual`` and both results ``[N, hidden_size]`` in one dtype."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -247,14 +255,33 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos2: torch.Tensor,
         sin2: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ForwardBatch,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos2, sin2, k_cache, v_cache, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, its residual adds fused into the norms after them (as vLLM's).
+
+        Args:
+            x: ``[N, hidden_size]``: the previous layer's MLP output, or with
+                ``residual`` None this layer's input.
+            residual: ``[N, hidden_size]``: the previous layer's residual stream
+                (its input plus its attention), or None for the first layer.
+
+        Returns:
+            ``(mlp output, residual)``, each ``[N, hidden_size]``: this layer's
+            output is their sum, ``x + attn(norm(x)) + mlp(norm(...))`` in
+            transformers' order of additions.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.forward_add(x, residual)
+        a = self.self_attn(h, cos2, sin2, k_cache, v_cache, batch)
+        residual, h = self.post_attention_layernorm.forward_add(a, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -402,8 +429,10 @@ class LlamaModel(nn.Module):
             x = hidden
         # once per step, shared by every layer (see rotary_tables)
         cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
+        residual = None
         for i, layer in enumerate(self.layers.values()):
-            x = layer(x, cos2, sin2, kv.k[i], kv.v[i], batch)
+            x, residual = layer(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
+        x = x + residual
         if not self.is_last or not logits:
             return x
         return self.compute_logits(x[batch.sample_rows])

@@ -10,6 +10,7 @@
 #include "attention.h"
 #include "linear.h"
 #include "merge.h"
+#include "norm.h"
 
 namespace medha {
 namespace {
@@ -177,6 +178,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "x [M, K] @ w [N, K]^T (+ bias) in fp32 on the CPU, w streamed once (small M).",
       py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), nogil);
+  m.def(
+      "rms_norm",
+      [](const at::Tensor& x, const at::Tensor& weight, double eps,
+         const std::optional<at::Tensor>& residual) {
+        TORCH_CHECK(x.is_cpu() && weight.is_cpu(), "rms_norm: CPU tensors only");
+        TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+                    "rms_norm: fp32 only, got ", x.scalar_type(), " and ", weight.scalar_type());
+        TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0),
+                    "rms_norm: expected x [M, K] and weight [K], got ", x.sizes(), " and ",
+                    weight.sizes());
+        TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: not contiguous");
+        if (residual.has_value()) {
+          TORCH_CHECK(residual->is_cpu() && residual->scalar_type() == at::kFloat &&
+                          residual->sizes() == x.sizes() && residual->is_contiguous(),
+                      "rms_norm: residual must be a contiguous fp32 CPU ", x.sizes());
+        }
+        return medha::rms_norm_cpu(x, weight, eps, residual);
+      },
+      "transformers' RMSNorm in fp32 on the CPU: (h, weight * h * rsqrt(mean(h * h) + eps)),\n"
+      "h = x + residual (or x).",
+      py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), nogil);
   m.attr("linear_small_m_vectorized") = medha::linear_small_m_vectorized();
   m.attr("linear_small_m_isa") = std::string(medha::linear_small_m_isa());
 #ifdef MEDHA_WITH_CUDA
