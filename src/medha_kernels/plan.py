@@ -19,6 +19,7 @@ a ``run(q, k_cache, v_cache) -> (o, lse)`` callable; otherwise its
 
 from __future__ import annotations
 
+import functools
 import itertools
 from array import array
 from collections.abc import Callable, Sequence
@@ -306,12 +307,9 @@ def _plan(meta: PagedMeta, backend: str) -> PagedAttentionPlan:
     """Resolve ``backend`` for validated metadata and let it plan (if it can)."""
     dtype, device = meta.dtype, meta.device
     # Shaped stand-ins (no memory) for backends whose "auto" limits look at the tensors.
-    like_q = torch.empty((), dtype=dtype, device=device).expand(
-        meta.num_q, meta.num_qo_heads, meta.head_dim
-    )
-    like_cache = torch.empty((), dtype=dtype, device=device).expand(
-        meta.max_block + 1, meta.block_size, meta.num_kv_heads, meta.head_dim
-    )
+    base = _scalar(dtype, device)
+    like_q = base.expand(meta.num_q, meta.num_qo_heads, meta.head_dim)
+    like_cache = base.expand(meta.max_block + 1, meta.block_size, meta.num_kv_heads, meta.head_dim)
     args = (
         like_q,
         like_cache,
@@ -329,6 +327,12 @@ def _plan(meta: PagedMeta, backend: str) -> PagedAttentionPlan:
     else:
         run = _unplanned(resolve("paged_attention", name, device, args), meta)
     return PagedAttentionPlan(meta=meta, backend=name, _run=run)
+
+
+@functools.cache
+def _scalar(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-dim tensor to expand into shaped stand-ins (one per dtype and device)."""
+    return torch.empty((), dtype=dtype, device=device)
 
 
 def _unplanned(fn: Callable, meta: PagedMeta) -> RunFn:

@@ -9,6 +9,10 @@ names keep the global layer index (``layers.5.self_attn.qkv_proj.weight``) so
 every stage loads its own slice of a checkpoint; see
 :mod:`medha_runtime.model.loader`.
 
+Modules call their children's ``forward`` directly, not through
+``nn.Module.__call__`` (no hooks run): a decode step makes about 35 such calls,
+each of which would cost more than a one-row op.
+
 Attention goes through :meth:`LlamaModel.set_attention`: the default
 :class:`PagedAttention` runs the step's plan (:func:`medha_kernels.plan_paged_attention`);
 a KV-parallel worker installs one that attends to its KV shard and merges partial states.
@@ -202,14 +206,14 @@ class LlamaAttention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         n, hq, d = x.shape[0], self.num_q_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [n, q_size + 2 kv_size]
+        qkv = self.qkv_proj.forward(x)  # [n, q_size + 2 kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(n, hq + self.num_kv_heads, d)
         apply_rotary_(qk, cos2, sin2)  # q's and k's heads at once, in the projection's output
         k = qk[:, hq:]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
         batch.write_kv(k, v, k_cache, v_cache)
         o = self.attend(qk[:, :hq].contiguous(), k_cache, v_cache, batch)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return self.o_proj.forward(o.reshape(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -231,8 +235,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -276,12 +280,12 @@ class LlamaDecoderLayer(nn.Module):
             transformers' order of additions.
         """
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm.forward(x)
         else:
             residual, h = self.input_layernorm.forward_add(x, residual)
-        a = self.self_attn(h, cos2, sin2, k_cache, v_cache, batch)
+        a = self.self_attn.forward(h, cos2, sin2, k_cache, v_cache, batch)
         residual, h = self.post_attention_layernorm.forward_add(a, residual)
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -419,7 +423,7 @@ class LlamaModel(nn.Module):
         if kv.num_layers != len(self.layers):
             raise ValueError(f"kv has {kv.num_layers} layers, this stage {len(self.layers)}")
         if self.is_first:
-            x = self.embed_tokens(batch.input_ids)
+            x = self.embed_tokens.forward(batch.input_ids)
         elif hidden is None:
             raise ValueError(
                 f"stage with layers {self.layer_range} is not the first: pass the previous "
@@ -431,7 +435,7 @@ class LlamaModel(nn.Module):
         cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
         residual = None
         for i, layer in enumerate(self.layers.values()):
-            x, residual = layer(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
+            x, residual = layer.forward(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
         x = x + residual
         if not self.is_last or not logits:
             return x
@@ -441,7 +445,10 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's head: ``[S, hidden_size]`` hidden states (model dtype) of
         the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head)."""
-        return self.lm_head(self.norm(hidden))[:, : self.config.vocab_size].float()
+        logits = self.lm_head.forward(self.norm.forward(hidden))
+        if logits.shape[1] != self.config.vocab_size:  # TP padding rows of the vocabulary
+            logits = logits[:, : self.config.vocab_size]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def _check_tp(config: ModelConfig, tp: int) -> None:
