@@ -206,6 +206,8 @@ class RotaryEmbedding:
         cos, sin = freqs.cos(), freqs.sin()
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
+        if cos.dtype == dtype:  # no cast to make (each .to would still be a dispatched op)
+            return cos, sin
         return cos.to(dtype), sin.to(dtype)
 
     def cos_sin_cache(
