@@ -81,6 +81,11 @@ def _profile(rank: int, world: int, init: str, context: int, steps: int, block: 
         (llama.VocabParallelEmbedding, "forward", "embedding"),
         (llama, "rotary_tables", "rotary tables"),
         (llama.RMSNorm, "forward", "rmsnorm"),
+        *(
+            [(llama.RMSNorm, "forward_add", "rmsnorm")]
+            if hasattr(llama.RMSNorm, "forward_add")
+            else []
+        ),
         (linear.ColumnParallelLinear, "forward", "linear"),
         (linear.RowParallelLinear, "forward", "linear"),
         (llama, "apply_rotary_", "rotary"),

@@ -4,7 +4,8 @@ Public ops (each takes ``backend="auto"``): :func:`merge_state`,
 :func:`merge_state_in_place`, :func:`merge_states`,
 :func:`chunked_prefill_attention`, :func:`paged_attention`,
 :func:`append_paged_kv`; :func:`available_backends` lists what runs here.
-:func:`linear` is ``F.linear`` with a native CPU path for decode batches.
+:func:`linear` is ``F.linear`` with a native CPU path for decode batches,
+:func:`rms_norm` transformers' RMSNorm (a residual add first) with one for fp32.
 A step's layers share one :func:`plan_paged_attention` (validated once, no
 host sync per layer), each calling :meth:`PagedAttentionPlan.run`.
 LSE is natural-log fp32 ``[num_tokens, num_heads]``; an empty state is
@@ -19,6 +20,7 @@ from medha_kernels.linear import linear as linear
 from medha_kernels.merge import merge_state as merge_state
 from medha_kernels.merge import merge_state_in_place as merge_state_in_place
 from medha_kernels.merge import merge_states as merge_states
+from medha_kernels.norm import rms_norm as rms_norm
 from medha_kernels.paged_kv import append_paged_kv as append_paged_kv
 from medha_kernels.plan import PagedAttentionPlan as PagedAttentionPlan
 from medha_kernels.plan import PagedHost as PagedHost

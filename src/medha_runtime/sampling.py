@@ -180,6 +180,8 @@ class Sampler:
                 f"expected logits [{len(specs)}, vocab] for {len(specs)} rows, "
                 f"got {tuple(logits.shape)}"
             )
+        if all(_plain_greedy(s) for s in specs):  # a decode batch's usual case: the arg-max
+            return [Sampled(tok) for tok in greedy_argmax(logits.float()).tolist()]
         logits = self.process(logits, specs)
         out: list[Sampled | None] = [None] * len(specs)
         greedy_rows = [i for i, s in enumerate(specs) if s.greedy]
@@ -235,6 +237,18 @@ class Sampler:
                 entry.setdefault(alt, alt_lp)
             entries.append(entry)
         return PromptLogprobs(request_id, start, tuple(entries))
+
+
+def _plain_greedy(spec: SampleSpec) -> bool:
+    """Greedy with nothing to change in the logits and no logprobs: the token is the arg-max
+    (what :meth:`Sampler.sample`'s general path gives such a row, with nothing to count)."""
+    return (
+        spec.greedy
+        and spec.logprobs is None
+        and spec.penalties is None
+        and not spec.logit_bias
+        and not spec.suppress
+    )
 
 
 def _min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:

@@ -176,3 +176,43 @@ def test_group_batch_with_capacity_keeps_the_write_index_prepare_would() -> None
     assert not head.writes_kv and head._kv_write is None
     with pytest.raises(ValueError, match="31 is past the cache's 30 slots"):
         build_group_batch(step, tables, group=1, capacity=30, **kw)
+
+
+def test_group_batch_tensors_are_the_lists_as_forward_batch_builds_them() -> None:
+    """``build_group_batch`` makes its index tensors through arrays: the same values and
+    dtypes as :meth:`ForwardBatch.build`'s ``torch.tensor`` for a kvp=1 step (a prefill
+    chunk, two decodes, one not sampled), and empty tensors where a list is empty."""
+    from medha_runtime.plan import PlannedChunk, StepPlan
+    from medha_runtime.runner import build_group_batch
+    from medha_runtime.sampling_params import SampleSpec
+
+    tables = BlockTables()
+    blocks = {"a": (3, 0, 9), "b": (4,), "c": (7, 1)}
+    for rid, ids in blocks.items():
+        tables.extend(rid, ((0, ids),))
+    greedy = SampleSpec("x", 0.0, 0, 1.0, 0, None)
+    chunks = (
+        PlannedChunk("a", 4, (11, 12, 13, 14, 15), (0,), (), greedy),
+        PlannedChunk("b", 2, (21,), (0,), (), None),
+        PlannedChunk("c", 5, (31,), (0,), (), greedy),
+    )
+    got, _ = build_group_batch(
+        StepPlan(0, chunks), tables, group=0, kvp=1, group_tokens=64, block_size=4, device="cpu"
+    )
+    want = ForwardBatch.build(
+        [c.token_ids for c in chunks],
+        [c.start for c in chunks],
+        [blocks[c.request_id] for c in chunks],
+        block_size=4,
+        sample=[c.sample is not None for c in chunks],
+    )
+    for name in ("input_ids", "positions", "cu_seqlens_q", "kv_lens", "slots", "sample_rows"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got.host.cu_seqlens_q == [0, 5, 6, 7] and got.host.max_block == 9
+    # nothing sampled: an empty int64 sample_rows
+    quiet = tuple(c._replace(sample=None) for c in chunks)
+    none, _ = build_group_batch(
+        StepPlan(0, quiet), tables, group=0, kvp=1, group_tokens=64, block_size=4, device="cpu"
+    )
+    assert none.sample_rows.dtype == torch.int64 and none.sample_rows.shape == (0,)

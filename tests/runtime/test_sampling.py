@@ -367,3 +367,43 @@ def test_greedy_rows_without_processing_sample_the_logits_as_given() -> None:
         (alone,) = Sampler().sample(logits[i : i + 1], [one])
         assert alone == together[i]
     assert [together[i].token_id for i in (0, 2, 4)] == logits[[0, 2, 4]].argmax(-1).tolist()
+
+
+def test_plain_greedy_fast_path_is_the_general_path(monkeypatch) -> None:
+    """A batch of greedy rows with no logprobs, bias, suppression or penalties takes the
+    arg-max fast path; it answers what the general path answers (ties, -inf, fp16 logits)."""
+    import medha_runtime.sampling as sampling
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 3, (6, 259), generator=gen).float()  # ties in every row
+    logits[0] = 0.0
+    logits[1, 5] = float("-inf")
+    logits[2, [3, 100]] = 7.0
+    specs = [spec(f"r{i}", temperature=0.0, seed=i) for i in range(6)]
+    calls = []
+    real = Sampler.process
+
+    def counted(self, lg, sp):
+        calls.append(len(sp))
+        return real(self, lg, sp)
+
+    monkeypatch.setattr(Sampler, "process", counted)
+    for lg in (logits, logits.half(), logits[2:3]):
+        n = lg.shape[0]
+        fast = Sampler().sample(lg, specs[:n])
+        assert calls == []  # the general path's first step never ran
+        with monkeypatch.context() as m:
+            m.setattr(sampling, "_plain_greedy", lambda s: False)
+            general = Sampler().sample(lg, specs[:n])
+        assert calls == [n]
+        calls.clear()
+        assert fast == general and all(s.logprob is None for s in fast)
+        assert [s.token_id for s in fast] == lg.float().argmax(-1).tolist()
+    # one row that wants logprobs (or a suppressed token) sends the batch the general way
+    for other in (
+        spec("x", temperature=0.0, seed=9, logprobs=1),
+        spec("y", temperature=0.0, seed=9, suppress=(2,)),
+    ):
+        Sampler().sample(logits[:2], [specs[0], other])
+        assert calls == [2]
+        calls.clear()

@@ -36,8 +36,11 @@ def plan_paged_attention(meta: PagedMeta):
     counts = meta.query_counts
     flash = {b for b, (n, kv) in enumerate(zip(counts, meta.lens, strict=True)) if use_flash(n, kv)}
     group = meta.num_qo_heads // meta.num_kv_heads
-    if not flash:
-        return _native_run(meta.cu_seqlens_q, meta.kv_lens, meta.block_table, meta, group)
+    if not flash:  # every sequence: its chunk starts at kv - n (from the host lists)
+        q_start = torch.tensor(
+            [kv - n for n, kv in zip(counts, meta.lens, strict=True)], dtype=_I32
+        )
+        return _native_run(meta.cu_seqlens_q, meta.kv_lens, meta.block_table, meta, group, q_start)
     rest = [b for b in range(meta.batch) if b not in flash]
     rows = torch.tensor(
         [r for b in rest for r in range(meta.cu[b], meta.cu[b + 1])], dtype=torch.long
@@ -78,11 +81,20 @@ def _require_cpu(op: str, device: torch.device) -> None:
         )
 
 
-def _native_run(cu: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, meta, group: int):
-    """One native call over the sequences ``cu`` / ``lens`` / ``table`` describe."""
+def _native_run(
+    cu: torch.Tensor,
+    lens: torch.Tensor,
+    table: torch.Tensor,
+    meta,
+    group: int,
+    q_start: torch.Tensor | None = None,
+):
+    """One native call over the sequences ``cu`` / ``lens`` / ``table`` describe;
+    ``q_start``: int32 ``lens - (cu[1:] - cu[:-1])`` if the caller has it."""
     ext = get_module("cpu")
-    counts = cu[1:] - cu[:-1]
-    q_start = (lens - counts).to(_I32)  # a chunk is the newest tokens of its sequence
+    if q_start is None:
+        counts = cu[1:] - cu[:-1]
+        q_start = (lens - counts).to(_I32)  # a chunk is the newest tokens of its sequence
     tasks = ext.plan_paged_attention(cu, lens, q_start, meta.num_kv_heads, group, meta.causal)
     args = (cu, lens, q_start, table, tasks, meta.causal, meta.sm_scale)
 

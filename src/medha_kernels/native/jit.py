@@ -40,10 +40,14 @@ _CPU_FILES = (
     "merge.h",
     "attention.h",
     "linear.h",
+    "norm.h",
+    "rotary.h",
     "bindings.cpp",
     "merge_cpu.cpp",
     "attention_cpu.cpp",
     "linear_cpu.cpp",
+    "norm_cpu.cpp",
+    "rotary_kv_cpu.cpp",
 )
 SOURCES = {"cpu": _CPU_FILES, "cuda": (*_CPU_FILES, "merge_cuda.cu")}
 _MARKER = ".medha_built"

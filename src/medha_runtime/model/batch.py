@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from medha_kernels import PagedAttentionPlan, PagedHost, append_paged_kv, plan_paged_attention
+from medha_kernels.decode_ops import write_kv as native_write_kv
 
 
 @dataclass
@@ -71,8 +72,9 @@ class ForwardBatch:
         :func:`medha_kernels.append_paged_kv`, which validates the slots (host
         reads); the step then keeps them as int64
         row indices, and every later layer writes with one ``index_copy_`` per
-        tensor: no validation and no host sync, which on a GPU would stall the
-        launch queue once per layer. Every layer's cache has the first one's shape.
+        tensor (on the CPU one native copy for both): no validation and no host
+        sync, which on a GPU would stall the launch queue once per layer. Every
+        layer's cache has the first one's shape.
         """
         if not self.writes_kv:
             return
@@ -81,6 +83,8 @@ class ForwardBatch:
             self._kv_write = _write_rows(self.slots)
             return
         idx, rows = self._kv_write
+        if rows is None and native_write_kv(k, v, k_cache, v_cache, idx):  # CPU: one call
+            return
         if rows is not None:
             k, v = k[rows], v[rows]
         if k.dtype != k_cache.dtype:  # skip the no-op casts (each still a dispatched op)

@@ -9,6 +9,10 @@ names keep the global layer index (``layers.5.self_attn.qkv_proj.weight``) so
 every stage loads its own slice of a checkpoint; see
 :mod:`medha_runtime.model.loader`.
 
+Modules call their children's ``forward`` directly, not through
+``nn.Module.__call__`` (no hooks run): a decode step makes about 35 such calls,
+each of which would cost more than a one-row op.
+
 Attention goes through :meth:`LlamaModel.set_attention`: the default
 :class:`PagedAttention` runs the step's plan (:func:`medha_kernels.plan_paged_attention`);
 a KV-parallel worker installs one that attends to its KV shard and merges partial states.
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medha_kernels import rms_norm
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
@@ -88,9 +93,10 @@ class PagedAttention:
 class RMSNorm(nn.Module):
     """RMSNorm as in transformers: normalize in fp32, cast back, then scale.
 
-    Two ops for 16-bit inputs: ``F.rms_norm`` without a weight normalizes in
-    fp32 and rounds once to the input dtype (transformers' ``h.to(input_dtype)``;
-    bit-identical on the CPU, one fused kernel on a GPU), then the scale.
+    Through :func:`medha_kernels.rms_norm`: one native call for fp32 on the CPU
+    (bit-identical), else ``F.rms_norm`` (fp32: one composite op, the same
+    arithmetic; 16-bit: without a weight, normalizing in fp32 and rounding once
+    to the input dtype as transformers' ``h.to(input_dtype)``, then the scale).
     """
 
     def __init__(
@@ -106,9 +112,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, the same arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
+        """``[N, hidden_size]`` → normalized ``[N, hidden_size]`` (the same dtype)."""
+        return rms_norm(x, self.weight, self.eps)[1]
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's ``fused_add_rms_norm``: ``h = x + residual`` and its norm, ``(h, norm(h))``;
+        ``x``, ``residual`` and both results ``[N, hidden_size]`` in one dtype."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -194,14 +206,14 @@ class LlamaAttention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         n, hq, d = x.shape[0], self.num_q_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [n, q_size + 2 kv_size]
+        qkv = self.qkv_proj.forward(x)  # [n, q_size + 2 kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(n, hq + self.num_kv_heads, d)
         apply_rotary_(qk, cos2, sin2)  # q's and k's heads at once, in the projection's output
         k = qk[:, hq:]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
         batch.write_kv(k, v, k_cache, v_cache)
         o = self.attend(qk[:, :hq].contiguous(), k_cache, v_cache, batch)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return self.o_proj.forward(o.reshape(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -223,8 +235,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -247,14 +259,33 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos2: torch.Tensor,
         sin2: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ForwardBatch,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos2, sin2, k_cache, v_cache, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, its residual adds fused into the norms after them (as vLLM's).
+
+        Args:
+            x: ``[N, hidden_size]``: the previous layer's MLP output, or with
+                ``residual`` None this layer's input.
+            residual: ``[N, hidden_size]``: the previous layer's residual stream
+                (its input plus its attention), or None for the first layer.
+
+        Returns:
+            ``(mlp output, residual)``, each ``[N, hidden_size]``: this layer's
+            output is their sum, ``x + attn(norm(x)) + mlp(norm(...))`` in
+            transformers' order of additions.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm.forward(x)
+        else:
+            residual, h = self.input_layernorm.forward_add(x, residual)
+        a = self.self_attn.forward(h, cos2, sin2, k_cache, v_cache, batch)
+        residual, h = self.post_attention_layernorm.forward_add(a, residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -392,7 +423,7 @@ class LlamaModel(nn.Module):
         if kv.num_layers != len(self.layers):
             raise ValueError(f"kv has {kv.num_layers} layers, this stage {len(self.layers)}")
         if self.is_first:
-            x = self.embed_tokens(batch.input_ids)
+            x = self.embed_tokens.forward(batch.input_ids)
         elif hidden is None:
             raise ValueError(
                 f"stage with layers {self.layer_range} is not the first: pass the previous "
@@ -402,8 +433,10 @@ class LlamaModel(nn.Module):
             x = hidden
         # once per step, shared by every layer (see rotary_tables)
         cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
+        residual = None
         for i, layer in enumerate(self.layers.values()):
-            x = layer(x, cos2, sin2, kv.k[i], kv.v[i], batch)
+            x, residual = layer.forward(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
+        x = x + residual
         if not self.is_last or not logits:
             return x
         return self.compute_logits(x[batch.sample_rows])
@@ -412,7 +445,10 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's head: ``[S, hidden_size]`` hidden states (model dtype) of
         the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head)."""
-        return self.lm_head(self.norm(hidden))[:, : self.config.vocab_size].float()
+        logits = self.lm_head.forward(self.norm.forward(hidden))
+        if logits.shape[1] != self.config.vocab_size:  # TP padding rows of the vocabulary
+            logits = logits[:, : self.config.vocab_size]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def _check_tp(config: ModelConfig, tp: int) -> None:

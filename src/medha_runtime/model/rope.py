@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from medha_kernels.decode_ops import rotary_ as native_rotary_
 from medha_runtime.model.config import RopeConfig
 
 
@@ -145,13 +146,17 @@ def apply_rotary_(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> No
     ``x * [cos, cos] + [x2, x1] * [-sin, sin]``, i.e. transformers'
     ``x * cos + rotate_half(x) * sin``: each product and the sum round once in
     ``x``'s dtype, so the result is bit-identical to :func:`apply_rotary`. Five
-    ops per call (a view, the half swap, two products, the sum), whatever the heads.
+    ops per call (a view, the half swap, two products, the sum), whatever the heads;
+    for fp32 on the CPU one native call with the same arithmetic
+    (:func:`medha_kernels.decode_ops.rotary_`).
 
     Args:
         x: ``[num_tokens, num_heads, head_dim]``, any strides with a contiguous
             last dimension (e.g. the q and k heads of a fused QKV output); written.
         cos2, sin2: from :func:`rotary_tables`, in ``x``'s dtype.
     """
+    if native_rotary_(x, cos2, sin2):  # fp32 on the CPU: one native call, the same bits
+        return
     n, h, d = x.shape
     halves = x.view(n, h, 2, d // 2)
     swapped = halves.flip(2)  # [x2, x1], a new tensor
@@ -201,6 +206,8 @@ class RotaryEmbedding:
         cos, sin = freqs.cos(), freqs.sin()
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
+        if cos.dtype == dtype:  # no cast to make (each .to would still be a dispatched op)
+            return cos, sin
         return cos.to(dtype), sin.to(dtype)
 
     def cos_sin_cache(

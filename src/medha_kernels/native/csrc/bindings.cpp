@@ -10,6 +10,8 @@
 #include "attention.h"
 #include "linear.h"
 #include "merge.h"
+#include "norm.h"
+#include "rotary.h"
 
 namespace medha {
 namespace {
@@ -177,6 +179,66 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "x [M, K] @ w [N, K]^T (+ bias) in fp32 on the CPU, w streamed once (small M).",
       py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), nogil);
+  m.def(
+      "rms_norm",
+      [](const at::Tensor& x, const at::Tensor& weight, double eps,
+         const std::optional<at::Tensor>& residual) {
+        TORCH_CHECK(x.is_cpu() && weight.is_cpu(), "rms_norm: CPU tensors only");
+        TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+                    "rms_norm: fp32 only, got ", x.scalar_type(), " and ", weight.scalar_type());
+        TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0),
+                    "rms_norm: expected x [M, K] and weight [K], got ", x.sizes(), " and ",
+                    weight.sizes());
+        TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: not contiguous");
+        if (residual.has_value()) {
+          TORCH_CHECK(residual->is_cpu() && residual->scalar_type() == at::kFloat &&
+                          residual->sizes() == x.sizes() && residual->is_contiguous(),
+                      "rms_norm: residual must be a contiguous fp32 CPU ", x.sizes());
+        }
+        return medha::rms_norm_cpu(x, weight, eps, residual);
+      },
+      "transformers' RMSNorm in fp32 on the CPU: (h, weight * h * rsqrt(mean(h * h) + eps)),\n"
+      "h = x + residual (or x).",
+      py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), nogil);
+  m.def(
+      "rotary_",
+      [](const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& sin2) {
+        TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 &&
+                        x.stride(2) == 1 && x.size(2) % 2 == 0,
+                    "rotary_: x must be an fp32 CPU [N, H, D] with an even, contiguous D");
+        const int64_t n = x.size(0), half = x.size(2) / 2;
+        for (const auto* t : {&cos2, &sin2}) {
+          TORCH_CHECK(t->is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 &&
+                          t->size(0) == n && t->size(1) == 1 && t->size(2) == 2 &&
+                          t->size(3) == half,
+                      "rotary_: cos2 and sin2 must be fp32 CPU [", n, ", 1, 2, ", half, "]");
+        }
+        medha::rotary_cpu(x, cos2, sin2);
+      },
+      "Rotate x [N, H, D] in place (rotate-half) with rotary_tables' cos2 and sin2, fp32.",
+      py::arg("x"), py::arg("cos2"), py::arg("sin2"), nogil);
+  m.def(
+      "write_kv",
+      [](const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+         const at::Tensor& v_cache, const at::Tensor& index) {
+        TORCH_CHECK(k.is_cpu() && v.is_cpu() && k.dim() == 3 && v.sizes() == k.sizes() &&
+                        k.stride(2) == 1 && v.stride(2) == 1 &&
+                        v.scalar_type() == k.scalar_type(),
+                    "write_kv: k and v must be CPU [N, H, D] of one dtype, last dim contiguous");
+        for (const auto* c : {&k_cache, &v_cache}) {
+          TORCH_CHECK(c->is_cpu() && c->dim() == 4 && c->is_contiguous() &&
+                          c->scalar_type() == k.scalar_type() && c->size(2) == k.size(1) &&
+                          c->size(3) == k.size(2) && c->sizes() == k_cache.sizes(),
+                      "write_kv: caches must be contiguous [num_blocks, block_size, ", k.size(1),
+                      ", ", k.size(2), "] of k's dtype on the CPU");
+        }
+        TORCH_CHECK(index.is_cpu() && index.scalar_type() == at::kLong && index.dim() == 1 &&
+                        index.size(0) == k.size(0) && index.is_contiguous(),
+                    "write_kv: index must be a contiguous int64 CPU [", k.size(0), "]");
+        medha::write_kv_cpu(k, v, k_cache, v_cache, index);
+      },
+      "Copy k, v [N, H, D] to slots index [N] of the paged caches (CPU).", py::arg("k"),
+      py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("index"), nogil);
   m.attr("linear_small_m_vectorized") = medha::linear_small_m_vectorized();
   m.attr("linear_small_m_isa") = std::string(medha::linear_small_m_isa());
 #ifdef MEDHA_WITH_CUDA
