@@ -257,13 +257,22 @@ class Simulator:
         times = self.sched.plan_decode_run(self._run_len, horizon - now)
         if not times:
             return now
-        pipeline, spp, starts, ends = self.pipeline, self.spp, [], []
+        spp, starts, ends = self.spp, [], []
+        free = self.pipeline.free  # a copy
+        rest = range(1, spp)
         t = now
         for predicted in times:
-            end = pipeline.peek(t, predicted / spp)
+            stage = predicted / spp
+            # Pipeline.push's stage times, kept only if the batch joins
+            end = (t if t > free[0] else free[0]) + stage
+            pushed = [end]
+            for k in rest:
+                f = free[k]
+                end = (end if end > f else f) + stage
+                pushed.append(end)
             if not end < horizon:
                 break
-            pipeline.push(t, predicted / spp)
+            free = pushed
             starts.append(t)
             ends.append(end)
             t = end
@@ -271,6 +280,7 @@ class Simulator:
         self._run_len = min(2 * self._run_len, 4096) if n == len(times) else 16
         if n == 0:
             return now
+        self.pipeline.free = free
         ids = self.sched.commit_decode_run(starts)
         decodes, append = len(self._live), self.iterations.append
         for bid, start, predicted in zip(ids, starts, times, strict=False):
@@ -463,7 +473,9 @@ class Simulator:
             if not f < horizon:
                 break  # its stage-0 end is an event of its own
             # what happens up to f: batch ends (in order), then bid clears stage 0
-            for b, (_, _, end) in list(in_flight.items()):
+            while True:
+                b = next(iter(in_flight))  # bid at least is in flight
+                end = in_flight[b][2]
                 if end > f:
                     break
                 self.now = end
