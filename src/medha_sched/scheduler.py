@@ -106,7 +106,7 @@ class _PrefillQueue(PrefillQueue):
         self._classify(request)
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     entries: list[tuple[Request, int, int, bool]]  # prefills: request, start, tokens, samples
     lane: Lane | None = None  # the decodes
