@@ -104,7 +104,9 @@ def plan_lane_run(
     group_time = model.group_time
     rows = lanes.totals(lane)
     if len(rows) == 1 and rows[0] is not None:  # one busy group: totals(lane, j) inline
-        return lanes.one_group_times(lane, group_time, steps, budget)
+        return lanes.one_group_times(
+            lane, group_time, steps, budget, varying=model.group_time_varying
+        )
     times = []
     spent = 0.0
     for j in range(steps):

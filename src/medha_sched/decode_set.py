@@ -419,12 +419,18 @@ class DecodeLanes:
         group_time: Callable[[Sequence[float]], float],
         steps: int,
         budget: float = float("inf"),
+        *,
+        varying: Callable[[Sequence[float], int, int], Callable[[float, float], float] | None]
+        | None = None,
     ) -> list[float]:
         """``group_time(totals(lane, j)[0])`` for ``j`` in ``range(steps)``.
 
         The same integer totals as :meth:`totals` (one group holding decodes),
         without a call and a list of groups per step. Stops early once the
         times add up to ``budget`` seconds (that last one included).
+        ``varying``: the model's ``group_time_varying`` (see
+        :class:`~medha_sched.cost.base.AggregateCostModel`), used when only two
+        totals move with the step and it gives a function of them.
         """
         a, b = self._a, self._b
         nt, kv_sum, const = lane.n_tail[0], lane.kv_sum[0], lane.const[0]
@@ -441,6 +447,16 @@ class DecodeLanes:
             ai, bi, ci, aj, bj, cj = nt * a[i], b[i], const[i], nt * a[j], b[j], const[j]
             kv = kv_sum + nt * lane.issued
             row = [nt * x + kv * y + c for x, y, c in zip(a, b, const)]  # noqa: B905
+            time_of = None if varying is None else varying(row, i, j)
+            if time_of is not None:  # the other totals' terms computed once
+                for step in range(lane.issued, lane.issued + steps):
+                    kv = kv_sum + nt * step
+                    t = time_of(ai + kv * bi + ci, aj + kv * bj + cj)
+                    times.append(t)
+                    spent += t
+                    if spent >= budget:
+                        break
+                return times
             for step in range(lane.issued, lane.issued + steps):
                 kv = kv_sum + nt * step
                 row[i] = ai + kv * bi + ci

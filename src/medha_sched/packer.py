@@ -15,7 +15,9 @@ in tokens instead (Sarathi-style), and with ``chunk_size=0`` prompts go whole.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import add as _add
 
 from medha_sched.batch_cost import BatchCost, Work, chunk_works
 from medha_sched.chunking import largest_chunk_within, largest_fitting_chunk
@@ -189,3 +191,59 @@ class ChunkSizer:
         elif hint:
             del last[rid]  # the prefill is fully issued
         return chunk, is_long
+
+    def adaptive_alone(
+        self,
+        request: Request,
+        group_time: Callable[[Sequence[float]], float],
+        features: Callable[[int, int, bool], tuple[float, ...]],
+        base: list[int] | None,
+        base_time: float,
+        target: float,
+        now: float,
+    ) -> tuple[int, float]:
+        """:meth:`adaptive` on a fresh draft of an aggregate model with one KVP
+        group, holding only summed features ``base`` (None: nothing) priced
+        ``base_time``, for a chunk in the prompt's first shard: ``(chunk, the
+        batch's seconds with it)``, ``(0, 0.0)`` when none fits.
+
+        The same probes and sums as :meth:`adaptive` with a :class:`BatchCost`
+        (``_totals_with``: ``base + features`` term by term), without the
+        draft. Leaves the hint alone: the caller sets it (:meth:`set_hint`)
+        once the chunk is issued, as :meth:`adaptive` would have left it.
+        """
+        start = request.num_scheduled_tokens
+        cfg = self._cfg
+        if request.num_prefill_tokens >= cfg.long_prefill_threshold and self._policy.space_sharing:
+            rho = min(cfg.max_space_share, max(0.0, relative_slack(request, now)))
+            target *= 1.0 - rho
+        if base_time >= target:
+            return 0, 0.0
+        limit = request.num_prefill_tokens - start
+        if cfg.max_chunk_tokens < limit:
+            limit = cfg.max_chunk_tokens
+        limit_g = self._limit
+        if limit_g - start % limit_g < limit:
+            limit = limit_g - start % limit_g
+        probes: dict[int, float] = {}
+        if base is None:
+
+            def time_of(n: int) -> float:
+                t = probes[n] = group_time(list(features(n, start, True)))
+                return t
+
+        else:
+
+            def time_of(n: int) -> float:
+                t = probes[n] = group_time(list(map(_add, base, features(n, start, True))))
+                return t
+
+        chunk = largest_chunk_within(
+            limit,
+            cfg.token_grid,
+            time_of,
+            target,
+            base=base_time,
+            hint=self._last_chunk.get(request.request_id, 0),
+        )
+        return (chunk, probes[chunk]) if chunk else (0, 0.0)

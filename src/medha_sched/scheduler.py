@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.config import CacheConfig, SchedulerConfig
-from medha_sched.cost.base import CostModel
+from medha_sched.cost.base import AggregateCostModel, CostModel
 from medha_sched.decode_run import (
     decode_run_limit,
     kv_fits,
@@ -106,7 +106,7 @@ class _PrefillQueue(PrefillQueue):
         self._classify(request)
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     entries: list[tuple[Request, int, int, bool]]  # prefills: request, start, tokens, samples
     lane: Lane | None = None  # the decodes
@@ -173,6 +173,13 @@ class Scheduler:
         # a turn whose batch has not cleared stage 0 (still in the index)
         self._turn_out: set[str] = set()
         self._caching = self.cache.enable_prefix_caching
+        # prefill turns price their batch from summed features without a draft
+        # when one KVP group holds everything (ChunkSizer.adaptive_alone)
+        self._one_group = (
+            cost_model
+            if isinstance(cost_model, AggregateCostModel) and self.layout.kvp == 1
+            else None
+        )
         # prefix cache lookups at admission, in prompt tokens (vLLM's counters)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -919,16 +926,27 @@ class Scheduler:
         if cleared:
             self._refresh_work(request)
         rid = request.request_id
-        draft = self._new_draft()
-        sized = self._turn_chunk(request, draft, now)
-        if sized is None:
-            return None
-        groups, start, n, _ = sized
+        agg = self._one_group
+        start = request.num_scheduled_tokens
+        if agg is not None and start < self.group_limit:  # as in prefill_turn
+            n, time = self._sizer.adaptive_alone(
+                request, agg.group_time, agg.features, None, 0.0, self._target_time(), now
+            )
+            if n == 0 or start + n >= request.num_prefill_tokens:
+                return None
+            self._sizer.set_hint(rid, n)
+        else:
+            draft = self._new_draft()
+            sized = self._turn_chunk(request, draft, now)
+            if sized is None:
+                return None
+            groups, start, n, _ = sized
+            draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
+            time = draft.cost.time
         self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
-        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
         request.num_scheduled_tokens = start + n
         self._clock = now
-        return n, draft.cost.time
+        return n, time
 
     def _turn_chunk(
         self, request: Request, draft: Draft, now: float
@@ -1052,25 +1070,50 @@ class Scheduler:
             request = queue.first(now)
             if request is None or request.request_id not in self._running:
                 return None
-        rid = request.request_id  # type: ignore[union-attr]
+        assert request is not None  # given, or the queue's first
+        rid = request.request_id
         lanes = self._lanes
         lane = lanes.gather()
-        draft = self._new_draft()
         decodes = 0
         crossers = None
+        totals = None
         if lane is not None:
             decodes = len(lane.members)
             if decodes >= self.config.max_batch_requests:
                 return None  # a split, or no room for a chunk
             crossers = lane.cross_at.get(lane.issued)
-            draft.cost.seed(lanes.totals(lane))
-            draft.set_decodes(decodes)
-        if draft.cost.time >= draft.target:
-            return None
-        sized = self._turn_chunk(request, draft, now)
-        if sized is None:
-            return None
-        groups, start, n, hint = sized
+            totals = lanes.totals(lane)
+        agg = self._one_group
+        start = request.num_scheduled_tokens
+        if agg is not None and start < self.group_limit:
+            # one KVP group, a chunk in the first shard: the draft's sums without the draft
+            base = None if totals is None else totals[0]
+            base_time = 0.0 if base is None else agg.group_time(base)  # BatchCost.seed's
+            target = self._target_time()
+            if base_time >= target:
+                return None
+            sizer = self._sizer
+            hint = sizer.hint(rid)
+            n, time = sizer.adaptive_alone(
+                request, agg.group_time, agg.features, base, base_time, target, now
+            )
+            if n == 0 or start + n >= request.num_prefill_tokens:
+                return None
+            sizer.set_hint(rid, n)  # as adaptive() leaves it
+            groups = self.memory.groups_of(rid)
+        else:
+            draft = self._new_draft()
+            if totals is not None:
+                draft.cost.seed(totals)
+                draft.set_decodes(decodes)
+            if draft.cost.time >= draft.target:
+                return None
+            sized = self._turn_chunk(request, draft, now)
+            if sized is None:
+                return None
+            groups, start, n, hint = sized
+            draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
+            time = draft.cost.time
         if shared and len(set(groups[: start // self.group_limit + 1])) < self.layout.kvp:
             self._sizer.set_hint(rid, hint)  # a free KVP group: the scan would go on
             return None
@@ -1081,7 +1124,6 @@ class Scheduler:
                 return None
             del lane.cross_at[lane.issued]  # type: ignore[union-attr]
         self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
-        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         lanes.issue_unspelled(lane, batch_id)
@@ -1090,7 +1132,7 @@ class Scheduler:
         if shared:  # out of the queue, as the scan takes it: renewed at clear_turn
             self._turn_out.add(rid)
         self._clock = now
-        return batch_id, n, draft.cost.time, decodes
+        return batch_id, n, time, decodes
 
     def clear_turn(self, batch_id: int) -> None:
         """A :meth:`prefill_turn` batch cleared stage 0 (``on_stage_end`` without
@@ -1153,18 +1195,20 @@ class Scheduler:
 
         Batches leave the pipeline in the order they were scheduled.
         """
-        if batch_id not in self._in_flight:
-            raise SchedulerError(f"unknown or finished batch id {batch_id!r}")
-        oldest = next(iter(self._in_flight))
+        in_flight = self._in_flight
+        oldest = next(iter(in_flight), None)
         if batch_id != oldest:
+            if batch_id not in in_flight:
+                raise SchedulerError(f"unknown or finished batch id {batch_id!r}")
             raise SchedulerError(
                 f"batch {batch_id} ended before batch {oldest}: batches must end in order"
             )
-        batch = self._in_flight[batch_id]
-        self._check_result(batch, result)
+        batch = in_flight[batch_id]
+        if result.sampled_token_ids is not ZERO_TOKENS:
+            self._check_result(batch, result)
         if not batch.stage0_cleared:
             self.on_stage_end(batch_id, stage=0)
-        del self._in_flight[batch_id]
+        del in_flight[batch_id]
         finished: list[str] = []
         lane = batch.lane
         if lane is not None:
@@ -1213,7 +1257,7 @@ class Scheduler:
     def _end_decodes(self, lane: Lane, result: BatchResult, finished: list[str]) -> None:
         """A lane's batch ended: tokens in, finished decodes out (in running order)."""
         lanes, aborting = self._lanes, self._abort_pending
-        aborted = {rid for rid in aborting if lanes.where.get(rid) is lane}
+        aborted = {rid for rid in aborting if lanes.where.get(rid) is lane} if aborting else set()
         fresh = self._fresh.pop(lane, None) if self._fresh else None
         if fresh:
             reached = lanes.returned_fresh(lane, result.sampled_token_ids, aborted, fresh)

@@ -16,7 +16,7 @@ replica: every pipeline stage, every group, and the merges. With SPP depth
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -108,6 +108,16 @@ class AggregateCostModel(ABC):
         Called only for groups holding at least one request; an idle group
         takes no time.
         """
+
+    def group_time_varying(
+        self, totals: Sequence[float], i: int, j: int
+    ) -> Callable[[float, float], float] | None:
+        """``f(x, y)``: :meth:`group_time` of ``totals`` with entries ``i`` and
+        ``j`` (``i < j``) replaced by ``x`` and ``y``, the others fixed, giving
+        the very same floats; None when the model has no quicker form than
+        calling :meth:`group_time` (the default). A decode run prices one
+        group step after step with only two totals moving."""
+        return None
 
     def predict(self, batch: BatchWork) -> float:
         """Latency in seconds of ``batch``: the slowest group."""

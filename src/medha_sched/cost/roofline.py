@@ -37,7 +37,7 @@ the model monotone and O(1) per request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -111,6 +111,48 @@ class RooflineCostModel(AggregateCostModel):
             a, b = nt * c_h, w_h + nt * a_h
             time += a if a > b else b
         return time
+
+    def group_time_varying(
+        self, totals: Sequence[float], i: int, j: int
+    ) -> Callable[[float, float], float] | None:
+        """:meth:`group_time` as a function of the attended pairs and KV tokens
+        (``i, j == 1, 2``; else None), the other totals fixed: the terms that
+        do not move are computed once, and each call adds the same floats in
+        the same order as :meth:`group_time`."""
+        if (i, j) != (1, 2) or type(self).group_time is not RooflineCostModel.group_time:
+            return None  # (a subclass that prices otherwise keeps group_time)
+        q, _, _, qa, qm, nt = totals
+        (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = self._layer
+        (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = self._outer
+        a, b = q * c_qkv, w_qkv + q * a_qkv
+        qkv = a if a > b else b
+        read_q = qa * b_qo
+        a, b = q * c_o, w_o + q * a_o
+        out = a if a > b else b
+        a, b = q * c_m, w_m + q * a_m
+        mlp = a if a > b else b
+        merged = qm * merge
+        reduce = ar_fixed + q * ar_tok if q > 0 else None
+        send = qa * pp_tok
+        head = None
+        if nt > 0:
+            a, b = nt * c_h, w_h + nt * a_h
+            head = a if a > b else b
+
+        def time_of(pairs: float, kv: float) -> float:
+            a, b = pairs * c_att, kv * b_kv + read_q
+            layer = qkv + (a if a > b else b)
+            layer += out
+            layer += mlp
+            layer = layer + merged + fixed
+            if reduce is not None:
+                layer += reduce
+            time = layers * layer + pp_fixed + send
+            if head is not None:
+                time += head
+            return time
+
+        return time_of
 
     @classmethod
     def from_spec(

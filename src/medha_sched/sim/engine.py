@@ -49,6 +49,10 @@ class SimulationError(RuntimeError):
 
 _RESULT = BatchResult(sampled_token_ids=ZERO_TOKENS)  # every sampling chunk sampled token 0
 
+# ``_record(IterationRecord, (fields...))`` is ``IterationRecord(*fields)`` without the
+# namedtuple's Python-level ``__new__`` (a record per batch: millions in a long run)
+_record = tuple.__new__
+
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
@@ -233,7 +237,10 @@ class Simulator:
             if samples:
                 completes.append(rid)
         self.iterations.append(
-            IterationRecord(bid, now, predicted, n_decode, n_prefill, prefill_tokens, preempted)
+            _record(
+                IterationRecord,
+                (bid, now, predicted, n_decode, n_prefill, prefill_tokens, preempted),
+            )
         )
         sampling = n_decode + len(completes)  # every decode samples
         self._awaiting += sampling
@@ -257,13 +264,22 @@ class Simulator:
         times = self.sched.plan_decode_run(self._run_len, horizon - now)
         if not times:
             return now
-        pipeline, spp, starts, ends = self.pipeline, self.spp, [], []
+        spp, starts, ends = self.spp, [], []
+        free = self.pipeline.free  # a copy
+        if not free[-1] <= now:  # nothing is in flight: every batch has left the pipeline
+            raise SimulationError(f"a decode run at t={now} with stages busy until {free}")
+        # Every stage is free when each batch of the run is issued (at the end of
+        # the one before), so Pipeline.push's max(arrival, free) always picks the
+        # arrival: a batch leaves stage k at its start plus k + 1 stage times,
+        # added one at a time.
         t = now
         for predicted in times:
-            end = pipeline.peek(t, predicted / spp)
+            stage = predicted / spp
+            end = t + stage
+            for _ in range(1, spp):
+                end += stage
             if not end < horizon:
                 break
-            pipeline.push(t, predicted / spp)
             starts.append(t)
             ends.append(end)
             t = end
@@ -271,10 +287,16 @@ class Simulator:
         self._run_len = min(2 * self._run_len, 4096) if n == len(times) else 16
         if n == 0:
             return now
+        stage = times[n - 1] / spp
+        x = starts[-1]
+        for k in range(spp):
+            x += stage
+            free[k] = x
+        self.pipeline.free = free
         ids = self.sched.commit_decode_run(starts)
         decodes, append = len(self._live), self.iterations.append
         for bid, start, predicted in zip(ids, starts, times, strict=False):
-            append(IterationRecord(bid, start, predicted, decodes, 0, 0, 0))
+            append(_record(IterationRecord, (bid, start, predicted, decodes, 0, 0, 0)))
         self.now = ends[-1]
         return self.now
 
@@ -331,7 +353,12 @@ class Simulator:
             s = ready[x]
             if free[0] > s:
                 s = free[0]
-            if not s < horizon or any(ready[y] <= s for y in range(k) if y != x):
+            if not s < horizon:
+                break
+            if k == 2:  # the other lane
+                if ready[1 - x] <= s:
+                    break
+            elif any(ready[y] <= s for y in range(k) if y != x):
                 break
             p = tx[j]
             _, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy (s >= free[0])
@@ -351,7 +378,11 @@ class Simulator:
         self._drop_batch_ends(set(plan.in_flight))
         sizes, append = plan.sizes, self.iterations.append
         for i in range(n):
-            append(IterationRecord(first + i, starts[i], predicted[i], sizes[i % k], 0, 0, 0))
+            append(
+                _record(
+                    IterationRecord, (first + i, starts[i], predicted[i], sizes[i % k], 0, 0, 0)
+                )
+            )
         self.pipeline.free = free
         for i in range(n - k, n):
             size = sizes[i % k]
@@ -411,7 +442,9 @@ class Simulator:
             self._drop_batch_ends(set(done))
         append = self.iterations.append
         for i in range(m):
-            append(IterationRecord(first + i, starts[i], predicted[i], 0, 1, chunks[i], 0))
+            append(
+                _record(IterationRecord, (first + i, starts[i], predicted[i], 0, 1, chunks[i], 0))
+            )
         self.pipeline.free = free
         for i in range(ended, m):
             in_flight[first + i] = ([], 0, ends[i])
@@ -454,7 +487,7 @@ class Simulator:
                 queued = bool(issued)  # its last chunk cleared stage 0: it waits again
                 break
             bid, n, p, decodes = got
-            append(IterationRecord(bid, s, p, decodes, 1, n, 0))
+            append(_record(IterationRecord, (bid, s, p, decodes, 1, n, 0)))
             f, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy
             in_flight[bid] = ([], decodes, t)
             self._awaiting += decodes
@@ -463,7 +496,9 @@ class Simulator:
             if not f < horizon:
                 break  # its stage-0 end is an event of its own
             # what happens up to f: batch ends (in order), then bid clears stage 0
-            for b, (_, _, end) in list(in_flight.items()):
+            while True:
+                b = next(iter(in_flight))  # bid at least is in flight
+                end = in_flight[b][2]
                 if end > f:
                     break
                 self.now = end
