@@ -14,7 +14,9 @@ calibration). Three runs per repeat:
   the runtime's pipeline before stream pipelining), for contrast;
 - ``spp2-async`` (asked for with ``--layouts``): ``spp2`` with async
   scheduling: a decode is issued once the batch before it cleared stage 0,
-  and the last stage sends its sampled token straight to stage 0.
+  and the last stage sends its sampled token straight to stage 0;
+- ``spp1-async`` (asked for with ``--layouts``): ``spp1`` with async
+  scheduling (one process), the fair baseline for ``spp2-async``.
 
 For each it reports TTFT (the wall time from adding the request to the step
 that samples the first token), TPOT (median wall time between output
@@ -58,6 +60,7 @@ LAYOUTS = {
     "spp2": (2, None, False),
     "spp2-serial": (2, 1, False),
     "spp2-async": (2, None, True),
+    "spp1-async": (1, None, True),
 }
 #: what runs when --layouts is not given
 DEFAULT_LAYOUTS = ("spp1", "spp2", "spp2-serial")

@@ -40,7 +40,9 @@ def rotary_(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> bool:
         x: ``[num_tokens, num_heads, head_dim]`` fp32 on the CPU, the last dimension
             contiguous (any other strides); written.
         cos2, sin2: ``[num_tokens, 1, 2, head_dim // 2]`` fp32 from
-            :func:`medha_runtime.model.rope.rotary_tables` (``cos`` twice, ``(-sin, sin)``).
+            :func:`medha_runtime.model.rope.rotary_tables` (``cos`` twice, ``(-sin, sin)``:
+            the kernel reads ``sin2[:, :, 1]`` and negates it for the first half);
+            other shapes (tables broadcast over tokens) return False.
 
     Returns:
         Whether ``x`` was rotated (False: nothing was done).
@@ -54,6 +56,8 @@ def rotary_(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> bool:
         and x.stride(2) == 1
         and cos2.is_cpu
         and sin2.is_cpu
+        # one table row per token, as rotary_tables makes them (no broadcasting)
+        and cos2.shape == sin2.shape == (x.shape[0], 1, 2, x.shape[2] // 2)
         and not (torch.is_grad_enabled() and x.requires_grad)
     ):
         module = _module()
@@ -85,12 +89,18 @@ def write_kv(
         k.is_cpu
         and k_cache.is_cpu
         and index.dtype is _I64
+        and index.is_cpu
+        and index.dim() == 1
+        and index.is_contiguous()
         and k.dtype == k_cache.dtype
         and k.dim() == 3
+        and v.dim() == 3
         and k.stride(2) == 1
         and v.stride(-1) == 1
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype == k_cache.dtype
         and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
     ):
         module = _module()

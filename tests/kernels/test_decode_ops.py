@@ -66,6 +66,8 @@ def test_rotary_declines_what_it_cannot_run() -> None:
     assert not ops.rotary_(bf, cos2.bfloat16(), sin2.bfloat16())
     with pytest.raises(RuntimeError, match="cos2 and sin2 must be fp32 CPU"):
         ops._module().rotary_(torch.ones(3, 1, 8), cos2, sin2)
+    # tables broadcast over the tokens: the caller's torch path, not an error
+    assert not ops.rotary_(torch.ones(3, 1, 8), cos2[:1], sin2[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,3 +90,6 @@ def test_write_kv_is_index_copy(dtype: torch.dtype, rows: int) -> None:
         ops.write_kv(k, v, k_cache, v_cache, torch.full((rows,), blocks * block))
     assert not ops.write_kv(k, v, k_cache, v_cache, index.int())  # int32: the caller's path
     assert not ops.write_kv(k, v, k_cache[:, :2], v_cache[:, :2], index)  # not contiguous
+    strided = torch.stack([index, index], dim=1)[:, 0]  # a valid int64 index, strided
+    assert ops.write_kv(k, v, k_cache, v_cache, strided) is (rows == 1)  # 1 row: contiguous
+    assert not ops.write_kv(k, v, k_cache, v_cache[:, :, :1].contiguous(), index)  # other shape
