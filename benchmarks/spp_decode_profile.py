@@ -185,6 +185,7 @@ def run(spp: int, prompt: list[int], new: int, chunk: int) -> dict[str, dict]:
     engine = LLMEngine(
         "tiny",
         spp=spp,
+        async_scheduling=False,  # the synchronous step, part by part (spp > 1 defaults to async)
         num_threads=1,
         max_model_len=len(prompt) + new + 16,
         kv_cache_tokens=len(prompt) + new + 64,

@@ -219,10 +219,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     s.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="form and ship the next batch while the model runs the current one "
         "(any tp and kvp; with spp > 1 once it cleared stage 0, the last stage "
-        "sending its tokens to stage 0 through shared memory: one node, no torchrun)",
+        "sending its tokens to stage 0 through shared memory: one node, no torchrun; "
+        "default: on with spp > 1 on one node, off otherwise)",
     )
     s.add_argument(
         "--cuda-graphs",

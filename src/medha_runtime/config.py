@@ -109,7 +109,9 @@ class EngineConfig:
             (worker processes on one host only: the torch.distributed executor
             refuses it) a decode is issued once the previous batch cleared
             stage 0, and the last stage sends its tokens straight to stage 0
-            through shared memory.
+            through shared memory. None (auto, the default): on with spp > 1
+            on one host (where it takes the driver's round trip off each
+            decode token's path), off otherwise.
         cuda_graphs: replay decode-only steps from CUDA graphs, one per padded
             batch size (see :mod:`medha_runtime.decode_graphs`): tp = spp = kvp
             = 1 and the Triton attention backend (another backend leaves them
@@ -143,7 +145,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     step_log: str | None = None
     distributed: DistConfig | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
@@ -204,9 +206,10 @@ class EngineConfig:
                 object.__setattr__(self, name, os.fspath(value))
             elif value is not None and not isinstance(value, str):
                 raise ValueError(f"{name} must be a path, got {value!r}")
-        if not isinstance(self.async_scheduling, bool):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(
-                f"async_scheduling must be True or False, got {self.async_scheduling!r}"
+                f"async_scheduling must be True, False or None (auto), got "
+                f"{self.async_scheduling!r}"
             )
         if self.async_scheduling and self.spp != 1:
             from medha_parallel import shm
@@ -418,11 +421,27 @@ def resolve_engine(
             attention_backend=c.attention_backend,
             timeout_s=c.timeout_s,
             num_threads=c.num_threads,
-            pending_tokens=c.async_scheduling,
+            pending_tokens=async_on(c),
             cuda_graph_max_batch=_graph_batch(c) if _graphs_on(c, device) else 0,
             max_model_len=context,
         ),
         num_threads=c.num_threads,
+    )
+
+
+def async_on(config: EngineConfig) -> bool:
+    """``async_scheduling``, or with None (auto): spp > 1 with worker processes on one
+    host where the ranks can share memory and a batch's ids fit one message."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    from medha_parallel import shm
+    from medha_parallel.tokens import SHM_MAX_IDS
+
+    return (
+        config.spp > 1
+        and config.distributed is None
+        and shm.supported()
+        and (config.max_batch_requests or 0) <= SHM_MAX_IDS
     )
 
 
@@ -450,7 +469,7 @@ def scheduler_config(config: EngineConfig) -> SchedulerConfig:
         kw["max_chunk_tokens"] = max(SchedulerConfig().max_chunk_tokens, config.token_grid)
     if config.max_batch_requests is not None:
         kw["max_batch_requests"] = config.max_batch_requests
-    if config.async_scheduling:
+    if async_on(config):
         kw["async_decodes"] = True
     return SchedulerConfig(**kw)
 

@@ -271,7 +271,7 @@ class LLMEngine:
         self._specs: dict[str, SampleSpec] = {}  # sampling specs that no longer change
         #: async scheduling (EngineConfig.async_scheduling): batch N+1 is formed and
         #: shipped right after batch N, before N's tokens are back
-        self._async = config.async_scheduling
+        self._async = self.spec.pending_tokens  # resolved (None: on with spp > 1)
         #: async: request id -> the newest batch id in flight when it finished;
         #: its rows in batches up to that one (decodes issued ahead) are dropped
         self._dropped: dict[str, int] = {}

@@ -284,7 +284,10 @@ def test_execution_time_is_the_batch_own_in_the_cost_feedback_and_step_log(tmp_p
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"async_scheduling": "yes"}, "async_scheduling must be True or False, got 'yes'"),
+        (
+            {"async_scheduling": "yes"},
+            "async_scheduling must be True, False or None (auto), got 'yes'",
+        ),
         (
             {"async_scheduling": True, "spp": 2, "distributed": DistConfig(world_size=2)},
             "async_scheduling=True with spp=2 (tp=1, spp=2, kvp=1) needs worker processes "
@@ -305,14 +308,23 @@ def test_serve_flag_and_scheduler_config() -> None:
     args = build_parser().parse_args(["serve", "tiny", "--async-scheduling"])
     config = engine_config(args, distributed=None)
     assert config.async_scheduling is True
-    assert (
-        engine_config(build_parser().parse_args(["serve"]), distributed=None).async_scheduling
-        is False
-    )
-    from medha_runtime.config import scheduler_config
+    default = engine_config(build_parser().parse_args(["serve"]), distributed=None)
+    assert default.async_scheduling is None  # auto
+    off = build_parser().parse_args(["serve", "--spp", "2", "--no-async-scheduling"])
+    assert engine_config(off, distributed=None).async_scheduling is False
+    from medha_runtime.config import async_on, scheduler_config
 
     assert scheduler_config(config).async_decodes is True
+    # auto: off with one stage, on with spp > 1 on one host; explicit False wins
     assert scheduler_config(EngineConfig()).async_decodes is False
+    from medha_parallel import shm
+
+    assert async_on(EngineConfig(spp=2)) is shm.supported()  # Linux on x86-64
+    assert scheduler_config(EngineConfig(spp=2)).async_decodes is shm.supported()
+    assert async_on(EngineConfig(spp=2, async_scheduling=False)) is False
+    assert async_on(EngineConfig(spp=2, max_batch_requests=5000)) is False  # ids: one message
+    dist = DistConfig(world_size=2, local_ranks=2)
+    assert async_on(EngineConfig(spp=2, distributed=dist)) is False  # no shared-memory path
 
 
 def test_only_the_async_runner_keeps_last_tokens() -> None:
