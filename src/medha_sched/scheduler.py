@@ -910,6 +910,46 @@ class Scheduler:
                     return None
         return request
 
+    def _size_turn(
+        self, request: Request, now: float, totals: list[list[int] | None] | None, decodes: int
+    ) -> tuple[tuple[int, ...], int, int, int | None, float] | None:
+        """A turn's chunk of ``request`` beside a lane's ``decodes`` (their summed
+        features ``totals`` per group; None: no lane), sized as ``schedule`` would:
+        ``(groups, start, tokens, the hint before it, predicted seconds)``, or None
+        when no chunk fits or it would end the prefill. Leaves the sizer's hint
+        at the chunk, as ``adaptive`` does; nothing else changes."""
+        rid = request.request_id
+        agg = self._one_group
+        start = request.num_scheduled_tokens
+        if agg is not None and start < self.group_limit:
+            # one KVP group, a chunk in the first shard: the draft's sums without the draft
+            base = None if totals is None else totals[0]
+            base_time = 0.0 if base is None else agg.group_time(base)  # BatchCost.seed's
+            target = self._target_time()
+            if base_time >= target:
+                return None
+            sizer = self._sizer
+            hint = sizer.hint(rid)
+            n, time = sizer.adaptive_alone(
+                request, agg.group_time, agg.features, base, base_time, target, now
+            )
+            if n == 0 or start + n >= request.num_prefill_tokens:
+                return None
+            sizer.set_hint(rid, n)  # as adaptive() leaves it
+            return self.memory.groups_of(rid), start, n, hint, time
+        draft = self._new_draft()
+        if totals is not None:
+            draft.cost.seed(totals)
+            draft.set_decodes(decodes)
+        if draft.cost.time >= draft.target:
+            return None
+        sized = self._turn_chunk(request, draft, now)
+        if sized is None:
+            return None
+        groups, start, n, hint = sized
+        draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
+        return groups, start, n, hint, draft.cost.time
+
     def lone_prefill_turn(
         self, request: Request, now: float, *, cleared: bool
     ) -> tuple[int, float] | None:
@@ -926,23 +966,10 @@ class Scheduler:
         if cleared:
             self._refresh_work(request)
         rid = request.request_id
-        agg = self._one_group
-        start = request.num_scheduled_tokens
-        if agg is not None and start < self.group_limit:  # as in prefill_turn
-            n, time = self._sizer.adaptive_alone(
-                request, agg.group_time, agg.features, None, 0.0, self._target_time(), now
-            )
-            if n == 0 or start + n >= request.num_prefill_tokens:
-                return None
-            self._sizer.set_hint(rid, n)
-        else:
-            draft = self._new_draft()
-            sized = self._turn_chunk(request, draft, now)
-            if sized is None:
-                return None
-            groups, start, n, _ = sized
-            draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
-            time = draft.cost.time
+        sized = self._size_turn(request, now, None, 0)
+        if sized is None:
+            return None
+        _, start, n, _, time = sized
         self.memory.pop_new_blocks(rid)  # none after the first chunk; as _emit would
         request.num_scheduled_tokens = start + n
         self._clock = now
@@ -1083,37 +1110,10 @@ class Scheduler:
                 return None  # a split, or no room for a chunk
             crossers = lane.cross_at.get(lane.issued)
             totals = lanes.totals(lane)
-        agg = self._one_group
-        start = request.num_scheduled_tokens
-        if agg is not None and start < self.group_limit:
-            # one KVP group, a chunk in the first shard: the draft's sums without the draft
-            base = None if totals is None else totals[0]
-            base_time = 0.0 if base is None else agg.group_time(base)  # BatchCost.seed's
-            target = self._target_time()
-            if base_time >= target:
-                return None
-            sizer = self._sizer
-            hint = sizer.hint(rid)
-            n, time = sizer.adaptive_alone(
-                request, agg.group_time, agg.features, base, base_time, target, now
-            )
-            if n == 0 or start + n >= request.num_prefill_tokens:
-                return None
-            sizer.set_hint(rid, n)  # as adaptive() leaves it
-            groups = self.memory.groups_of(rid)
-        else:
-            draft = self._new_draft()
-            if totals is not None:
-                draft.cost.seed(totals)
-                draft.set_decodes(decodes)
-            if draft.cost.time >= draft.target:
-                return None
-            sized = self._turn_chunk(request, draft, now)
-            if sized is None:
-                return None
-            groups, start, n, hint = sized
-            draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
-            time = draft.cost.time
+        sized = self._size_turn(request, now, totals, decodes)
+        if sized is None:
+            return None
+        groups, start, n, hint, time = sized
         if shared and len(set(groups[: start // self.group_limit + 1])) < self.layout.kvp:
             self._sizer.set_hint(rid, hint)  # a free KVP group: the scan would go on
             return None
