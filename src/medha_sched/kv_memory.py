@@ -96,17 +96,23 @@ class KVBlockManager:
         return order
 
     def _plan_admit(
-        self, num_tokens: int, free: Sequence[int], hits: Sequence[_Hit] = ()
+        self,
+        num_tokens: int,
+        free: Sequence[int],
+        hits: Sequence[_Hit] = (),
+        reserve: int | None = None,
     ) -> list[int] | None:
         """Groups of a ``num_tokens``-token prompt in shard order, or None.
 
         The shards of ``hits`` are pinned to their groups; their cached blocks
         are shared, so only the rest of each such shard is allocated (a hit
         block that is now cached stops counting as free once taken).
+        ``reserve``: blocks each touched group keeps free (None: the watermark).
         """
         _check_tokens(num_tokens)
         needs = [self._blocks_for(t) for t in self._split(num_tokens, -(-num_tokens // self._g))]
-        reserve = self.cache.watermark_blocks
+        if reserve is None:
+            reserve = self.cache.watermark_blocks
         pinned = []
         for (group, blocks), need in zip(hits, needs, strict=False):
             pool = self._pools[group]
@@ -194,27 +200,36 @@ class KVBlockManager:
         return self.plan_admit(num_tokens, block_hashes) is not None
 
     def plan_admit(
-        self, num_tokens: int, block_hashes: Sequence[Hashable] = ()
+        self,
+        num_tokens: int,
+        block_hashes: Sequence[Hashable] = (),
+        *,
+        reserve: int | None = None,
     ) -> tuple[int, ...] | None:
         """The groups :meth:`admit` would give a prompt now, in shard order, or None."""
-        plan = self._plan_cached(num_tokens, block_hashes)
+        plan = self._plan_cached(num_tokens, block_hashes, reserve)
         return None if plan is None else tuple(plan[0])
 
     def plan_admit_cached(
-        self, num_tokens: int, block_hashes: Sequence[Hashable] = ()
+        self,
+        num_tokens: int,
+        block_hashes: Sequence[Hashable] = (),
+        *,
+        reserve: int | None = None,
     ) -> tuple[tuple[int, ...], int] | None:
         """``(groups, cached tokens)`` :meth:`admit` would give a prompt now, or None."""
-        plan = self._plan_cached(num_tokens, block_hashes)
+        plan = self._plan_cached(num_tokens, block_hashes, reserve)
         if plan is None:
             return None
         groups, hits = plan
         return tuple(groups), sum(len(run) for _, run in hits) * self._bs
 
     def _plan_cached(
-        self, num_tokens: int, block_hashes: Sequence[Hashable]
+        self, num_tokens: int, block_hashes: Sequence[Hashable], reserve: int | None = None
     ) -> tuple[list[int], list[_Hit]] | None:
         """Groups and cache hits of an admission; without the hits when the
-        pinned groups lack room for the rest of their shards."""
+        pinned groups lack room for the rest of their shards. ``reserve``:
+        blocks each touched group keeps free (None: the watermark)."""
         hits = self._match(block_hashes, num_tokens) if block_hashes and self._caching else []
         if not hits:
             _check_tokens(num_tokens)
@@ -227,13 +242,14 @@ class KVBlockManager:
                     counts = [pool.num_free for pool in pools]
                     free = max(counts)
                     group = counts.index(free)
-                return None if free - need < self._reserve else ([group], hits)
+                keep = self._reserve if reserve is None else reserve
+                return None if free - need < keep else ([group], hits)
         free = self._free_counts()
         if hits:
-            groups = self._plan_admit(num_tokens, free, hits)
+            groups = self._plan_admit(num_tokens, free, hits, reserve)
             if groups is not None:
                 return groups, hits
-        groups = self._plan_admit(num_tokens, free)
+        groups = self._plan_admit(num_tokens, free, reserve=reserve)
         return None if groups is None else (groups, [])
 
     def can_ever_admit(self, num_tokens: int) -> bool:
@@ -242,7 +258,12 @@ class KVBlockManager:
         return self._plan_admit(num_tokens, empty) is not None
 
     def admit(
-        self, request_id: Hashable, num_tokens: int, block_hashes: Sequence[Hashable] = ()
+        self,
+        request_id: Hashable,
+        num_tokens: int,
+        block_hashes: Sequence[Hashable] = (),
+        *,
+        reserve: int | None = None,
     ) -> bool:
         """Reserve blocks for a whole ``num_tokens``-token prompt.
 
@@ -251,12 +272,12 @@ class KVBlockManager:
         cached prefix is shared instead of allocated;
         :meth:`cached_tokens` says how long it is. Returns False, changing
         nothing, if it does not fit while leaving the watermark free on each
-        touched group. Raises SchedulerError (a ValueError) if
-        ``request_id`` already holds blocks.
+        touched group (``reserve`` blocks instead, when given). Raises
+        SchedulerError (a ValueError) if ``request_id`` already holds blocks.
         """
         if request_id in self._entries:
             raise SchedulerError(f"request {request_id!r} is already admitted")
-        plan = self._plan_cached(num_tokens, block_hashes)
+        plan = self._plan_cached(num_tokens, block_hashes, reserve)
         if plan is None:
             return False
         groups, hits = plan

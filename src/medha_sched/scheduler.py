@@ -132,6 +132,12 @@ class Scheduler:
         self.policy = get_policy(config.policy)
         self.memory = KVBlockManager(self.cache, num_groups=self.layout.kvp)
         self.group_limit = self.cache.group_token_limit
+        usable = (self.cache.num_blocks_per_group - self.cache.watermark_blocks) * (
+            self.cache.block_size
+        )
+        #: the longest prefill memory ever admits with the watermark (max_admit_tokens)
+        whole = self.layout.kvp * self.group_limit
+        self._max_admit = whole if usable >= self.group_limit else usable
         table = {
             "target_time": config.target_batch_time,
             "token_grid": config.token_grid,
@@ -191,12 +197,16 @@ class Scheduler:
         return self.layout.kvp * self.group_limit
 
     @property
+    def max_admit_tokens(self) -> int:
+        """Longest prefill KV memory admits with the watermark left free (whole-prompt
+        reservation). A preempted request that has grown past it is admitted
+        without the watermark, and is no victim while another can be preempted."""
+        return self._max_admit
+
+    @property
     def max_prompt_tokens(self) -> int:
         """Longest prompt that can be admitted (whole-prompt reservation)."""
-        usable = (
-            self.cache.num_blocks_per_group - self.cache.watermark_blocks
-        ) * self.cache.block_size
-        prompt = self.max_context_tokens if usable >= self.group_limit else usable
+        prompt = self.max_admit_tokens
         if self.config.adaptive:
             prompt = min(prompt, self._feasibility.max_feasible_tokens)
         return int(prompt)
@@ -488,7 +498,11 @@ class Scheduler:
             for r in self._running.values()
             if not r.in_flight and (holders is None or r.request_id in holders)
         ]
-        return max(candidates, key=lambda r: (self.policy.key(r, now), r.arrival_time))
+        # a request that has grown past what memory can ever admit again would wait
+        # forever after a recompute preemption: another victim if there is one
+        limit = self._max_admit
+        able = [r for r in candidates if r.num_tokens <= limit]
+        return max(able or candidates, key=lambda r: (self.policy.key(r, now), r.arrival_time))
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free the KV, keep the deadline, prefill again."""
@@ -632,18 +646,23 @@ class Scheduler:
         rid = request.request_id
         admitted = rid in self._running
         cached, hashes = 0, ()
+        # a preempted request grown past what the watermark lets memory admit
+        # comes back into memory without it (else it would wait forever)
+        reserve = 0 if request.num_prefill_tokens > self._max_admit else None
         if admitted:
             groups = self.memory.groups_of(rid)
         elif self._caching:
             hashes = self._lookup_hashes(request)
-            plan = self.memory.plan_admit_cached(request.num_prefill_tokens, hashes)
+            plan = self.memory.plan_admit_cached(
+                request.num_prefill_tokens, hashes, reserve=reserve
+            )
             if plan is None:
                 return False  # no memory for the rest of the prompt yet
             groups, cached = plan
             # the cached prefix counts as computed: the first chunk starts after it
             self._set_cursors(request, cached)
         else:
-            groups = self.memory.plan_admit(request.num_prefill_tokens)
+            groups = self.memory.plan_admit(request.num_prefill_tokens, reserve=reserve)
         if groups is None:
             return False  # no memory for the whole prompt yet
         if self.config.adaptive:
@@ -656,7 +675,7 @@ class Scheduler:
             return False
         if not admitted:
             if self._caching or len(groups) != 1:
-                ok = self.memory.admit(rid, request.num_prefill_tokens, hashes)
+                ok = self.memory.admit(rid, request.num_prefill_tokens, hashes, reserve=reserve)
                 assert ok and self.memory.groups_of(rid) == groups, (
                     "admission differs from its plan"
                 )

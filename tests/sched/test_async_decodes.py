@@ -366,3 +366,72 @@ def test_a_fresh_member_aborted_with_two_batches_in_flight_counts_what_it_comput
         stepper.end()
     assert b.status is RequestStatus.FINISHED_ABORTED
     assert b.num_computed_tokens == 3  # the prompt; its decode in flight was dropped
+
+
+def test_a_request_grown_past_what_memory_admits_is_not_the_victim() -> None:
+    """Found by the property above (seed 153500584178046473857599844566065558742):
+    a shard takes a whole group (``max_tokens_per_group`` = its blocks), so with the
+    watermark a prefill of at most (53 - 1) * 4 = 208 tokens can be admitted. r2's
+    202-token prompt was; preempted at 221 tokens, it could never come back and
+    the scheduler idled forever. A request that long is no victim while another is."""
+    from medha_sched.config import ParallelDegrees
+
+    from .models import PolyCostModel
+
+    layout = ParallelDegrees(kvp=2)
+    model = PolyCostModel(
+        base=0.0013105300185748616, a=6.94542965188821e-05, b=6.103515625e-13,
+        c=3.845877279801152e-08, d=2.1057273131741245e-10, e=5.328837338541671e-07,
+        layout=layout,
+    )  # fmt: skip
+    config = SchedulerConfig(
+        policy="srpt", target_batch_time=0.044145034646661196, chunk_size=None,
+        token_grid=32, max_chunk_tokens=256, max_batch_requests=35,
+        long_prefill_threshold=128, min_deadline=0.09729665817559453, async_decodes=True,
+    )  # fmt: skip
+    cache = CacheConfig(
+        block_size=4, num_blocks_per_group=53, max_tokens_per_group=212, watermark=0.01
+    )
+    sched = Scheduler(config, model, cache=cache)
+    assert sched.max_admit_tokens == 208
+    shapes = [("r0", 0.0, 207, 3), ("r1", 0.01, 11, 12), ("r2", 0.0, 202, 41),
+              ("r3", 0.0415613, 43, 45), ("r4", 0.0, 165, 42), ("r5", 0.05, 134, 36)]  # fmt: skip
+    requests = [
+        Request.from_tokens(rid, at, prompt_of(rid, p), max_output_tokens=out)
+        for rid, at, p, out in shapes
+    ]
+    run = drive(sched, requests, stop_after={"r2": 26}, abort_at={"r5": 14}, max_iters=2000)
+    assert set(run.finished) == {r.request_id for r in requests}
+
+
+def test_a_preempted_request_past_the_watermark_limit_comes_back() -> None:
+    """Also found by the property above: here every candidate victim has grown past
+    (52 - 1) * 4 = 204 tokens, so r4 or r5 is preempted anyway; it is admitted
+    again without the watermark (it waited forever for room the watermark never gave)."""
+    from medha_sched.config import ParallelDegrees
+
+    from .models import PolyCostModel
+
+    model = PolyCostModel(
+        base=0.0013105300185748616, a=0.0, b=0.0, c=0.0, d=0.0, e=0.0,
+        layout=ParallelDegrees(kvp=2),
+    )  # fmt: skip
+    config = SchedulerConfig(
+        policy="fcfs", target_batch_time=0.09729665817559453, chunk_size=None,
+        token_grid=1, max_chunk_tokens=64, max_batch_requests=2,
+        long_prefill_threshold=128, min_deadline=0.044145034646661196, async_decodes=True,
+    )  # fmt: skip
+    cache = CacheConfig(
+        block_size=4, num_blocks_per_group=52, max_tokens_per_group=208, watermark=0.01
+    )
+    sched = Scheduler(config, model, cache=cache)
+    assert sched.max_admit_tokens == 204
+    shapes = [("r0", 1, 1), ("r1", 1, 1), ("r2", 1, 1), ("r3", 1, 2), ("r4", 203, 12),
+              ("r5", 196, 10)]  # fmt: skip
+    requests = [
+        Request.from_tokens(rid, 0.0, prompt_of(rid, p), max_output_tokens=out)
+        for rid, p, out in shapes
+    ]
+    run = drive(sched, requests, stop_after={}, abort_at={}, max_iters=2000)
+    assert set(run.finished) == {r.request_id for r in requests}
+    assert sched.num_preemptions > 0  # the case: a victim past 204 tokens
