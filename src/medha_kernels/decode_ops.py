@@ -13,7 +13,6 @@ the work to the caller's torch path.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -24,13 +23,9 @@ _I64 = torch.int64
 @functools.cache
 def _module():
     """The native extension, or None where it cannot run (builds on first use; cached)."""
-    if os.environ.get("MEDHA_NATIVE_DECODE_OPS", "1") == "0":
-        return None
     from medha_kernels import native
 
-    if not native.supports_device(torch.device("cpu")):
-        return None
-    return native.get_module("cpu")
+    return native.cpu_module("MEDHA_NATIVE_DECODE_OPS")
 
 
 def rotary_(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> bool:

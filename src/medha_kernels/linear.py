@@ -20,7 +20,6 @@ measurements behind the row limits (``benchmarks/cpu_linear.py``).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +39,9 @@ def _module():
     Cached, ``MEDHA_NATIVE_LINEAR`` included: the environment is read at the first
     call only (a decode step calls :func:`linear` hundreds of times).
     """
-    if os.environ.get("MEDHA_NATIVE_LINEAR", "1") == "0":
-        return None
     from medha_kernels import native
 
-    if not native.supports_device(torch.device("cpu")):
-        return None
-    module = native.get_module("cpu")
+    module = native.cpu_module("MEDHA_NATIVE_LINEAR")
     return module if getattr(module, "linear_small_m_vectorized", False) else None
 
 

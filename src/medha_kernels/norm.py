@@ -15,7 +15,6 @@ torch with the same arithmetic.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +25,9 @@ _F32 = torch.float32
 @functools.cache
 def _module():
     """The native extension, or None where it cannot run (builds on first use; cached)."""
-    if os.environ.get("MEDHA_NATIVE_NORM", "1") == "0":
-        return None
     from medha_kernels import native
 
-    if not native.supports_device(torch.device("cpu")):
-        return None
-    return native.get_module("cpu")
+    return native.cpu_module("MEDHA_NATIVE_NORM")
 
 
 def native_rms_norm_available() -> bool:

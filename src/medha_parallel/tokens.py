@@ -52,10 +52,14 @@ def _check_count(rank: int, count: int, src: int, sent: int) -> None:
         )
 
 
+#: messages a :class:`TokenReturn` holds that its receivers did not read yet, at most
+RETURN_SLOTS = 8
+
+
 def return_slots(spp: int) -> int:
     """Buffers of the :class:`TokenReturn` ring an ``spp``-stage pipeline uses: at most
     that many batches may be in flight (unread messages never outnumber them)."""
-    return max(8, 2 * spp)
+    return max(RETURN_SLOTS, 2 * spp)
 
 
 class _ShmTokens:
@@ -228,10 +232,6 @@ class TokenBroadcast:
             self._shm.close()
             self._shm = None
             self.uses_shared_memory = False
-
-
-#: messages a :class:`TokenReturn` holds that its receivers did not read yet, at most
-RETURN_SLOTS = 8
 
 
 class TokenReturn:

@@ -73,6 +73,15 @@ def supports_device(device: torch.device) -> bool:
     return _toolchain(torch.device(device).type, os.environ.get("CXX"), os.environ.get("PATH"))
 
 
+def cpu_module(opt_out: str):
+    """The CPU extension for an op family, or None where it cannot run here or the
+    environment variable ``opt_out`` is ``0`` (builds on first use; its callers
+    cache the answer, so the environment is read once per process)."""
+    if os.environ.get(opt_out, "1") == "0" or not supports_device(torch.device("cpu")):
+        return None
+    return get_module("cpu")
+
+
 def can_run(op: str, *args: object) -> bool:
     """Attention only on CPU tensors (its first argument is ``q``); merges anywhere."""
     if op not in _CPU_ONLY:
