@@ -211,23 +211,6 @@ class EngineConfig:
                 f"async_scheduling must be True, False or None (auto), got "
                 f"{self.async_scheduling!r}"
             )
-        if self.async_scheduling and self.spp != 1:
-            from medha_parallel import shm
-
-            if not shm.supported():  # the last stage's ids go back through shared memory
-                raise ValueError(
-                    f"async_scheduling=True with spp={self.spp} needs shared memory between "
-                    f"the ranks (Linux on x86-64); this is {sys.platform} on "
-                    f"{platform.machine()}"
-                )
-        if self.async_scheduling and self.spp != 1 and self.max_batch_requests is not None:
-            from medha_parallel.tokens import SHM_MAX_IDS
-
-            if self.max_batch_requests > SHM_MAX_IDS:  # a batch's sampled ids: one message
-                raise ValueError(
-                    f"async_scheduling=True with spp={self.spp} takes at most {SHM_MAX_IDS} "
-                    f"requests per batch, got max_batch_requests={self.max_batch_requests}"
-                )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(
                 f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}"
@@ -240,13 +223,11 @@ class EngineConfig:
         if self.distributed is not None:
             if not isinstance(self.distributed, DistConfig):
                 raise ValueError(f"distributed must be a DistConfig, got {self.distributed!r}")
-            if self.async_scheduling and self.spp != 1:
-                raise ValueError(
-                    f"async_scheduling=True with spp={self.spp} (tp={self.tp}, spp={self.spp}, "
-                    f"kvp={self.kvp}) needs worker processes on one host (the last stage "
-                    "sends its tokens to stage 0 through shared memory); the torch.distributed "
-                    "executor (distributed=...) runs it with spp = 1 only"
-                )
+        if self.async_scheduling and self.spp != 1:
+            why = _async_spp_obstacle(self)
+            if why is not None:
+                raise ValueError(why)
+        if self.distributed is not None:
             world = self.tp * self.spp * self.kvp
             if self.distributed.world_size != world:
                 raise ValueError(
@@ -430,19 +411,39 @@ def resolve_engine(
 
 
 def async_on(config: EngineConfig) -> bool:
-    """``async_scheduling``, or with None (auto): spp > 1 with worker processes on one
-    host where the ranks can share memory and a batch's ids fit one message."""
+    """``async_scheduling``, or with None (auto): spp > 1 where nothing stands in its
+    way (:func:`_async_spp_obstacle`)."""
     if config.async_scheduling is not None:
         return config.async_scheduling
+    return config.spp > 1 and _async_spp_obstacle(config) is None
+
+
+def _async_spp_obstacle(config: EngineConfig) -> str | None:
+    """Why async scheduling cannot run with ``config``'s spp > 1, or None: the last
+    stage sends its sampled ids to stage 0 through shared memory, so it needs worker
+    processes on one host that can share memory, and a batch's ids in one message."""
+    c = config
     from medha_parallel import shm
     from medha_parallel.tokens import SHM_MAX_IDS
 
-    return (
-        config.spp > 1
-        and config.distributed is None
-        and shm.supported()
-        and (config.max_batch_requests or 0) <= SHM_MAX_IDS
-    )
+    if not shm.supported():
+        return (
+            f"async_scheduling=True with spp={c.spp} needs shared memory between the ranks "
+            f"(Linux on x86-64); this is {sys.platform} on {platform.machine()}"
+        )
+    if c.max_batch_requests is not None and c.max_batch_requests > SHM_MAX_IDS:
+        return (
+            f"async_scheduling=True with spp={c.spp} takes at most {SHM_MAX_IDS} requests "
+            f"per batch, got max_batch_requests={c.max_batch_requests}"
+        )
+    if c.distributed is not None:
+        return (
+            f"async_scheduling=True with spp={c.spp} (tp={c.tp}, spp={c.spp}, kvp={c.kvp}) "
+            "needs worker processes on one host (the last stage sends its tokens to stage 0 "
+            "through shared memory); the torch.distributed executor (distributed=...) runs "
+            "it with spp = 1 only"
+        )
+    return None
 
 
 def _graphs_on(config: EngineConfig, device: str) -> bool:

@@ -112,7 +112,7 @@ class KVBlockManager:
         _check_tokens(num_tokens)
         needs = [self._blocks_for(t) for t in self._split(num_tokens, -(-num_tokens // self._g))]
         if reserve is None:
-            reserve = self.cache.watermark_blocks
+            reserve = self._reserve
         pinned = []
         for (group, blocks), need in zip(hits, needs, strict=False):
             pool = self._pools[group]
@@ -251,6 +251,14 @@ class KVBlockManager:
                 return groups, hits
         groups = self._plan_admit(num_tokens, free, reserve=reserve)
         return None if groups is None else (groups, [])
+
+    @property
+    def max_admit_tokens(self) -> int:
+        """The longest prompt empty memory admits with the watermark left free: every
+        group's shard if a group holds one beside the watermark, else what one group
+        holds beside it."""
+        usable = (self.cache.num_blocks_per_group - self._reserve) * self._bs
+        return self.num_groups * self._g if usable >= self._g else usable
 
     def can_ever_admit(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` tokens could be admitted into empty memory."""

@@ -132,12 +132,8 @@ class Scheduler:
         self.policy = get_policy(config.policy)
         self.memory = KVBlockManager(self.cache, num_groups=self.layout.kvp)
         self.group_limit = self.cache.group_token_limit
-        usable = (self.cache.num_blocks_per_group - self.cache.watermark_blocks) * (
-            self.cache.block_size
-        )
         #: the longest prefill memory ever admits with the watermark (max_admit_tokens)
-        whole = self.layout.kvp * self.group_limit
-        self._max_admit = whole if usable >= self.group_limit else usable
+        self._max_admit = self.memory.max_admit_tokens
         table = {
             "target_time": config.target_batch_time,
             "token_grid": config.token_grid,
@@ -498,8 +494,8 @@ class Scheduler:
             for r in self._running.values()
             if not r.in_flight and (holders is None or r.request_id in holders)
         ]
-        # a request that has grown past what memory can ever admit again would wait
-        # forever after a recompute preemption: another victim if there is one
+        # a request grown past what memory admits with the watermark comes back only
+        # without it, once its groups are nearly empty: another victim if there is one
         limit = self._max_admit
         able = [r for r in candidates if r.num_tokens <= limit]
         return max(able or candidates, key=lambda r: (self.policy.key(r, now), r.arrival_time))
@@ -647,7 +643,7 @@ class Scheduler:
         admitted = rid in self._running
         cached, hashes = 0, ()
         # a preempted request grown past what the watermark lets memory admit
-        # comes back into memory without it (else it would wait forever)
+        # comes back into memory without it (with it, it never would)
         reserve = 0 if request.num_prefill_tokens > self._max_admit else None
         if admitted:
             groups = self.memory.groups_of(rid)
@@ -1129,13 +1125,15 @@ class Scheduler:
                 return None  # a split, or no room for a chunk
             crossers = lane.cross_at.get(lane.issued)
             totals = lanes.totals(lane)
+        if shared:
+            groups = self.memory.groups_of(rid)
+            start = request.num_scheduled_tokens
+            if len(set(groups[: start // self.group_limit + 1])) < self.layout.kvp:
+                return None  # a free KVP group: the scan would go on (checked before sizing)
         sized = self._size_turn(request, now, totals, decodes)
         if sized is None:
             return None
         groups, start, n, hint, time = sized
-        if shared and len(set(groups[: start // self.group_limit + 1])) < self.layout.kvp:
-            self._sizer.set_hint(rid, hint)  # a free KVP group: the scan would go on
-            return None
         if crossers is not None:
             got = lanes.grow_all(lane, crossers)  # type: ignore[arg-type]
             if got is None:  # short of blocks or a new shard: schedule() decides
@@ -1300,9 +1298,9 @@ class Scheduler:
             finished.append(m.request.request_id)
 
     def _check_result(self, batch: _InFlight, result: BatchResult) -> None:
+        """The result names a token for every sampling row (the caller skips
+        ``ZERO_TOKENS``, which holds every request's token)."""
         tokens = result.sampled_token_ids
-        if tokens is ZERO_TOKENS:
-            return  # it holds every request's token
         if batch.lane is not None:
             fresh = self._fresh.get(batch.lane, ()) if self._fresh else ()
             for m in batch.lane.members:
