@@ -220,9 +220,8 @@ class EngineConfig:
                 f"cuda_graphs=True needs one rank (tp = spp = kvp = 1), got tp={self.tp}, "
                 f"spp={self.spp}, kvp={self.kvp}"
             )
-        if self.distributed is not None:
-            if not isinstance(self.distributed, DistConfig):
-                raise ValueError(f"distributed must be a DistConfig, got {self.distributed!r}")
+        if self.distributed is not None and not isinstance(self.distributed, DistConfig):
+            raise ValueError(f"distributed must be a DistConfig, got {self.distributed!r}")
         if self.async_scheduling and self.spp != 1:
             why = _async_spp_obstacle(self)
             if why is not None:
