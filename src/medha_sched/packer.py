@@ -201,6 +201,8 @@ class ChunkSizer:
         base_time: float,
         target: float,
         now: float,
+        chunk_time: Callable[[Sequence[float] | None, int], Callable[[int], float] | None]
+        | None = None,
     ) -> tuple[int, float]:
         """:meth:`adaptive` on a fresh draft of an aggregate model with one KVP
         group, holding only summed features ``base`` (None: nothing) priced
@@ -211,6 +213,8 @@ class ChunkSizer:
         (``_totals_with``: ``base + features`` term by term), without the
         draft. Leaves the hint alone: the caller sets it (:meth:`set_hint`)
         once the chunk is issued, as :meth:`adaptive` would have left it.
+        ``chunk_time``: the model's ``chunk_time_fn`` (the same floats in one
+        call a probe), used when it gives a function.
         """
         start = request.num_scheduled_tokens
         cfg = self._cfg
@@ -226,7 +230,14 @@ class ChunkSizer:
         if limit_g - start % limit_g < limit:
             limit = limit_g - start % limit_g
         probes: dict[int, float] = {}
-        if base is None:
+        fn = None if chunk_time is None else chunk_time(base, start)
+        if fn is not None:
+
+            def time_of(n: int) -> float:
+                t = probes[n] = fn(n)
+                return t
+
+        elif base is None:
 
             def time_of(n: int) -> float:
                 t = probes[n] = group_time(list(features(n, start, True)))

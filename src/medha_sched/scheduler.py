@@ -946,7 +946,14 @@ class Scheduler:
             sizer = self._sizer
             hint = sizer.hint(rid)
             n, time = sizer.adaptive_alone(
-                request, agg.group_time, agg.features, base, base_time, target, now
+                request,
+                agg.group_time,
+                agg.features,
+                base,
+                base_time,
+                target,
+                now,
+                agg.chunk_time_fn,
             )
             if n == 0 or start + n >= request.num_prefill_tokens:
                 return None

@@ -119,6 +119,16 @@ class AggregateCostModel(ABC):
         group step after step with only two totals moving."""
         return None
 
+    def chunk_time_fn(
+        self, base: Sequence[float] | None, start: int
+    ) -> Callable[[int], float] | None:
+        """``f(n)``: :meth:`group_time` of ``base`` plus the features of an
+        ``n``-token tail chunk at KV position ``start`` (``base`` None: the chunk
+        alone), summed term by term as ``base[k] + features(n, start, True)[k]``,
+        giving the very same floats; None when the model has no quicker form
+        (the default). A prefill turn probes one group for its chunk size."""
+        return None
+
     def predict(self, batch: BatchWork) -> float:
         """Latency in seconds of ``batch``: the slowest group."""
         if len(batch.groups) > self.layout.kvp:

@@ -154,6 +154,52 @@ class RooflineCostModel(AggregateCostModel):
 
         return time_of
 
+    def chunk_time_fn(
+        self, base: Sequence[float] | None, start: int
+    ) -> Callable[[int], float] | None:
+        """:meth:`group_time` of ``base + features(n, start, True)`` as a function of
+        ``n`` (see :meth:`AggregateCostModel.chunk_time_fn`): the same sums and the
+        same floats, without the feature tuple, the summed list and the
+        coefficient unpacking of each call."""
+        if (
+            type(self).group_time is not RooflineCostModel.group_time
+            or type(self).features is not RooflineCostModel.features
+        ):
+            return None  # (a subclass that prices otherwise keeps the general path)
+        (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = self._layer
+        (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = self._outer
+        if base is None:
+            b0 = b1 = b2 = b3 = b4 = b5 = None
+        else:
+            b0, b1, b2, b3, b4, b5 = base
+
+        def time_of(n: int) -> float:
+            pairs = n * start + n * (n + 1) // 2
+            kv = start + n
+            if b0 is None:  # features(n, start, True) as they are
+                q, qa, qm, nt = n, n, 0, 1
+            else:  # base + features, term by term (BatchCost's and adaptive_alone's sums)
+                q, pairs, kv, qa, qm, nt = b0 + n, b1 + pairs, b2 + kv, b3 + n, b4 + 0, b5 + 1
+            # group_time's body, unchanged
+            a, b = q * c_qkv, w_qkv + q * a_qkv
+            layer = a if a > b else b
+            a, b = pairs * c_att, kv * b_kv + qa * b_qo
+            layer += a if a > b else b
+            a, b = q * c_o, w_o + q * a_o
+            layer += a if a > b else b
+            a, b = q * c_m, w_m + q * a_m
+            layer += a if a > b else b
+            layer = layer + qm * merge + fixed
+            if q > 0:
+                layer += ar_fixed + q * ar_tok
+            time = layers * layer + pp_fixed + qa * pp_tok
+            if nt > 0:
+                a, b = nt * c_h, w_h + nt * a_h
+                time += a if a > b else b
+            return time
+
+        return time_of
+
     @classmethod
     def from_spec(
         cls, params: Mapping[str, str], *, layout: ParallelDegrees = DEFAULT_LAYOUT

@@ -1,0 +1,105 @@
+"""``RooflineCostModel.chunk_time_fn`` prices a tail chunk on top of summed
+features exactly as ``group_time(base + features(n, start, True))`` does (bit
+for bit), and ``ChunkSizer.adaptive_alone`` gives the same chunk, time and
+hint with it as without it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from medha_sched.config import ParallelDegrees
+from medha_sched.cost.affine import AffineCostModel
+from medha_sched.cost.roofline import RooflineCostModel
+from medha_sched.request import Request
+from medha_sched.scheduler import Scheduler
+from medha_sched.sim.runner import RunSpec
+
+
+@pytest.mark.parametrize(("tp", "spp", "kvp"), [(1, 1, 1), (8, 2, 1), (8, 4, 2), (2, 1, 4)])
+def test_chunk_time_fn_equals_group_time_of_the_sums(tp: int, spp: int, kvp: int) -> None:
+    model = RooflineCostModel.from_spec(
+        {"model": "llama3-8b", "gpu": "a100"}, layout=ParallelDegrees(tp=tp, spp=spp, kvp=kvp)
+    )
+    rng = random.Random(tp * 100 + spp * 10 + kvp)
+    compute_bound = memory_bound = alone = 0
+    for _ in range(3_000):
+        base = None
+        if rng.random() < 0.8:
+            feats = [
+                model.features(1, rng.randint(1, 300_000), True) for _ in range(rng.randint(1, 60))
+            ]
+            base = [sum(col) for col in zip(*feats, strict=True)]
+        start = rng.choice([0, rng.randint(1, 5_000), rng.randint(1, 400_000)])
+        time_of = model.chunk_time_fn(base, start)
+        assert time_of is not None
+        for _ in range(4):
+            n = rng.choice([1, rng.randint(1, 512), rng.randint(1, 16_384)])
+            feats_n = model.features(n, start, True)
+            row = list(feats_n) if base is None else [b + f for b, f in zip(base, feats_n)]  # noqa: B905
+            want = model.group_time(row)
+            assert time_of(n) == want
+            assert type(time_of(n)) is type(want)
+            compute_bound += n * start > 10**8
+            memory_bound += n < 64 and base is not None
+            alone += base is None
+    assert compute_bound > 100 and memory_bound > 100 and alone > 100
+
+
+def test_chunk_time_fn_only_where_it_applies() -> None:
+    affine = AffineCostModel(base=0.004, per_token=2e-5, per_attn=2e-10)
+    assert affine.chunk_time_fn([1, 2, 3], 0) is None
+
+    class Slower(RooflineCostModel):
+        def group_time(self, totals):  # type: ignore[no-untyped-def]
+            return 2.0 * super().group_time(totals)
+
+    slower = Slower.from_spec({"model": "llama3-8b", "gpu": "a100"})
+    assert slower.chunk_time_fn(None, 0) is None
+
+
+@pytest.mark.parametrize("policy", ["lars-mp", "lars", "fcfs", "edf"])
+def test_adaptive_alone_with_chunk_time_equals_without(policy: str) -> None:
+    config, model, cache = RunSpec(
+        policy=policy,
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=2,
+        target_batch_time=0.05,
+    ).build()
+    sched = Scheduler(config, model, cache=cache)
+    sizer = sched._sizer
+    rng = random.Random(11)
+    reqs = []
+    for i in range(40):
+        prompt = rng.randint(40_000, 200_000) if i % 3 == 0 else rng.randint(20, 8_000)
+        r = Request(f"r{i}", rng.uniform(0.0, 2.0), prompt, rng.randint(1, 50))
+        sched.add_request(r)
+        reqs.append(r)
+    fits = seeded = 0
+    for _ in range(3_000):
+        r = rng.choice(reqs)
+        r.num_scheduled_tokens = rng.randrange(r.num_prefill_tokens)
+        base = None
+        if rng.random() < 0.7:
+            feats = [
+                model.features(1, rng.randint(1, 300_000), True) for _ in range(rng.randint(1, 60))
+            ]
+            base = [sum(col) for col in zip(*feats, strict=True)]
+        base_time = 0.0 if base is None else model.group_time(base)
+        hint = rng.choice([None, rng.randint(1, 16_384), 512, 2048])
+        now = rng.uniform(0.0, 30.0)
+        target = config.target_batch_time * rng.choice([1.0, 1.0, 0.5, 0.2])
+        sizer.set_hint(r.request_id, hint)
+        want = sizer.adaptive_alone(
+            r, model.group_time, model.features, base, base_time, target, now
+        )
+        got = sizer.adaptive_alone(
+            r, model.group_time, model.features, base, base_time, target, now, model.chunk_time_fn
+        )
+        assert got == want
+        assert sizer.hint(r.request_id) == hint
+        fits += got[0] > 0
+        seeded += got[0] > 0 and base is not None
+    assert fits > 700 and seeded > 400
