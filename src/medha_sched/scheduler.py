@@ -107,6 +107,37 @@ class _PrefillQueue(PrefillQueue):
 
 
 @dataclass(slots=True)
+class TurnRun:
+    """Prefill turns taken at once by :meth:`Scheduler.turn_run` (one per stage-0
+    clearing, as the per-turn path issues them).
+
+    Attributes:
+        ids: the turns' batch ids, in issue order.
+        starts: each turn's issue time.
+        chunks: each turn's chunk of the prefill, in tokens.
+        times: each turn's predicted seconds.
+        decodes: each turn's decodes.
+        ends: when each turn's batch leaves the pipeline.
+        next_start: when the last turn clears stage 0 (the next turn's time).
+        ended: of the batches in flight before the run, how many ended (the oldest).
+        ended_turns: of the turns, how many ended (the first ones).
+        cleared: the last turn cleared stage 0 (else its stage-0 end is at or
+            after the horizon, and the run stopped there).
+    """
+
+    ids: range
+    starts: list[float]
+    chunks: list[int]
+    times: list[float]
+    decodes: list[int]
+    ends: list[float]
+    next_start: float
+    ended: int
+    ended_turns: int
+    cleared: bool
+
+
+@dataclass(slots=True)
 class _InFlight:
     entries: list[tuple[Request, int, int, bool]]  # prefills: request, start, tokens, samples
     lane: Lane | None = None  # the decodes
@@ -1157,6 +1188,225 @@ class Scheduler:
             self._turn_out.add(rid)
         self._clock = now
         return batch_id, n, time, decodes
+
+    def turn_run(
+        self,
+        request: Request | None,
+        now: float,
+        horizon: float,
+        free: list[float],
+        ends_before: Sequence[float],
+    ) -> TurnRun | None:
+        """:meth:`prefill_turn`, the ends of the batches due before each next turn
+        and :meth:`clear_turn`, over and over, in one call: the turns from ``now``
+        (stage 0 free, every batch in flight cleared it), each issued when the
+        one before clears stage 0, until one would clear it at or after
+        ``horizon`` (that one is issued and stays in flight, as the per-turn
+        path leaves it) or a turn the run does not take comes. ``request``:
+        the prefill taking the turns, or None for long prompts waiting
+        together (each turn takes the first queued, see :meth:`turns_prefill`).
+
+        ``free``: the pipeline's stage free times (one per stage), updated in
+        place as :func:`~medha_sched.sim.pipeline.push_times` does;
+        ``ends_before``: when each batch in flight now leaves it, in issue
+        order. The run makes the calls into the queue and the KV manager the
+        per-turn path makes, in the same order, and keeps every decision,
+        batch, time and float. It only takes the common turn: one KVP group
+        and an aggregate cost model, the prompt's first shard, at most one
+        ready lane, no decode finishing at a batch end it handles, block growth
+        by ``grow_all``, every batch in flight before it without a sampling
+        chunk (and, if it has not cleared stage 0, without any chunk). Any
+        other turn is left to the per-turn path (the run stops before it,
+        changing nothing for it); None when no turn was taken.
+        Every sampled token is 0 (the simulator's convention).
+        """
+        agg = self._one_group
+        if agg is None or self._async or self._abort_pending:
+            return None
+        if request is not None and request._lane is not None:
+            return None
+        if now < self._clock:
+            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        in_flight = self._in_flight
+        if len(ends_before) != len(in_flight):
+            raise ValueError(
+                f"{len(ends_before)} batch ends given for {len(in_flight)} batches in flight"
+            )
+        # the batches in flight, oldest first: (end, lane, prefill chunks, id)
+        flying: list[tuple[float, Lane | None, tuple[tuple[Request, int], ...], int]] = []
+        uncleared: set[int] = set()  # decode-only batches from before that clear at their end
+        for end, (bid, batch) in zip(ends_before, in_flight.items(), strict=True):
+            if not batch.stage0_cleared:
+                if batch.entries:
+                    return None
+                uncleared.add(bid)
+            entries = []
+            for r, _, n, samples in batch.entries:
+                if samples:
+                    return None
+                entries.append((r, n))
+            flying.append((end, batch.lane, tuple(entries), bid))
+        shared = request is None
+        queue = self._queue
+        first_queued = queue.first
+        out = self._turn_out
+        running = self._running
+        kvp = self.layout.kvp
+        spp = len(free)
+        lanes = self._lanes
+        ready = lanes.ready
+        cap = self.config.max_batch_requests
+        limit = self.group_limit
+        hints = self._sizer._last_chunk
+        size = self._sizer.adaptive_alone
+        group_time, features, chunk_time = agg.group_time, agg.features, agg.chunk_time_fn
+        memory = self.memory
+        pop_new_blocks = memory.pop_new_blocks
+        register = self._register if self._caching else None
+        refresh = self._refresh_work
+        target = self._target_time()  # no finish and no prefill end inside the run
+        first = self._next_batch_id
+        before = len(flying)
+        starts: list[float] = []
+        chunks: list[int] = []
+        times: list[float] = []
+        decs: list[int] = []
+        ends: list[float] = []
+        turns: list[tuple[Request, int, Lane | None]] = []  # request, chunk start, lane
+        head = 0  # the oldest batch in flight in ``flying``
+        ended = 0
+        s = now
+        cleared = True
+        r = request
+        while True:
+            if len(ready) > 1:
+                break  # schedule() merges the ready lanes: the per-turn path does
+            if shared:
+                if queue.num_not_long:
+                    break
+                r = first_queued(s)  # as prefill_turn(None, s) looks it up
+                if r is None or r.request_id not in running or r._lane is not None:
+                    break
+            assert r is not None
+            rid = r.request_id
+            start = r._scheduled
+            if start >= limit:
+                break
+            if shared:
+                groups = memory.groups_of(rid)
+                if len(set(groups[: start // limit + 1])) < kvp:
+                    break
+            lane = ready[0] if ready else None
+            if lane is None:
+                decodes, crossers, base, base_time = 0, None, None, 0.0
+            else:
+                decodes = len(lane.members)
+                if decodes >= cap:
+                    break
+                crossers = lane.cross_at.get(lane.issued)
+                base = lanes.totals(lane)[0]
+                base_time = 0.0 if base is None else group_time(base)
+            if base_time >= target:
+                break
+            n, p = size(r, group_time, features, base, base_time, target, s, chunk_time)
+            if n == 0 or start + n >= r.num_prefill_tokens:
+                break
+            stage = p / spp
+            # push_times' answer (sim.pipeline), on a copy of the stages
+            x = free[0]
+            t = (s if s > x else x) + stage
+            moved = [t]
+            for k in range(1, spp):
+                x = free[k]
+                t = (t if t > x else x) + stage
+                moved.append(t)
+            f = moved[0]
+            if f < horizon:  # the batches ending by f end in the run: none may finish a decode
+                finishes = False
+                for i in range(head, len(flying)):
+                    end_i, lane_i, _, _ = flying[i]
+                    if end_i > f:
+                        break
+                    if lane_i is not None and lane_i.computed + 1 in lane_i.finish_at:
+                        finishes = True
+                        break
+                if finishes:
+                    break
+            if crossers is not None:
+                if lanes.grow_all(lane, crossers) is None:  # type: ignore[arg-type]
+                    break  # short of blocks: schedule() decides
+                del lane.cross_at[lane.issued]  # type: ignore[union-attr]
+            # the turn goes: prefill_turn's commit
+            hints[rid] = n
+            pop_new_blocks(rid)
+            bid = self._next_batch_id
+            self._next_batch_id = bid + 1
+            lanes.issue_unspelled(lane, bid)
+            r._scheduled = start + n
+            if shared:
+                out.add(rid)
+            self._clock = s
+            free[:] = moved
+            starts.append(s)
+            chunks.append(n)
+            times.append(p)
+            decs.append(decodes)
+            ends.append(t)
+            turns.append((r, start, lane))
+            flying.append((t, lane, ((r, n),), bid))
+            if not f < horizon:
+                cleared = False
+                break
+            # the batch ends due by f, in issue order (on_batch_end's work)
+            while head < len(flying) and flying[head][0] <= f:
+                _, lane_e, entries, bid_e = flying[head]
+                head += 1
+                if bid_e < first:
+                    del in_flight[bid_e]
+                    ended += 1
+                    if uncleared and bid_e in uncleared:
+                        lane_e.cleared += 1  # type: ignore[union-attr]  # on_stage_end's
+                if lane_e is not None:
+                    lane_e.computed += 1
+                    for m in lane_e.members:
+                        m.request.output_token_ids.append(0)
+                    ready.append(lane_e)
+                for r_e, n_e in entries:
+                    r_e.num_computed_tokens += n_e
+                    if register is not None and r_e.request_id in running:
+                        register(r_e)
+            # the turn clears stage 0 (clear_turn's work)
+            if lane is not None:
+                lane.cleared += 1
+            r._stage0 += n
+            refresh(r)
+            if shared:
+                out.discard(rid)
+                queue.renew(r)
+            s = f
+        if not starts:
+            return None
+        count = len(starts)
+        ended_turns = head - before if head > before else 0
+        for i in range(ended_turns, count):
+            r_i, start_i, lane_i = turns[i]
+            in_flight[first + i] = _InFlight(
+                [(r_i, start_i, chunks[i], False)],
+                lane_i,
+                stage0_cleared=cleared or i < count - 1,
+            )
+        return TurnRun(
+            range(first, first + count),
+            starts,
+            chunks,
+            times,
+            decs,
+            ends,
+            s if cleared else float("nan"),
+            ended,
+            ended_turns,
+            cleared,
+        )
 
     def clear_turn(self, batch_id: int) -> None:
         """A :meth:`prefill_turn` batch cleared stage 0 (``on_stage_end`` without

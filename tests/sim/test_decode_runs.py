@@ -181,6 +181,8 @@ def test_prefill_turns_beside_decodes_taken_and_same_results(monkeypatch, spp, k
         return got
 
     monkeypatch.setattr(Scheduler, "prefill_turn", counting)
-    off, on = both(trace, config, model, cache)
+    off = simulate(trace, config, model, cache=cache, decode_runs=False)
+    # every turn on its own (runs of turns: tests/sim/test_turn_runs.py)
+    on = simulate(trace, config, model, cache=cache, decode_runs=True, turn_runs=False)
     assert_same(off, on)
     assert len(turns) > 10 and any(d > 0 for d in turns)  # turns carried decodes too

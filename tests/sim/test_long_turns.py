@@ -59,7 +59,8 @@ def test_long_prompts_waiting_together_same_results(
     trace = _trace()
     off = simulate(trace, config, model, cache=cache, decode_runs=False)
     assert not shared  # one batch at a time: no turns
-    on = simulate(trace, config, model, cache=cache, decode_runs=True)
+    # every turn on its own (runs of turns: tests/sim/test_turn_runs.py)
+    on = simulate(trace, config, model, cache=cache, decode_runs=True, turn_runs=False)
     assert [dataclasses.astuple(r) for r in on.records] == [
         dataclasses.astuple(r) for r in off.records
     ]

@@ -1,0 +1,146 @@
+"""Prefill turns taken in runs (``Simulator(turn_runs=True)``, the default)
+change no result.
+
+``Scheduler.turn_run`` issues a prefill's chunks beside the ready decodes,
+ends the batches due between turns and clears each turn, many turns in one
+call. The simulation must give the same per-request and per-iteration records
+as the per-turn path it replaces (``turn_runs=False``: ``prefill_turn``,
+``on_batch_end`` and ``clear_turn`` for every turn) and as going one batch at
+a time (``decode_runs=False``), and the runs must really take most turns,
+of a lone prompt and of long prompts waiting together, with decodes finishing
+and crossing blocks between them, and with the prefix cache on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from medha_sched.scheduler import Scheduler
+from medha_sched.sim import TraceRequest
+from medha_sched.sim.engine import SimResult, Simulator
+from medha_sched.sim.runner import RunSpec
+from medha_sched.sim.workload import WorkloadSpec, generate
+
+
+def _results(trace, spec: RunSpec, **flags) -> SimResult:
+    config, model, cache = spec.build()
+    return Simulator(config, model, cache=cache, **flags).run(trace)
+
+
+def _assert_same(a: SimResult, b: SimResult) -> None:
+    assert [dataclasses.astuple(r) for r in a.records] == [
+        dataclasses.astuple(r) for r in b.records
+    ]
+    assert a.iterations == b.iterations
+    assert a.end_s == b.end_s
+    assert (a.prefix_cache_queries, a.prefix_cache_hits) == (
+        b.prefix_cache_queries,
+        b.prefix_cache_hits,
+    )
+
+
+def _count_runs(monkeypatch) -> dict[str, int]:
+    counts = {"single": 0, "shared": 0, "calls": 0, "stopped": 0}
+    run = Scheduler.turn_run
+
+    def counting(self, request, now, horizon, free, ends_before):
+        got = run(self, request, now, horizon, free, ends_before)
+        counts["calls"] += 1
+        if got is not None:
+            counts["shared" if request is None else "single"] += len(got.ids)
+            counts["stopped"] += got.cleared  # stopped before a turn it does not take
+        return got
+
+    monkeypatch.setattr(Scheduler, "turn_run", counting)
+    return counts
+
+
+def _mixed_trace() -> list[TraceRequest]:
+    """Long prompts (some waiting together) among short requests that finish
+    while the long prefills run; a shared document prefix for the cache."""
+    longs = [  # long0, long2, long4 arrive together; long1, long3 alone later
+        TraceRequest(f"long{i}", 0.4 + 3.0 * i * (i % 2), 90_000 + 20_000 * i, 5 + i)
+        for i in range(5)
+    ]
+    shorts = [
+        TraceRequest(
+            f"s{i}",
+            0.1 + 0.29 * i,
+            150 + 61 * (i % 9),
+            3 + 13 * (i % 7),
+            prefix_id="doc" if i % 3 == 0 else None,
+            prefix_tokens=128 if i % 3 == 0 else 0,
+        )
+        for i in range(60)
+    ]
+    return sorted(longs + shorts, key=lambda r: (r.arrival_s, r.id))
+
+
+@pytest.mark.parametrize(
+    ("policy", "spp", "caching"),
+    [("lars-mp", 2, True), ("lars", 4, True), ("edf", 2, False), ("fcfs", 3, True)],
+)
+def test_turn_runs_same_results_as_per_turn(monkeypatch, policy, spp, caching) -> None:
+    spec = RunSpec(
+        policy=policy,
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=spp,
+        target_batch_time=0.05,
+        long_threshold=16_384,
+        prefix_caching=caching,
+    )
+    trace = _mixed_trace()
+    per_batch = _results(trace, spec, decode_runs=False)
+    per_turn = _results(trace, spec, turn_runs=False)
+    counts = _count_runs(monkeypatch)
+    runs = _results(trace, spec)
+    _assert_same(runs, per_turn)
+    _assert_same(runs, per_batch)
+    assert all(r.finish_s is not None for r in runs.records)
+    with_chunk = sum(1 for it in runs.iterations if it.prefill_chunks and it.decodes)
+    taken = counts["single"] + counts["shared"]
+    assert taken > with_chunk // 3  # many chunks beside decodes went in runs
+    assert counts["single"] > 40 and counts["shared"] > 40
+    assert counts["stopped"] > 0  # some runs stopped before a turn, the per-turn path went on
+
+
+@pytest.mark.parametrize("qps", [0.5, 2.0])
+def test_paper_setting_same_results(monkeypatch, qps) -> None:
+    trace = generate(WorkloadSpec(qps=qps, num_requests=120, long_fraction=0.08, seed=5))
+    spec = RunSpec(
+        policy="lars-mp",
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=2,
+        target_batch_time=0.05,
+    )
+    per_turn = _results(trace, spec, turn_runs=False)
+    counts = _count_runs(monkeypatch)
+    runs = _results(trace, spec)
+    _assert_same(runs, per_turn)
+    assert counts["single"] + counts["shared"] > 1_000
+
+
+def test_kvp2_turns_per_turn_affine_in_runs(monkeypatch) -> None:
+    """KVP 2 (no one-group pricing): no run, every turn per turn. An affine
+    model (one group, no ``chunk_time_fn``): runs priced by ``group_time``."""
+    trace = _mixed_trace()
+    kvp2 = RunSpec(
+        policy="lars-mp", tp=8, spp=2, kvp=2, max_tokens_per_group=32_768, long_threshold=16_384
+    )
+    affine = RunSpec(
+        policy="lars-mp",
+        cost_model="affine:base=0.004,per_token=0.00002,per_attn=0.0000000002",
+        tp=8,
+        spp=2,
+        long_threshold=16_384,
+    )
+    for spec, taken in ((kvp2, False), (affine, True)):
+        per_turn = _results(trace, spec, turn_runs=False)
+        counts = _count_runs(monkeypatch)
+        runs = _results(trace, spec)
+        _assert_same(runs, per_turn)
+        assert (counts["single"] + counts["shared"] > 100) is taken
