@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def largest_fitting_chunk(
@@ -146,3 +146,60 @@ def _gallop(top: int, start: int, grid: int, limit: int, fits: Callable[[int], b
         else:
             hi = mid
     return lo
+
+
+def largest_chunk_priced(
+    limit: int,
+    grid: int,
+    price: Callable[[Sequence[float] | None, int, int], float],
+    base: Sequence[float] | None,
+    start: int,
+    target: float,
+    base_time: float,
+    hint: int,
+) -> tuple[int, float]:
+    """:func:`largest_chunk_within` with ``time_of(n) = price(base, start, n)``
+    (a cost model's ``chunk_price``), and the chosen chunk's time: ``(chunk,
+    seconds)``, ``(0, 0.0)`` when none fits. The same probes in the same order
+    (so the same answer), without a closure per search."""
+    if grid < 1:
+        raise ValueError(f"grid must be >= 1, got {grid!r}")
+    if limit <= 0:
+        return 0, 0.0
+    count = -(-limit // grid)
+    top = count - 1
+    lo, hi = -1, count
+    fit = 0.0  # the time of candidate lo
+    i = min(max(hint // grid - 1, 0), top) if hint > 0 else top
+    n0, t0 = 0, base_time
+    guesses = 0
+    while True:
+        n = (i + 1) * grid
+        if n > limit:
+            n = limit
+        t = price(base, start, n)
+        if t <= target:
+            lo = i
+            fit = t
+        else:
+            hi = i
+        if hi - lo <= 1:
+            if lo < 0:
+                return 0, 0.0
+            return min((lo + 1) * grid, limit), fit
+        if guesses < _GUESSES and (t - t0) * (n - n0) > 0:  # the line rises
+            guesses += 1
+            est = n + (target - t) * (n - n0) / (t - t0)  # where the line reaches target
+            if est >= limit:
+                i = top
+            elif est >= grid:
+                i = int(est // grid) - 1  # the largest candidate at most est
+            else:  # below the grid, or not a number (infinite times): the bracket decides
+                i = 0
+        else:
+            i = (lo + hi) // 2
+        if i <= lo:
+            i = lo + 1
+        elif i >= hi:
+            i = hi - 1
+        n0, t0 = n, t

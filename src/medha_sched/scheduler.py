@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from medha_sched.batch_cost import BatchCost, chunk_works
+from medha_sched.chunking import largest_chunk_priced
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import AggregateCostModel, CostModel
 from medha_sched.decode_run import (
@@ -32,7 +33,7 @@ from medha_sched.kv_memory import KVBlockManager
 from medha_sched.output import BatchResult, BlockGrant, ScheduledChunk, ScheduleOutput
 from medha_sched.packer import ChunkSizer, Draft
 from medha_sched.policies import get_policy
-from medha_sched.policies.base import Policy
+from medha_sched.policies.base import Policy, relative_slack
 from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
@@ -1260,6 +1261,11 @@ class Scheduler:
         hints = self._sizer._last_chunk
         size = self._sizer.adaptive_alone
         group_time, features, chunk_time = agg.group_time, agg.features, agg.chunk_time_fn
+        # ChunkSizer.adaptive_alone's rule, inline when the model prices in one call
+        price = agg.chunk_price()
+        cfg = self.config
+        grid, max_chunk, long_min = cfg.token_grid, cfg.max_chunk_tokens, cfg.long_prefill_threshold
+        share = cfg.max_space_share if self.policy.space_sharing else None
         memory = self.memory
         pop_new_blocks = memory.pop_new_blocks
         register = self._register if self._caching else None
@@ -1308,8 +1314,25 @@ class Scheduler:
                 base_time = 0.0 if base is None else group_time(base)
             if base_time >= target:
                 break
-            n, p = size(r, group_time, features, base, base_time, target, s, chunk_time)
-            if n == 0 or start + n >= r.num_prefill_tokens:
+            total = r.num_prefill_tokens
+            if price is None:
+                n, p = size(r, group_time, features, base, base_time, target, s, chunk_time)
+            else:
+                goal = target
+                if share is not None and total >= long_min:
+                    rho = min(share, max(0.0, relative_slack(r, s)))
+                    goal *= 1.0 - rho
+                if base_time >= goal:
+                    break
+                room = total - start  # ChunkSizer.room()
+                if max_chunk < room:
+                    room = max_chunk
+                if limit - start % limit < room:
+                    room = limit - start % limit
+                n, p = largest_chunk_priced(
+                    room, grid, price, base, start, goal, base_time, hints.get(rid, 0)
+                )
+            if n == 0 or start + n >= total:
                 break
             stage = p / spp
             # push_times' answer (sim.pipeline), on a copy of the stages

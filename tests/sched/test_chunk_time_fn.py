@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from medha_sched.chunking import largest_chunk_priced, largest_chunk_within
 from medha_sched.config import ParallelDegrees
 from medha_sched.cost.affine import AffineCostModel
 from medha_sched.cost.roofline import RooflineCostModel
@@ -50,6 +51,7 @@ def test_chunk_time_fn_equals_group_time_of_the_sums(tp: int, spp: int, kvp: int
 def test_chunk_time_fn_only_where_it_applies() -> None:
     affine = AffineCostModel(base=0.004, per_token=2e-5, per_attn=2e-10)
     assert affine.chunk_time_fn([1, 2, 3], 0) is None
+    assert affine.chunk_price() is None
 
     class Slower(RooflineCostModel):
         def group_time(self, totals):  # type: ignore[no-untyped-def]
@@ -57,6 +59,7 @@ def test_chunk_time_fn_only_where_it_applies() -> None:
 
     slower = Slower.from_spec({"model": "llama3-8b", "gpu": "a100"})
     assert slower.chunk_time_fn(None, 0) is None
+    assert slower.chunk_price() is None
 
 
 @pytest.mark.parametrize("policy", ["lars-mp", "lars", "fcfs", "edf"])
@@ -103,3 +106,48 @@ def test_adaptive_alone_with_chunk_time_equals_without(policy: str) -> None:
         fits += got[0] > 0
         seeded += got[0] > 0 and base is not None
     assert fits > 700 and seeded > 400
+
+
+def test_largest_chunk_priced_is_largest_chunk_within() -> None:
+    """The same answer, the same probes in the same order, and the chunk's time."""
+    model = RooflineCostModel.from_spec({"model": "llama3-8b", "gpu": "a100"})
+    price = model.chunk_price()
+    assert price is not None and model.chunk_price() is price  # built once
+    rng = random.Random(3)
+    found = none = 0
+    for _ in range(3_000):
+        base = None
+        if rng.random() < 0.7:
+            feats = [
+                model.features(1, rng.randint(1, 300_000), True) for _ in range(rng.randint(1, 60))
+            ]
+            base = [sum(col) for col in zip(*feats, strict=True)]
+        start = rng.choice([0, rng.randint(1, 5_000), rng.randint(1, 400_000)])
+        base_time = 0.0 if base is None else model.group_time(base)
+        target = rng.choice([0.05, 0.025, 0.01, base_time + 1e-4])
+        limit = rng.choice([rng.randint(1, 100), rng.randint(1, 20_000), 16_384])
+        grid = rng.choice([1, 16, 128, 512])
+        hint = rng.choice([0, rng.randint(1, 20_000), 2048])
+        calls_want: list[int] = []
+        calls_got: list[int] = []
+
+        def time_of(n: int, base=base, start=start, calls=calls_want) -> float:
+            calls.append(n)
+            return model.group_time(
+                list(model.features(n, start, True))
+                if base is None
+                else [b + f for b, f in zip(base, model.features(n, start, True))]  # noqa: B905
+            )
+
+        def counted(b, s, n: int, calls=calls_got) -> float:
+            calls.append(n)
+            return price(b, s, n)
+
+        want = largest_chunk_within(limit, grid, time_of, target, base=base_time, hint=hint)
+        got, t = largest_chunk_priced(limit, grid, counted, base, start, target, base_time, hint)
+        assert got == want
+        assert calls_got == calls_want
+        assert t == (time_of(got) if got else 0.0)
+        found += got > 0
+        none += got == 0
+    assert found > 300 and none > 100

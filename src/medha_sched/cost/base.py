@@ -129,6 +129,11 @@ class AggregateCostModel(ABC):
         (the default). A prefill turn probes one group for its chunk size."""
         return None
 
+    def chunk_price(self) -> Callable[[Sequence[float] | None, int, int], float] | None:
+        """``price(base, start, n)``: ``chunk_time_fn(base, start)(n)`` in one call
+        (the same floats), or None (the default: no quicker form)."""
+        return None
+
     def predict(self, batch: BatchWork) -> float:
         """Latency in seconds of ``batch``: the slowest group."""
         if len(batch.groups) > self.layout.kvp:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache, partial
 from typing import ClassVar
 
 from medha_sched.config import ParallelDegrees
@@ -161,44 +162,20 @@ class RooflineCostModel(AggregateCostModel):
         ``n`` (see :meth:`AggregateCostModel.chunk_time_fn`): the same sums and the
         same floats, without the feature tuple, the summed list and the
         coefficient unpacking of each call."""
+        price = self.chunk_price()
+        return None if price is None else partial(price, base, start)
+
+    def chunk_price(self) -> Callable[[Sequence[float] | None, int, int], float] | None:
+        """``price(base, start, n)``: :meth:`group_time` of ``base`` (None: nothing)
+        plus the features of an ``n``-token tail chunk at KV position ``start``,
+        summed term by term as ``base[k] + features(n, start, True)[k]``; the
+        same floats. None for a subclass that prices otherwise."""
         if (
             type(self).group_time is not RooflineCostModel.group_time
             or type(self).features is not RooflineCostModel.features
         ):
             return None  # (a subclass that prices otherwise keeps the general path)
-        (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = self._layer
-        (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = self._outer
-        if base is None:
-            b0 = b1 = b2 = b3 = b4 = b5 = None
-        else:
-            b0, b1, b2, b3, b4, b5 = base
-
-        def time_of(n: int) -> float:
-            pairs = n * start + n * (n + 1) // 2
-            kv = start + n
-            if b0 is None:  # features(n, start, True) as they are
-                q, qa, qm, nt = n, n, 0, 1
-            else:  # base + features, term by term (BatchCost's and adaptive_alone's sums)
-                q, pairs, kv, qa, qm, nt = b0 + n, b1 + pairs, b2 + kv, b3 + n, b4 + 0, b5 + 1
-            # group_time's body, unchanged
-            a, b = q * c_qkv, w_qkv + q * a_qkv
-            layer = a if a > b else b
-            a, b = pairs * c_att, kv * b_kv + qa * b_qo
-            layer += a if a > b else b
-            a, b = q * c_o, w_o + q * a_o
-            layer += a if a > b else b
-            a, b = q * c_m, w_m + q * a_m
-            layer += a if a > b else b
-            layer = layer + qm * merge + fixed
-            if q > 0:
-                layer += ar_fixed + q * ar_tok
-            time = layers * layer + pp_fixed + qa * pp_tok
-            if nt > 0:
-                a, b = nt * c_h, w_h + nt * a_h
-                time += a if a > b else b
-            return time
-
-        return time_of
+        return _chunk_price(self._layer, self._outer)
 
     @classmethod
     def from_spec(
@@ -251,3 +228,41 @@ def _outer_coef(m: ModelShape, hw: HardwareSpec, layout: ParallelDegrees) -> tup
         (spp - 1) * hw.kernel_overhead,
         (spp - 1) * h * _ACT_BYTES / link,
     )
+
+
+@lru_cache(maxsize=64)
+def _chunk_price(
+    layer: tuple[float, ...], outer: tuple[float, ...]
+) -> Callable[[Sequence[float] | None, int, int], float]:
+    """:meth:`RooflineCostModel.chunk_price` for these coefficients (built once
+    per model shape, here rather than on the model: it stays picklable)."""
+    (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = layer
+    (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = outer
+
+    def price(base: Sequence[float] | None, start: int, n: int) -> float:
+        pairs = n * start + n * (n + 1) // 2
+        kv = start + n
+        if base is None:  # features(n, start, True) as they are
+            q, qa, qm, nt = n, n, 0, 1
+        else:  # base + features, term by term (BatchCost's and adaptive_alone's sums)
+            b0, b1, b2, b3, b4, b5 = base
+            q, pairs, kv, qa, qm, nt = b0 + n, b1 + pairs, b2 + kv, b3 + n, b4 + 0, b5 + 1
+        # group_time's body, unchanged
+        a, b = q * c_qkv, w_qkv + q * a_qkv
+        layer = a if a > b else b
+        a, b = pairs * c_att, kv * b_kv + qa * b_qo
+        layer += a if a > b else b
+        a, b = q * c_o, w_o + q * a_o
+        layer += a if a > b else b
+        a, b = q * c_m, w_m + q * a_m
+        layer += a if a > b else b
+        layer = layer + qm * merge + fixed
+        if q > 0:
+            layer += ar_fixed + q * ar_tok
+        time = layers * layer + pp_fixed + qa * pp_tok
+        if nt > 0:
+            a, b = nt * c_h, w_h + nt * a_h
+            time += a if a > b else b
+        return time
+
+    return price
