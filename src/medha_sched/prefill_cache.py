@@ -72,6 +72,9 @@ class PrefillTimeCache:
     def _build(self, num_tokens: int) -> None:
         """(Re)build the table from the model's current predictions."""
         self.revision = getattr(self._model, "revision", 0)
+        model = self._model
+        # one call a chunk where the model has it (the same floats as group_time)
+        self._price = model.chunk_price() if isinstance(model, AggregateCostModel) else None
         self._bounds: list[int] = [0]
         self._cum: list[float] = [0.0]
         # C(L) of lengths between boundaries, as computed (the table never
@@ -136,6 +139,9 @@ class PrefillTimeCache:
         model = self._model
         if start < self._limit and isinstance(model, AggregateCostModel):
             # one shard, alone in the batch: the sums BatchCost would form
+            price = self._price
+            if price is not None:
+                return price(None, start, num_tokens)
             return model.group_time([0 + f for f in model.features(num_tokens, start, True)])
         kvp = self._model.layout.kvp
         # Past kvp shards a request cannot exist; fold extra shards onto the

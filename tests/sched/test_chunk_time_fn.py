@@ -13,6 +13,7 @@ from medha_sched.chunking import largest_chunk_priced, largest_chunk_within
 from medha_sched.config import ParallelDegrees
 from medha_sched.cost.affine import AffineCostModel
 from medha_sched.cost.roofline import RooflineCostModel
+from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim.runner import RunSpec
@@ -151,3 +152,36 @@ def test_largest_chunk_priced_is_largest_chunk_within() -> None:
         found += got > 0
         none += got == 0
     assert found > 300 and none > 100
+
+
+def test_prefill_table_priced_by_chunk_price_equals_group_time() -> None:
+    """The prefill-time table (built and looked up) gives the same floats with
+    the model's ``chunk_price`` as with ``group_time`` of the summed features."""
+    config, model, _ = RunSpec(
+        policy="lars-mp",
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=2,
+        target_batch_time=0.05,
+    ).build()
+    table = {
+        "target_time": 0.05,
+        "token_grid": config.token_grid,
+        "max_chunk_tokens": config.max_chunk_tokens,
+        "group_token_limit": 1 << 20,
+    }
+
+    class NoPrice(RooflineCostModel):
+        def chunk_price(self):  # type: ignore[no-untyped-def]
+            return None  # group_time of the summed features, as before chunk_price
+
+    plain = NoPrice.from_spec({"model": "llama3-8b", "gpu": "a100"}, layout=model.layout)
+    fast = PrefillTimeCache(model, **table)
+    slow = PrefillTimeCache(plain, **table)
+    assert fast._price is not None and slow._price is None
+    rng = random.Random(5)
+    for n in [0, 1, 511, 512, 513, *(rng.randint(1, 600_000) for _ in range(3_000))]:
+        assert fast.prefill_time(n) == slow.prefill_time(n)
+        done = rng.randint(0, n)
+        assert fast.remaining_time(n, done) == slow.remaining_time(n, done)
+    assert fast._bounds == slow._bounds and fast._cum == slow._cum
