@@ -1269,7 +1269,9 @@ class Scheduler:
         memory = self.memory
         pop_new_blocks = memory.pop_new_blocks
         register = self._register if self._caching else None
-        refresh = self._refresh_work
+        remaining = self.prefill_times.remaining_time  # _refresh_work's, inline
+        cache_aware = cfg.cache_aware_slack
+        line_a, line_b = lanes._a, lanes._b  # DecodeLanes.totals' rows, inline (one group)
         target = self._target_time()  # no finish and no prefill end inside the run
         first = self._next_batch_id
         before = len(flying)
@@ -1310,7 +1312,19 @@ class Scheduler:
                 if decodes >= cap:
                     break
                 crossers = lane.cross_at.get(lane.issued)
-                base = lanes.totals(lane)[0]
+                if lane.n_works[0]:  # DecodeLanes.totals(lane)[0], the same integers
+                    nt = lane.n_tail[0]
+                    kv = lane.kv_sum[0] + nt * lane.issued
+                    const = lane.const[0]
+                    if const is None:
+                        base = [nt * x + kv * y for x, y in zip(line_a, line_b, strict=True)]
+                    else:
+                        base = [
+                            nt * x + kv * y + c
+                            for x, y, c in zip(line_a, line_b, const, strict=True)
+                        ]
+                else:
+                    base = None
                 base_time = 0.0 if base is None else group_time(base)
             if base_time >= target:
                 break
@@ -1402,7 +1416,8 @@ class Scheduler:
             if lane is not None:
                 lane.cleared += 1
             r._stage0 += n
-            refresh(r)
+            done = r._scheduled if cache_aware else r._scheduled - r.num_cached_tokens
+            r.remaining_work = remaining(r.num_prefill_tokens, done)
             if shared:
                 out.discard(rid)
                 queue.renew(r)
