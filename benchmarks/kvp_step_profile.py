@@ -21,6 +21,7 @@ kvp=1 and each kvp=2 rank, and the load average before and after.
 
     python benchmarks/kvp_step_profile.py                  # 32K context, 300 steps
     python benchmarks/kvp_step_profile.py --context 8192 --steps 100
+    python benchmarks/kvp_step_profile.py --swap     # rank 0 (the sampler) holds the tail
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the launch harne
 from tests.parallel.dist import launch
 
 
-def _profile(rank: int, world: int, init: str, context: int, steps: int, block: int) -> dict:
+def _profile(
+    rank: int, world: int, init: str, context: int, steps: int, block: int, swap: bool = False
+) -> dict:
     """Thread CPU seconds and calls per step, by part, on this rank."""
     import medha_parallel.kvp as kvp
     import medha_parallel.linear as linear
@@ -118,7 +121,7 @@ def _profile(rank: int, world: int, init: str, context: int, steps: int, block: 
     runner = ModelRunner(spec, state)
     if runner.attention is not None:
         runner.attention.comm = KVPCommunicator(state, shared_memory=True)
-    groups = tuple(range(world))
+    groups = tuple(range(world))[::-1] if swap else tuple(range(world))
     blocks = tuple((g, tuple(range(group // block))) for g in groups)
     pos = context - 1
     sample = SampleSpec("a", 0.0, 0, 1.0, 0, None)
@@ -143,10 +146,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument(
+        "--swap",
+        action="store_true",
+        help="kvp=2: rank 1 holds the prefix, rank 0 (the sampler) the tail",
+    )
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}")
     one = launch(_profile, 1, args.context, args.steps, args.block)[0]
-    two = launch(_profile, 2, args.context, args.steps, args.block)
+    two = launch(_profile, 2, args.context, args.steps, args.block, args.swap)
     print(f"load average after: {os.getloadavg()}")
     print(f"\none decode step at {args.context} tokens, {args.steps} steps: thread CPU us per step")
     print(f"{'part':>24} {'kvp=1':>15} {'kvp=2 r0':>15} {'kvp=2 r1':>15}")
