@@ -16,6 +16,8 @@ For each layout and repeat it reports:
   worker's (what a quiet machine's wall time follows: the driver waits for
   the workers, which wait for each other at every merge), "total" every
   process's. On a busy machine the CPU time is the steadier measure;
+- with worker processes, each rank's own decode step (``runner.execute`` in
+  the worker, wall and thread CPU: the median per rank, the busiest rank's);
 - the greedy tokens, which must be identical.
 
 Repeats alternate the layouts (1, 2, 1, 2, ...) and the report gives the
@@ -111,6 +113,9 @@ def run(kvp: int, prompt: list[int], args: argparse.Namespace, async_: bool = Fa
     )
     try:
         pids = [os.getpid(), *getattr(engine.executor, "pids", [])]
+        timings = None
+        if hasattr(engine.executor, "timings"):  # worker processes: each rank's step, timed
+            timings = engine.executor.timings = []
         params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
         rid = engine.add_request(prompt, params)
         c0, t0 = _cpu(pids), time.perf_counter()
@@ -131,12 +136,24 @@ def run(kvp: int, prompt: list[int], args: argparse.Namespace, async_: bool = Fa
                 out = o
         c2 = _cpu(pids)
         assert out is not None and prefill is not None
+        # the ranks' own decode steps (runner.execute in the worker; what it does while
+        # it waits for the driver is not in them): medians per rank, the busiest rank's
+        rank_wall = rank_cpu = 0.0
+        if timings:
+            steps = sorted({t[0] for t in timings})[-len(decode_wall) :]
+            per_rank: dict[int, list[tuple[float, float]]] = {}
+            for step_id, rank, wall, cpu in timings:
+                if step_id in steps:
+                    per_rank.setdefault(rank, []).append((wall, cpu))
+            rank_wall = max(statistics.median(w for w, _ in v) for v in per_rank.values())
+            rank_cpu = max(statistics.median(c for _, c in v) for v in per_rank.values())
         return {
             "prefill": prefill,
             "prefill_cpu": _phase(c0, c1),
             "tpot": statistics.median(decode_wall),
             # the mean over decode steps: the process clocks tick every 10 ms
             "tpot_cpu": _phase(c1, c2, len(decode_wall)),
+            "rank_step": {"wall": rank_wall, "cpu": rank_cpu},
             "tokens": list(out.outputs[0].token_ids),
             "in_flight": engine.stats.max_in_flight,
         }
@@ -314,7 +331,9 @@ def main() -> None:
                     f"repeat {rep} {mode} kvp={kvp}: prefill {r['prefill']:.2f} s "
                     f"(CPU path {r['prefill_cpu']['path']:.2f} s), "
                     f"TPOT {1e3 * r['tpot']:.2f} ms "
-                    f"(CPU path {1e3 * r['tpot_cpu']['path']:.2f} ms), "
+                    f"(CPU path {1e3 * r['tpot_cpu']['path']:.2f} ms; rank step "
+                    f"{1e3 * r['rank_step']['wall']:.2f} ms, "
+                    f"CPU {1e3 * r['rank_step']['cpu']:.2f}), "
                     f"batches in flight at most {r['in_flight']}, "
                     f"load {os.getloadavg()[0]:.1f}",
                     flush=True,
@@ -336,6 +355,8 @@ def main() -> None:
         ("TPOT CPU total (ms)", 1e3, "tpot_cpu", "total"),
         ("TPOT CPU driver (ms)", 1e3, "tpot_cpu", "driver"),
         ("TPOT CPU worker (ms)", 1e3, "tpot_cpu", "worker"),
+        ("rank step wall (ms)", 1e3, "rank_step", "wall"),
+        ("rank step CPU (ms)", 1e3, "rank_step", "cpu"),
     ]
     print(f"\ncontext {args.context}, {args.new} new tokens, chunk {args.chunk}, 1 thread per rank")
     head = f"{'median of ' + str(args.repeats):>24}"

@@ -21,6 +21,8 @@ kvp=1 and each kvp=2 rank, and the load average before and after.
 
     python benchmarks/kvp_step_profile.py                  # 32K context, 300 steps
     python benchmarks/kvp_step_profile.py --context 8192 --steps 100
+    python benchmarks/kvp_step_profile.py --swap     # rank 0 (the sampler) holds the tail
+    python benchmarks/kvp_step_profile.py --ahead    # kvp=2 also with the batch built ahead
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the launch harne
 from tests.parallel.dist import launch
 
 
-def _profile(rank: int, world: int, init: str, context: int, steps: int, block: int) -> dict:
+def _profile(
+    rank: int,
+    world: int,
+    init: str,
+    context: int,
+    steps: int,
+    block: int,
+    swap: bool = False,
+    ahead: bool | None = None,
+) -> dict:
     """Thread CPU seconds and calls per step, by part, on this rank."""
     import medha_parallel.kvp as kvp
     import medha_parallel.linear as linear
@@ -118,22 +129,36 @@ def _profile(rank: int, world: int, init: str, context: int, steps: int, block: 
     runner = ModelRunner(spec, state)
     if runner.attention is not None:
         runner.attention.comm = KVPCommunicator(state, shared_memory=True)
-    groups = tuple(range(world))
+    groups = tuple(range(world))[::-1] if swap else tuple(range(world))
     blocks = tuple((g, tuple(range(group // block))) for g in groups)
-    pos = context - 1
     sample = SampleSpec("a", 0.0, 0, 1.0, 0, None)
-    runner.execute(StepPlan(0, (PlannedChunk("a", pos, (7,), groups, blocks, sample),)))
-    step = StepPlan(1, (PlannedChunk("a", pos, (7,), groups, (), sample),))
-    for _ in range(20):
-        runner.execute(step)
-    wrap(ModelRunner, "execute", "STEP")
+    # ahead given: the decodes walk to the context's end, one position a step (the last
+    # steps of a generation), and with ahead=True each is built while the rank is idle
+    # (ModelRunner.prepare_next after the step, as the worker loop does: not timed)
+    first = context - 1 - (steps + 20 if ahead is not None else 0)
+    runner.execute(StepPlan(0, (PlannedChunk("a", first, (7,), groups, blocks, sample),)))
+    pos = first + 1 if ahead is not None else first
+    if ahead:
+        runner.prepare_next()
     walls = []
-    on[0] = True
-    for _ in range(steps):
+    for i in range(steps + 20):
+        if i == 20:
+            wrap(ModelRunner, "execute", "STEP")
+            on[0] = True
         t = time.perf_counter()
-        runner.execute(step)
-        walls.append(time.perf_counter() - t)
+        runner.execute(StepPlan(1, (PlannedChunk("a", pos, (7,), groups, (), sample),)))
+        if on[0]:
+            walls.append(time.perf_counter() - t)
+        if ahead:
+            on[0] = False
+            runner.prepare_next()
+            on[0] = i >= 20
+        if ahead is not None:
+            pos += 1
     on[0] = False
+    if ahead:
+        parts_ahead = runner.steps_ahead
+        assert parts_ahead == steps + 20, f"{parts_ahead} of {steps + 20} steps built ahead"
     parts = {k: (v / steps, calls[k] / steps) for k, v in used.items()}
     return parts | {"wall (median)": (statistics.median(walls), 1.0)}
 
@@ -143,17 +168,33 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument(
+        "--ahead",
+        action="store_true",
+        help="the decodes walk one position a step; kvp=2 also with each step's batch "
+        "built ahead (ModelRunner.prepare_next, untimed), both runs side by side",
+    )
+    ap.add_argument(
+        "--swap",
+        action="store_true",
+        help="kvp=2: rank 1 holds the prefix, rank 0 (the sampler) the tail",
+    )
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}")
-    one = launch(_profile, 1, args.context, args.steps, args.block)[0]
-    two = launch(_profile, 2, args.context, args.steps, args.block)
+    walk = False if args.ahead else None
+    one = launch(_profile, 1, args.context, args.steps, args.block, False, walk)[0]
+    runs = [one, *launch(_profile, 2, args.context, args.steps, args.block, args.swap, walk)]
+    heads = ["kvp=1", "kvp=2 r0", "kvp=2 r1"]
+    if args.ahead:
+        runs += launch(_profile, 2, args.context, args.steps, args.block, args.swap, True)
+        heads += ["ahead r0", "ahead r1"]
     print(f"load average after: {os.getloadavg()}")
     print(f"\none decode step at {args.context} tokens, {args.steps} steps: thread CPU us per step")
-    print(f"{'part':>24} {'kvp=1':>15} {'kvp=2 r0':>15} {'kvp=2 r1':>15}")
-    names = list(dict.fromkeys([*two[0], *two[1], *one]))
+    print(f"{'part':>24}" + "".join(f" {h:>15}" for h in heads))
+    names = list(dict.fromkeys(k for res in runs[1:] + runs[:1] for k in res))
     for name in names:
         line = f"{name:>24}"
-        for res in (one, *two):
+        for res in runs:
             got = res.get(name)
             line += f" {1e6 * got[0]:9.1f} ({got[1]:3.0f})" if got else f" {'-':>15}"
         print(line)

@@ -72,7 +72,7 @@ from medha_parallel.tokens import return_slots
 from medha_runtime.cpu_memory import keep_freed_memory
 from medha_runtime.decode_graphs import DecodeGraphs
 from medha_runtime.model import ForwardBatch, KVCache, load_model
-from medha_runtime.plan import BlockTables, StepPlan
+from medha_runtime.plan import BlockTables, PlannedChunk, StepPlan
 from medha_runtime.sampling import Sampled, Sampler, logit_rows, sample_step
 from medha_runtime.stage import PipelineStage
 from medha_sched.output import PENDING_TOKEN
@@ -207,9 +207,8 @@ class ShardedAttention:
         lists, only slower (a decode step: ~30 us against ~60 us). None otherwise."""
         shards = self.shards
         assert shards is not None
-        for n, kv, tail in zip(shards.num_q, shards.kv_lens, shards.is_tail, strict=True):
-            if kv == 0 or not (tail or n == 1):
-                return None
+        if not _one_causal_call(shards):
+            return None
         plan = batch.attention_plan_for(q, k_cache, self.backend)
         return KVPAttentionPlan(num_q=int(q.shape[0]), parts=(KVPPart(None, plan),))
 
@@ -244,6 +243,16 @@ class ShardedAttention:
         # what kvp_paged_attention does: one merge over the whole KVP group
         merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=self.strategy)  # type: ignore[arg-type]
         return merged
+
+
+def _one_causal_call(shards: GroupShards) -> bool:
+    """Whether a step's attention on this group is the batch's own causal plan
+    (:meth:`ShardedAttention._batch_plan`): it holds keys of every sequence, each
+    on its tail or a decode."""
+    return all(
+        kv > 0 and (tail or n == 1)
+        for n, kv, tail in zip(shards.num_q, shards.kv_lens, shards.is_tail, strict=True)
+    )
 
 
 #: array typecodes of the batch's index dtypes (build_group_batch's host lists)
@@ -487,6 +496,13 @@ class ModelRunner:
         #: wall and thread CPU seconds the last step waited for the last stage's tokens
         #: (stage 0, spp > 1; the wait spins, yielding its core, before it sleeps)
         self.token_wait_s = self.token_wait_cpu_s = 0.0
+        #: the last step run eagerly, every chunk of it sampled: :meth:`prepare_next`
+        #: builds the batch of its requests' next decodes from it (None: nothing to build)
+        self._last_plan: StepPlan | None = None
+        #: what :meth:`prepare_next` built: the chunks it assumed, their batch and shards
+        self._ahead: tuple[tuple[PlannedChunk, ...], ForwardBatch, GroupShards] | None = None
+        #: steps that ran the batch :meth:`prepare_next` built (the others built their own)
+        self.steps_ahead = 0
 
     @property
     def is_sampler(self) -> bool:
@@ -518,6 +534,7 @@ class ModelRunner:
         for c in plan.chunks:
             if c.new_blocks:
                 self.tables.extend(c.request_id, c.new_blocks)
+        self._last_plan = None
         try:
             result = self._run(plan, fill)
             if returned is not None:
@@ -526,6 +543,8 @@ class ModelRunner:
                 self._send_tokens(plan, result)
             elif last is not None:
                 self._keep_tokens(plan, result, last)
+            if not plan.release_after and self._can_prepare() and plan.chunks:
+                self._last_plan = plan
             return result
         finally:
             if plan.release_after:
@@ -539,6 +558,90 @@ class ModelRunner:
                     self.pipeline.forget(plan.release_after)
                 if self.sampler is not None:
                     self.sampler.forget(plan.release_after)
+
+    def _can_prepare(self) -> bool:
+        """Whether :meth:`prepare_next` may build batches here: one stage, eager, on the CPU."""
+        return self.pipeline is None and self.graphs is None and self.device.type == "cpu"
+
+    def prepare_next(self) -> bool:
+        """Build, ahead, the batch of the step that would follow the last one if it gave
+        each of its requests its next decode and nothing else (what a decode step of an
+        unchanged batch is): a worker does this while it waits for the driver's next
+        step, which then skips the batch build, the KV write index and the attention
+        plan (~0.1 ms of host work a decode step) if it is that step.
+
+        The next step uses the batch only if it holds those decodes, in that order, with
+        the same sampling, frees and finishes nothing and brings no new blocks for this
+        rank's group (:meth:`_take_ahead`): then its own build would give the same
+        tensors but for the token ids, which it writes. Built once per step; a step
+        that is not that one builds its own batch, as without this.
+
+        Returns:
+            Whether a batch was built: not where the last step had a chunk that
+            samples nothing (a prefill chunk) or prompt logprobs, or a request's next
+            position leaves its tail shard or needs a block this rank does not have yet.
+        """
+        last, self._last_plan, self._ahead = self._last_plan, None, None
+        if last is None:
+            return False
+        spec = self.spec
+        g_tokens, block = spec.group_tokens, spec.block_size
+        chunks = []
+        for c in last.chunks:
+            if c.sample is None or c.prompt_logprobs is not None:
+                return False
+            start = c.start + len(c.token_ids)
+            tail = len(c.kvp_groups) - 1
+            if spec.kvp > 1 and start // g_tokens != tail:
+                return False  # the next decode opens a new shard
+            if c.kvp_groups[tail] == self.group:  # it writes here: its slot's block is known
+                local = start - tail * g_tokens if spec.kvp > 1 else start
+                if local // block >= len(self.tables.blocks(c.request_id, self.group)):
+                    return False
+            chunks.append(PlannedChunk(c.request_id, start, (0,), c.kvp_groups, (), c.sample))
+        plan = StepPlan(last.step_id, tuple(chunks))
+        batch, shards = build_group_batch(
+            plan,
+            self.tables,
+            group=self.group,
+            kvp=spec.kvp,
+            group_tokens=g_tokens,
+            block_size=block,
+            device=self.device,
+            capacity=self._kv_slots,
+        )
+        batch.prepare_kv_write(self.kv.k[0])
+        if self.attention is None or _one_causal_call(shards):
+            # the plan the first layer asks for (ShardedAttention._batch_plan: the same key)
+            batch.attention_plan(**self._plan_key)
+        self._ahead = (plan.chunks, batch, shards)
+        return True
+
+    def _take_ahead(self, plan: StepPlan) -> tuple[ForwardBatch, GroupShards] | None:
+        """The batch :meth:`prepare_next` built, with ``plan``'s token ids, if ``plan``
+        is the step it assumed; else None (and it is dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or plan.free or plan.finished:
+            return None
+        assumed, batch, shards = ahead
+        if len(plan.chunks) != len(assumed):
+            return None
+        group = self.group
+        for c, a in zip(plan.chunks, assumed, strict=True):
+            if (
+                c.request_id != a.request_id
+                or c.start != a.start
+                or len(c.token_ids) != 1
+                or c.kvp_groups != a.kvp_groups
+                or c.sample != a.sample
+                or c.prompt_logprobs is not None
+                or any(g == group for g, _ in c.new_blocks)
+            ):
+                return None
+        ids = array("q", [c.token_ids[0] for c in plan.chunks])
+        batch.input_ids = torch.frombuffer(ids, dtype=torch.int64)
+        self.steps_ahead += 1
+        return batch, shards
 
     def _keep_tokens(
         self, plan: StepPlan, result: list[Sampled] | None, last: dict[str, int]
@@ -621,19 +724,23 @@ class ModelRunner:
             logits = self.graphs.run(plan, self.tables)
             if logits is not None:  # None: graphs just turned off, run it eagerly
                 return sample_step(self.sampler, logits, plan.chunks)  # type: ignore[return-value]
-        batch, shards = build_group_batch(
-            plan,
-            self.tables,
-            group=self.group,
-            kvp=spec.kvp,
-            group_tokens=spec.group_tokens,
-            block_size=spec.block_size,
-            device=self.device,
-            capacity=self._kv_slots,
-        )
-        # the step's fixed host work before the forward pass: a later stage does it
-        # while it waits for the previous stage's activations
-        batch.prepare_kv_write(self.kv.k[0])
+        ahead = self._take_ahead(plan) if self._ahead is not None else None
+        if ahead is not None:  # built by prepare_next while this rank waited for the step
+            batch, shards = ahead
+        else:
+            batch, shards = build_group_batch(
+                plan,
+                self.tables,
+                group=self.group,
+                kvp=spec.kvp,
+                group_tokens=spec.group_tokens,
+                block_size=spec.block_size,
+                device=self.device,
+                capacity=self._kv_slots,
+            )
+            # the step's fixed host work before the forward pass: a later stage does it
+            # while it waits for the previous stage's activations
+            batch.prepare_kv_write(self.kv.k[0])
         if self.attention is not None:
             self.attention.prepare(shards)
         else:

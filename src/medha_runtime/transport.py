@@ -63,6 +63,13 @@ class PipeTransport:
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise TransportClosed(f"the driver's pipe closed ({exc!r})") from None
 
+    def pending(self) -> bool:
+        """Whether a message (or the pipe's end) waits: :meth:`recv` would not block."""
+        try:
+            return self.conn.poll(0)
+        except (EOFError, OSError):
+            return True  # recv reports the closed pipe
+
 
 class DistTransport:
     """A non-driver rank's end of the control group (see the module docstring).

@@ -7,7 +7,9 @@ messages (:mod:`medha_runtime.messages`) in order until told to stop:
 - :class:`~medha_runtime.messages.Step`: run the plan, reply
   :class:`~medha_runtime.messages.Done` (the sampling rank's carries the
   sampled rows), or :class:`~medha_runtime.messages.Failed` with the
-  traceback and stop;
+  traceback and stop; then, over a pipe with no message waiting, let the
+  runner build the next decode step's batch ahead
+  (:meth:`~medha_runtime.runner.ModelRunner.prepare_next`);
 - :class:`~medha_runtime.messages.Ping`: nothing;
 - :class:`~medha_runtime.messages.Shutdown`: stop (status 0).
 
@@ -35,7 +37,16 @@ from medha_runtime.transport import PipeTransport, TransportClosed, WorkerTransp
 
 
 def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
-    """Answer the driver until a shutdown (returns 0) or a failure (returns 1)."""
+    """Answer the driver until a shutdown (returns 0) or a failure (returns 1).
+
+    Over a transport that tells whether a message waits (``pending``), a rank with
+    nothing waiting after its reply lets the runner build the next decode step's
+    batch ahead (``prepare_next``), while the driver turns the step around.
+    """
+    prepare = getattr(runner, "prepare_next", None)
+    if not callable(getattr(transport, "pending", None)):
+        prepare = None
+    failed: str | None = None
     while True:
         try:
             msg = transport.recv()
@@ -47,6 +58,9 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
             continue
         if not isinstance(msg, Step):
             _reply(transport, Failed(rank, f"rank {rank}: unknown message {msg!r}"))
+            return 1
+        if failed is not None:
+            _reply(transport, Failed(rank, failed))
             return 1
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -66,6 +80,13 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
         done = Done(rank, msg.plan.step_id, result, seconds, cpu, wait)
         if not _reply(transport, done):
             return 1
+        if prepare is not None and not transport.pending():
+            # idle until the driver's next step: build its batch ahead (a decode step's)
+            try:
+                prepare()
+            except Exception:  # a bug: the driver hears of it at its next step
+                failed = f"rank {rank} failed preparing the step after {msg.plan.step_id}:\n"
+                failed += traceback.format_exc()
 
 
 def _reply(transport: WorkerTransport, msg: Done | Failed) -> bool:
