@@ -70,10 +70,19 @@ COEFFICIENTS = ("step", "per_request", "per_token", "per_kv", "per_attn")
 #: feature units the coefficients are kept in (conditioning): seconds per unit
 _UNITS = (1.0, 1.0, 256.0, 8192.0, 256.0 * 8192.0)
 _KIND = "medha-online-cost-model"
-_VERSION = 1
+_VERSION = 2  # 2: the decode anchor ("decode"); version 1 states still load
 _MIN_STEP = 1e-6
 _MAX_COEF = 1e6  # seconds per unit: far beyond any real device, keeps state finite
 _ERROR_WINDOW = 100
+#: the decode anchor (see ``OnlineCostModel._learn_decode``): its forgetting
+#: factor (memory about 10 one-token steps), how loose its covariance starts
+#: (times the shared fit's), after how many steps with a chunk in a row it
+#: relearns around fresh covariance, and the bound on one step's log ratio
+#: once it is an outlier (a pause moves it, but by at most 2x)
+_DEC_FORGET = 0.9
+_DEC_PRIOR = 10.0
+_DEC_GAP = 20
+_DEC_CLIP = math.log(2.0)
 #: a drift rescales every coefficient by at most this factor (as a log) at once
 _MAX_DRIFT_LOG = math.log(16.0)
 #: classes of steps for per-class drift: query tokens of the slowest group by factors of 4
@@ -172,6 +181,21 @@ class OnlineCostModel(AggregateCostModel):
         #: the model (the scheduler's prefill times) rebuild when it changes
         self.revision = 0
         self._revision_times: tuple[float, ...] = ()
+        #: the decode anchor: ``(step, per_request, per_kv, first)``
+        #: (seconds; per_kv per 8192 KV tokens), learned from one-token steps
+        #: only (None until one is seen); see :meth:`_decode_features`
+        self._dec: list[float] | None = None
+        self._dec_p: list[list[float]] = []
+        #: signed count of the last one-token steps that were far off in a row
+        self._dec_out = 0
+        #: ``(step, per_request, per_kv per token)`` as ``group_time`` reads them
+        self._dec_coef: tuple[float, float, float] | None = None
+        #: 0 when the last step observed had a chunk, else 1
+        self._dec_since = 1
+        #: steps with a chunk observed since the last one-token step
+        self._dec_idle = 0
+        #: the anchor's ``first`` term as the next step gets it (0 or ``first``)
+        self._dec_after = 0.0
         self._sync()
 
     # ------------------------------------------------------------ prediction
@@ -188,9 +212,23 @@ class OnlineCostModel(AggregateCostModel):
         return (1, 0, kv_tokens, q_tokens * kv_tokens)
 
     def group_time(self, totals: Sequence[float]) -> float:
-        """``step + per_request*n + per_token*tokens + per_kv*kv + per_attn*pairs``."""
+        """``step + per_request*n + per_token*tokens + per_kv*kv + per_attn*pairs``.
+
+        Once a one-token step was observed, a group of one-token work only
+        (decodes: ``tokens <= n`` and ``pairs == kv``) is priced by the decode
+        anchor ``step' + per_request' * n + per_kv' * kv (+ first)``
+        instead, and any other group by the larger of the two (so one more
+        query token never makes a group cheaper: predictions stay monotone).
+        """
         c = self._coef
-        return c[0] + c[1] * totals[0] + c[2] * totals[1] + c[3] * totals[2] + c[4] * totals[3]
+        t = c[0] + c[1] * totals[0] + c[2] * totals[1] + c[3] * totals[2] + c[4] * totals[3]
+        d = self._dec_coef
+        if d is None:
+            return t
+        a = d[0] + d[1] * totals[0] + d[2] * totals[2] + self._dec_after
+        if totals[1] <= totals[0] and totals[3] == totals[2]:
+            return a
+        return t if t >= a else a
 
     def frozen(self) -> OnlineCostModel:
         """A copy that later observations of this model do not change."""
@@ -210,15 +248,140 @@ class OnlineCostModel(AggregateCostModel):
         if x is None:
             return None
         theta = self._theta
-        predicted = sum(t * f for t, f in zip(theta, x, strict=True))
+        shared = sum(t * f for t, f in zip(theta, x, strict=True))
+        decode = _one_token_work(x)
+        predicted = shared
+        if self._dec is not None:
+            anchor = self._decode_time(x)
+            predicted = anchor if decode else max(shared, anchor)
         error = abs(predicted - seconds) / seconds
         self.errors.append(error)
         # residual relative to the prediction: weights that do not depend on the
         # measurement keep the fit unbiased for the mean time (relative to the
         # measurement, slow steps would count less and the fit would run low)
-        ref = max(predicted, 1e-9)
+        ref = max(shared, 1e-9)
         self._update([f / ref for f in x], seconds / ref, _step_class(x))
+        after = 1 if decode else 0
+        if decode:
+            self._learn_decode(x, seconds)
+            self._dec_idle = 0
+        else:
+            self._dec_idle += 1
+        if after != self._dec_since:
+            self._dec_since = after
+            self._sync_decode()
         return error
+
+    def _decode_features(self, x: Sequence[float]) -> tuple[float, ...]:
+        """The decode anchor's features of a group with features ``x`` (units of
+        ``_UNITS``): ``(1, requests, KV read / 8192, first)``, ``first`` 1 on the
+        first step after a step with a chunk (in the issue-18 budget runs the
+        first one-token step after a chunk ran 1.3-1.5x the later ones: caches
+        the chunk evicted)."""
+        return (1.0, x[1], x[3], 1.0 if self._dec_since == 0 else 0.0)
+
+    def _decode_time(self, x: Sequence[float]) -> float:
+        d = self._dec
+        assert d is not None
+        return sum(a * v for a, v in zip(d, self._decode_features(x), strict=True))
+
+    def _learn_decode(self, x: Sequence[float], seconds: float) -> None:
+        """One RLS step of the decode anchor on a step of one-token work that took
+        ``seconds`` (``x``: its features in units of ``_UNITS``).
+
+        The shared fit is dominated by the chunk steps around these: a chunk
+        mispredicted at long KV moves ``step`` and the one-token steps after
+        it were predicted up to 2x off (1.3-1.9 ms for about 1.05 ms in the
+        budget runs), and space sharing then left the long prompt's chunk out
+        or took it back. The anchor learns from one-token steps alone (its
+        own RLS on the relative residual, forgetting ``_DEC_FORGET``); it
+        starts from the shared fit's terms for one-token work and relearns
+        around fresh covariance after ``_DEC_GAP`` steps without one.
+        """
+        if self._dec is None:
+            t = self._theta  # the shared fit's terms for one-token work
+            self._dec = [t[0], t[1] + t[2] / _UNITS[2], t[3] + t[4] / _UNITS[2], 0.0]
+            self._reset_decode_covariance()
+        elif self._dec_idle > _DEC_GAP:
+            self._reset_decode_covariance()
+        d = self._dec
+        f = self._decode_features(x)
+        predicted = max(sum(a * v for a, v in zip(d, f, strict=True)), 1e-9)
+        log_r = math.log(seconds / predicted)
+        a = abs(log_r)
+        weight = 1.0
+        if a > max(self.reject * self._scale, _DEC_CLIP):
+            # far off: a lone one is a pause (ignored); in a row of one sign they
+            # are a change, learned from at most 2x at a time, and after
+            # ``drift_steps`` of them around fresh covariance
+            sign = 1 if log_r > 0 else -1
+            streak = self._dec_out + sign if self._dec_out * sign > 0 else sign
+            self._dec_out = streak
+            if abs(streak) < 2:
+                return
+            if abs(streak) >= self.drift_steps:
+                self._reset_decode_covariance()
+                self._dec_out = 0
+            log_r = math.copysign(_DEC_CLIP, log_r)
+        else:
+            self._dec_out = 0
+            if a > self.huber * self._scale:
+                weight = self.huber * self._scale / a
+        residual = math.exp(log_r) - 1.0
+        x_rel = [v / predicted for v in f]
+        p, lam = self._dec_p, _DEC_FORGET
+        n = len(d)
+        px = [sum(p[i][j] * x_rel[j] for j in range(n)) for i in range(n)]
+        denom = lam / weight + sum(x_rel[i] * px[i] for i in range(n))
+        if not (math.isfinite(denom) and denom > 0):
+            self._reset_decode_covariance()
+            return
+        gain = [v / denom for v in px]
+        new = [min(max(a + g * residual, 0.0), _MAX_COEF) for a, g in zip(d, gain, strict=True)]
+        new[0] = max(new[0], _MIN_STEP)
+        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        trace = sum(new_p[i][i] for i in range(n))
+        if not all(math.isfinite(v) for v in new) or not math.isfinite(trace) or trace <= 0:
+            self._reset_decode_covariance()
+            return
+        limit = self._decode_covariance_cap(new)
+        if trace > limit:  # no wind-up in directions the data does not excite
+            new_p = [[v * limit / trace for v in row] for row in new_p]
+        self._dec, self._dec_p = new, new_p
+        self._sync_decode()
+
+    def _reset_decode_covariance(self) -> None:
+        """A diagonal covariance around the anchor, ``_DEC_PRIOR`` times looser
+        than the shared fit's (``first`` and ``second`` as if 0.3 ``step``)."""
+        d = self._dec
+        assert d is not None
+        diag = self._decode_prior(d)
+        n = len(diag)
+        self._dec_p = [[diag[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+
+    def _decode_prior(self, d: Sequence[float]) -> list[float]:
+        floors = (0.1 * max(d),) * 3 + (0.3 * d[0],)
+        loose = _DEC_PRIOR / self.prior_strength
+        return [max(v, f) ** 2 * loose for v, f in zip(d, floors, strict=True)]
+
+    def _decode_covariance_cap(self, d: Sequence[float]) -> float:
+        """The anchor's covariance trace is held to 10x its prior's around ``d``."""
+        return 10.0 * sum(self._decode_prior(d))
+
+    def _sync_decode(self) -> None:
+        """What ``group_time`` reads of the anchor; the fixed cost cap holds it too."""
+        d = self._dec
+        if d is None:
+            self._dec_coef, self._dec_after = None, 0.0
+            return
+        cap = self.fixed_cost_cap
+        fixed = d[0] + d[1] + d[3]
+        if cap is not None and fixed > cap:
+            shrink = cap / fixed
+            d[0] = max(d[0] * shrink, _MIN_STEP)
+            d[1], d[3] = d[1] * shrink, d[3] * shrink
+        self._dec_coef = (d[0], d[1], d[2] / _UNITS[3])
+        self._dec_after = d[3] if self._dec_since == 0 else 0.0
 
     @property
     def median_error(self) -> float | None:
@@ -281,6 +444,8 @@ class OnlineCostModel(AggregateCostModel):
             factor = math.exp(min(max(med, -_MAX_DRIFT_LOG), _MAX_DRIFT_LOG))
             self._theta = [min(t * factor, _MAX_COEF) for t in self._theta]
             self._sync()
+            if self._dec is not None:  # it relearns from the next one-token steps
+                self._reset_decode_covariance()
             x = [f / factor for f in x]
             residual = ratio / factor - 1.0
             self.drifts += 1
@@ -367,6 +532,15 @@ class OnlineCostModel(AggregateCostModel):
         self._theta[0] = max(self._theta[0], _MIN_STEP)
         self._sync()
         self._reset_covariance()
+        self._scale_decode(factor)
+
+    def _scale_decode(self, factor: float) -> None:
+        """:meth:`rescale` moves the decode anchor too (around fresh covariance)."""
+        if self._dec is not None:
+            self._dec = [min(max(a * factor, 0.0), _MAX_COEF) for a in self._dec]
+            self._dec[0] = max(self._dec[0], _MIN_STEP)
+            self._reset_decode_covariance()
+            self._sync_decode()
 
     def cap_fixed_cost(self, seconds: float | None) -> None:
         """Set :attr:`fixed_cost_cap` and apply it now."""
@@ -374,6 +548,7 @@ class OnlineCostModel(AggregateCostModel):
             raise ValueError(f"fixed cost cap must be a positive number, got {seconds!r}")
         self.fixed_cost_cap = seconds
         self._sync()
+        self._sync_decode()
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -431,6 +606,15 @@ class OnlineCostModel(AggregateCostModel):
             "covariance": [list(row) for row in self._p],
             "robust_scale": self._scale,
             "drift": self._drift_state(),
+            "decode": None
+            if self._dec is None
+            else {
+                "coefficients": list(self._dec),
+                "covariance": [list(row) for row in self._dec_p],
+                "since_chunk": self._dec_since,
+                "chunks_since": self._dec_idle,
+                "far_off": self._dec_out,
+            },
             "steps": self.steps,
             "drifts": self.drifts,
             "median_error": self.median_error,
@@ -441,10 +625,10 @@ class OnlineCostModel(AggregateCostModel):
         """Rebuild a model from :meth:`state`; a bad state is a ``ValueError`` naming the field."""
         if not isinstance(state, Mapping) or state.get("kind") != _KIND:
             raise ValueError(f"not an online cost model state (want kind={_KIND!r})")
-        if state.get("version") != _VERSION:
+        if state.get("version") not in (1, _VERSION):
             raise ValueError(
                 f"online cost model state version {state.get('version')!r}; "
-                f"this Medha reads version {_VERSION}"
+                f"this Medha reads versions 1 to {_VERSION}"
             )
         try:
             coef = state["coefficients"]
@@ -470,6 +654,11 @@ class OnlineCostModel(AggregateCostModel):
                     model._load_drift(state["drift"])
                 except (ValueError, TypeError) as exc:
                     raise ValueError(f"bad drift state: {exc}") from None
+            if state.get("decode") is not None:
+                try:
+                    model._load_decode(state["decode"])
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise ValueError(f"bad decode state: {exc}") from None
             model.steps = int(state.get("steps", 0))
             model.drifts = int(state.get("drifts", 0))
         except (KeyError, TypeError) as exc:
@@ -527,6 +716,31 @@ class OnlineCostModel(AggregateCostModel):
         self.errors.clear()
         self.errors.extend(errors[-_ERROR_WINDOW:])
 
+    def _load_decode(self, dec: Mapping) -> None:
+        """Restore the decode anchor of :meth:`state`; a bad entry is a ``ValueError``."""
+        if not isinstance(dec, Mapping):
+            raise ValueError(f"want an object, got {dec!r}")
+        coef = [float(v) for v in dec["coefficients"]]
+        cov = [[float(v) for v in row] for row in dec["covariance"]]
+        n = 4
+        if len(coef) != n or len(cov) != n or any(len(row) != n for row in cov):
+            raise ValueError(f"want {n} coefficients and a {n} x {n} covariance")
+        if not all(math.isfinite(v) and v >= 0 for v in coef):
+            raise ValueError(f"coefficients must be finite and >= 0, got {coef!r}")
+        if not all(math.isfinite(v) for row in cov for v in row):
+            raise ValueError("covariance has a non-finite entry")
+        since, idle = dec.get("since_chunk", 1), dec.get("chunks_since", 0)
+        out = dec.get("far_off", 0)
+        if not (since in (0, 1) and isinstance(idle, int) and idle >= 0):
+            raise ValueError(f"since_chunk {since!r} / chunks_since {idle!r}")
+        if not isinstance(out, int) or abs(out) >= max(self.drift_steps, 2):
+            raise ValueError(f"far_off must be an integer below drift_steps, got {out!r}")
+        coef[0] = max(coef[0], _MIN_STEP)
+        self._dec = coef
+        self._dec_p = cov
+        self._dec_since, self._dec_idle, self._dec_out = since, idle, out
+        self._sync_decode()
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state` as JSON (atomically: a temporary file, then a rename)."""
         path = os.fspath(path)
@@ -559,6 +773,13 @@ class OnlineCostModel(AggregateCostModel):
 
 def _finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _one_token_work(x: Sequence[float]) -> bool:
+    """Whether features ``x`` (units of ``_UNITS``) are a group of one-token work
+    only (decodes): no more tail tokens than requests, and as many attended
+    pairs as KV entries read (exact: the units are powers of two)."""
+    return x[2] * _UNITS[2] <= x[1] and x[4] * _UNITS[2] == x[3]
 
 
 def _step_class(x: Sequence[float]) -> int:
