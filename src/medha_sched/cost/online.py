@@ -42,7 +42,15 @@ beyond the last 100 errors. It is robust:
   (an EWMA of its log ratios), not how far a class is off: when it also
   absorbed a class's bias, a class predicted 10x too high inflated the scale
   until its residuals looked ordinary and were never flagged;
-* the covariance trace is capped, so unexcited directions cannot wind up.
+* the covariance trace is capped, so unexcited directions cannot wind up;
+* groups of one-token work (decodes) are priced by a decode anchor, a fit of
+  ``step + per_request * n (+ first)`` learned from one-token steps alone
+  (with the shared fit's KV terms): the shared fit is dominated by the
+  chunk steps around them, and its ``step`` moved with every chunk it
+  mispredicted, pricing the one-token steps between chunks up to 2x off;
+  ``first`` prices the first step after a chunk (caches the chunk evicted).
+  Any other group costs at least the anchor's price of its requests, so
+  predictions stay monotone.
 
 The model is mutable: the scheduler prices batches with the current
 coefficients (``group_time`` reads them), while the features stay integers
@@ -181,15 +189,15 @@ class OnlineCostModel(AggregateCostModel):
         #: the model (the scheduler's prefill times) rebuild when it changes
         self.revision = 0
         self._revision_times: tuple[float, ...] = ()
-        #: the decode anchor: ``(step, per_request, per_kv, first)``
-        #: (seconds; per_kv per 8192 KV tokens), learned from one-token steps
-        #: only (None until one is seen); see :meth:`_decode_features`
+        #: the decode anchor: ``(step, per_request, first)`` (seconds), learned
+        #: from one-token steps only (None until one is seen); the KV terms are
+        #: the shared fit's (see :meth:`_decode_features`)
         self._dec: list[float] | None = None
         self._dec_p: list[list[float]] = []
         #: signed count of the last one-token steps that were far off in a row
         self._dec_out = 0
-        #: ``(step, per_request, per_kv per token)`` as ``group_time`` reads them
-        self._dec_coef: tuple[float, float, float] | None = None
+        #: ``(step, per_request)`` of the anchor as ``group_time`` reads them
+        self._dec_coef: tuple[float, float] | None = None
         #: 0 when the last step observed had a chunk, else 1
         self._dec_since = 1
         #: steps with a chunk observed since the last one-token step
@@ -216,7 +224,7 @@ class OnlineCostModel(AggregateCostModel):
 
         Once a one-token step was observed, a group of one-token work only
         (decodes: ``tokens <= n`` and ``pairs == kv``) is priced by the decode
-        anchor ``step' + per_request' * n + per_kv' * kv (+ first)``
+        anchor ``step' + per_request' * n (+ first) + (per_kv + per_attn) * kv``
         instead, and any other group by the larger of the two (so one more
         query token never makes a group cheaper: predictions stay monotone).
         """
@@ -225,7 +233,7 @@ class OnlineCostModel(AggregateCostModel):
         d = self._dec_coef
         if d is None:
             return t
-        a = d[0] + d[1] * totals[0] + d[2] * totals[2] + self._dec_after
+        a = d[0] + d[1] * totals[0] + self._dec_after + (c[3] + c[4]) * totals[2]
         if totals[1] <= totals[0] and totals[3] == totals[2]:
             return a
         return t if t >= a else a
@@ -274,16 +282,24 @@ class OnlineCostModel(AggregateCostModel):
 
     def _decode_features(self, x: Sequence[float]) -> tuple[float, ...]:
         """The decode anchor's features of a group with features ``x`` (units of
-        ``_UNITS``): ``(1, requests, KV read / 8192, first)``, ``first`` 1 on the
-        first step after a step with a chunk (in the issue-18 budget runs the
-        first one-token step after a chunk ran 1.3-1.5x the later ones: caches
-        the chunk evicted)."""
-        return (1.0, x[1], x[3], 1.0 if self._dec_since == 0 else 0.0)
+        ``_UNITS``): ``(1, requests, first)``, ``first`` 1 on the first step
+        after a step with a chunk (in the issue-18 budget runs the first
+        one-token step after a chunk ran 1.3-1.5x the later ones: caches the
+        chunk evicted). The KV terms stay the shared fit's (:meth:`_decode_kv`):
+        the short chats' one-token steps hardly excite them (a per-KV term
+        learned from them alone ran away)."""
+        return (1.0, x[1], 1.0 if self._dec_since == 0 else 0.0)
+
+    def _decode_kv(self, x: Sequence[float]) -> float:
+        """The shared fit's KV terms as for one-token work (one pair per KV entry read)."""
+        t = self._theta
+        return (t[3] + t[4] / _UNITS[2]) * x[3]
 
     def _decode_time(self, x: Sequence[float]) -> float:
         d = self._dec
         assert d is not None
-        return sum(a * v for a, v in zip(d, self._decode_features(x), strict=True))
+        fixed = sum(a * v for a, v in zip(d, self._decode_features(x), strict=True))
+        return fixed + self._decode_kv(x)
 
     def _learn_decode(self, x: Sequence[float], seconds: float) -> None:
         """One RLS step of the decode anchor on a step of one-token work that took
@@ -300,13 +316,14 @@ class OnlineCostModel(AggregateCostModel):
         """
         if self._dec is None:
             t = self._theta  # the shared fit's terms for one-token work
-            self._dec = [t[0], t[1] + t[2] / _UNITS[2], t[3] + t[4] / _UNITS[2], 0.0]
+            self._dec = [t[0], t[1] + t[2] / _UNITS[2], 0.0]
             self._reset_decode_covariance()
         elif self._dec_idle > _DEC_GAP:
             self._reset_decode_covariance()
         d = self._dec
         f = self._decode_features(x)
-        predicted = max(sum(a * v for a, v in zip(d, f, strict=True)), 1e-9)
+        fixed = sum(a * v for a, v in zip(d, f, strict=True))
+        predicted = max(fixed + self._decode_kv(x), 1e-9)
         log_r = math.log(seconds / predicted)
         a = abs(log_r)
         weight = 1.0
@@ -337,7 +354,19 @@ class OnlineCostModel(AggregateCostModel):
             self._reset_decode_covariance()
             return
         gain = [v / denom for v in px]
-        new = [min(max(a + g * residual, 0.0), _MAX_COEF) for a, g in zip(d, gain, strict=True)]
+        raw = [a + g * residual for a, g in zip(d, gain, strict=True)]
+        moved = sum(r * v for r, v in zip(raw, f, strict=True)) - fixed
+        if min(raw) < 0 or moved * residual < 0:
+            # The step would drive a coefficient below 0 (the fit then trades the
+            # clamped term for another, and the anchor ran away upward under 1 ms
+            # steps in a loaded run) or move this step's price the wrong way:
+            # scale the whole anchor toward the measurement instead.
+            factor = math.exp(0.5 * log_r * min(weight, 1.0))  # halfway, as a log
+            self._dec = [min(max(a * factor, 0.0), _MAX_COEF) for a in d]
+            self._dec[0] = max(self._dec[0], _MIN_STEP)
+            self._sync_decode()
+            return
+        new = [min(v, _MAX_COEF) for v in raw]
         new[0] = max(new[0], _MIN_STEP)
         new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
         trace = sum(new_p[i][i] for i in range(n))
@@ -360,7 +389,7 @@ class OnlineCostModel(AggregateCostModel):
         self._dec_p = [[diag[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
 
     def _decode_prior(self, d: Sequence[float]) -> list[float]:
-        floors = (0.1 * max(d),) * 3 + (0.3 * d[0],)
+        floors = (0.1 * max(d), 0.1 * max(d), 0.3 * d[0])
         loose = _DEC_PRIOR / self.prior_strength
         return [max(v, f) ** 2 * loose for v, f in zip(d, floors, strict=True)]
 
@@ -375,13 +404,13 @@ class OnlineCostModel(AggregateCostModel):
             self._dec_coef, self._dec_after = None, 0.0
             return
         cap = self.fixed_cost_cap
-        fixed = d[0] + d[1] + d[3]
+        fixed = d[0] + d[1] + d[2]
         if cap is not None and fixed > cap:
             shrink = cap / fixed
             d[0] = max(d[0] * shrink, _MIN_STEP)
-            d[1], d[3] = d[1] * shrink, d[3] * shrink
-        self._dec_coef = (d[0], d[1], d[2] / _UNITS[3])
-        self._dec_after = d[3] if self._dec_since == 0 else 0.0
+            d[1], d[2] = d[1] * shrink, d[2] * shrink
+        self._dec_coef = (d[0], d[1])
+        self._dec_after = d[2] if self._dec_since == 0 else 0.0
 
     @property
     def median_error(self) -> float | None:
@@ -604,6 +633,7 @@ class OnlineCostModel(AggregateCostModel):
                 "drift_steps": self.drift_steps,
             },
             "covariance": [list(row) for row in self._p],
+            "covariance_cap": self._p_cap,
             "robust_scale": self._scale,
             "drift": self._drift_state(),
             "decode": None
@@ -645,6 +675,10 @@ class OnlineCostModel(AggregateCostModel):
                 if not all(math.isfinite(v) for row in p for v in row):
                     raise ValueError("covariance has a non-finite entry")
                 model._p = p
+                cap = float(state.get("covariance_cap", model._p_cap))
+                if not (math.isfinite(cap) and cap > 0):
+                    raise ValueError(f"covariance_cap must be > 0, got {cap!r}")
+                model._p_cap = cap
             scale = float(state.get("robust_scale", model._scale))
             if not math.isfinite(scale) or scale <= 0:
                 raise ValueError(f"robust_scale must be > 0, got {scale!r}")
@@ -722,7 +756,7 @@ class OnlineCostModel(AggregateCostModel):
             raise ValueError(f"want an object, got {dec!r}")
         coef = [float(v) for v in dec["coefficients"]]
         cov = [[float(v) for v in row] for row in dec["covariance"]]
-        n = 4
+        n = 3
         if len(coef) != n or len(cov) != n or any(len(row) != n for row in cov):
             raise ValueError(f"want {n} coefficients and a {n} x {n} covariance")
         if not all(math.isfinite(v) and v >= 0 for v in coef):
