@@ -194,8 +194,8 @@ class OnlineCostModel(AggregateCostModel):
         #: the shared fit's (see :meth:`_decode_features`)
         self._dec: list[float] | None = None
         self._dec_p: list[list[float]] = []
-        #: signed count of the last one-token steps that were far off in a row
-        self._dec_out = 0
+        #: log ratios of the last one-token steps far off in a row (one sign)
+        self._dec_out: list[float] = []
         #: ``(step, per_request)`` of the anchor as ``group_time`` reads them
         self._dec_coef: tuple[float, float] | None = None
         #: 0 when the last step observed had a chunk, else 1
@@ -328,20 +328,21 @@ class OnlineCostModel(AggregateCostModel):
         a = abs(log_r)
         weight = 1.0
         if a > max(self.reject * self._scale, _DEC_CLIP):
-            # far off: a lone one is a pause (ignored); in a row of one sign they
-            # are a change, learned from at most 2x at a time, and after
-            # ``drift_steps`` of them around fresh covariance
-            sign = 1 if log_r > 0 else -1
-            streak = self._dec_out + sign if self._dec_out * sign > 0 else sign
-            self._dec_out = streak
-            if abs(streak) < 2:
+            # far off: pauses (a loaded machine descheduled one or two steps in a
+            # row for 5-9 ms) are ignored; ``drift_steps`` in a row of one sign
+            # are a change, learned from around fresh covariance by their median
+            # log ratio, at most 2x at a time
+            far = self._dec_out
+            far = [*far, log_r] if far and (far[0] > 0) == (log_r > 0) else [log_r]
+            if len(far) < self.drift_steps:
+                self._dec_out = far
                 return
-            if abs(streak) >= self.drift_steps:
-                self._reset_decode_covariance()
-                self._dec_out = 0
-            log_r = math.copysign(_DEC_CLIP, log_r)
+            self._dec_out = []
+            self._reset_decode_covariance()
+            med = statistics.median(far)
+            log_r = math.copysign(min(abs(med), _DEC_CLIP), med)
         else:
-            self._dec_out = 0
+            self._dec_out = []
             if a > self.huber * self._scale:
                 weight = self.huber * self._scale / a
         residual = math.exp(log_r) - 1.0
@@ -643,7 +644,7 @@ class OnlineCostModel(AggregateCostModel):
                 "covariance": [list(row) for row in self._dec_p],
                 "since_chunk": self._dec_since,
                 "chunks_since": self._dec_idle,
-                "far_off": self._dec_out,
+                "far_off": list(self._dec_out),
             },
             "steps": self.steps,
             "drifts": self.drifts,
@@ -764,11 +765,11 @@ class OnlineCostModel(AggregateCostModel):
         if not all(math.isfinite(v) for row in cov for v in row):
             raise ValueError("covariance has a non-finite entry")
         since, idle = dec.get("since_chunk", 1), dec.get("chunks_since", 0)
-        out = dec.get("far_off", 0)
+        out = [float(v) for v in dec.get("far_off", [])]
         if not (since in (0, 1) and isinstance(idle, int) and idle >= 0):
             raise ValueError(f"since_chunk {since!r} / chunks_since {idle!r}")
-        if not isinstance(out, int) or abs(out) >= max(self.drift_steps, 2):
-            raise ValueError(f"far_off must be an integer below drift_steps, got {out!r}")
+        if len(out) >= self.drift_steps or not all(math.isfinite(v) for v in out):
+            raise ValueError(f"far_off must be fewer than drift_steps finite log ratios: {out!r}")
         coef[0] = max(coef[0], _MIN_STEP)
         self._dec = coef
         self._dec_p = cov
