@@ -543,3 +543,18 @@ def test_descheduled_pairs_of_one_token_steps_leave_the_anchor_alone():
     for _ in range(3):
         model.observe(b, 2.4e-3)
     assert model.predict(b) > 1.3e-3  # a real slowdown: up by at most 2x at once
+
+
+def test_the_first_one_token_step_sets_the_anchor_level():
+    """The shared fit, learned from chunks only, prices one-token work 6x high;
+    the first one-token step observed sets the anchor's level (it was ignored as
+    far off, and the first steps of each short run of them stayed 6x high)."""
+    model = OnlineCostModel((6e-3, 1e-3, 6e-5, 0.0, 1e-10))
+    chunk = BatchWork.single_group((32, 20_000))
+    for _ in range(30):
+        model.observe(chunk, model.predict(chunk))
+    decode = BatchWork.single_group((1, 150), (1, 140))
+    assert model.predict(decode) > 6 * 1.2e-3
+    model.observe(decode, 1.2e-3)
+    model.observe(chunk, model.predict(chunk))
+    assert model.predict(decode) == pytest.approx(1.2e-3, rel=0.1)

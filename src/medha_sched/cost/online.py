@@ -311,14 +311,25 @@ class OnlineCostModel(AggregateCostModel):
         budget runs), and space sharing then left the long prompt's chunk out
         or took it back. The anchor learns from one-token steps alone (its
         own RLS on the relative residual, forgetting ``_DEC_FORGET``); it
-        starts from the shared fit's terms for one-token work and relearns
-        around fresh covariance after ``_DEC_GAP`` steps without one.
+        starts from the shared fit's terms for one-token work scaled to the
+        first one-token step and relearns around fresh covariance after
+        ``_DEC_GAP`` steps without one.
         """
         if self._dec is None:
-            t = self._theta  # the shared fit's terms for one-token work
-            self._dec = [t[0], t[1] + t[2] / _UNITS[2], 0.0]
+            # the shared fit's terms for one-token work, their level set by this
+            # first step (the shared fit priced it up to 6x off in loaded runs)
+            t = self._theta
+            d = [t[0], t[1] + t[2] / _UNITS[2], 0.0]
+            fixed = d[0] + d[1] * x[1]
+            kv = self._decode_kv(x)
+            want = max(seconds - kv, 0.1 * seconds)
+            factor = min(max(want / max(fixed, 1e-12), 1 / 16), 16.0)
+            self._dec = [d[0] * factor, d[1] * factor, 0.0]
+            self._dec[0] = max(self._dec[0], _MIN_STEP)
             self._reset_decode_covariance()
-        elif self._dec_idle > _DEC_GAP:
+            self._sync_decode()
+            return
+        if self._dec_idle > _DEC_GAP:
             self._reset_decode_covariance()
         d = self._dec
         f = self._decode_features(x)
