@@ -4,6 +4,7 @@ loop over a pipe with a stand-in runner; the engine's pipeline depth."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import pytest
 import torch
@@ -46,6 +47,46 @@ def test_in_process_events_come_in_order_and_a_failed_step_is_raised_again() -> 
     finally:
         executor.shutdown()
         torch.set_num_threads(n)
+
+
+class _ThreadRunner:
+    """Stands in for a ModelRunner: records the thread each step ran on."""
+
+    def __init__(self) -> None:
+        self.threads: dict[int, str] = {}
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        self.threads[plan.step_id] = threading.current_thread().name
+        return [plan.step_id]
+
+
+@pytest.mark.parametrize("pending_tokens", [False, True])
+def test_in_process_runs_a_lone_batch_on_the_callers_thread(pending_tokens: bool) -> None:
+    """Nothing in flight and no async scheduling: the driver would only wait, so the
+    step runs in submit (no sleeping hand-off to the model thread and back); a
+    batch submitted behind another one, or with async scheduling, goes to the
+    model thread."""
+    spec = RunnerSpec(
+        model="tiny", dtype="float32", device="cpu", num_blocks=16, pending_tokens=pending_tokens
+    )
+    executor = InProcessExecutor(spec)
+    runner = executor.runner = _ThreadRunner()  # type: ignore[assignment]
+    me = threading.current_thread().name
+    try:
+        executor.submit(StepPlan(1, ()))
+        assert (runner.threads.get(1) == me) is not pending_tokens
+        executor.submit(StepPlan(2, ()))  # behind step 1: the model thread
+        events = [executor.next_event() for _ in range(4)]
+        assert [e.step_id for e in events] == [1, 1, 2, 2]
+        assert [e.result for e in events if isinstance(e, StepDone)] == [[1], [2]]
+        assert all(len(e.stage_s) == 1 and e.stage_s[0] >= 0 for e in events[1::2])
+        assert runner.threads[2] == "medha-model"
+        executor.submit(StepPlan(3, ()))
+        assert executor.in_flight == 1
+        assert [type(executor.next_event()) for _ in range(2)] == [StageCleared, StepDone]
+        assert (runner.threads[3] == me) is not pending_tokens
+    finally:
+        executor.shutdown()
 
 
 class _Runner:

@@ -42,7 +42,15 @@ beyond the last 100 errors. It is robust:
   (an EWMA of its log ratios), not how far a class is off: when it also
   absorbed a class's bias, a class predicted 10x too high inflated the scale
   until its residuals looked ordinary and were never flagged;
-* the covariance trace is capped, so unexcited directions cannot wind up.
+* the covariance trace is capped, so unexcited directions cannot wind up;
+* groups of one-token work (decodes) are priced by a decode anchor, a fit of
+  ``step + per_request * n (+ first)`` learned from one-token steps alone
+  (with the shared fit's KV terms): the shared fit is dominated by the
+  chunk steps around them, and its ``step`` moved with every chunk it
+  mispredicted, pricing the one-token steps between chunks up to 2x off;
+  ``first`` prices the first step after a chunk (caches the chunk evicted).
+  Any other group costs at least the anchor's price of its requests, so
+  predictions stay monotone.
 
 The model is mutable: the scheduler prices batches with the current
 coefficients (``group_time`` reads them), while the features stay integers
@@ -70,10 +78,19 @@ COEFFICIENTS = ("step", "per_request", "per_token", "per_kv", "per_attn")
 #: feature units the coefficients are kept in (conditioning): seconds per unit
 _UNITS = (1.0, 1.0, 256.0, 8192.0, 256.0 * 8192.0)
 _KIND = "medha-online-cost-model"
-_VERSION = 1
+_VERSION = 2  # 2: the decode anchor ("decode"); version 1 states still load
 _MIN_STEP = 1e-6
 _MAX_COEF = 1e6  # seconds per unit: far beyond any real device, keeps state finite
 _ERROR_WINDOW = 100
+#: the decode anchor (see ``OnlineCostModel._learn_decode``): its forgetting
+#: factor (memory about 10 one-token steps), how loose its covariance starts
+#: (times the shared fit's), after how many steps with a chunk in a row it
+#: relearns around fresh covariance, and the bound on one step's log ratio
+#: once it is an outlier (a pause moves it, but by at most 2x)
+_DEC_FORGET = 0.9
+_DEC_PRIOR = 10.0
+_DEC_GAP = 20
+_DEC_CLIP = math.log(2.0)
 #: a drift rescales every coefficient by at most this factor (as a log) at once
 _MAX_DRIFT_LOG = math.log(16.0)
 #: classes of steps for per-class drift: query tokens of the slowest group by factors of 4
@@ -172,6 +189,21 @@ class OnlineCostModel(AggregateCostModel):
         #: the model (the scheduler's prefill times) rebuild when it changes
         self.revision = 0
         self._revision_times: tuple[float, ...] = ()
+        #: the decode anchor: ``(step, per_request, first)`` (seconds), learned
+        #: from one-token steps only (None until one is seen); the KV terms are
+        #: the shared fit's (see :meth:`_decode_features`)
+        self._dec: list[float] | None = None
+        self._dec_p: list[list[float]] = []
+        #: log ratios of the last one-token steps far off in a row (one sign)
+        self._dec_out: list[float] = []
+        #: ``(step, per_request)`` of the anchor as ``group_time`` reads them
+        self._dec_coef: tuple[float, float] | None = None
+        #: 0 when the last step observed had a chunk, else 1
+        self._dec_since = 1
+        #: steps with a chunk observed since the last one-token step
+        self._dec_idle = 0
+        #: the anchor's ``first`` term as the next step gets it (0 or ``first``)
+        self._dec_after = 0.0
         self._sync()
 
     # ------------------------------------------------------------ prediction
@@ -188,9 +220,23 @@ class OnlineCostModel(AggregateCostModel):
         return (1, 0, kv_tokens, q_tokens * kv_tokens)
 
     def group_time(self, totals: Sequence[float]) -> float:
-        """``step + per_request*n + per_token*tokens + per_kv*kv + per_attn*pairs``."""
+        """``step + per_request*n + per_token*tokens + per_kv*kv + per_attn*pairs``.
+
+        Once a one-token step was observed, a group of one-token work only
+        (decodes: ``tokens <= n`` and ``pairs == kv``) is priced by the decode
+        anchor ``step' + per_request' * n (+ first) + (per_kv + per_attn) * kv``
+        instead, and any other group by the larger of the two (so one more
+        query token never makes a group cheaper: predictions stay monotone).
+        """
         c = self._coef
-        return c[0] + c[1] * totals[0] + c[2] * totals[1] + c[3] * totals[2] + c[4] * totals[3]
+        t = c[0] + c[1] * totals[0] + c[2] * totals[1] + c[3] * totals[2] + c[4] * totals[3]
+        d = self._dec_coef
+        if d is None:
+            return t
+        a = d[0] + d[1] * totals[0] + self._dec_after + (c[3] + c[4]) * totals[2]
+        if totals[1] <= totals[0] and totals[3] == totals[2]:
+            return a
+        return t if t >= a else a
 
     def frozen(self) -> OnlineCostModel:
         """A copy that later observations of this model do not change."""
@@ -210,15 +256,173 @@ class OnlineCostModel(AggregateCostModel):
         if x is None:
             return None
         theta = self._theta
-        predicted = sum(t * f for t, f in zip(theta, x, strict=True))
+        shared = sum(t * f for t, f in zip(theta, x, strict=True))
+        decode = _one_token_work(x)
+        predicted = shared
+        if self._dec is not None:
+            anchor = self._decode_time(x)
+            predicted = anchor if decode else max(shared, anchor)
         error = abs(predicted - seconds) / seconds
         self.errors.append(error)
         # residual relative to the prediction: weights that do not depend on the
         # measurement keep the fit unbiased for the mean time (relative to the
         # measurement, slow steps would count less and the fit would run low)
-        ref = max(predicted, 1e-9)
+        ref = max(shared, 1e-9)
         self._update([f / ref for f in x], seconds / ref, _step_class(x))
+        after = 1 if decode else 0
+        if decode:
+            self._learn_decode(x, seconds)
+            self._dec_idle = 0
+        else:
+            self._dec_idle += 1
+        if after != self._dec_since:
+            self._dec_since = after
+            self._sync_decode()
         return error
+
+    def _decode_features(self, x: Sequence[float]) -> tuple[float, ...]:
+        """The decode anchor's features of a group with features ``x`` (units of
+        ``_UNITS``): ``(1, requests, first)``, ``first`` 1 on the first step
+        after a step with a chunk (in the issue-18 budget runs the first
+        one-token step after a chunk ran 1.3-1.5x the later ones: caches the
+        chunk evicted). The KV terms stay the shared fit's (:meth:`_decode_kv`):
+        the short chats' one-token steps hardly excite them (a per-KV term
+        learned from them alone ran away)."""
+        return (1.0, x[1], 1.0 if self._dec_since == 0 else 0.0)
+
+    def _decode_kv(self, x: Sequence[float]) -> float:
+        """The shared fit's KV terms as for one-token work (one pair per KV entry read)."""
+        t = self._theta
+        return (t[3] + t[4] / _UNITS[2]) * x[3]
+
+    def _decode_time(self, x: Sequence[float]) -> float:
+        d = self._dec
+        assert d is not None
+        fixed = sum(a * v for a, v in zip(d, self._decode_features(x), strict=True))
+        return fixed + self._decode_kv(x)
+
+    def _learn_decode(self, x: Sequence[float], seconds: float) -> None:
+        """One RLS step of the decode anchor on a step of one-token work that took
+        ``seconds`` (``x``: its features in units of ``_UNITS``).
+
+        The shared fit is dominated by the chunk steps around these: a chunk
+        mispredicted at long KV moves ``step`` and the one-token steps after
+        it were predicted up to 2x off (1.3-1.9 ms for about 1.05 ms in the
+        budget runs), and space sharing then left the long prompt's chunk out
+        or took it back. The anchor learns from one-token steps alone (its
+        own RLS on the relative residual, forgetting ``_DEC_FORGET``); it
+        starts from the shared fit's terms for one-token work scaled to the
+        first one-token step and relearns around fresh covariance after
+        ``_DEC_GAP`` steps without one.
+        """
+        if self._dec is None:
+            # the shared fit's terms for one-token work, their level set by this
+            # first step (the shared fit priced it up to 6x off in loaded runs)
+            t = self._theta
+            d = [t[0], t[1] + t[2] / _UNITS[2], 0.0]
+            fixed = d[0] + d[1] * x[1]
+            kv = self._decode_kv(x)
+            want = max(seconds - kv, 0.1 * seconds)
+            factor = min(max(want / max(fixed, 1e-12), 1 / 16), 16.0)
+            self._dec = [d[0] * factor, d[1] * factor, 0.0]
+            self._dec[0] = max(self._dec[0], _MIN_STEP)
+            self._reset_decode_covariance()
+            self._sync_decode()
+            return
+        if self._dec_idle > _DEC_GAP:
+            self._reset_decode_covariance()
+        d = self._dec
+        f = self._decode_features(x)
+        fixed = sum(a * v for a, v in zip(d, f, strict=True))
+        predicted = max(fixed + self._decode_kv(x), 1e-9)
+        log_r = math.log(seconds / predicted)
+        a = abs(log_r)
+        weight = 1.0
+        if a > max(self.reject * self._scale, _DEC_CLIP):
+            # far off: pauses (a loaded machine descheduled one or two steps in a
+            # row for 5-9 ms) are ignored; ``drift_steps`` in a row of one sign
+            # are a change, learned from around fresh covariance by their median
+            # log ratio, at most 2x at a time
+            far = self._dec_out
+            far = [*far, log_r] if far and (far[0] > 0) == (log_r > 0) else [log_r]
+            if len(far) < self.drift_steps:
+                self._dec_out = far
+                return
+            self._dec_out = []
+            self._reset_decode_covariance()
+            med = statistics.median(far)
+            log_r = math.copysign(min(abs(med), _DEC_CLIP), med)
+        else:
+            self._dec_out = []
+            if a > self.huber * self._scale:
+                weight = self.huber * self._scale / a
+        residual = math.exp(log_r) - 1.0
+        x_rel = [v / predicted for v in f]
+        p, lam = self._dec_p, _DEC_FORGET
+        n = len(d)
+        px = [sum(p[i][j] * x_rel[j] for j in range(n)) for i in range(n)]
+        denom = lam / weight + sum(x_rel[i] * px[i] for i in range(n))
+        if not (math.isfinite(denom) and denom > 0):
+            self._reset_decode_covariance()
+            return
+        gain = [v / denom for v in px]
+        raw = [a + g * residual for a, g in zip(d, gain, strict=True)]
+        moved = sum(r * v for r, v in zip(raw, f, strict=True)) - fixed
+        if min(raw) < 0 or moved * residual < 0:
+            # The step would drive a coefficient below 0 (the fit then trades the
+            # clamped term for another, and the anchor ran away upward under 1 ms
+            # steps in a loaded run) or move this step's price the wrong way:
+            # scale the whole anchor toward the measurement instead.
+            factor = math.exp(0.5 * log_r * min(weight, 1.0))  # halfway, as a log
+            self._dec = [min(max(a * factor, 0.0), _MAX_COEF) for a in d]
+            self._dec[0] = max(self._dec[0], _MIN_STEP)
+            self._sync_decode()
+            return
+        new = [min(v, _MAX_COEF) for v in raw]
+        new[0] = max(new[0], _MIN_STEP)
+        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        trace = sum(new_p[i][i] for i in range(n))
+        if not all(math.isfinite(v) for v in new) or not math.isfinite(trace) or trace <= 0:
+            self._reset_decode_covariance()
+            return
+        limit = self._decode_covariance_cap(new)
+        if trace > limit:  # no wind-up in directions the data does not excite
+            new_p = [[v * limit / trace for v in row] for row in new_p]
+        self._dec, self._dec_p = new, new_p
+        self._sync_decode()
+
+    def _reset_decode_covariance(self) -> None:
+        """A diagonal covariance around the anchor, ``_DEC_PRIOR`` times looser
+        than the shared fit's (``first`` and ``second`` as if 0.3 ``step``)."""
+        d = self._dec
+        assert d is not None
+        diag = self._decode_prior(d)
+        n = len(diag)
+        self._dec_p = [[diag[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+
+    def _decode_prior(self, d: Sequence[float]) -> list[float]:
+        floors = (0.1 * max(d), 0.1 * max(d), 0.3 * d[0])
+        loose = _DEC_PRIOR / self.prior_strength
+        return [max(v, f) ** 2 * loose for v, f in zip(d, floors, strict=True)]
+
+    def _decode_covariance_cap(self, d: Sequence[float]) -> float:
+        """The anchor's covariance trace is held to 10x its prior's around ``d``."""
+        return 10.0 * sum(self._decode_prior(d))
+
+    def _sync_decode(self) -> None:
+        """What ``group_time`` reads of the anchor; the fixed cost cap holds it too."""
+        d = self._dec
+        if d is None:
+            self._dec_coef, self._dec_after = None, 0.0
+            return
+        cap = self.fixed_cost_cap
+        fixed = d[0] + d[1] + d[2]
+        if cap is not None and fixed > cap:
+            shrink = cap / fixed
+            d[0] = max(d[0] * shrink, _MIN_STEP)
+            d[1], d[2] = d[1] * shrink, d[2] * shrink
+        self._dec_coef = (d[0], d[1])
+        self._dec_after = d[2] if self._dec_since == 0 else 0.0
 
     @property
     def median_error(self) -> float | None:
@@ -281,6 +485,8 @@ class OnlineCostModel(AggregateCostModel):
             factor = math.exp(min(max(med, -_MAX_DRIFT_LOG), _MAX_DRIFT_LOG))
             self._theta = [min(t * factor, _MAX_COEF) for t in self._theta]
             self._sync()
+            if self._dec is not None:  # it relearns from the next one-token steps
+                self._reset_decode_covariance()
             x = [f / factor for f in x]
             residual = ratio / factor - 1.0
             self.drifts += 1
@@ -367,6 +573,15 @@ class OnlineCostModel(AggregateCostModel):
         self._theta[0] = max(self._theta[0], _MIN_STEP)
         self._sync()
         self._reset_covariance()
+        self._scale_decode(factor)
+
+    def _scale_decode(self, factor: float) -> None:
+        """:meth:`rescale` moves the decode anchor too (around fresh covariance)."""
+        if self._dec is not None:
+            self._dec = [min(max(a * factor, 0.0), _MAX_COEF) for a in self._dec]
+            self._dec[0] = max(self._dec[0], _MIN_STEP)
+            self._reset_decode_covariance()
+            self._sync_decode()
 
     def cap_fixed_cost(self, seconds: float | None) -> None:
         """Set :attr:`fixed_cost_cap` and apply it now."""
@@ -374,6 +589,7 @@ class OnlineCostModel(AggregateCostModel):
             raise ValueError(f"fixed cost cap must be a positive number, got {seconds!r}")
         self.fixed_cost_cap = seconds
         self._sync()
+        self._sync_decode()
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -429,8 +645,18 @@ class OnlineCostModel(AggregateCostModel):
                 "drift_steps": self.drift_steps,
             },
             "covariance": [list(row) for row in self._p],
+            "covariance_cap": self._p_cap,
             "robust_scale": self._scale,
             "drift": self._drift_state(),
+            "decode": None
+            if self._dec is None
+            else {
+                "coefficients": list(self._dec),
+                "covariance": [list(row) for row in self._dec_p],
+                "since_chunk": self._dec_since,
+                "chunks_since": self._dec_idle,
+                "far_off": list(self._dec_out),
+            },
             "steps": self.steps,
             "drifts": self.drifts,
             "median_error": self.median_error,
@@ -441,10 +667,10 @@ class OnlineCostModel(AggregateCostModel):
         """Rebuild a model from :meth:`state`; a bad state is a ``ValueError`` naming the field."""
         if not isinstance(state, Mapping) or state.get("kind") != _KIND:
             raise ValueError(f"not an online cost model state (want kind={_KIND!r})")
-        if state.get("version") != _VERSION:
+        if state.get("version") not in (1, _VERSION):
             raise ValueError(
                 f"online cost model state version {state.get('version')!r}; "
-                f"this Medha reads version {_VERSION}"
+                f"this Medha reads versions 1 to {_VERSION}"
             )
         try:
             coef = state["coefficients"]
@@ -461,6 +687,10 @@ class OnlineCostModel(AggregateCostModel):
                 if not all(math.isfinite(v) for row in p for v in row):
                     raise ValueError("covariance has a non-finite entry")
                 model._p = p
+                cap = float(state.get("covariance_cap", model._p_cap))
+                if not (math.isfinite(cap) and cap > 0):
+                    raise ValueError(f"covariance_cap must be > 0, got {cap!r}")
+                model._p_cap = cap
             scale = float(state.get("robust_scale", model._scale))
             if not math.isfinite(scale) or scale <= 0:
                 raise ValueError(f"robust_scale must be > 0, got {scale!r}")
@@ -470,6 +700,11 @@ class OnlineCostModel(AggregateCostModel):
                     model._load_drift(state["drift"])
                 except (ValueError, TypeError) as exc:
                     raise ValueError(f"bad drift state: {exc}") from None
+            if state.get("decode") is not None:
+                try:
+                    model._load_decode(state["decode"])
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise ValueError(f"bad decode state: {exc}") from None
             model.steps = int(state.get("steps", 0))
             model.drifts = int(state.get("drifts", 0))
         except (KeyError, TypeError) as exc:
@@ -527,6 +762,31 @@ class OnlineCostModel(AggregateCostModel):
         self.errors.clear()
         self.errors.extend(errors[-_ERROR_WINDOW:])
 
+    def _load_decode(self, dec: Mapping) -> None:
+        """Restore the decode anchor of :meth:`state`; a bad entry is a ``ValueError``."""
+        if not isinstance(dec, Mapping):
+            raise ValueError(f"want an object, got {dec!r}")
+        coef = [float(v) for v in dec["coefficients"]]
+        cov = [[float(v) for v in row] for row in dec["covariance"]]
+        n = 3
+        if len(coef) != n or len(cov) != n or any(len(row) != n for row in cov):
+            raise ValueError(f"want {n} coefficients and a {n} x {n} covariance")
+        if not all(math.isfinite(v) and v >= 0 for v in coef):
+            raise ValueError(f"coefficients must be finite and >= 0, got {coef!r}")
+        if not all(math.isfinite(v) for row in cov for v in row):
+            raise ValueError("covariance has a non-finite entry")
+        since, idle = dec.get("since_chunk", 1), dec.get("chunks_since", 0)
+        out = [float(v) for v in dec.get("far_off", [])]
+        if not (since in (0, 1) and isinstance(idle, int) and idle >= 0):
+            raise ValueError(f"since_chunk {since!r} / chunks_since {idle!r}")
+        if len(out) >= self.drift_steps or not all(math.isfinite(v) for v in out):
+            raise ValueError(f"far_off must be fewer than drift_steps finite log ratios: {out!r}")
+        coef[0] = max(coef[0], _MIN_STEP)
+        self._dec = coef
+        self._dec_p = cov
+        self._dec_since, self._dec_idle, self._dec_out = since, idle, out
+        self._sync_decode()
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state` as JSON (atomically: a temporary file, then a rename)."""
         path = os.fspath(path)
@@ -559,6 +819,13 @@ class OnlineCostModel(AggregateCostModel):
 
 def _finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _one_token_work(x: Sequence[float]) -> bool:
+    """Whether features ``x`` (units of ``_UNITS``) are a group of one-token work
+    only (decodes): no more tail tokens than requests, and as many attended
+    pairs as KV entries read (exact: the units are powers of two)."""
+    return x[2] * _UNITS[2] <= x[1] and x[4] * _UNITS[2] == x[3]
 
 
 def _step_class(x: Sequence[float]) -> int:
