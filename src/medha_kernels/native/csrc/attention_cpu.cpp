@@ -374,45 +374,6 @@ inline void small_rows(Scratch& w, int64_t r0, int64_t rows, int64_t visible, in
 #endif
 
 #ifdef MEDHA_AVX2
-// o[r][:D] += sum_{i<N} p[r * kKeyTile + i] * v_i[:D] for R rows and N <= 4
-// value rows, the outputs accumulated in memory (decode tasks: the value rows
-// of every head of N keys are used before the next keys').
-template <int R, int N>
-inline void pv_group(float* o, const float* p, const float* const* v, int64_t D) {
-  __m256 wt[R][N];
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < N; ++i) wt[r][i] = _mm256_broadcast_ss(p + r * kKeyTile + i);
-  }
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    __m256 x[N];
-    for (int i = 0; i < N; ++i) x[i] = _mm256_loadu_ps(v[i] + d);
-    for (int r = 0; r < R; ++r) {
-      float* od = o + r * D + d;
-      __m256 a = _mm256_loadu_ps(od);
-      for (int i = 0; i < N; ++i) a = _mm256_fmadd_ps(wt[r][i], x[i], a);
-      _mm256_storeu_ps(od, a);
-    }
-  }
-  for (; d < D; ++d) {
-    for (int r = 0; r < R; ++r) {
-      float a = o[r * D + d];
-      for (int i = 0; i < N; ++i) a += p[r * kKeyTile + i] * v[i][d];
-      o[r * D + d] = a;
-    }
-  }
-}
-
-template <int R>
-inline void pv_group_n(int64_t n, float* o, const float* p, const float* const* v, int64_t D) {
-  switch (n) {
-    case 4: return pv_group<R, 4>(o, p, v, D);
-    case 3: return pv_group<R, 3>(o, p, v, D);
-    case 2: return pv_group<R, 2>(o, p, v, D);
-    default: return pv_group<R, 1>(o, p, v, D);
-  }
-}
-
 // Prefetches the next tile's cache rows [i, i + n) (keys or values) held in ``rows``.
 inline void prefetch_next(const Scratch& w, const std::vector<const char*>& rows, int64_t i,
                           int64_t n) {
@@ -422,8 +383,10 @@ inline void prefetch_next(const Scratch& w, const std::vector<const char*>& rows
 // One key tile of a decode task: rows [rb, rb + Hkv * G) (one token, all heads)
 // over its ``visible`` keys (w.krow/w.vrow, kKeyTile per KV head). Scores go
 // 4 keys at a time through every head, so the key rows are read in address
-// order, then the online softmax, then P.V the same way over the value rows;
-// each 4-key step prefetches the same keys' rows of the next tile.
+// order, and each 4-key step prefetches the same keys' key and value rows of
+// the next tile; then the online softmax and P.V per KV head (small_pv, the
+// outputs in registers; P.V in address order with the outputs in memory was
+// slower, with the value rows prefetched during the scores as well).
 inline void decode_tile(Scratch& w, int64_t rb, int64_t Hkv, int64_t G, int64_t visible,
                         int64_t D) {
   for (int64_t j = 0; j < visible; j += 4) {
@@ -448,26 +411,23 @@ inline void decode_tile(Scratch& w, int64_t rb, int64_t Hkv, int64_t G, int64_t 
       }
     }
     prefetch_next(w, w.pfk, j, n);
+    prefetch_next(w, w.pfv, j, n);
   }
   for (int64_t r = rb; r < rb + Hkv * G; ++r) {
     online_softmax_row(w, r, w.s.data() + r * kKeyTile, visible, visible, D);
   }
-  for (int64_t j = 0; j < visible; j += 4) {
-    const int64_t n = std::min<int64_t>(4, visible - j);
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const float* const* vrow = w.vrow.data() + h * kKeyTile + j;
-      for (int64_t r = rb + h * G; r < rb + (h + 1) * G; r += kSmallRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kSmallRows, rb + (h + 1) * G - r));
-        float* o = w.o.data() + r * D;
-        const float* p = w.s.data() + r * kKeyTile + j;
-        switch (rows) {
-          case 3: pv_group_n<3>(n, o, p, vrow, D); break;
-          case 2: pv_group_n<2>(n, o, p, vrow, D); break;
-          default: pv_group_n<1>(n, o, p, vrow, D); break;
-        }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const float* const* vrow = w.vrow.data() + h * kKeyTile;
+    for (int64_t r = rb + h * G; r < rb + (h + 1) * G; r += kSmallRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kSmallRows, rb + (h + 1) * G - r));
+      float* o = w.o.data() + r * D;
+      const float* p = w.s.data() + r * kKeyTile;
+      switch (rows) {
+        case 3: small_pv<3>(o, p, vrow, visible, D); break;
+        case 2: small_pv<2>(o, p, vrow, visible, D); break;
+        default: small_pv<1>(o, p, vrow, visible, D); break;
       }
     }
-    prefetch_next(w, w.pfv, j, n);
   }
 }
 #endif
