@@ -281,3 +281,68 @@ def test_large_scores_do_not_overflow() -> None:
     o, lse = mk.chunked_prefill_attention(q, k, v, backend="native")
     assert torch.isfinite(lse).all() and lse.abs().max() > 1e3
     _check(o, lse, q, k, v, q_offset=47, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("block_size", "hq", "hkv", "d"),
+    [(16, 9, 3, 64), (7, 8, 4, 24), (3, 6, 2, 33), (1, 5, 5, 8), (5, 4, 1, 40)],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_tasks_of_all_kv_heads_vs_float64(dtype, block_size, hq, hkv, d, threads, causal):
+    """Many decodes (and tiny multi-token chunks) plan one task per sequence for all its
+    KV heads (KV head -1); lengths around the key tile (32) and block edges, shuffled
+    non-contiguous blocks: every row matches float64."""
+    from medha_kernels.native.jit import get_module
+
+    group = hq // hkv
+    tiny = max(1, 11 // group)  # the most tokens whose rows per KV head stay below 12
+    chunks = [1, 1, 1, tiny, 1, 1, 1, 1, 2 if tiny >= 2 else 1, 1]
+    kv_lens = [1, 31, 32, 33, 64, 65, 97, 2, 40, 200]
+    q, kc, vc, cu, lens, table = _paged_batch(chunks, kv_lens, hq, hkv, d, block_size, dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        counts = cu[1:] - cu[:-1]
+        tasks = get_module("cpu").plan_paged_attention(
+            cu, lens, (lens - counts).to(torch.int32), hkv, group, causal
+        )
+        assert (tasks[:, 1] == -1).sum() == len(chunks)  # one decode task per sequence
+        plan = _plan(cu, lens, table, kc, hq, causal=causal)
+        o, lse = plan.run(q, kc, vc)
+    finally:
+        torch.set_num_threads(previous)
+    for b, n in enumerate(kv_lens):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        k, v = paged_to_dense(kc, table[b], n), paged_to_dense(vc, table[b], n)
+        _check(
+            o[lo:hi],
+            lse[lo:hi],
+            q[lo:hi],
+            k,
+            v,
+            q_offset=n - (hi - lo),
+            causal=causal,
+            what=f"seq {b}",
+        )
+
+
+def test_few_decodes_on_threads_keep_a_task_per_kv_head() -> None:
+    """Two long decodes on two threads: a task per (sequence, KV head), so that both
+    threads share the work; on one thread, one task per sequence."""
+    from medha_kernels.native.jit import get_module
+
+    ext = get_module("cpu")
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    lens = torch.tensor([9000, 8000], dtype=torch.int32)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = ext.plan_paged_attention(cu, lens, lens - 1, 3, 3, True)
+        torch.set_num_threads(1)
+        one = ext.plan_paged_attention(cu, lens, lens - 1, 3, 3, True)
+    finally:
+        torch.set_num_threads(previous)
+    assert sorted(two[:, :2].tolist()) == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    assert sorted(one[:, :2].tolist()) == [[0, -1], [1, -1]]

@@ -4,8 +4,11 @@ Large prefill chunks go to torch's CPU flash-attention op instead
 (:mod:`medha_kernels.native.cpu_flash`, chosen by measurement). One native call
 covers the rest of a step: a task per (sequence, KV head, query tile) with
 the query rows of all heads of one GQA group, online softmax straight over the
-block table (no gathered K/V, no copy per GQA group), threads over tasks. The
-task list is built once per step by :func:`plan_paged_attention`.
+block table (no gathered K/V, no copy per GQA group), threads over tasks.
+Decode sequences get one task for all their KV heads (when there are enough of
+them to share out, or one thread), which reads each cache row once, in address
+order, and prefetches the next key tile. The task list is built once per step
+by :func:`plan_paged_attention`.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@
 namespace medha {
 
 // The step's work list: (sequence, KV head, first token, end token, flag) rows,
-// largest first; flag of row 0 is 1 when the whole plan is too small to share
-// across threads.
+// largest first; KV head -1 is a decode task (all KV heads of the sequence);
+// flag of row 0 is 1 when the whole plan is too small to share across threads.
+// Whether decode tasks are used depends on at::get_num_threads() at plan time.
 at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
                                     const at::Tensor& q_start, int64_t num_kv_heads,
                                     int64_t group, bool causal);

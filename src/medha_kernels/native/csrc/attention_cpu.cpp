@@ -10,6 +10,14 @@
 // rows of one token 3 at a time, so each key/value row is loaded once for
 // them; tasks of many rows take register-blocked tiles (blocked_tile).
 //
+// Decode sequences (fewer than kDecodeRows rows per KV head) get one task for
+// all their KV heads when the plan has enough of them (or one thread): the
+// cache's [block, slot, KV head, D] rows are then read once each, whole and in
+// address order, and the next key tile's rows are prefetched while one tile is
+// computed (run_decode_task, decode_tile). At batch 32 the KV comes from
+// memory (the layers' weights evict it between steps), so this is what decode
+// attention costs there.
+//
 // Tasks run on at::parallel_for threads, largest first, taken from a shared
 // counter (the causal triangle makes tiles of one chunk unequal).
 #include <ATen/Dispatch.h>
@@ -21,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -42,6 +51,12 @@ constexpr float kLn2 = 0.69314718055994530942f;
 constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
 constexpr int64_t kRowsPerTask = 64;  // query rows (tokens x group heads) per task, about
 constexpr int64_t kSerialWork = int64_t{1} << 16;  // below this many row-keys, one thread
+// A sequence whose chunk has fewer rows than this per KV head (tokens x group
+// heads: decode) is a decode task: one task for all its KV heads, so that each
+// cache row (all heads) is read once, in address order, kDecodeTile keys at a
+// time, with the next tile prefetched (see run_decode_task).
+constexpr int64_t kDecodeRows = 12;
+constexpr int64_t kDecodeTile = 32;
 
 // out[i] = <q, k_i> for 4 key rows of length D (portable path; AVX2 builds use small_scores4).
 inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
@@ -185,6 +200,15 @@ inline void pv_rows(int rows, float* o, const float* p, const float* const* v, i
 }
 #endif
 
+// Asks for the cache lines of bytes [p, p + bytes) to be brought into L2.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const auto lo = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const auto hi = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t a = lo; a < hi; a += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);  // locality 2: prefetcht1
+  }
+}
+
 struct Shape {
   int64_t num_q_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   bool causal;
@@ -195,6 +219,9 @@ struct Shape {
 struct Scratch {
   std::vector<float> q, o, s, m, l, kbuf, vbuf, kt;
   std::vector<const float*> krow, vrow;
+  // decode tasks: the cache rows (all KV heads, pf_bytes each) of the next key tile
+  std::vector<const char*> pfk, pfv;
+  int64_t pf_n = 0, pf_bytes = 0;
 };
 
 // max(init, s[0], ..., s[n-1]).
@@ -318,22 +345,95 @@ inline void small_pv(float* o, const float* p, const float* const* v, int64_t n,
 
 // Scores, online softmax and P.V of rows [r0, r0 + rows) of one token over
 // its ``visible`` keys of the tile (w.krow/w.vrow), rows <= kSmallRows.
+// ``krow`` / ``vrow``: the tile's key and value rows of the rows' KV head.
 template <int R>
-inline void small_rows_tile(Scratch& w, int64_t r0, int64_t visible, int64_t D) {
+inline void small_rows_tile(Scratch& w, int64_t r0, int64_t visible, int64_t D,
+                            const float* const* krow, const float* const* vrow) {
   const float* q = w.q.data() + r0 * D;
   float* s = w.s.data() + r0 * kKeyTile;
   int64_t j = 0;
-  for (; j + 4 <= visible; j += 4) small_scores4<R>(q, w.krow.data() + j, D, s + j);
+  for (; j + 4 <= visible; j += 4) small_scores4<R>(q, krow + j, D, s + j);
   for (; j < visible; ++j) {
-    for (int r = 0; r < R; ++r) s[r * kKeyTile + j] = dot1(q + r * D, w.krow[j], D);
+    for (int r = 0; r < R; ++r) s[r * kKeyTile + j] = dot1(q + r * D, krow[j], D);
   }
   for (int r = 0; r < R; ++r) online_softmax_row(w, r0 + r, s + r * kKeyTile, visible, visible, D);
-  small_pv<R>(w.o.data() + r0 * D, s, w.vrow.data(), visible, D);
+  small_pv<R>(w.o.data() + r0 * D, s, vrow, visible, D);
+}
+
+// small_rows_tile for rows [r0, r0 + rows), taken kSmallRows at a time.
+inline void small_rows(Scratch& w, int64_t r0, int64_t rows, int64_t visible, int64_t D,
+                       const float* const* krow, const float* const* vrow) {
+  for (int64_t r = r0; r < r0 + rows; r += kSmallRows) {
+    switch (std::min<int64_t>(kSmallRows, r0 + rows - r)) {
+      case 3: small_rows_tile<3>(w, r, visible, D, krow, vrow); break;
+      case 2: small_rows_tile<2>(w, r, visible, D, krow, vrow); break;
+      default: small_rows_tile<1>(w, r, visible, D, krow, vrow); break;
+    }
+  }
 }
 #endif
 
 #ifdef MEDHA_AVX2
-constexpr int64_t kBlockedRows = 12;  // a task with this many rows takes the blocked path
+// Prefetches the next tile's cache rows [i, i + n) (keys or values) held in ``rows``.
+inline void prefetch_next(const Scratch& w, const std::vector<const char*>& rows, int64_t i,
+                          int64_t n) {
+  for (int64_t e = std::min(w.pf_n, i + n); i < e; ++i) prefetch_bytes(rows[i], w.pf_bytes);
+}
+
+// One key tile of a decode task: rows [rb, rb + Hkv * G) (one token, all heads)
+// over its ``visible`` keys (w.krow/w.vrow, kKeyTile per KV head). Scores go
+// 4 keys at a time through every head, so the key rows are read in address
+// order, and each 4-key step prefetches the same keys' key and value rows of
+// the next tile; then the online softmax and P.V per KV head (small_pv, the
+// outputs in registers; P.V in address order with the outputs in memory was
+// slower, with the value rows prefetched during the scores as well).
+inline void decode_tile(Scratch& w, int64_t rb, int64_t Hkv, int64_t G, int64_t visible,
+                        int64_t D) {
+  for (int64_t j = 0; j < visible; j += 4) {
+    const int64_t n = std::min<int64_t>(4, visible - j);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* const* krow = w.krow.data() + h * kKeyTile + j;
+      for (int64_t r = rb + h * G; r < rb + (h + 1) * G; r += kSmallRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kSmallRows, rb + (h + 1) * G - r));
+        const float* q = w.q.data() + r * D;
+        float* s = w.s.data() + r * kKeyTile + j;
+        if (n == 4) {
+          switch (rows) {
+            case 3: small_scores4<3>(q, krow, D, s); break;
+            case 2: small_scores4<2>(q, krow, D, s); break;
+            default: small_scores4<1>(q, krow, D, s); break;
+          }
+        } else {
+          for (int i = 0; i < rows; ++i) {
+            for (int64_t e = 0; e < n; ++e) s[i * kKeyTile + e] = dot1(q + i * D, krow[e], D);
+          }
+        }
+      }
+    }
+    prefetch_next(w, w.pfk, j, n);
+    prefetch_next(w, w.pfv, j, n);
+  }
+  for (int64_t r = rb; r < rb + Hkv * G; ++r) {
+    online_softmax_row(w, r, w.s.data() + r * kKeyTile, visible, visible, D);
+  }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const float* const* vrow = w.vrow.data() + h * kKeyTile;
+    for (int64_t r = rb + h * G; r < rb + (h + 1) * G; r += kSmallRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kSmallRows, rb + (h + 1) * G - r));
+      float* o = w.o.data() + r * D;
+      const float* p = w.s.data() + r * kKeyTile;
+      switch (rows) {
+        case 3: small_pv<3>(o, p, vrow, visible, D); break;
+        case 2: small_pv<2>(o, p, vrow, visible, D); break;
+        default: small_pv<1>(o, p, vrow, visible, D); break;
+      }
+    }
+  }
+}
+#endif
+
+#ifdef MEDHA_AVX2
+constexpr int64_t kBlockedRows = kDecodeRows;  // a task with this many rows takes the blocked path
 
 // One key tile of a task with many rows (w.krow/w.vrow hold its nk keys):
 // scores and P.V in register blocks over a transposed copy of the key tile.
@@ -379,6 +479,23 @@ void blocked_tile(Scratch& w, const Shape& sh, int64_t first_last, int64_t nk, i
   }
 }
 #endif
+
+// Row r of w (its idx-th row of q's [N * Hq] rows) normalised into out / lse.
+template <typename scalar_t>
+inline void store_row(const Scratch& w, int64_t r, int64_t idx, int64_t D, scalar_t* out,
+                      float* lse) {
+  scalar_t* dst = out + idx * D;
+  const float total = w.l[r];
+  if (!(total > 0.0f)) {
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
+    lse[idx] = kNegInf;
+    return;
+  }
+  const float inv = 1.0f / total;
+  const float* o = w.o.data() + r * D;
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
+  lse[idx] = (w.m[r] + std::log2(total)) * kLn2;
+}
 
 template <typename scalar_t>
 void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
@@ -444,13 +561,7 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       // keys this token's rows see in the tile: all, or up to its own position (causal)
       const int64_t visible = sh.causal ? std::min(nk, start + t_lo + tok - j0 + 1) : nk;
       if (visible <= 0) continue;  // and in every later tile too
-      for (int64_t r0 = tok * G; r0 < (tok + 1) * G; r0 += kSmallRows) {
-        switch (std::min<int64_t>(kSmallRows, (tok + 1) * G - r0)) {
-          case 3: small_rows_tile<3>(w, r0, visible, D); break;
-          case 2: small_rows_tile<2>(w, r0, visible, D); break;
-          default: small_rows_tile<1>(w, r0, visible, D); break;
-        }
-      }
+      small_rows(w, tok * G, G, visible, D, w.krow.data(), w.vrow.data());
     }
 #else
     for (int64_t r = 0; r < M; ++r) {
@@ -469,18 +580,136 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
 #endif
   }
   for (int64_t r = 0; r < M; ++r) {
-    const int64_t idx = (row0 + r / G) * Hq + kvh * G + r % G;
-    scalar_t* dst = out + idx * D;
-    const float total = w.l[r];
-    if (!(total > 0.0f)) {
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
-      lse[idx] = kNegInf;
-      continue;
+    store_row(w, r, (row0 + r / G) * Hq + kvh * G + r % G, D, out, lse);
+  }
+}
+
+// A decode task (task[1] == -1): the query rows of all heads of tokens
+// [t_lo, t_hi) of one sequence (token-major, then heads in q's order), over
+// its keys kDecodeTile at a time. Each key's cache row (all KV heads) is read
+// once per tile, in address order; the next tile's rows (at the last tile,
+// ``next``'s first tile, when given) are prefetched a few at a time between
+// the 4-key steps of this one (decode_tile), so they stream from memory while
+// this tile is computed.
+template <typename scalar_t>
+void run_decode_task(const int32_t* task, const int32_t* next, const scalar_t* q,
+                     const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* cu,
+                     const int32_t* kv_lens, const int32_t* q_start, const int32_t* block_table,
+                     const Shape& sh, scalar_t* out, float* lse, Scratch& w) {
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  const int64_t seq = task[0], t_lo = task[2], t_hi = task[3];
+  const int64_t G = sh.group, D = sh.head_dim, Hq = sh.num_q_heads, Hkv = sh.num_kv_heads;
+  const int64_t M = (t_hi - t_lo) * Hq;
+  const int64_t row0 = cu[seq] + t_lo;
+  const int64_t start = q_start[seq];
+  const int64_t kv_len = kv_lens[seq];
+  const int64_t num_keys =
+      sh.causal ? std::min<int64_t>(kv_len, std::max<int64_t>(0, start + t_hi)) : kv_len;
+  w.q.resize(M * D);
+  w.o.assign(M * D, 0.0f);
+  w.s.resize(M * kKeyTile);
+  w.m.assign(M, kNegInf);
+  w.l.assign(M, 0.0f);
+  w.krow.resize(Hkv * kKeyTile);
+  w.vrow.resize(Hkv * kKeyTile);
+  if (!kFloat) {
+    w.kbuf.resize(Hkv * kKeyTile * D);
+    w.vbuf.resize(Hkv * kKeyTile * D);
+  }
+  const scalar_t* qsrc = q + row0 * Hq * D;
+  for (int64_t i = 0; i < M * D; ++i) w.q[i] = static_cast<float>(qsrc[i]) * sh.scale_log2;
+  const int32_t* blocks = block_table + seq * sh.max_blocks;
+  const int64_t row = Hkv * D;
+  w.pfk.resize(kDecodeTile);
+  w.pfv.resize(kDecodeTile);
+  w.pf_bytes = row * static_cast<int64_t>(sizeof(scalar_t));
+  // the cache rows of keys [a, b) of the sequence with block-table row ``tb`` into w.pfk/pfv
+  auto next_rows = [&](const int32_t* tb, int64_t a, int64_t b) {
+    w.pf_n = std::max<int64_t>(0, b - a);
+    for (int64_t i = 0; i < w.pf_n; ++i) {
+      const int64_t off = (int64_t{tb[(a + i) / sh.block_size]} * sh.block_size +
+                           (a + i) % sh.block_size) * row;
+      w.pfk[i] = reinterpret_cast<const char*>(k_cache + off);
+      w.pfv[i] = reinterpret_cast<const char*>(v_cache + off);
     }
-    const float inv = 1.0f / total;
-    const float* o = w.o.data() + r * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
-    lse[idx] = (w.m[r] + std::log2(total)) * kLn2;
+  };
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kDecodeTile) {
+    const int64_t nk = std::min(kDecodeTile, num_keys - j0);
+    if (j0 + kDecodeTile < num_keys) {
+      next_rows(blocks, j0 + kDecodeTile, std::min(num_keys, j0 + 2 * kDecodeTile));
+    } else if (next != nullptr && next[1] < 0) {
+      next_rows(block_table + next[0] * sh.max_blocks, 0,
+                std::min<int64_t>(kv_lens[next[0]], kDecodeTile));
+    } else {
+      w.pf_n = 0;
+    }
+    int64_t blk = j0 / sh.block_size, in_blk = j0 % sh.block_size;
+    for (int64_t j = 0; j < nk; ++j, ++in_blk) {
+      if (in_blk == sh.block_size) {
+        ++blk;
+        in_blk = 0;
+      }
+      const int64_t off = (int64_t{blocks[blk]} * sh.block_size + in_blk) * row;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t i = h * kKeyTile + j;
+        if constexpr (kFloat) {
+          w.krow[i] = k_cache + off + h * D;
+          w.vrow[i] = v_cache + off + h * D;
+        } else {
+          float* kb = w.kbuf.data() + i * D;
+          float* vb = w.vbuf.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) {
+            kb[d] = static_cast<float>(k_cache[off + h * D + d]);
+            vb[d] = static_cast<float>(v_cache[off + h * D + d]);
+          }
+          w.krow[i] = kb;
+          w.vrow[i] = vb;
+        }
+      }
+    }
+    int64_t fetched = 0;  // next-tile rows prefetched so far
+    for (int64_t tok = 0; tok < t_hi - t_lo; ++tok) {
+      const int64_t visible = sh.causal ? std::min(nk, start + t_lo + tok - j0 + 1) : nk;
+      if (visible <= 0) continue;
+#ifdef MEDHA_AVX2
+      decode_tile(w, tok * Hq, Hkv, G, visible, D);  // prefetches rows [0, visible)
+      fetched = std::max(fetched, std::min(visible, w.pf_n));
+#else
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* const* krow = w.krow.data() + h * kKeyTile;
+        const float* const* vrow = w.vrow.data() + h * kKeyTile;
+        for (int64_t r = tok * Hq + h * G; r < tok * Hq + (h + 1) * G; ++r) {
+          const float* qr = w.q.data() + r * D;
+          float* s = w.s.data() + r * kKeyTile;
+          int64_t j = 0;
+          for (; j + 4 <= visible; j += 4) dot4(qr, krow + j, D, s + j);
+          for (; j < visible; ++j) s[j] = dot1(qr, krow[j], D);
+          online_softmax_row(w, r, s, visible, visible, D);
+          accumulate_pv(w.o.data() + r * D, s, vrow, visible, D);
+        }
+      }
+#endif
+    }
+    for (int64_t i = fetched; i < w.pf_n; ++i) {  // rows past what the tokens saw, if any
+      prefetch_bytes(w.pfk[i], w.pf_bytes);
+      prefetch_bytes(w.pfv[i], w.pf_bytes);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) store_row(w, r, row0 * Hq + r, D, out, lse);
+}
+
+// One task of the plan: a decode task (all KV heads) or a (KV head, query tile) one.
+template <typename scalar_t>
+inline void run_any_task(const int32_t* task, const int32_t* next, const scalar_t* q,
+                         const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* cu,
+                         const int32_t* kv_lens, const int32_t* q_start,
+                         const int32_t* block_table, const Shape& sh, scalar_t* out, float* lse,
+                         Scratch& w) {
+  if (task[1] < 0) {
+    run_decode_task(task, next, q, k_cache, v_cache, cu, kv_lens, q_start, block_table, sh, out,
+                    lse, w);
+  } else {
+    run_task(task, q, k_cache, v_cache, cu, kv_lens, q_start, block_table, sh, out, lse, w);
   }
 }
 
@@ -493,8 +722,9 @@ void run_tasks(const int32_t* tasks, int64_t T, bool serial, const scalar_t* q,
   if (serial || T == 1 || at::get_num_threads() == 1) {
     Scratch w;
     for (int64_t i = 0; i < T; ++i) {
-      run_task(tasks + 5 * i, q, k_cache, v_cache, cu, kv_lens, q_start, block_table, sh, out,
-               lse, w);
+      const int32_t* next = i + 1 < T ? tasks + 5 * (i + 1) : nullptr;
+      run_any_task(tasks + 5 * i, next, q, k_cache, v_cache, cu, kv_lens, q_start, block_table,
+                   sh, out, lse, w);
     }
     return;
   }
@@ -504,8 +734,8 @@ void run_tasks(const int32_t* tasks, int64_t T, bool serial, const scalar_t* q,
     Scratch w;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next.fetch_add(1); i < T; i = next.fetch_add(1)) {
-        run_task(tasks + 5 * i, q, k_cache, v_cache, cu, kv_lens, q_start, block_table, sh, out,
-                 lse, w);
+        run_any_task(tasks + 5 * i, nullptr, q, k_cache, v_cache, cu, kv_lens, q_start,
+                     block_table, sh, out, lse, w);
       }
     }
   });
@@ -516,11 +746,12 @@ void run_tasks(const int32_t* tasks, int64_t T, bool serial, const scalar_t* q,
                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
                                          AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-int64_t task_cost(const int32_t* t, const int32_t* kv_lens, const int32_t* q_start, int64_t group,
+// Row-keys of a task: its rows (tokens x heads) times the keys they see.
+int64_t task_cost(const int32_t* t, const int32_t* kv_lens, const int32_t* q_start, int64_t heads,
                   bool causal) {
   const int64_t keys = causal ? std::min<int64_t>(kv_lens[t[0]], std::max(0, q_start[t[0]] + t[3]))
                               : kv_lens[t[0]];
-  return (t[3] - t[2]) * group * std::max<int64_t>(keys, 1);
+  return (t[3] - t[2]) * heads * std::max<int64_t>(keys, 1);
 }
 
 }  // namespace
@@ -533,9 +764,24 @@ at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Te
   const int32_t* lens = kv_lens.const_data_ptr<int32_t>();
   const int32_t* starts = q_start.const_data_ptr<int32_t>();
   const int64_t tokens_per_task = std::max<int64_t>(1, kRowsPerTask / group);
+  // Decode tasks (all KV heads of a sequence) when one thread runs the plan or
+  // there are enough of them to share out; else a task per KV head, which lets
+  // threads split a few long sequences.
+  auto is_decode = [&](int64_t b) {
+    const int64_t nq = cu[b + 1] - cu[b];
+    return nq > 0 && nq * group < kDecodeRows;
+  };
+  int64_t decodes = 0;
+  for (int64_t b = 0; b < B; ++b) decodes += is_decode(b) ? 1 : 0;
+  const int64_t threads = at::get_num_threads();
+  const bool whole = threads == 1 || decodes >= 2 * threads;
   std::vector<int32_t> flat;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nq = cu[b + 1] - cu[b];
+    if (whole && is_decode(b)) {
+      flat.insert(flat.end(), {static_cast<int32_t>(b), -1, 0, static_cast<int32_t>(nq)});
+      continue;
+    }
     for (int64_t lo = 0; lo < nq; lo += tokens_per_task) {
       const int64_t hi = std::min(nq, lo + tokens_per_task);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -546,7 +792,10 @@ at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Te
   }
   const int64_t T = static_cast<int64_t>(flat.size()) / 4;
   std::vector<int64_t> order(T), cost(T);
-  for (int64_t i = 0; i < T; ++i) cost[i] = task_cost(&flat[4 * i], lens, starts, group, causal);
+  for (int64_t i = 0; i < T; ++i) {
+    const int32_t* t = &flat[4 * i];
+    cost[i] = task_cost(t, lens, starts, t[1] < 0 ? group * num_kv_heads : group, causal);
+  }
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   at::Tensor tasks = at::empty({T, 5}, cu_seqlens_q.options().dtype(at::kInt));
