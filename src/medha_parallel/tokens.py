@@ -150,6 +150,9 @@ class TokenBroadcast:
             memory where every rank runs on this host on a supported platform
             (None, the default, or True; decided together by all ranks);
             False: always gloo. Every rank must pass the same value.
+        timeout_s: how long a shared-memory broadcast waits for the sender
+            before it raises :class:`CommunicationError` (None: the state's
+            timeout, which also bounds the gloo groups).
 
     Attributes:
         rank: this rank's global rank.
@@ -159,11 +162,24 @@ class TokenBroadcast:
     """
 
     def __init__(
-        self, state: ParallelState, *, src: int, shared_memory: bool | None = None
+        self,
+        state: ParallelState,
+        *,
+        src: int,
+        shared_memory: bool | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         world = state.layout.world_size
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
             raise ValueError(f"src must be a rank in [0, {world}), got {src!r}")
+        if timeout_s is None:
+            timeout_s = state.timeout.total_seconds()
+        elif (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not (0 < timeout_s < float("inf"))
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.rank, self.src, self.world_size = state.rank, src, world
         self.group: dist.ProcessGroup | None = None
         if world > 1:
@@ -177,9 +193,7 @@ class TokenBroadcast:
         # finds None on every rank unless all are on this host and supported)
         if world > 1 and shared_memory is not False:
             with named_comm("world", "broadcast_tokens"):
-                self._shm = _ShmTokens.create(
-                    self.group, src=src, timeout_s=state.timeout.total_seconds()
-                )
+                self._shm = _ShmTokens.create(self.group, src=src, timeout_s=float(timeout_s))
         self.uses_shared_memory = self._shm is not None
 
     def __repr__(self) -> str:

@@ -41,6 +41,9 @@ def _worker(rank: int, world_size: int, init: str, shared_memory: bool = False) 
         res["mismatch"] = tokens.broadcast([7, 8, 9] if rank == 2 else None, 3)
     with pytest.raises(ValueError, match=r"src must be a rank in \[0, 3\), got 3"):
         TokenBroadcast(state, src=3)
+    for bad in (0, -1.0, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+            TokenBroadcast(state, src=0, timeout_s=bad)
     res["repr"] = repr(tokens)
     return res
 
@@ -110,9 +113,9 @@ def _timeout_worker(rank: int, world_size: int, init: str) -> str:
         init_method=init,
         rank=rank,
         world_size=world_size,
-        timeout_s=1.0,
+        timeout_s=60.0,  # the gloo start-up: it may take seconds on a loaded machine
     )
-    tokens = TokenBroadcast(state, src=0)
+    tokens = TokenBroadcast(state, src=0, timeout_s=1.0)
     if rank == 0:
         return "sent nothing"
     with pytest.raises(CommunicationError) as err:
