@@ -314,8 +314,47 @@ def test_the_worker_loop_builds_the_next_batch_while_it_waits() -> None:
         assert serve(busy, PipeTransport(worker), rank=0) == 0
         assert [driver.recv().result for _ in plans] == want
         assert busy.steps_ahead == 0
+        # a step arrives while the batch is built: the worker's stop leaves the
+        # attention plan to the step, which still runs the batch built ahead
+        for ahead_transport, with_plan in ((_Idle, 1), (_StepArrivesDuringBuild, 0)):
+            for p in plans:
+                driver.send(Step(p))
+            driver.send(Shutdown())
+            recording = _Recording(_spec(num_blocks=16))
+            assert serve(recording, ahead_transport(worker), rank=0) == 0
+            assert [driver.recv().result for _ in plans] == want
+            assert recording.steps_ahead == 8
+            assert recording.plans_built == [with_plan] * 9  # the last one after the last step
     finally:
         torch.set_num_threads(n)
+
+
+class _StepArrivesDuringBuild(PipeTransport):
+    """A pipe with nothing pending when the worker looks after its reply, and a step
+    pending when it is asked again (the build's ``stop``)."""
+
+    def send(self, msg) -> None:
+        self.asks = 0
+        super().send(msg)
+
+    def pending(self) -> bool:
+        self.asks += 1
+        return self.asks > 1
+
+
+class _Recording(ModelRunner):
+    """A runner that records, per batch built ahead, how many attention plans it holds."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.plans_built: list[int] = []
+
+    def prepare_next(self, stop=None) -> bool:
+        built = super().prepare_next(stop=stop)
+        if built:
+            assert self._ahead is not None
+            self.plans_built.append(len(self._ahead[1]._plans))
+        return built
 
 
 class _FailsAhead(ModelRunner):
