@@ -257,6 +257,8 @@ def _one_causal_call(shards: GroupShards) -> bool:
 
 #: array typecodes of the batch's index dtypes (build_group_batch's host lists)
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}
+#: the most builds :meth:`ModelRunner.prepare_next` skips after misses in a row
+_AHEAD_MAX_SKIP = 16
 
 
 def build_group_batch(
@@ -503,6 +505,9 @@ class ModelRunner:
         self._ahead: tuple[tuple[PlannedChunk, ...], ForwardBatch, GroupShards] | None = None
         #: steps that ran the batch :meth:`prepare_next` built (the others built their own)
         self.steps_ahead = 0
+        #: batches :meth:`prepare_next` built that the next step did not use, in a row,
+        #: and the builds it still skips for them (its back-off, :meth:`_missed_ahead`)
+        self._ahead_misses = self._ahead_skip = 0
 
     @property
     def is_sampler(self) -> bool:
@@ -563,7 +568,7 @@ class ModelRunner:
         """Whether :meth:`prepare_next` may build batches here: one stage, eager, on the CPU."""
         return self.pipeline is None and self.graphs is None and self.device.type == "cpu"
 
-    def prepare_next(self) -> bool:
+    def prepare_next(self, stop: Callable[[], bool] | None = None) -> bool:
         """Build, ahead, the batch of the step that would follow the last one if it gave
         each of its requests its next decode and nothing else (what a decode step of an
         unchanged batch is): a worker does this while it waits for the driver's next
@@ -576,13 +581,33 @@ class ModelRunner:
         tensors but for the token ids, which it writes. Built once per step; a step
         that is not that one builds its own batch, as without this.
 
+        Limitation: a build needs every request whose tail is on this rank's group to
+        have its next slot in a block it already holds. With ``B`` such decodes at
+        staggered positions, each opens a block on one step in ``block_size``, so a
+        build happens on only about ``(1 - 1/block_size) ** B`` of the steps (block
+        16: 52% at B = 10, 13% at B = 32): this helps small batches most.
+
+        Back-off: after two builds in a row that the next step did not use, the next
+        2, then 4, 8 and at most 16 builds are skipped (each further miss doubles it);
+        a used build ends it (:meth:`_missed_ahead`).
+
+        Args:
+            stop: asked once the batch and its KV write index are built: True (a step
+                waits) leaves the attention plan to the step's first layer, which
+                builds the same one.
+
         Returns:
-            Whether a batch was built: not where the last step had a chunk that
-            samples nothing (a prefill chunk) or prompt logprobs, or a request's next
-            position leaves its tail shard or needs a block this rank does not have yet.
+            Whether a batch was built: not where the last step's last chunk (where
+            the engine puts prefill chunks, so a step with one ends here at once) or
+            any other chunk samples nothing (a prefill chunk) or wants prompt
+            logprobs, a request's next position leaves its tail shard or needs a
+            block this rank does not have yet, or the back-off skips this build.
         """
         last, self._last_plan, self._ahead = self._last_plan, None, None
         if last is None:
+            return False
+        final = last.chunks[-1]
+        if final.sample is None or final.prompt_logprobs is not None:
             return False
         spec = self.spec
         g_tokens, block = spec.group_tokens, spec.block_size
@@ -599,6 +624,9 @@ class ModelRunner:
                 if local // block >= len(self.tables.blocks(c.request_id, self.group)):
                     return False
             chunks.append(PlannedChunk(c.request_id, start, (0,), c.kvp_groups, (), c.sample))
+        if self._ahead_skip:
+            self._ahead_skip -= 1
+            return False
         plan = StepPlan(last.step_id, tuple(chunks))
         batch, shards = build_group_batch(
             plan,
@@ -611,20 +639,28 @@ class ModelRunner:
             capacity=self._kv_slots,
         )
         batch.prepare_kv_write(self.kv.k[0])
-        if self.attention is None or _one_causal_call(shards):
+        if (self.attention is None or _one_causal_call(shards)) and (stop is None or not stop()):
             # the plan the first layer asks for (ShardedAttention._batch_plan: the same key)
             batch.attention_plan(**self._plan_key)
         self._ahead = (plan.chunks, batch, shards)
         return True
 
+    def _missed_ahead(self) -> None:
+        """The next step did not use the batch :meth:`prepare_next` built: from the
+        second such step in a row, skip the next ``min(2 ** (misses - 1), 16)`` builds."""
+        self._ahead_misses += 1
+        if self._ahead_misses >= 2:
+            self._ahead_skip = min(1 << (self._ahead_misses - 1), _AHEAD_MAX_SKIP)
+
     def _take_ahead(self, plan: StepPlan) -> tuple[ForwardBatch, GroupShards] | None:
         """The batch :meth:`prepare_next` built, with ``plan``'s token ids, if ``plan``
-        is the step it assumed; else None (and it is dropped)."""
+        is the step it assumed; else None (and it is dropped, a miss for the back-off)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None or plan.free or plan.finished:
+        if ahead is None:
             return None
         assumed, batch, shards = ahead
-        if len(plan.chunks) != len(assumed):
+        if plan.free or plan.finished or len(plan.chunks) != len(assumed):
+            self._missed_ahead()
             return None
         group = self.group
         for c, a in zip(plan.chunks, assumed, strict=True):
@@ -637,10 +673,12 @@ class ModelRunner:
                 or c.prompt_logprobs is not None
                 or any(g == group for g, _ in c.new_blocks)
             ):
+                self._missed_ahead()
                 return None
         ids = array("q", [c.token_ids[0] for c in plan.chunks])
         batch.input_ids = torch.frombuffer(ids, dtype=torch.int64)
         self.steps_ahead += 1
+        self._ahead_misses = 0
         return batch, shards
 
     def _keep_tokens(

@@ -9,7 +9,8 @@ messages (:mod:`medha_runtime.messages`) in order until told to stop:
   sampled rows), or :class:`~medha_runtime.messages.Failed` with the
   traceback and stop; then, over a pipe with no message waiting, let the
   runner build the next decode step's batch ahead
-  (:meth:`~medha_runtime.runner.ModelRunner.prepare_next`);
+  (:meth:`~medha_runtime.runner.ModelRunner.prepare_next`; a failure there is
+  logged once and ends building ahead on that rank, the steps go on);
 - :class:`~medha_runtime.messages.Ping`: nothing;
 - :class:`~medha_runtime.messages.Shutdown`: stop (status 0).
 
@@ -26,6 +27,7 @@ multi-node ranks (:mod:`medha_runtime.dist_worker`) serve the same loop over
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import traceback
@@ -35,18 +37,23 @@ from typing import Any
 from medha_runtime.messages import Done, Failed, Ping, Ready, Shutdown, Step
 from medha_runtime.transport import PipeTransport, TransportClosed, WorkerTransport
 
+logger = logging.getLogger(__name__)
+
 
 def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
     """Answer the driver until a shutdown (returns 0) or a failure (returns 1).
 
     Over a transport that tells whether a message waits (``pending``), a rank with
     nothing waiting after its reply lets the runner build the next decode step's
-    batch ahead (``prepare_next``), while the driver turns the step around.
+    batch ahead (``prepare_next``), while the driver turns the step around; it
+    passes ``pending`` as ``stop``, asked again before the build's costlier half. A
+    build that raises is dropped (the next step builds its own batch): its traceback
+    is logged as a warning and the rank builds nothing ahead from then on.
     """
     prepare = getattr(runner, "prepare_next", None)
-    if not callable(getattr(transport, "pending", None)):
+    pending = getattr(transport, "pending", None)
+    if not callable(pending):
         prepare = None
-    failed: str | None = None
     while True:
         try:
             msg = transport.recv()
@@ -58,9 +65,6 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
             continue
         if not isinstance(msg, Step):
             _reply(transport, Failed(rank, f"rank {rank}: unknown message {msg!r}"))
-            return 1
-        if failed is not None:
-            _reply(transport, Failed(rank, failed))
             return 1
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -80,13 +84,19 @@ def serve(runner: Any, transport: WorkerTransport, *, rank: int) -> int:
         done = Done(rank, msg.plan.step_id, result, seconds, cpu, wait)
         if not _reply(transport, done):
             return 1
-        if prepare is not None and not transport.pending():
+        if prepare is not None and not pending():
             # idle until the driver's next step: build its batch ahead (a decode step's)
             try:
-                prepare()
-            except Exception:  # a bug: the driver hears of it at its next step
-                failed = f"rank {rank} failed preparing the step after {msg.plan.step_id}:\n"
-                failed += traceback.format_exc()
+                prepare(stop=pending)
+            except Exception:  # a bug, not the step's: it builds its own batch
+                logger.warning(
+                    "rank %d failed building the step after %d ahead; it builds no "
+                    "batch ahead from now on",
+                    rank,
+                    msg.plan.step_id,
+                    exc_info=True,
+                )
+                prepare = None
 
 
 def _reply(transport: WorkerTransport, msg: Done | Failed) -> bool:

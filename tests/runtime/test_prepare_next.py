@@ -4,6 +4,7 @@ step it assumed; and the worker loop that builds it while it waits."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 from dataclasses import fields
 
@@ -11,11 +12,11 @@ import pytest
 import torch
 
 from medha_runtime import runner as runner_mod
-from medha_runtime.messages import Done, Failed, Shutdown, Step
+from medha_runtime.messages import Done, Shutdown, Step
 from medha_runtime.model import ForwardBatch
 from medha_runtime.plan import PlannedChunk, StepPlan
 from medha_runtime.runner import ModelRunner, RunnerSpec, build_group_batch
-from medha_runtime.sampling_params import SampleSpec
+from medha_runtime.sampling_params import PromptLogprobSpec, SampleSpec
 from medha_runtime.transport import PipeTransport
 from medha_runtime.worker import serve
 from tests.parallel.dist import launch
@@ -100,8 +101,10 @@ def test_a_batch_built_ahead_is_the_steps_own_and_gives_the_same_logits(monkeypa
         want_logits, logits[:] = list(logits), []
         ahead = ModelRunner(_spec(num_blocks=16))
         got, built = [], 0
-        for p in plans:
+        for i, p in enumerate(plans):
             prepared = ahead._ahead
+            if prepared is not None:  # built after an even step: its stop said a step waits
+                assert len(prepared[1]._plans) == 1 - i % 2  # so no attention plan yet
             got.append(ahead.execute(p))
             if prepared is not None and ahead.steps_ahead > built:  # this step took it
                 built = ahead.steps_ahead
@@ -117,7 +120,9 @@ def test_a_batch_built_ahead_is_the_steps_own_and_gives_the_same_logits(monkeypa
                 )
                 _assert_same_batch(prepared[1], fresh)
             nxt = p.chunks[0].start + len(p.chunks[0].token_ids)
-            assert ahead.prepare_next() == (nxt % BLOCK != 0)  # False: it needs a new block
+            stop = i % 2 == 0  # after an even step the attention plan is left to the step
+            built_now = ahead.prepare_next(stop=lambda stop=stop: stop)
+            assert built_now == (nxt % BLOCK != 0)  # False: it needs a new block
         assert got == want
         assert len(logits) == len(want_logits) == 24
         assert all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
@@ -144,13 +149,20 @@ def test_a_batch_built_ahead_is_dropped_for_any_other_step() -> None:
             StepPlan(1, (c._replace(new_blocks=((0, (8,)),)),)),  # a block for this group
             StepPlan(1, (c,), free=("z",)),
             StepPlan(1, (c,), finished=("z",)),
+            # another request at the same start, sampled alike: only its id differs
+            StepPlan(1, (c._replace(request_id="b"),)),
+            StepPlan(1, (c._replace(token_ids=(c.token_ids[0], 9)),)),  # two tokens
+            StepPlan(1, (c._replace(kvp_groups=(0, 1)),)),
+            StepPlan(1, (c._replace(prompt_logprobs=PromptLogprobSpec(2, ())),)),
         ]
         for other in others:
+            runner._ahead_misses = runner._ahead_skip = 0  # no back-off between the cases
             runner._last_plan = plans[0]
             assert runner.prepare_next()
             assert runner._take_ahead(other) is None and runner._ahead is None
             assert runner.prepare_next() is False  # once per step: nothing ran since
         assert runner.steps_ahead == 0
+        runner._ahead_misses = runner._ahead_skip = 0
         runner._last_plan = plans[0]
         assert runner.prepare_next()
         runner.execute(decode)
@@ -163,6 +175,109 @@ def test_a_batch_built_ahead_is_dropped_for_any_other_step() -> None:
         synthetic = ModelRunner(_spec(num_blocks=16))
         synthetic.execute(StepPlan(0, plans[0].chunks, release_after=("a",)))
         assert not synthetic.prepare_next()
+    finally:
+        torch.set_num_threads(n)
+
+
+def _two_requests(sample_b: SampleSpec) -> tuple[ModelRunner, StepPlan, StepPlan]:
+    """A runner that ran the 5-token prefills of ``a`` and ``b`` (blocks 0-1 and 2-3);
+    (it, that step, the step of their decodes at 5)."""
+    runner = ModelRunner(_spec(num_blocks=16))
+    pa = PlannedChunk("a", 0, (1, 2, 3, 4, 5), (0,), ((0, (0, 1)),), GREEDY)
+    pb = PlannedChunk("b", 0, (6, 7, 8, 9, 10), (0,), ((0, (2, 3)),), sample_b)
+    prefill = StepPlan(0, (pa, pb))
+    runner.execute(prefill)
+    decode = StepPlan(
+        1,
+        (
+            pa._replace(start=5, token_ids=(11,), new_blocks=()),
+            pb._replace(start=5, token_ids=(12,), new_blocks=()),
+        ),
+    )
+    return runner, prefill, decode
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_batch_built_ahead_is_dropped_for_its_requests_swapped(shared: bool) -> None:
+    """Two requests' decodes at the same position, in the other order: dropped, whether
+    their sampling differs (as each request's own spec does) or not (only the ids tell
+    the rows apart)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner, prefill, decode = _two_requests(
+            GREEDY if shared else GREEDY._replace(request_id="b")
+        )
+        swapped = StepPlan(1, decode.chunks[::-1])
+        runner._last_plan = prefill
+        assert runner.prepare_next()
+        assert runner._take_ahead(swapped) is None and runner.steps_ahead == 0
+        runner._last_plan = prefill
+        assert runner.prepare_next()
+        assert runner._take_ahead(decode) is not None and runner.steps_ahead == 1
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_a_step_ending_in_a_prefill_chunk_stops_at_once() -> None:
+    """The engine puts prefill chunks after the decodes: prepare_next looks at the last
+    chunk first and reads no block table for the decodes before it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner, _, decode = _two_requests(GREEDY._replace(request_id="b"))
+        reads = []
+        blocks = runner.tables.blocks
+
+        def counted(rid: str, group: int):
+            reads.append(rid)
+            return blocks(rid, group)
+
+        runner.tables.blocks = counted  # type: ignore[method-assign]
+        chunk = PlannedChunk("c", 0, (3, 4, 5, 6), (0,), ((0, (4,)),), None)
+        runner._last_plan = StepPlan(1, (*decode.chunks, chunk))
+        assert not runner.prepare_next() and reads == []
+        # the last chunk asks for prompt logprobs: the same
+        logprobs = chunk._replace(sample=GREEDY, prompt_logprobs=PromptLogprobSpec(1, (5,)))
+        runner._last_plan = StepPlan(1, (*decode.chunks, logprobs))
+        assert not runner.prepare_next() and reads == []
+        runner._last_plan = decode  # decodes only: each request's table is read
+        assert runner.prepare_next() and reads[:2] == ["a", "b"]
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_builds_back_off_after_misses_in_a_row() -> None:
+    """From the second unused build in a row the next 2, 4, 8, then 16 builds are
+    skipped (16 at most); a used build ends the back-off."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plans = _decode_plans("a", 5, 3)
+        runner = ModelRunner(_spec(num_blocks=16))
+        runner.execute(plans[0])
+        decode = plans[1]
+        other = StepPlan(1, decode.chunks, finished=("z",))  # any step it did not assume
+
+        def run(steps: int, nxt: StepPlan) -> list[bool]:
+            built = []
+            for _ in range(steps):
+                runner._last_plan = plans[0]
+                built.append(runner.prepare_next())
+                if built[-1]:
+                    runner._take_ahead(nxt)
+            return built
+
+        want = [True, True] + [False] * 2 + [True] + [False] * 4 + [True] + [False] * 8
+        want += [True] + [False] * 16 + [True] + [False] * 16 + [True]
+        assert run(len(want), other) == want
+        assert runner._ahead_misses == 7 and runner.steps_ahead == 0
+        assert run(17, other)[-1]  # 16 skipped after the 7th miss; the 8th skips 16 more
+        assert run(16, other) == [False] * 16
+        assert run(1, decode) == [True] and runner.steps_ahead == 1  # used: back-off ends
+        assert runner._ahead_misses == 0 and runner._ahead_skip == 0
+        # a single miss after it skips nothing
+        assert run(3, other) == [True, True, False]
     finally:
         torch.set_num_threads(n)
 
@@ -199,57 +314,147 @@ def test_the_worker_loop_builds_the_next_batch_while_it_waits() -> None:
         assert serve(busy, PipeTransport(worker), rank=0) == 0
         assert [driver.recv().result for _ in plans] == want
         assert busy.steps_ahead == 0
+        # a step arrives while the batch is built: the worker's stop leaves the
+        # attention plan to the step, which still runs the batch built ahead
+        for ahead_transport, with_plan in ((_Idle, 1), (_StepArrivesDuringBuild, 0)):
+            for p in plans:
+                driver.send(Step(p))
+            driver.send(Shutdown())
+            recording = _Recording(_spec(num_blocks=16))
+            assert serve(recording, ahead_transport(worker), rank=0) == 0
+            assert [driver.recv().result for _ in plans] == want
+            assert recording.steps_ahead == 8
+            assert recording.plans_built == [with_plan] * 9  # the last one after the last step
     finally:
         torch.set_num_threads(n)
 
 
-class _Broken:
-    def execute(self, plan: StepPlan) -> list[int]:
-        return [plan.step_id]
+class _StepArrivesDuringBuild(PipeTransport):
+    """A pipe with nothing pending when the worker looks after its reply, and a step
+    pending when it is asked again (the build's ``stop``)."""
 
-    def prepare_next(self) -> bool:
-        raise ValueError("cannot build ahead")
+    def send(self, msg) -> None:
+        self.asks = 0
+        super().send(msg)
 
-
-def test_a_failure_building_ahead_fails_the_next_step() -> None:
-    driver, worker = mp.Pipe(duplex=True)
-    driver.send(Step(StepPlan(1, ())))
-    driver.send(Step(StepPlan(2, ())))
-    assert serve(_Broken(), _Idle(worker), rank=3) == 1
-    first, second = driver.recv(), driver.recv()
-    assert isinstance(first, Done) and first.result == [1]
-    assert isinstance(second, Failed) and "cannot build ahead" in second.error
-    assert "after 1" in second.error
+    def pending(self) -> bool:
+        self.asks += 1
+        return self.asks > 1
 
 
-def _kvp2(rank: int, world: int, init: str) -> tuple[list, list, int]:
+class _Recording(ModelRunner):
+    """A runner that records, per batch built ahead, how many attention plans it holds."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.plans_built: list[int] = []
+
+    def prepare_next(self, stop=None) -> bool:
+        built = super().prepare_next(stop=stop)
+        if built:
+            assert self._ahead is not None
+            self.plans_built.append(len(self._ahead[1]._plans))
+        return built
+
+
+class _FailsAhead(ModelRunner):
+    """A runner whose build ahead raises midway (after the batch, before the plan)."""
+
+    calls = 0
+
+    def prepare_next(self, stop=None) -> bool:
+        self.calls += 1
+
+        def boom() -> bool:
+            raise ValueError("cannot build ahead")
+
+        return super().prepare_next(stop=boom)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_failure_building_ahead_is_logged_once_and_the_steps_go_on() -> None:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    log = logging.getLogger("medha_runtime.worker")
+    records = _Records()
+    log.addHandler(records)
+    try:
+        plans = _decode_plans("a", 6, 8)
+        plain = ModelRunner(_spec(num_blocks=16))
+        want = [plain.execute(p) for p in plans]
+        driver, worker = mp.Pipe(duplex=True)
+        for p in plans:
+            driver.send(Step(p))
+        driver.send(Shutdown())
+        runner = _FailsAhead(_spec(num_blocks=16))
+        assert serve(runner, _Idle(worker), rank=3) == 0
+        done = [driver.recv() for _ in plans]
+        assert all(isinstance(d, Done) for d in done)
+        assert [d.result for d in done] == want
+        # tried after the first step only: nothing built, nothing used
+        assert runner.calls == 1 and runner.steps_ahead == 0 and runner._ahead is None
+        assert len(records.records) == 1
+        rec = records.records[0]
+        assert rec.levelno == logging.WARNING and "rank 3" in rec.getMessage()
+        assert "after 0" in rec.getMessage()
+        assert rec.exc_info is not None and "cannot build ahead" in str(rec.exc_info[1])
+    finally:
+        log.removeHandler(records)
+        torch.set_num_threads(n)
+
+
+def _kvp2(rank: int, world: int, init: str) -> dict[str, object]:
     """Rank ``rank`` of two: the same steps by a runner that builds ahead and one that
-    does not; (their results, the ahead runner's steps ahead)."""
+    does not, for decodes on one shard and for decodes that cross into the next:
+    their results, the ahead runner's steps ahead and what each prepare_next returned."""
     from medha_parallel import ParallelLayout, ParallelState
 
     torch.set_num_threads(1)
     state = ParallelState.initialize(
         ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world, device="cpu"
     )
-    plans = _decode_plans("a", 21, 11, kvp=2, group_tokens=16)  # decodes 21..30 on group 1
     spec = _spec(num_blocks=8, kvp=2, group_tokens=16)
-    out = []
-    for ahead in (False, True):
-        runner = ModelRunner(spec, state)
-        got = []
-        for p in plans:
-            got.append(runner.execute(p))
-            if ahead:
-                runner.prepare_next()
-        out.append(got)
-    return out[0], out[1], runner.steps_ahead
+    out: dict[str, object] = {}
+    for name, plans in (
+        ("tail", _decode_plans("a", 21, 11, kvp=2, group_tokens=16)),  # decodes 21..30, group 1
+        ("cross", _decode_plans("a", 13, 8, kvp=2, group_tokens=16)),  # decodes 13..19
+    ):
+        for ahead in (False, True):
+            runner = ModelRunner(spec, state)
+            got, built = [], []
+            for p in plans:
+                got.append(runner.execute(p))
+                if ahead:
+                    built.append(runner.prepare_next())
+            out[f"{name}_{'ahead' if ahead else 'plain'}"] = got
+        out[f"{name}_n"], out[f"{name}_built"] = runner.steps_ahead, built
+    return out
 
 
 @pytest.mark.parametrize("world", [2])
 def test_kvp2_ranks_building_ahead_match_ranks_that_do_not(world: int) -> None:
-    (plain0, ahead0, n0), (plain1, ahead1, n1) = launch(_kvp2, world)
-    assert ahead0 == plain0 and plain0[-1] is not None and len(plain0[-1]) == 1
-    assert ahead1 == plain1 == [None] * len(plain1)
+    r0, r1 = launch(_kvp2, world)
+    plain0 = r0["tail_plain"]
+    assert r0["tail_ahead"] == plain0 and plain0[-1] is not None and len(plain0[-1]) == 1
+    assert r1["tail_ahead"] == r1["tail_plain"] == [None] * len(plain0)
     # 10 decodes at 21..30; group 1 (the tail) opens blocks at 24 and 28 (local 8 and 12),
     # group 0 none (its new blocks are group 1's)
-    assert (n0, n1) == (10, 8)
+    assert (r0["tail_n"], r1["tail_n"]) == (10, 8)
+    # decodes 13..19 cross into shard 1 at 16: no rank builds the step of 16 (group 1
+    # holds no block of it yet, group 0 would write past its shard); the rest are built
+    plain0 = r0["cross_plain"]
+    assert r0["cross_ahead"] == plain0 and all(p is not None and len(p) == 1 for p in plain0)
+    assert r1["cross_ahead"] == r1["cross_plain"] == [None] * 8
+    # after the prefill and the decodes at 13, 14, 15 (-> 16: new shard), 16, 17, 18, 19
+    # (-> 20: group 1 opens its second block)
+    built = [True, True, True, False, True, True, True]
+    assert r0["cross_built"] == [*built, True] and r1["cross_built"] == [*built, False]
+    assert r0["cross_n"] == r1["cross_n"] == 6
