@@ -346,3 +346,40 @@ def test_few_decodes_on_threads_keep_a_task_per_kv_head() -> None:
         torch.set_num_threads(previous)
     assert sorted(two[:, :2].tolist()) == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
     assert sorted(one[:, :2].tolist()) == [[0, -1], [1, -1]]
+
+
+@pytest.mark.parametrize(("plan_threads", "run_threads"), [(1, 2), (2, 1), (2, 2)])
+def test_decode_tasks_shared_out_over_threads_vs_float64(plan_threads, run_threads):
+    """Decodes long enough for the parallel path (the plan's serial flag off), planned on
+    one thread count and run on another; on two threads, one long decode among short ones
+    keeps a task per KV head (its work is above a thread's share), the short ones take one
+    task each: every row matches float64."""
+    from medha_kernels.native.jit import get_module
+
+    hq, hkv, d = 9, 3, 64
+    chunks = [1] * 8
+    kv_lens = [40, 2000, 45, 2600, 50, 3000, 55, 12000]
+    q, kc, vc, cu, lens, table = _paged_batch(chunks, kv_lens, hq, hkv, d, 16, torch.float32)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(plan_threads)
+        counts = cu[1:] - cu[:-1]
+        tasks = get_module("cpu").plan_paged_attention(
+            cu, lens, (lens - counts).to(torch.int32), hkv, hq // hkv, True
+        )
+        plan = _plan(cu, lens, table, kc, hq)
+        torch.set_num_threads(run_threads)
+        o, lse = plan.run(q, kc, vc)
+    finally:
+        torch.set_num_threads(previous)
+    assert int(tasks[0, 4]) == 0  # enough work to share out: the parallel path
+    per_head = tasks[tasks[:, 0] == 7]
+    if plan_threads == 1:
+        assert (tasks[:, 1] == -1).all()
+    else:  # the 12,000-key decode is over half the step's work: a task per KV head
+        assert sorted(per_head[:, 1].tolist()) == [0, 1, 2]
+        assert (tasks[tasks[:, 0] != 7][:, 1] == -1).all()
+    for b, n in enumerate(kv_lens):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        k, v = paged_to_dense(kc, table[b], n), paged_to_dense(vc, table[b], n)
+        _check(o[lo:hi], lse[lo:hi], q[lo:hi], k, v, q_offset=n - 1, causal=True, what=f"seq {b}")

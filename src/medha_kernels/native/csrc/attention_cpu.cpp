@@ -205,7 +205,9 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   const auto lo = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
   const auto hi = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
   for (uintptr_t a = lo; a < hi; a += 64) {
+#if defined(__GNUC__) || defined(__clang__)
     __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);  // locality 2: prefetcht1
+#endif
   }
 }
 
@@ -764,21 +766,32 @@ at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Te
   const int32_t* lens = kv_lens.const_data_ptr<int32_t>();
   const int32_t* starts = q_start.const_data_ptr<int32_t>();
   const int64_t tokens_per_task = std::max<int64_t>(1, kRowsPerTask / group);
-  // Decode tasks (all KV heads of a sequence) when one thread runs the plan or
-  // there are enough of them to share out; else a task per KV head, which lets
-  // threads split a few long sequences.
+  // Decode tasks (all KV heads of a sequence) when one thread runs the plan, or
+  // when there are enough of them to share out and the sequence's work is at
+  // most a thread's fair share; else a task per KV head, which lets threads
+  // split a few long sequences (one long decode among short ones included).
   auto is_decode = [&](int64_t b) {
     const int64_t nq = cu[b + 1] - cu[b];
     return nq > 0 && nq * group < kDecodeRows;
   };
-  int64_t decodes = 0;
-  for (int64_t b = 0; b < B; ++b) decodes += is_decode(b) ? 1 : 0;
+  auto seq_cost = [&](int64_t b) {
+    const int32_t t[4] = {static_cast<int32_t>(b), -1, 0, cu[b + 1] - cu[b]};
+    return task_cost(t, lens, starts, group * num_kv_heads, causal);
+  };
+  int64_t decodes = 0, work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    decodes += is_decode(b) ? 1 : 0;
+    work += seq_cost(b);
+  }
   const int64_t threads = at::get_num_threads();
-  const bool whole = threads == 1 || decodes >= 2 * threads;
+  auto whole_task = [&](int64_t b) {
+    if (!is_decode(b)) return false;
+    return threads == 1 || (decodes >= 2 * threads && seq_cost(b) * threads <= work);
+  };
   std::vector<int32_t> flat;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nq = cu[b + 1] - cu[b];
-    if (whole && is_decode(b)) {
+    if (whole_task(b)) {
       flat.insert(flat.end(), {static_cast<int32_t>(b), -1, 0, static_cast<int32_t>(nq)});
       continue;
     }
