@@ -527,6 +527,11 @@ class LLMEngine:
         self.executor.check_workers()
         return self.executor.failed
 
+    def _die(self, exc: BaseException) -> None:
+        """The executor raised (a failed step, Ctrl-C): the batches in flight are lost,
+        so every later call raises WorkerError instead of waiting for them."""
+        self.dead = str(exc) if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}"
+
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise WorkerError(f"the engine is unusable after an earlier failure: {self.dead}")
@@ -550,8 +555,8 @@ class LLMEngine:
             self._flush_text()  # the previous batch's text, while the ranks compute
             try:
                 event = self.executor.next_event()
-            except WorkerError as exc:
-                self.dead = str(exc)
+            except BaseException as exc:
+                self._die(exc)
                 raise
             if isinstance(event, StepDone):
                 return self._end_batch(event)
@@ -613,8 +618,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         try:
             self.executor.submit(plan)
-        except WorkerError as exc:
-            self.dead = str(exc)
+        except BaseException as exc:
+            self._die(exc)
             raise
         batch = self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
