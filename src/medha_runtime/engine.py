@@ -622,6 +622,9 @@ class LLMEngine:
             self._die(exc)
             raise
         batch = self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
+        note = getattr(self.cost_model, "note_issued", None)
+        if note is not None:  # with a batch in flight, the next one priced follows this one
+            note(self.cost_feedback.batch_work(out))
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
         if self._async and self.layout.spp == 1:
             # The model runs batches in order and all of it is stage 0: once
@@ -691,8 +694,14 @@ class LLMEngine:
         out = batch.out
         sampled = self._take_prompt_logprobs(event.result)
         seconds = t2 - batch.submitted
-        if self._async and event.stage_s and self.layout.spp == 1:
-            # the batch's own execution: it waited behind the previous one after submit
+        # the batch's own execution: with async scheduling it waited behind the
+        # previous one after submit; run inline (in submit), the driver then
+        # detokenized the previous batch's text before asking for this one
+        own = event.stage_s and (
+            (self._async and self.layout.spp == 1)
+            or getattr(self.executor, "inline_step", None) == event.step_id
+        )
+        if own:
             seconds = event.stage_s[0]
         self.cost_feedback.record(out, seconds, event.stage_s)
         self._follow_budget()
@@ -715,7 +724,7 @@ class LLMEngine:
         done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
         if self._step_log is not None:
             t3 = time.perf_counter()
-            if self._async and self.layout.spp == 1:
+            if own:
                 # execute_s: the batch's own seconds, then the read-back
                 t3, t2 = batch.submitted + seconds + (t3 - t2), batch.submitted + seconds
             marks = (batch.scheduled, batch.submitted, t2, t3)

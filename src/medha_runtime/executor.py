@@ -205,8 +205,9 @@ class InProcessExecutor:
         self._events: deque[StepEvent] = deque()
         self._submitted = 0
         self._thread: threading.Thread | None = None
-        #: the id of the step :meth:`submit` ran in the caller's thread while it is
-        #: in flight (its StepDone's ``stage_s[0]`` is its own time), else None
+        #: the id of the last step :meth:`submit` ran in the caller's thread (its
+        #: StepDone's ``stage_s[0]`` is its own time), None once one went to the
+        #: model thread
         self.inline_step: int | None = None
 
     @property
@@ -237,6 +238,7 @@ class InProcessExecutor:
             )
             self._thread.start()
         self._submitted += 1
+        self.inline_step = None
         self._jobs.put(plan)
 
     def _loop(self, threads: int) -> None:
@@ -281,8 +283,6 @@ class InProcessExecutor:
         event = self._events.popleft()
         if isinstance(event, StepDone):
             self._submitted -= 1
-            if event.step_id == self.inline_step:
-                self.inline_step = None
         return event
 
     def execute(self, plan: StepPlan) -> list[Sampled]:

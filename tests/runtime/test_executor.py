@@ -75,7 +75,9 @@ def test_in_process_runs_a_lone_batch_on_the_callers_thread(pending_tokens: bool
     try:
         executor.submit(StepPlan(1, ()))
         assert (runner.threads.get(1) == me) is not pending_tokens
+        assert executor.inline_step == (None if pending_tokens else 1)
         executor.submit(StepPlan(2, ()))  # behind step 1: the model thread
+        assert executor.inline_step is None
         events = [executor.next_event() for _ in range(4)]
         assert [e.step_id for e in events] == [1, 1, 2, 2]
         assert [e.result for e in events if isinstance(e, StepDone)] == [[1], [2]]
