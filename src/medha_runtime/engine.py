@@ -527,6 +527,11 @@ class LLMEngine:
         self.executor.check_workers()
         return self.executor.failed
 
+    def _die(self, exc: BaseException) -> None:
+        """The executor raised (a failed step, Ctrl-C): the batches in flight are lost,
+        so every later call raises WorkerError instead of waiting for them."""
+        self.dead = str(exc) if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}"
+
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise WorkerError(f"the engine is unusable after an earlier failure: {self.dead}")
@@ -550,8 +555,8 @@ class LLMEngine:
             self._flush_text()  # the previous batch's text, while the ranks compute
             try:
                 event = self.executor.next_event()
-            except WorkerError as exc:
-                self.dead = str(exc)
+            except BaseException as exc:
+                self._die(exc)
                 raise
             if isinstance(event, StepDone):
                 return self._end_batch(event)
@@ -613,10 +618,13 @@ class LLMEngine:
         t1 = time.perf_counter()
         try:
             self.executor.submit(plan)
-        except WorkerError as exc:
-            self.dead = str(exc)
+        except BaseException as exc:
+            self._die(exc)
             raise
         batch = self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
+        note = getattr(self.cost_model, "note_issued", None)
+        if note is not None:  # with a batch in flight, the next one priced follows this one
+            note(self.cost_feedback.batch_work(out))
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
         if self._async and self.layout.spp == 1:
             # The model runs batches in order and all of it is stage 0: once
@@ -686,8 +694,14 @@ class LLMEngine:
         out = batch.out
         sampled = self._take_prompt_logprobs(event.result)
         seconds = t2 - batch.submitted
-        if self._async and event.stage_s and self.layout.spp == 1:
-            # the batch's own execution: it waited behind the previous one after submit
+        # the batch's own execution: with async scheduling it waited behind the
+        # previous one after submit; run inline (in submit), the driver then
+        # detokenized the previous batch's text before asking for this one
+        own = event.stage_s and (
+            (self._async and self.layout.spp == 1)
+            or getattr(self.executor, "inline_step", None) == event.step_id
+        )
+        if own:
             seconds = event.stage_s[0]
         self.cost_feedback.record(out, seconds, event.stage_s)
         self._follow_budget()
@@ -710,7 +724,7 @@ class LLMEngine:
         done = self.scheduler.on_batch_end(out.batch_id, BatchResult(tokens, frozenset(stopped)))
         if self._step_log is not None:
             t3 = time.perf_counter()
-            if self._async and self.layout.spp == 1:
+            if own:
                 # execute_s: the batch's own seconds, then the read-back
                 t3, t2 = batch.submitted + seconds + (t3 - t2), batch.submitted + seconds
             marks = (batch.scheduled, batch.submitted, t2, t3)

@@ -185,7 +185,9 @@ class InProcessExecutor:
     step that its measured time held).
     :meth:`execute` runs a step in the caller's thread. An exception in a
     step is raised again by :meth:`next_event` (and the executor refuses
-    further steps).
+    further steps: :meth:`submit` and :meth:`next_event` then raise
+    :class:`WorkerError`). A KeyboardInterrupt (or SystemExit) in a step run
+    by :meth:`submit` is recorded as the failure and raised from it.
     """
 
     def __init__(self, spec: RunnerSpec) -> None:
@@ -203,6 +205,10 @@ class InProcessExecutor:
         self._events: deque[StepEvent] = deque()
         self._submitted = 0
         self._thread: threading.Thread | None = None
+        #: the id of the last step :meth:`submit` ran in the caller's thread (its
+        #: StepDone's ``stage_s[0]`` is its own time), None once one went to the
+        #: model thread
+        self.inline_step: int | None = None
 
     @property
     def in_flight(self) -> int:
@@ -221,7 +227,8 @@ class InProcessExecutor:
         self._check_usable()
         if not self._submitted and not self.spec.pending_tokens:
             self._submitted += 1
-            self._run(plan)
+            self.inline_step = plan.step_id
+            self._run(plan, inline=True)
             return
         if self._thread is None:
             import torch
@@ -231,6 +238,7 @@ class InProcessExecutor:
             )
             self._thread.start()
         self._submitted += 1
+        self.inline_step = None
         self._jobs.put(plan)
 
     def _loop(self, threads: int) -> None:
@@ -241,19 +249,27 @@ class InProcessExecutor:
             if not self._run(plan):
                 return
 
-    def _run(self, plan: StepPlan) -> bool:
-        """Run one step in this thread and queue its result (False: it failed)."""
+    def _run(self, plan: StepPlan, inline: bool = False) -> bool:
+        """Run one step in this thread and queue its result (False: it failed).
+
+        ``inline`` (the caller's thread): a KeyboardInterrupt or SystemExit is
+        recorded as the executor's failure and raised again."""
         t = time.perf_counter()
         try:
             result = self.runner.execute(plan)
         except BaseException as exc:
             self._results.put((plan.step_id, None, exc, 0.0))
+            if inline and not isinstance(exc, Exception):
+                self.failed = f"step {plan.step_id} interrupted: {type(exc).__name__}"
+                raise
             return False
         self._results.put((plan.step_id, result, None, time.perf_counter() - t))
         return True
 
     def next_event(self) -> StepEvent:
         if not self._events:
+            if self.failed is not None:  # its results stopped at the failed step
+                raise WorkerError(f"the model failed earlier: {self.failed}")
             if not self._submitted:
                 raise RuntimeError("next_event: no batch in flight")
             step_id, result, error, seconds = self._results.get()

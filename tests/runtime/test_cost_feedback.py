@@ -162,3 +162,61 @@ def test_distributed_executor_spp2_learns_from_the_stage_times(monkeypatch, tp) 
     assert sum(targets) < sum(wall for _, wall, _, _ in seen)
     assert cost.steps > 0 and cost.coefficients != before
     assert [p.exitcode for p in executor.processes] == [0] * (world - 1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_times_a_step_by_its_own_seconds_and_notes_what_it_issued(
+    tmp_path, async_scheduling: bool
+) -> None:
+    """A step run inline (in submit) or behind another one (async scheduling) is
+    measured by the executor's own seconds for it, for the cost model and the
+    step log: the driver detokenized the previous batch's text between submit
+    and asking for the result (that goes to the overhead). Every batch shipped
+    is noted to the cost model (``note_issued``), in order, before it is timed."""
+    from medha_runtime.executor import StepDone
+    from medha_runtime.step_log import read_step_log
+
+    cost = "online:prior=affine:base=1e-3,per_token=1e-5,per_attn=1e-9"
+    path = tmp_path / "steps.jsonl"
+    with LLM(
+        "tiny",
+        max_model_len=64,
+        kv_cache_tokens=256,
+        cost_model=cost,
+        step_log=path,
+        async_scheduling=async_scheduling,
+    ) as llm:
+        engine = llm.engine
+        model, executor, feedback = engine.cost_model, engine.executor, engine.cost_feedback
+        issued: list[object] = []
+        own: dict[int, tuple[float, bool]] = {}
+        measured: list[tuple[int, float]] = []
+        note, next_event, record = model.note_issued, executor.next_event, feedback.record
+
+        def noting(batch):
+            issued.append(batch)
+            note(batch)
+
+        def spying():
+            event = next_event()
+            if isinstance(event, StepDone):
+                own[event.step_id] = (event.stage_s[0], executor.inline_step == event.step_id)
+            return event
+
+        def recording(out, seconds, stage_s=()):
+            assert len(issued) >= len(measured) + 1  # noted when shipped
+            measured.append((out.batch_id, seconds))
+            return record(out, seconds, stage_s)
+
+        model.note_issued, executor.next_event, feedback.record = noting, spying, recording
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        llm.generate(["hello there", "a b c d"], params)
+        steps = engine.stats.steps
+    assert len(issued) == len(measured) == steps > 3
+    assert [b for b, _ in measured] == sorted(own)
+    assert all(seconds == own[b][0] for b, seconds in measured)
+    assert all(inline is not async_scheduling for _, inline in own.values())
+    records = read_step_log(path)
+    assert len(records) == steps
+    for r in records:
+        assert r.execute_s == pytest.approx(own[r.step][0], abs=1e-6)  # logged in us

@@ -75,7 +75,9 @@ def test_in_process_runs_a_lone_batch_on_the_callers_thread(pending_tokens: bool
     try:
         executor.submit(StepPlan(1, ()))
         assert (runner.threads.get(1) == me) is not pending_tokens
+        assert executor.inline_step == (None if pending_tokens else 1)
         executor.submit(StepPlan(2, ()))  # behind step 1: the model thread
+        assert executor.inline_step is None
         events = [executor.next_event() for _ in range(4)]
         assert [e.step_id for e in events] == [1, 1, 2, 2]
         assert [e.result for e in events if isinstance(e, StepDone)] == [[1], [2]]
@@ -121,3 +123,69 @@ def test_pipeline_depth_is_validated() -> None:
         assert llm.engine.pipeline_depth == 2
         with pytest.raises(ValueError, match="pipeline_depth must be an integer >= 1, got 0"):
             llm.engine.pipeline_depth = 0
+
+
+class _FailingRunner:
+    """Wraps a ModelRunner: raises ``error`` in its ``fail_at``-th step (1-based)."""
+
+    def __init__(self, runner: object, error: BaseException, fail_at: int) -> None:
+        self.runner, self.error, self.fail_at, self.calls = runner, error, fail_at, 0
+
+    def execute(self, plan: StepPlan) -> object:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return self.runner.execute(plan)  # type: ignore[attr-defined]
+
+
+def _in_thread(fn: object, timeout_s: float = 60.0) -> BaseException | None:
+    """Run ``fn()`` in a thread; its exception (None if it returned). A call that
+    does not end in ``timeout_s`` fails the test instead of hanging it."""
+    caught: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except BaseException as exc:  # KeyboardInterrupt included
+            caught.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), "the call hung"
+    return caught[0] if caught else None
+
+
+@pytest.mark.parametrize("pending_tokens", [False, True])
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_a_failed_step_makes_later_generates_raise_at_once(
+    error: BaseException, pending_tokens: bool
+) -> None:
+    """A step that raises (any exception, Ctrl-C included, inline or on the model
+    thread) reaches the caller, and every later generate raises WorkerError at
+    once: the executor's results stopped at the failed step, so waiting for
+    them would block forever."""
+    from medha_runtime import SamplingParams
+    from medha_runtime.executor import WorkerError
+
+    cost = "affine:base=1e-3,per_token=1e-5,per_attn=1e-9"
+    with LLM(
+        "tiny",
+        max_model_len=64,
+        kv_cache_tokens=256,
+        cost_model=cost,
+        async_scheduling=pending_tokens,
+    ) as llm:
+        executor = llm.engine.executor
+        assert isinstance(executor, InProcessExecutor)
+        executor.runner = _FailingRunner(executor.runner, error, 3)  # type: ignore[assignment]
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        first = _in_thread(lambda: llm.generate(["hello there"], params))
+        assert type(first) is type(error)
+        assert llm.engine.dead is not None and type(error).__name__ in llm.engine.dead
+        again = _in_thread(lambda: llm.generate(["hello again"], params))
+        assert isinstance(again, WorkerError)
+        assert "unusable after an earlier failure" in str(again)
+        # the executor on its own: nothing left to deliver, so it raises too
+        with pytest.raises(WorkerError, match="failed earlier"):
+            executor.next_event()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -420,38 +421,55 @@ def test_a_learned_slowdown_does_not_make_prompts_infeasible():
     sched.add_request(Request("long", 0.0, 8000, 4))  # accepted, not refused
 
 
-def _chunks_then_decodes(model: OnlineCostModel, seed: int, rounds: int = 150) -> dict:
+def _chunks_then_decodes(
+    model: OnlineCostModel, seed: int, rounds: int = 150, lag: int = 0, note: bool = True
+) -> dict:
     """Issue 18's long prompt near its end with two chats, as the budget runs saw
     it: a 32- or 64-token chunk deep in the context (its time grows faster in
     the KV length than the affine features can follow), then three steps of
     one-token work for one or two short chats, the first of them slower
-    (caches the chunk evicted). Errors after the first half, by kind of step."""
+    (caches the chunk evicted). Each step is priced (``predict``, what the
+    scheduler uses) with ``lag`` steps issued but not yet observed (1: async
+    scheduling), then noted as issued (``note``: as the engine does). Errors
+    of those prices after the first half, by kind of step."""
     rng = random.Random(seed)
-    errors: dict[str, list[float]] = {"first": [], "later": [], "chunk": []}
+    steps: list[tuple[str, BatchWork, float]] = []
     kv = 30_000
-    for r in range(rounds):
+    for _ in range(rounds):
         q = rng.choice((32, 64))
         kv += q
         y = (1e-3 + 2.2e-8 * q * kv * (kv / 38_000) ** 2) * math.exp(rng.gauss(0, 0.03))
-        err = model.observe(BatchWork.single_group((1, 140), (q, kv)), y)
-        if r >= rounds // 2:
-            errors["chunk"].append(err)
+        steps.append(("chunk", BatchWork.single_group((1, 140), (q, kv)), y))
         for j in range(3):
             n = rng.choice((1, 2))
             y = (0.7e-3 + 0.1e-3 * n + (0.35e-3 if j == 0 else 0.0)) * math.exp(rng.gauss(0, 0.03))
-            err = model.observe(BatchWork.single_group(*[(1, 140 + j)] * n), y)
-            if r >= rounds // 2:
-                errors["first" if j == 0 else "later"].append(err)
+            steps.append(
+                ("first" if j == 0 else "later", BatchWork.single_group(*[(1, 140 + j)] * n), y)
+            )
+    errors: dict[str, list[float]] = {"first": [], "later": [], "chunk": []}
+    in_flight: deque[tuple[BatchWork, float]] = deque()
+    for i, (kind, batch, y) in enumerate(steps):
+        price = model.predict(batch)
+        if note:
+            model.note_issued(batch)
+        in_flight.append((batch, y))
+        if len(in_flight) > lag:
+            model.observe(*in_flight.popleft())
+        if i >= len(steps) // 2:
+            errors[kind].append(abs(price - y) / y)
     return errors
 
 
+@pytest.mark.parametrize(("lag", "note"), [(0, False), (0, True), (1, True)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_one_token_steps_between_chunks_keep_their_own_level(seed):
+def test_one_token_steps_between_chunks_keep_their_own_level(seed, lag, note):
     """The shared fit chases the chunks (its ``step`` moves with their misfit),
     which priced the one-token steps between them 30-80% off (median 33-44%
     without the decode anchor); the anchor learns them alone, and the first
-    step after a chunk has its own term."""
-    errors = _chunks_then_decodes(_start(), seed)
+    step after a chunk has its own term: after the last step observed, or,
+    once the runtime notes what it issues, the last issued (with a step in
+    flight, the one priced follows it, not the one observed)."""
+    errors = _chunks_then_decodes(_start(), seed, lag=lag, note=note)
     for kind in ("first", "later"):
         errs = sorted(errors[kind])
         assert errs[len(errs) // 2] < 0.05, kind
@@ -558,3 +576,65 @@ def test_the_first_one_token_step_sets_the_anchor_level():
     model.observe(decode, 1.2e-3)
     model.observe(chunk, model.predict(chunk))
     assert model.predict(decode) == pytest.approx(1.2e-3, rel=0.1)
+
+
+def test_the_scheduler_prices_with_what_the_model_learns_against():
+    """``predict`` (what the scheduler prices batches with) is the prediction
+    ``observe`` measures its error against, after a chunk and between chunks,
+    for one-token groups at long KV (the anchor's KV terms: the shared fit's
+    ``per_kv`` and ``per_attn``, one attended pair per KV entry read) and
+    for others."""
+    model, rng = _start(), random.Random(11)
+    kinds = set()
+    for i in range(400):
+        if i % 3 == 0:
+            b = _batch(rng)
+        else:
+            b = BatchWork.single_group(*[(1, rng.randrange(16_000, 64_000))] * rng.randrange(1, 5))
+        y = _truth(b) * math.exp(rng.gauss(0, 0.02))
+        price = model.predict(b)
+        err = model.observe(b, y)
+        assert err == pytest.approx(abs(price - y) / y, rel=1e-9, abs=1e-12), i
+        kinds.add(i % 3)
+    assert model.state()["decode"] is not None and kinds == {0, 1, 2}
+
+
+def test_the_decode_anchor_moves_the_revision_and_the_prefill_table():
+    """A prompt's price is at least the anchor's (``group_time``), so a change of
+    the anchor that moves it bumps ``revision`` and the scheduler's table of
+    prefill times is rebuilt; the anchor's ``first`` term, which flips with
+    every step that has a chunk, moves neither."""
+    from medha_sched import Scheduler, SchedulerConfig
+    from medha_sched.config import CacheConfig
+
+    model = OnlineCostModel(TRUE)
+    cache = CacheConfig(block_size=16, num_blocks_per_group=4096, max_tokens_per_group=65536)
+    sched = Scheduler(SchedulerConfig(target_batch_time=0.05), model, cache=cache)
+    short = BatchWork.single_group((16, 0))
+    before, table, revision = model.predict(short), sched.prefill_times.prefill_time(16), 0
+    assert model.revision == revision and table == pytest.approx(before)
+    # the first one-token step sets the anchor's level: 4x the shared fit's
+    model.observe(BatchWork.single_group((1, 100)), 0.02)
+    assert model.coefficients["step"] == TRUE[0]  # the shared fit ignored it as far off
+    assert model.predict(short) > 3 * before
+    assert model.revision > revision
+    revision = model.revision
+    sched.schedule(0.0)
+    assert sched.prefill_times.prefill_time(16) == pytest.approx(model.predict(short))
+    model.cap_fixed_cost(0.008)  # holds the anchor's fixed cost, not the shared fit's
+    assert model.coefficients["step"] == TRUE[0]
+    assert model.predict(short) < 0.5 * sched.prefill_times.prefill_time(16)
+    assert model.revision > revision
+    # chunks, then one-token steps slower after them: the first term is learned
+    for _ in range(30):
+        model.observe(
+            BatchWork.single_group((64, 1000)), _truth(BatchWork.single_group((64, 1000)))
+        )
+        for j in range(3):
+            model.observe(BatchWork.single_group((1, 100)), 0.009 if j == 0 else 0.006)
+    assert model.state()["decode"]["coefficients"][2] > 0
+    revision, price = model.revision, model.predict(short)
+    model.note_issued(BatchWork.single_group((64, 1000)))  # the next step follows a chunk
+    assert model.predict(short) > price
+    model.note_issued(BatchWork.single_group((1, 100)))
+    assert model.predict(short) == price and model.revision == revision

@@ -96,12 +96,13 @@ _MAX_DRIFT_LOG = math.log(16.0)
 #: classes of steps for per-class drift: query tokens of the slowest group by factors of 4
 _CLASSES = 8
 #: typical work, as feature totals in units of ``_UNITS`` (a 32-request decode
-#: at 4K context, a 512-token chunk at KV 0 and at KV 32K), whose predicted
+#: at 4K context, a 512-token chunk at KV 0 and at KV 32K, a 16-token prompt), whose predicted
 #: times decide when the coefficients have moved enough to bump ``revision``
 _PROBES = (
     (1.0, 32.0, 32 / 256, 32 * 4097 / 8192, 32 * 4097 / (256 * 8192)),
     (1.0, 1.0, 2.0, 512 / 8192, 512 * 512 / (256 * 8192)),
     (1.0, 1.0, 2.0, 33280 / 8192, 512 * 33280 / (256 * 8192)),
+    (1.0, 1.0, 16 / 256, 16 / 8192, 16 * 16 / (256 * 8192)),
 )
 #: relative change of any probe's predicted time that makes a new revision
 REVISION_THRESHOLD = 0.05
@@ -196,14 +197,15 @@ class OnlineCostModel(AggregateCostModel):
         self._dec_p: list[list[float]] = []
         #: log ratios of the last one-token steps far off in a row (one sign)
         self._dec_out: list[float] = []
-        #: ``(step, per_request)`` of the anchor as ``group_time`` reads them
-        self._dec_coef: tuple[float, float] | None = None
+        #: ``(step, per_request, first or 0)`` of the anchor as ``group_time`` reads them
+        self._dec_coef: tuple[float, float, float] | None = None
         #: 0 when the last step observed had a chunk, else 1
         self._dec_since = 1
         #: steps with a chunk observed since the last one-token step
         self._dec_idle = 0
-        #: the anchor's ``first`` term as the next step gets it (0 or ``first``)
-        self._dec_after = 0.0
+        #: 0 when the last batch issued (:meth:`note_issued`) had a chunk, else 1;
+        #: None until one is noted (pricing then follows the last step observed)
+        self._issued_since: int | None = None
         self._sync()
 
     # ------------------------------------------------------------ prediction
@@ -233,10 +235,28 @@ class OnlineCostModel(AggregateCostModel):
         d = self._dec_coef
         if d is None:
             return t
-        a = d[0] + d[1] * totals[0] + self._dec_after + (c[3] + c[4]) * totals[2]
+        a = d[0] + d[1] * totals[0] + d[2] + (c[3] + c[4]) * totals[2]
         if totals[1] <= totals[0] and totals[3] == totals[2]:
             return a
         return t if t >= a else a
+
+    def note_issued(self, batch: BatchWork) -> None:
+        """The runtime issued ``batch``: the next batch priced runs right after it.
+
+        The anchor's ``first`` term prices the first one-token step after a
+        step with a chunk. With more than one batch in flight (async
+        scheduling, stream pipelining) a batch is priced before the one issued
+        ahead of it is observed, so once this is called pricing follows the
+        last batch issued, while learning (:meth:`observe`) keeps following
+        the steps observed. An empty batch changes nothing.
+        """
+        x = self._slowest_group(batch)
+        if x is None:
+            return
+        since = 1 if _one_token_work(x) else 0
+        if since != self._issued_since:
+            self._issued_since = since
+            self._sync_decode()
 
     def frozen(self) -> OnlineCostModel:
         """A copy that later observations of this model do not change."""
@@ -413,7 +433,8 @@ class OnlineCostModel(AggregateCostModel):
         """What ``group_time`` reads of the anchor; the fixed cost cap holds it too."""
         d = self._dec
         if d is None:
-            self._dec_coef, self._dec_after = None, 0.0
+            self._dec_coef = None
+            self._check_revision()
             return
         cap = self.fixed_cost_cap
         fixed = d[0] + d[1] + d[2]
@@ -421,8 +442,9 @@ class OnlineCostModel(AggregateCostModel):
             shrink = cap / fixed
             d[0] = max(d[0] * shrink, _MIN_STEP)
             d[1], d[2] = d[1] * shrink, d[2] * shrink
-        self._dec_coef = (d[0], d[1])
-        self._dec_after = d[2] if self._dec_since == 0 else 0.0
+        since = self._dec_since if self._issued_since is None else self._issued_since
+        self._dec_coef = (d[0], d[1], d[2] if since == 0 else 0.0)
+        self._check_revision()
 
     @property
     def median_error(self) -> float | None:
@@ -557,8 +579,25 @@ class OnlineCostModel(AggregateCostModel):
             self._theta[0] = max(self._theta[0] * shrink, _MIN_STEP)
             self._theta[1] *= shrink
         self._coef = tuple(t / u for t, u in zip(self._theta, _UNITS, strict=True))
-        times = tuple(sum(t * f for t, f in zip(self._theta, p, strict=True)) for p in _PROBES)
+        self._check_revision()
+
+    def _check_revision(self) -> None:
+        """Bump ``revision`` if some probe's predicted time moved past
+        :data:`REVISION_THRESHOLD`: the decode probe's by the shared fit, the
+        prompt probes' by :meth:`group_time`, where the decode anchor sets a
+        floor (tables of prefill times hold it). The anchor's ``first`` term
+        is left out: it flips with every step that has a chunk (one step's
+        price, not a table's)."""
+        theta = self._theta
+        times = [sum(t * f for t, f in zip(theta, _PROBES[0], strict=True))]
+        coef = self._dec_coef
+        if coef is not None:
+            self._dec_coef = (coef[0], coef[1], 0.0)
+        for p in _PROBES[1:]:
+            times.append(self.group_time([v * u for v, u in zip(p[1:], _UNITS[1:], strict=True)]))
+        self._dec_coef = coef
         old = self._revision_times
+        times = tuple(times)
         if not old:
             self._revision_times = times
         elif any(abs(n - o) > REVISION_THRESHOLD * o for n, o in zip(times, old, strict=True)):
