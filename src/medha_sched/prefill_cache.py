@@ -84,6 +84,19 @@ class PrefillTimeCache:
         self.max_feasible_tokens = math.inf
         self._extend_to(num_tokens)
 
+    def __getstate__(self) -> dict:
+        """Pickled without the model's chunk pricer (a closure); :meth:`__setstate__`
+        asks the model for it again (the same floats: it is a function of the
+        model's coefficients)."""
+        state = self.__dict__.copy()
+        state["_price"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        model = self._model
+        self._price = model.chunk_price() if isinstance(model, AggregateCostModel) else None
+
     def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
         """Rebuild the table if the model's revision changed and the last
         rebuild is ``refresh_interval`` seconds before ``now``; True if it did.

@@ -185,3 +185,31 @@ def test_prefill_table_priced_by_chunk_price_equals_group_time() -> None:
         done = rng.randint(0, n)
         assert fast.remaining_time(n, done) == slow.remaining_time(n, done)
     assert fast._bounds == slow._bounds and fast._cum == slow._cum
+
+
+def test_a_scheduler_with_a_priced_prefill_table_pickles() -> None:
+    """The table's chunk pricer is a closure: a pickled scheduler (and its table)
+    drops it and asks the model again when loaded, with the same floats."""
+    import pickle
+
+    config, model, _ = RunSpec(
+        policy="lars-mp",
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=2,
+        target_batch_time=0.05,
+    ).build()
+    sched = Scheduler(config, model)
+    table = PrefillTimeCache(
+        model,
+        target_time=0.05,
+        token_grid=config.token_grid,
+        max_chunk_tokens=config.max_chunk_tokens,
+        group_token_limit=1_000_000,
+    )
+    assert table._price is not None
+    copy = pickle.loads(pickle.dumps(table))
+    again = pickle.loads(pickle.dumps(sched))
+    assert copy._price is not None and type(again) is Scheduler
+    for n in [1, 512, 70_000, 600_000]:
+        assert copy.prefill_time(n) == table.prefill_time(n)

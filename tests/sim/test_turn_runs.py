@@ -147,3 +147,30 @@ def test_kvp2_turns_per_turn_affine_in_runs(monkeypatch) -> None:
             assert counts["single"] + counts["shared"] > 100
         else:
             assert counts["single"] + counts["shared"] == 0 and counts["calls"] > 0
+
+
+def test_a_long_prompt_computed_in_runs_shares_its_prefix(monkeypatch) -> None:
+    """A second long prompt with the same 90,000-token document prefix arrives while
+    the first still prefills in runs: it shares the blocks computed so far, as many as
+    on the per-turn path."""
+    shorts = [TraceRequest(f"s{i}", 0.01 * i, 300, 800) for i in range(6)]
+    longs = [
+        TraceRequest("long0", 0.5, 100_000, 4, prefix_id="doc", prefix_tokens=90_000),
+        TraceRequest("long1", 0.8, 95_000, 4, prefix_id="doc", prefix_tokens=90_000),
+    ]
+    spec = RunSpec(
+        policy="lars-mp",
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=4,
+        target_batch_time=0.05,
+        long_threshold=16_384,
+        prefix_caching=True,
+    )
+    trace = sorted(shorts + longs, key=lambda r: (r.arrival_s, r.id))
+    per_turn = _results(trace, spec, turn_runs=False)
+    counts = _count_runs(monkeypatch)
+    runs = _results(trace, spec)
+    _assert_same(runs, per_turn)
+    assert counts["single"] > 0  # the first prompt's turns went in runs
+    assert 0 < runs.prefix_cache_hits < 90_000  # part of the document was computed
