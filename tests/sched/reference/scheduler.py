@@ -230,7 +230,11 @@ class ReferenceScheduler:
             for r in self._running.values()
             if not r.in_flight and (holders is None or r.request_id in holders)
         ]
-        return max(candidates, key=lambda r: (self.policy.key(r, now), r.arrival_time))
+        # a request grown past what memory admits with the watermark is no victim
+        # while another can be preempted (it would wait forever after a recompute)
+        limit = self.memory.max_admit_tokens
+        able = [r for r in candidates if r.num_tokens <= limit]
+        return max(able or candidates, key=lambda r: (self.policy.key(r, now), r.arrival_time))
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free the KV, keep the deadline, prefill again."""
@@ -339,10 +343,12 @@ class ReferenceScheduler:
     ) -> bool:
         rid = request.request_id
         admitted = rid in self._running
+        # a preempted request grown past that comes back without the watermark
+        reserve = 0 if request.num_prefill_tokens > self.memory.max_admit_tokens else None
         groups = (
             self.memory.groups_of(rid)
             if admitted
-            else self.memory.plan_admit(request.num_prefill_tokens)
+            else self.memory.plan_admit(request.num_prefill_tokens, reserve=reserve)
         )
         if groups is None:
             return False  # no memory for the whole prompt yet
@@ -353,7 +359,7 @@ class ReferenceScheduler:
         if n == 0:
             return False
         if not admitted:
-            ok = self.memory.admit(rid, request.num_prefill_tokens)
+            ok = self.memory.admit(rid, request.num_prefill_tokens, reserve=reserve)
             assert ok and self.memory.groups_of(rid) == groups, "admission differs from its plan"
             self._running[rid] = request
             request.status = RequestStatus.RUNNING
