@@ -71,43 +71,11 @@ def largest_chunk_within(
     such probes, or when the line does not rise, it bisects: at most
     ``log2(limit / grid) + _GUESSES + 1`` calls in all.
     """
-    if grid < 1:
-        raise ValueError(f"grid must be >= 1, got {grid!r}")
-    if limit <= 0:
-        return 0
-    count = -(-limit // grid)
-    top = count - 1
-    lo, hi = -1, count  # candidate lo fits (-1: none seen), candidate hi does not (or none)
-    i = min(max(hint // grid - 1, 0), top) if hint > 0 else top
-    n0, t0 = 0, base
-    guesses = 0
-    while True:
-        n = (i + 1) * grid
-        if n > limit:
-            n = limit
-        t = time_of(n)
-        if t <= target:
-            lo = i
-        else:
-            hi = i
-        if hi - lo <= 1:
-            return 0 if lo < 0 else min((lo + 1) * grid, limit)
-        if guesses < _GUESSES and (t - t0) * (n - n0) > 0:  # the line rises
-            guesses += 1
-            est = n + (target - t) * (n - n0) / (t - t0)  # where the line reaches target
-            if est >= limit:
-                i = top
-            elif est >= grid:
-                i = int(est // grid) - 1  # the largest candidate at most est
-            else:  # below the grid, or not a number (infinite times): the bracket decides
-                i = 0
-        else:
-            i = (lo + hi) // 2
-        if i <= lo:
-            i = lo + 1
-        elif i >= hi:
-            i = hi - 1
-        n0, t0 = n, t
+    # one search for both: largest_chunk_priced with a price that ignores its base and start
+    chunk, _ = largest_chunk_priced(
+        limit, grid, lambda _base, _start, n: time_of(n), None, 0, target, base, hint
+    )
+    return chunk
 
 
 def _gallop(top: int, start: int, grid: int, limit: int, fits: Callable[[int], bool]) -> int:
