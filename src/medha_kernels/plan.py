@@ -303,13 +303,24 @@ def plan_paged_attention_from_host(
     return _plan(meta, backend)
 
 
-def _int32(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """``torch.tensor(values, dtype=torch.int32, device=device)`` through an array (a
-    third of the cost for a decode step's short lists)."""
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def host_tensor(
+    values: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` for ``torch.int32`` or
+    ``torch.int64``, through an array (a third of the cost for a decode step's short
+    lists). ``[len(values)]``."""
     if not values:
-        return torch.empty(0, dtype=torch.int32, device=device)
-    t = torch.frombuffer(array("i", values), dtype=torch.int32)
-    return t.to(device)
+        return torch.empty(0, dtype=dtype, device=device)
+    t = torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+    return t if torch.device(device).type == "cpu" else t.to(device)
+
+
+def _int32(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """:func:`host_tensor` of int32 values."""
+    return host_tensor(values, torch.int32, device)
 
 
 def _plan(meta: PagedMeta, backend: str) -> PagedAttentionPlan:

@@ -272,6 +272,8 @@ class LLMEngine:
         #: async scheduling (EngineConfig.async_scheduling): batch N+1 is formed and
         #: shipped right after batch N, before N's tokens are back
         self._async = self.spec.pending_tokens  # resolved (None: on with spp > 1)
+        #: async scheduling with one stage: a shipped batch has cleared stage 0
+        self._async_one_stage = self._async and self.layout.spp == 1
         #: async: request id -> the newest batch id in flight when it finished;
         #: its rows in batches up to that one (decodes issued ahead) are dropped
         self._dropped: dict[str, int] = {}
@@ -571,7 +573,7 @@ class LLMEngine:
         with async scheduling and spp = 1, 2 (the batch the model runs and the next one)."""
         depth = self._depth
         if depth is None:
-            return 2 if self._async and self.layout.spp == 1 else self.layout.spp
+            return 2 if self._async_one_stage else self.layout.spp
         return depth
 
     @pipeline_depth.setter
@@ -626,7 +628,7 @@ class LLMEngine:
         if note is not None:  # with a batch in flight, the next one priced follows this one
             note(self.cost_feedback.batch_work(out))
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
-        if self._async and self.layout.spp == 1:
+        if self._async_one_stage:
             # The model runs batches in order and all of it is stage 0: once
             # shipped, the next batch may be formed (its decodes go one ahead).
             # With spp > 1 that waits for the batch to really clear stage 0
@@ -698,8 +700,7 @@ class LLMEngine:
         # previous one after submit; run inline (in submit), the driver then
         # detokenized the previous batch's text before asking for this one
         own = event.stage_s and (
-            (self._async and self.layout.spp == 1)
-            or getattr(self.executor, "inline_step", None) == event.step_id
+            self._async_one_stage or getattr(self.executor, "inline_step", None) == event.step_id
         )
         if own:
             seconds = event.stage_s[0]

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -55,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from medha_kernels import PagedHost
-from medha_kernels.plan import padded_block_table
+from medha_kernels.plan import host_tensor, padded_block_table
 from medha_parallel import (
     KVPCommunicator,
     ParallelState,
@@ -255,8 +254,6 @@ def _one_causal_call(shards: GroupShards) -> bool:
     )
 
 
-#: array typecodes of the batch's index dtypes (build_group_batch's host lists)
-_TYPECODES = {torch.int64: "q", torch.int32: "i"}
 #: the most builds :meth:`ModelRunner.prepare_next` skips after misses in a row
 _AHEAD_MAX_SKIP = 16
 
@@ -333,14 +330,8 @@ def build_group_batch(
         cu.append(len(ids))
         sample_rows.extend(logit_rows(c, len(ids) - n))
 
-    on_cpu = torch.device(device).type == "cpu"
-
     def tensor(x: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        # through an array: a third of torch.tensor's cost for a decode's short lists
-        if not x:
-            return torch.empty(0, dtype=dtype, device=device)
-        t = torch.frombuffer(array(_TYPECODES[dtype], x), dtype=dtype)
-        return t if on_cpu else t.to(device)
+        return host_tensor(x, dtype, device)
 
     table = padded_block_table(shards.block_tables)
     max_block = int(table.max()) if table.numel() else -1  # padding zeros: ids are >= 0
@@ -675,8 +666,7 @@ class ModelRunner:
             ):
                 self._missed_ahead()
                 return None
-        ids = array("q", [c.token_ids[0] for c in plan.chunks])
-        batch.input_ids = torch.frombuffer(ids, dtype=torch.int64)
+        batch.input_ids = host_tensor([c.token_ids[0] for c in plan.chunks], torch.int64)
         self.steps_ahead += 1
         self._ahead_misses = 0
         return batch, shards

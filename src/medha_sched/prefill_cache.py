@@ -74,7 +74,7 @@ class PrefillTimeCache:
         self.revision = getattr(self._model, "revision", 0)
         model = self._model
         # one call a chunk where the model has it (the same floats as group_time)
-        self._price = model.chunk_price() if isinstance(model, AggregateCostModel) else None
+        self._price = _pricer(model)
         self._bounds: list[int] = [0]
         self._cum: list[float] = [0.0]
         # C(L) of lengths between boundaries, as computed (the table never
@@ -94,8 +94,7 @@ class PrefillTimeCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        model = self._model
-        self._price = model.chunk_price() if isinstance(model, AggregateCostModel) else None
+        self._price = _pricer(self._model)
 
     def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
         """Rebuild the table if the model's revision changed and the last
@@ -186,3 +185,8 @@ class PrefillTimeCache:
             done += chunk
             self._bounds.append(done)
             self._cum.append(total)
+
+
+def _pricer(model: CostModel):
+    """The model's one-call chunk pricer (same floats as ``group_time``), or None."""
+    return model.chunk_price() if isinstance(model, AggregateCostModel) else None

@@ -347,10 +347,10 @@ inline void small_pv(float* o, const float* p, const float* const* v, int64_t n,
 
 // Scores, online softmax and P.V of rows [r0, r0 + rows) of one token over
 // its ``visible`` keys of the tile (w.krow/w.vrow), rows <= kSmallRows.
-// ``krow`` / ``vrow``: the tile's key and value rows of the rows' KV head.
 template <int R>
-inline void small_rows_tile(Scratch& w, int64_t r0, int64_t visible, int64_t D,
-                            const float* const* krow, const float* const* vrow) {
+inline void small_rows_tile(Scratch& w, int64_t r0, int64_t visible, int64_t D) {
+  const float* const* krow = w.krow.data();
+  const float* const* vrow = w.vrow.data();
   const float* q = w.q.data() + r0 * D;
   float* s = w.s.data() + r0 * kKeyTile;
   int64_t j = 0;
@@ -363,13 +363,12 @@ inline void small_rows_tile(Scratch& w, int64_t r0, int64_t visible, int64_t D,
 }
 
 // small_rows_tile for rows [r0, r0 + rows), taken kSmallRows at a time.
-inline void small_rows(Scratch& w, int64_t r0, int64_t rows, int64_t visible, int64_t D,
-                       const float* const* krow, const float* const* vrow) {
+inline void small_rows(Scratch& w, int64_t r0, int64_t rows, int64_t visible, int64_t D) {
   for (int64_t r = r0; r < r0 + rows; r += kSmallRows) {
     switch (std::min<int64_t>(kSmallRows, r0 + rows - r)) {
-      case 3: small_rows_tile<3>(w, r, visible, D, krow, vrow); break;
-      case 2: small_rows_tile<2>(w, r, visible, D, krow, vrow); break;
-      default: small_rows_tile<1>(w, r, visible, D, krow, vrow); break;
+      case 3: small_rows_tile<3>(w, r, visible, D); break;
+      case 2: small_rows_tile<2>(w, r, visible, D); break;
+      default: small_rows_tile<1>(w, r, visible, D); break;
     }
   }
 }
@@ -563,7 +562,7 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       // keys this token's rows see in the tile: all, or up to its own position (causal)
       const int64_t visible = sh.causal ? std::min(nk, start + t_lo + tok - j0 + 1) : nk;
       if (visible <= 0) continue;  // and in every later tile too
-      small_rows(w, tok * G, G, visible, D, w.krow.data(), w.vrow.data());
+      small_rows(w, tok * G, G, visible, D);
     }
 #else
     for (int64_t r = 0; r < M; ++r) {
@@ -779,14 +778,16 @@ at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Te
     return task_cost(t, lens, starts, group * num_kv_heads, causal);
   };
   int64_t decodes = 0, work = 0;
+  std::vector<int64_t> costs(B);
   for (int64_t b = 0; b < B; ++b) {
     decodes += is_decode(b) ? 1 : 0;
-    work += seq_cost(b);
+    costs[b] = seq_cost(b);
+    work += costs[b];
   }
   const int64_t threads = at::get_num_threads();
   auto whole_task = [&](int64_t b) {
     if (!is_decode(b)) return false;
-    return threads == 1 || (decodes >= 2 * threads && seq_cost(b) * threads <= work);
+    return threads == 1 || (decodes >= 2 * threads && costs[b] * threads <= work);
   };
   std::vector<int32_t> flat;
   for (int64_t b = 0; b < B; ++b) {

@@ -24,20 +24,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::T
                                                 const std::optional<at::Tensor>& residual) {
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor h = x;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1));
   if (residual.has_value()) {
     h = at::empty_like(x);
     const float* a = x.const_data_ptr<float>();
     const float* b = residual->const_data_ptr<float>();
     float* o = h.data_ptr<float>();
-    at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)),
-                     [&](int64_t begin, int64_t end) {
-                       for (int64_t i = begin * k; i < end * k; ++i) o[i] = a[i] + b[i];
-                     });
+    at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * k; i < end * k; ++i) o[i] = a[i] + b[i];
+    });
   }
   const float* hp = h.const_data_ptr<float>();
   at::Tensor squares = at::empty_like(h);
   float* sq = squares.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1));
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * k; i < end * k; ++i) sq[i] = hp[i] * hp[i];
   });
