@@ -82,6 +82,8 @@ class CostFeedback:
         #: wall seconds per executor second of back-to-back steps (EWMA, >= 1)
         self.overhead = 1.0
         self._last: float | None = None  # perf_counter when the last step's executor ended
+        #: batch id -> the work priced at issue (:meth:`issued`), taken by :meth:`record`
+        self._issued: dict[int, BatchWork] = {}
 
     def measured(self, seconds: float, stage_s: tuple[float, ...] = ()) -> float | None:
         """The batch's latency to compare with its prediction (None: not measured).
@@ -105,6 +107,7 @@ class CostFeedback:
             seconds: the executor's wall seconds from submit to done.
             stage_s: each pipeline stage's own seconds (see the module docstring).
         """
+        work = self._issued.pop(out.batch_id, None)
         if not seconds > 0:
             return None
         latency = self.measured(seconds, stage_s)
@@ -129,7 +132,9 @@ class CostFeedback:
             cap = 0.5 * out.target_time  # a lone one-token step must fit T (liveness)
             if out.target_time > 0 and model.fixed_cost_cap != cap:  # type: ignore[attr-defined]
                 model.cap_fixed_cost(cap)  # type: ignore[attr-defined]
-            model.observe(self.batch_work(out), latency)  # type: ignore[attr-defined]
+            if work is None:
+                work = self.batch_work(out)
+            model.observe(work, latency)  # type: ignore[attr-defined]
         return error
 
     def rescue(self) -> bool:
@@ -142,6 +147,13 @@ class CostFeedback:
         self.rescues += 1
         self.model.rescale(0.5)  # type: ignore[attr-defined]
         return True
+
+    def issued(self, out: ScheduleOutput) -> BatchWork:
+        """:meth:`batch_work` of a batch just shipped, kept for its :meth:`record`
+        (the work is computed once per step). Only batches shipped and not yet
+        recorded are kept (at most the batches in flight)."""
+        work = self._issued[out.batch_id] = self.batch_work(out)
+        return work
 
     def batch_work(self, out: ScheduleOutput) -> BatchWork:
         """``out`` as the scheduler priced it: each chunk split over its KVP shards."""

@@ -626,7 +626,7 @@ class LLMEngine:
         batch = self._inflight[out.batch_id] = _InFlight(out, start, t0, t1)
         note = getattr(self.cost_model, "note_issued", None)
         if note is not None:  # with a batch in flight, the next one priced follows this one
-            note(self.cost_feedback.batch_work(out))
+            note(self.cost_feedback.issued(out))
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
         if self._async_one_stage:
             # The model runs batches in order and all of it is stage 0: once

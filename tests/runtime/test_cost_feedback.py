@@ -220,3 +220,22 @@ def test_the_engine_times_a_step_by_its_own_seconds_and_notes_what_it_issued(
     assert len(records) == steps
     for r in records:
         assert r.execute_s == pytest.approx(own[r.step][0], abs=1e-6)  # logged in us
+
+
+def test_the_work_priced_at_issue_is_the_work_learned_once() -> None:
+    """``issued`` computes a shipped batch's work once; ``record`` learns from
+    that very object and forgets it (nothing kept after the step)."""
+    model = OnlineCostModel((1e-3, 0.0, 5e-6, 0.0, 1e-10))
+    feedback = CostFeedback(model, group_limit=1 << 20)
+    seen = []
+    observe = model.observe
+    model.observe = lambda work, latency: (seen.append(work), observe(work, latency))  # type: ignore[method-assign]
+    outs = [_batch(random.Random(3), i, model) for i in range(2)]
+    works = [feedback.issued(out) for out in outs]
+    assert works[0] == feedback.batch_work(outs[0])
+    feedback.record(outs[1], 0.02)
+    feedback.record(outs[0], 0.0)  # not measured: learns nothing, still forgotten
+    assert seen == [works[1]] and seen[0] is works[1]
+    assert feedback._issued == {}
+    feedback.record(outs[0], 0.02)  # not issued through ``issued``: computed here
+    assert len(seen) == 2 and seen[1] is not works[0] and seen[1] == works[0]
