@@ -264,6 +264,21 @@ inline void online_softmax_row(Scratch& w, int64_t r, float* s, int64_t visible,
   w.m[r] = mx;
 }
 
+#ifndef MEDHA_AVX2
+// Portable path: row r of the tile (query w.q[r], scores w.s[r]) over its
+// `visible` keys krow[j] and values vrow[j]: scores, online softmax, P.V.
+inline void portable_row(Scratch& w, int64_t r, const float* const* krow,
+                         const float* const* vrow, int64_t visible, int64_t D) {
+  const float* qr = w.q.data() + r * D;
+  float* s = w.s.data() + r * kKeyTile;
+  int64_t j = 0;
+  for (; j + 4 <= visible; j += 4) dot4(qr, krow + j, D, s + j);
+  for (; j < visible; ++j) s[j] = dot1(qr, krow[j], D);
+  online_softmax_row(w, r, s, visible, visible, D);
+  accumulate_pv(w.o.data() + r * D, s, vrow, visible, D);
+}
+#endif
+
 #ifdef MEDHA_AVX2
 // Decode-sized tasks (a few rows per token): R <= 3 rows of one token at a
 // time, so each key and value row is loaded once for the R rows and 4R
@@ -570,13 +585,7 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       const int64_t visible =
           sh.causal ? std::min(nk, start + t_lo + r / G - j0 + 1) : nk;
       if (visible <= 0) continue;  // and in every later tile too
-      const float* qr = w.q.data() + r * D;
-      float* s = w.s.data() + r * kKeyTile;
-      int64_t j = 0;
-      for (; j + 4 <= visible; j += 4) dot4(qr, w.krow.data() + j, D, s + j);
-      for (; j < visible; ++j) s[j] = dot1(qr, w.krow[j], D);
-      online_softmax_row(w, r, s, visible, visible, D);
-      accumulate_pv(w.o.data() + r * D, s, w.vrow.data(), visible, D);
+      portable_row(w, r, w.krow.data(), w.vrow.data(), visible, D);
     }
 #endif
   }
@@ -680,13 +689,7 @@ void run_decode_task(const int32_t* task, const int32_t* next, const scalar_t* q
         const float* const* krow = w.krow.data() + h * kKeyTile;
         const float* const* vrow = w.vrow.data() + h * kKeyTile;
         for (int64_t r = tok * Hq + h * G; r < tok * Hq + (h + 1) * G; ++r) {
-          const float* qr = w.q.data() + r * D;
-          float* s = w.s.data() + r * kKeyTile;
-          int64_t j = 0;
-          for (; j + 4 <= visible; j += 4) dot4(qr, krow + j, D, s + j);
-          for (; j < visible; ++j) s[j] = dot1(qr, krow[j], D);
-          online_softmax_row(w, r, s, visible, visible, D);
-          accumulate_pv(w.o.data() + r * D, s, vrow, visible, D);
+          portable_row(w, r, krow, vrow, visible, D);
         }
       }
 #endif
