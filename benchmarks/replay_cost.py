@@ -18,8 +18,13 @@ prediction made before it was learned from:
 - microseconds per ``observe`` (pure Python).
 
 The initial coefficients are the first step's logged prediction as a constant
-(``--init first``, the calibration itself is not in the log) or given
-(``--init STEP,PER_REQUEST,PER_TOKEN,PER_KV,PER_ATTN`` seconds per unit).
+(``--init first``, the calibration itself is not in the log), given
+(``--init STEP,PER_REQUEST,PER_TOKEN,PER_KV,PER_ATTN`` seconds per unit), or a
+saved model's (``--init FILE.json``, e.g. a run's ``<run>.online.json``: its
+coefficients only, learned from in a fresh model). From the constant the
+shared fit's ``per_attn`` stayed 100x low in two issue-18 hog logs (the long
+prompt's 32-token chunks do not separate it), so the errors read higher than
+live, where the server starts from its calibration.
 
     python benchmarks/replay_cost.py /tmp/budget/hog.steps.jsonl
 """
@@ -66,6 +71,8 @@ def replay(path: str, init: str, skip: int) -> dict:
         raise SystemExit(f"{path}: empty step log")
     if init == "first":
         coef = (records[0].predicted_s, 0.0, 0.0, 0.0, 0.0)
+    elif init.endswith(".json"):
+        coef = tuple(OnlineCostModel.load(init).coefficients.values())
     else:
         coef = tuple(float(v) for v in init.split(","))
     model = OnlineCostModel(coef)
@@ -111,7 +118,11 @@ def replay(path: str, init: str, skip: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+", help="step logs (JSON lines)")
-    ap.add_argument("--init", default="first", help="'first' or five coefficients, comma-separated")
+    ap.add_argument(
+        "--init",
+        default="first",
+        help="'first', five coefficients (comma-separated) or a saved model's FILE.json",
+    )
     ap.add_argument("--skip", type=int, default=50, help="steps left out of the error statistics")
     ap.add_argument("--json", action="store_true", help="one JSON object per log")
     args = ap.parse_args()
