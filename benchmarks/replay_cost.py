@@ -51,11 +51,17 @@ def pct(values: list[float], q: float) -> float:
 
 
 def hog_step(path: str) -> int | None:
-    """Index of the first step after the hog began, from ``results.json`` beside the log."""
+    """Index of the first step after the hog began, from ``results.json`` beside the log.
+
+    Only for the run that had a hog: ``budget.py`` writes ``<run>.steps.jsonl``
+    and the run's results under ``<run>`` in one ``results.json``, so a quiet
+    run's log beside a hog run's is not split at the hog run's onset."""
+    name = os.path.basename(path)
+    run = name[: -len(".steps.jsonl")] if name.endswith(".steps.jsonl") else None
     try:
         with open(os.path.join(os.path.dirname(path), "results.json"), encoding="utf-8") as f:
-            hog = json.load(f)["hog"]
-        return int(hog["steps"]) - int(hog["steps_after_hog"])
+            res = json.load(f)[run]
+        return int(res["steps"]) - int(res["steps_after_hog"])
     except (OSError, KeyError, TypeError, ValueError):
         return None
 
