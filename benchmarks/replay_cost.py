@@ -18,8 +18,13 @@ prediction made before it was learned from:
 - microseconds per ``observe`` (pure Python).
 
 The initial coefficients are the first step's logged prediction as a constant
-(``--init first``, the calibration itself is not in the log) or given
-(``--init STEP,PER_REQUEST,PER_TOKEN,PER_KV,PER_ATTN`` seconds per unit).
+(``--init first``, the calibration itself is not in the log), given
+(``--init STEP,PER_REQUEST,PER_TOKEN,PER_KV,PER_ATTN`` seconds per unit), or a
+saved model's (``--init FILE.json``, e.g. a run's ``<run>.online.json``: its
+coefficients only, learned from in a fresh model). From the constant the
+shared fit's ``per_attn`` stayed 100x low in two issue-18 hog logs (the long
+prompt's 32-token chunks do not separate it), so the errors read higher than
+live, where the server starts from its calibration.
 
     python benchmarks/replay_cost.py /tmp/budget/hog.steps.jsonl
 """
@@ -46,11 +51,17 @@ def pct(values: list[float], q: float) -> float:
 
 
 def hog_step(path: str) -> int | None:
-    """Index of the first step after the hog began, from ``results.json`` beside the log."""
+    """Index of the first step after the hog began, from ``results.json`` beside the log.
+
+    Only for the run that had a hog: ``budget.py`` writes ``<run>.steps.jsonl``
+    and the run's results under ``<run>`` in one ``results.json``, so a quiet
+    run's log beside a hog run's is not split at the hog run's onset."""
+    name = os.path.basename(path)
+    run = name[: -len(".steps.jsonl")] if name.endswith(".steps.jsonl") else None
     try:
         with open(os.path.join(os.path.dirname(path), "results.json"), encoding="utf-8") as f:
-            hog = json.load(f)["hog"]
-        return int(hog["steps"]) - int(hog["steps_after_hog"])
+            res = json.load(f)[run]
+        return int(res["steps"]) - int(res["steps_after_hog"])
     except (OSError, KeyError, TypeError, ValueError):
         return None
 
@@ -66,6 +77,8 @@ def replay(path: str, init: str, skip: int) -> dict:
         raise SystemExit(f"{path}: empty step log")
     if init == "first":
         coef = (records[0].predicted_s, 0.0, 0.0, 0.0, 0.0)
+    elif init.endswith(".json"):
+        coef = tuple(OnlineCostModel.load(init).coefficients.values())
     else:
         coef = tuple(float(v) for v in init.split(","))
     model = OnlineCostModel(coef)
@@ -111,7 +124,11 @@ def replay(path: str, init: str, skip: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+", help="step logs (JSON lines)")
-    ap.add_argument("--init", default="first", help="'first' or five coefficients, comma-separated")
+    ap.add_argument(
+        "--init",
+        default="first",
+        help="'first', five coefficients (comma-separated) or a saved model's FILE.json",
+    )
     ap.add_argument("--skip", type=int, default=50, help="steps left out of the error statistics")
     ap.add_argument("--json", action="store_true", help="one JSON object per log")
     args = ap.parse_args()

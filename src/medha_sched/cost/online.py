@@ -50,7 +50,10 @@ beyond the last 100 errors. It is robust:
   mispredicted, pricing the one-token steps between chunks up to 2x off;
   ``first`` prices the first step after a chunk (caches the chunk evicted).
   Any other group costs at least the anchor's price of its requests, so
-  predictions stay monotone.
+  predictions stay monotone. Once the anchor exists, a one-token step is
+  judged for drift by the anchor's price: the shared fit, which may price
+  them far off, is not rescaled by a run of them (it still learns from
+  those it prices within its robust bounds).
 
 The model is mutable: the scheduler prices batches with the current
 coefficients (``group_time`` reads them), while the features stay integers
@@ -288,7 +291,16 @@ class OnlineCostModel(AggregateCostModel):
         # measurement keep the fit unbiased for the mean time (relative to the
         # measurement, slow steps would count less and the fit would run low)
         ref = max(shared, 1e-9)
-        self._update([f / ref for f in x], seconds / ref, _step_class(x))
+        # A one-token step the decode anchor priced is judged for drift by the
+        # anchor's price, not the shared fit's: the shared fit prices them far
+        # off (its ``step`` holds the chunks' fixed cost: 3-5 ms for about
+        # 0.8 ms steps in the issue-18 hog runs), so each run of three was a
+        # drift that rescaled the shared coefficients to the one-token level
+        # (16x down), the next chunk was priced 20x-50x low, its drift scaled
+        # them back, and the two kinds of steps took turns (the p90 after the
+        # hog was 40-97% in replays of those runs).
+        anchored = seconds / max(predicted, 1e-9) if decode and self._dec is not None else None
+        self._update([f / ref for f in x], seconds / ref, _step_class(x), anchored)
         after = 1 if decode else 0
         if decode:
             self._learn_decode(x, seconds)
@@ -468,36 +480,46 @@ class OnlineCostModel(AggregateCostModel):
                 best = [1.0] + [tot / u for tot, u in zip(totals, _UNITS[1:], strict=True)]
         return best
 
-    def _update(self, x: list[float], ratio: float, kind: int) -> None:
+    def _update(
+        self, x: list[float], ratio: float, kind: int, anchored: float | None = None
+    ) -> None:
         """One weighted RLS step on ``1 ~ theta . x`` with robust weighting.
 
         ``x`` are the features over the prediction, ``ratio`` measured over
         predicted, ``kind`` the step's class (:func:`_step_class`). Outliers
         and drift are judged on the log ratio, which is symmetric: a step
         predicted 20x too high (relative residual -0.95) is as far off as
-        one predicted 20x too low (+19).
+        one predicted 20x too low (+19). ``anchored``: for a one-token step
+        the decode anchor priced, measured over the anchor's price; the
+        overall drift streak judges it by that, it keeps no class streak,
+        and when it completes an overall streak the shared fit is rescaled
+        but takes no step on it (otherwise it learns from it as usual:
+        robustly, ignored when the shared fit prices it far off).
         """
         log_r = math.log(ratio)
         residual = ratio - 1.0
         a = abs(log_r)
         big = a > self.huber * self._scale
         sign = 1 if log_r > 0 else -1
-        if big:
-            if self._streak * sign > 0:
-                self._streak += sign
-                self._streak_residuals.append(log_r)
+        streak_log = log_r if anchored is None else math.log(anchored)
+        if abs(streak_log) > self.huber * self._scale:
+            streak_sign = 1 if streak_log > 0 else -1
+            if self._streak * streak_sign > 0:
+                self._streak += streak_sign
+                self._streak_residuals.append(streak_log)
             else:
-                self._streak, self._streak_residuals = sign, [log_r]
+                self._streak, self._streak_residuals = streak_sign, [streak_log]
         else:
             self._streak, self._streak_residuals = 0, []
         # the same per class of step: interleaved steps of another kind that
         # are predicted well must not hide a class that is persistently off
         count, logs = self._class_streaks.get(kind, (0, ()))
-        if big:
+        if big and anchored is None:
             count, logs = (count + sign, (*logs, log_r)) if count * sign > 0 else (sign, (log_r,))
         else:
             count, logs = 0, ()
-        self._class_streaks[kind] = (count, logs[-self.drift_steps :])
+        if anchored is None:  # the anchor prices it: no class drift of the shared fit
+            self._class_streaks[kind] = (count, logs[-self.drift_steps :])
         weight = 1.0
         if abs(self._streak) >= self.drift_steps:
             # A change of regime, not an outlier. Most are a uniform speed
@@ -515,6 +537,8 @@ class OnlineCostModel(AggregateCostModel):
             self._streak, self._streak_residuals = 0, []
             self._class_streaks.clear()
             self._reset_covariance()
+            if anchored is not None:
+                return  # the shared fit's price of it is no measure of the change
         elif abs(count) >= self.drift_steps:
             # One class of steps is persistently off while others are not (a
             # CPU hog slows one-token steps far more than long chunks): what
