@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medha_kernels import rms_norm
+from medha_kernels.linear import linear_silu_mul
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
@@ -235,8 +236,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        """``[N, hidden_size]`` → ``[N, hidden_size]``: ``down(silu(gate(x)) * up(x))``, the
+        activation in one call with the gate/up product (:func:`linear_silu_mul`)."""
+        gate_up = self.gate_up_proj
+        return self.down_proj.forward(linear_silu_mul(x, gate_up.weight, gate_up.bias))
 
 
 class LlamaDecoderLayer(nn.Module):

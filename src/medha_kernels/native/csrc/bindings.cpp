@@ -180,6 +180,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "x [M, K] @ w [N, K]^T (+ bias) in fp32 on the CPU, w streamed once (small M).",
       py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), nogil);
   m.def(
+      "linear_silu_mul",
+      [](const at::Tensor& x, const at::Tensor& w) {
+        TORCH_CHECK(x.is_cpu() && w.is_cpu(), "linear_silu_mul: CPU tensors only");
+        TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+                    "linear_silu_mul: fp32 only, got ", x.scalar_type(), " and ",
+                    w.scalar_type());
+        TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
+                        w.size(0) % 2 == 0,
+                    "linear_silu_mul: expected x [M, K] and w [2 I, K], got ", x.sizes(),
+                    " and ", w.sizes());
+        TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_silu_mul: not contiguous");
+        return medha::linear_silu_mul_cpu(x, w);
+      },
+      "SwiGLU: silu(x @ gate^T) * (x @ up^T) for w = [gate; up] [2 I, K], fp32 on the CPU.",
+      py::arg("x"), py::arg("w"), nogil);
+  m.def(
       "rms_norm",
       [](const at::Tensor& x, const at::Tensor& weight, double eps,
          const std::optional<at::Tensor>& residual) {
