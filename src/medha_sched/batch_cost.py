@@ -9,7 +9,7 @@ on the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import add as _add
 
 from medha_sched.cost.base import AggregateCostModel, BatchWork, CostModel, RequestWork
@@ -37,7 +37,15 @@ class BatchCost:
         time: predicted seconds of the works added so far.
     """
 
-    def __init__(self, model: CostModel, num_groups: int) -> None:
+    def __init__(
+        self,
+        model: CostModel,
+        num_groups: int,
+        *,
+        price: Callable[[Sequence[float] | None, int, int], float] | None = None,
+    ) -> None:
+        """``price``: ``model.chunk_price()`` (the same floats as ``group_time`` of
+        the sums, in one call), for one-group tail probes; None: summed here."""
         self._model = model
         self._num_groups = num_groups
         self._agg = model if isinstance(model, AggregateCostModel) else None
@@ -49,7 +57,9 @@ class BatchCost:
         )
         self.time = 0.0
         # work -> (totals, time) of the one-work probes since the batch last changed
-        self._probes: dict[Work, tuple[list[float], float]] = {}
+        # (totals None: not summed yet, a ``price`` probe; add() sums them)
+        self._probes: dict[Work, tuple[list[float] | None, float]] = {}
+        self._price = price if self._agg is not None and num_groups == 1 else None
 
     def seed(self, totals: Sequence[list[int] | None]) -> None:
         """Start an empty batch from summed features per group (None: an idle group).
@@ -81,11 +91,37 @@ class BatchCost:
 
     def time_with_tail(self, group: int, q_tokens: int, kv_tokens: int) -> float:
         """``time_with([(group, q_tokens, kv_tokens, True)])``: one chunk in one tail shard."""
+        price = self._price
+        if price is not None:  # one group: the model's price of the same sums
+            time = price(self._totals[0], kv_tokens, q_tokens)
+            self._probes[(group, q_tokens, kv_tokens, True)] = (None, time)
+            return time
         agg = self._agg
         if agg is None or self._num_groups != 1:
             return self.time_with([(group, q_tokens, kv_tokens, True)])
         work = (group, q_tokens, kv_tokens, True)
         totals = self._totals_with(work)
+        time = agg.group_time(totals)
+        self._probes[work] = (totals, time)
+        return time
+
+    def tail_price(self, group: int, kv_tokens: int, q_tokens: int) -> float:
+        """``time_with_tail(group, q_tokens, kv_tokens)`` with the arguments in
+        :func:`~medha_sched.chunking.largest_chunk_priced`'s ``price(base,
+        start, n)`` order (``base`` is the group): the same sums, probe memo
+        and float, one call a probe and no closure per search."""
+        price = self._price
+        if price is not None:  # one group: the model's price of the same sums
+            time = price(self._totals[0], kv_tokens, q_tokens)
+            self._probes[(group, q_tokens, kv_tokens, True)] = (None, time)
+            return time
+        agg = self._agg
+        if agg is None or self._num_groups != 1:
+            return self.time_with([(group, q_tokens, kv_tokens, True)])
+        work = (group, q_tokens, kv_tokens, True)
+        feats = agg.features(q_tokens, kv_tokens, True)  # _totals_with's sums, inline
+        base = self._totals[group]
+        totals = list(feats) if base is None else list(map(_add, base, feats))
         time = agg.group_time(totals)
         self._probes[work] = (totals, time)
         return time
@@ -107,7 +143,8 @@ class BatchCost:
             # a search probes several sizes; the one chosen need not be the latest
             probe = probes.get(works[0]) if probes else None
             if probe is not None:
-                self._totals[0], self.time = probe
+                totals, self.time = probe
+                self._totals[0] = self._totals_with(works[0]) if totals is None else totals
                 self._group_times[0] = self.time
                 return
             totals = self._totals[0] = self._totals_with(works[0])

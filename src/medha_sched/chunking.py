@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import TypeVar
 
 
 def largest_fitting_chunk(
@@ -46,6 +47,8 @@ def largest_fitting_chunk(
 
 _GUESSES = 4
 """Probes :func:`largest_chunk_within` places by interpolation before it bisects."""
+
+_B = TypeVar("_B")  # what largest_chunk_priced passes through to its price
 
 
 def largest_chunk_within(
@@ -119,8 +122,8 @@ def _gallop(top: int, start: int, grid: int, limit: int, fits: Callable[[int], b
 def largest_chunk_priced(
     limit: int,
     grid: int,
-    price: Callable[[Sequence[float] | None, int, int], float],
-    base: Sequence[float] | None,
+    price: Callable[[_B, int, int], float],
+    base: _B,
     start: int,
     target: float,
     base_time: float,
@@ -129,7 +132,10 @@ def largest_chunk_priced(
     """:func:`largest_chunk_within` with ``time_of(n) = price(base, start, n)``
     (a cost model's ``chunk_price``), and the chosen chunk's time: ``(chunk,
     seconds)``, ``(0, 0.0)`` when none fits. The same probes in the same order
-    (so the same answer), without a closure per search."""
+    (so the same answer), without a closure per search. ``base`` is passed
+    through to ``price`` as it is (summed features, None, or a
+    :meth:`BatchCost.tail_price <medha_sched.batch_cost.BatchCost.tail_price>`
+    group)."""
     if grid < 1:
         raise ValueError(f"grid must be >= 1, got {grid!r}")
     if limit <= 0:

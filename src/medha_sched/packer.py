@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from operator import add as _add
 
 from medha_sched.batch_cost import BatchCost, Work, chunk_works
-from medha_sched.chunking import largest_chunk_within, largest_fitting_chunk
+from medha_sched.chunking import (
+    largest_chunk_priced,
+    largest_chunk_within,
+    largest_fitting_chunk,
+)
 from medha_sched.config import SchedulerConfig
 from medha_sched.policies.base import Policy, relative_slack
 from medha_sched.request import Request
@@ -164,11 +168,6 @@ class ChunkSizer:
                 and draft.known_miss(group, start, min(grid, limit), target)
             ):
                 return 0, is_long
-            time_with_tail = cost.time_with_tail
-
-            def time_of(n: int) -> float:
-                return time_with_tail(group, n, start)
-
         else:
 
             def fits(n: int) -> bool:
@@ -178,7 +177,11 @@ class ChunkSizer:
         last = self._last_chunk
         hint = last.get(rid, 0)
         if single:
-            chunk = largest_chunk_within(limit, grid, time_of, target, base=cost.time, hint=hint)
+            # largest_chunk_within(limit, grid, lambda n: cost.time_with_tail(group, n,
+            # start), target, base=cost.time, hint=hint): the same probes, in order
+            chunk, _ = largest_chunk_priced(
+                limit, grid, cost.tail_price, group, start, target, cost.time, hint
+            )
         else:
             chunk = largest_fitting_chunk(limit, grid, fits, hint=hint)
         if chunk == 0 and force:

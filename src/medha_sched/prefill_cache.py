@@ -144,7 +144,16 @@ class PrefillTimeCache:
             raise ValueError(f"token counts must be >= 0, got {num_tokens!r}, {num_done!r}")
         if num_done >= num_tokens:
             return 0.0
-        span = max(0.0, self.prefill_time(num_tokens) - self.prefill_time(num_done))
+        # prefill_time of each, its memo read here first (a hit is what it returns:
+        # the memo holds only lengths within the table, whose values never change)
+        recent = self._recent
+        whole = recent.get(num_tokens)
+        if whole is None:
+            whole = self.prefill_time(num_tokens)
+        done = recent.get(num_done)
+        if done is None:
+            done = self.prefill_time(num_done)
+        span = max(0.0, whole - done)
         return span / self._spp + (1.0 - 1.0 / self._spp) * self._target
 
     def _chunk_time(self, start: int, num_tokens: int) -> float:

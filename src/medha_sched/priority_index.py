@@ -192,8 +192,17 @@ class KineticIndex(Generic[K]):
         """Insert ``item`` with key line ``intercept + slope * t``."""
         if item in self._slot:
             raise ValueError(f"item {item!r} is already in the index")
-        b = _coordinate(item, "intercept", intercept)
-        m = _coordinate(item, "slope", slope)
+        # _coordinate's answer for a float in range, without the call (the hot path)
+        b = (
+            intercept
+            if type(intercept) is float and -MAX_MAGNITUDE <= intercept <= MAX_MAGNITUDE
+            else _coordinate(item, "intercept", intercept)
+        )
+        m = (
+            slope
+            if type(slope) is float and -MAX_MAGNITUDE <= slope <= MAX_MAGNITUDE
+            else _coordinate(item, "slope", slope)
+        )
         if not isinstance(tiebreak, tuple):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
         if not self._num_free:
@@ -207,8 +216,17 @@ class KineticIndex(Generic[K]):
     def update(self, item: K, *, intercept: float, slope: float) -> None:
         """Replace the key line of ``item`` (its tiebreak is kept)."""
         slot = self._lookup(item)
-        b = _coordinate(item, "intercept", intercept)
-        m = _coordinate(item, "slope", slope)
+        # _coordinate's answer for a float in range, without the call (the hot path)
+        b = (
+            intercept
+            if type(intercept) is float and -MAX_MAGNITUDE <= intercept <= MAX_MAGNITUDE
+            else _coordinate(item, "intercept", intercept)
+        )
+        m = (
+            slope
+            if type(slope) is float and -MAX_MAGNITUDE <= slope <= MAX_MAGNITUDE
+            else _coordinate(item, "slope", slope)
+        )
         if b == self._b[slot] and m == self._m[slot]:
             return
         self._b[slot], self._m[slot] = b, m
@@ -222,8 +240,17 @@ class KineticIndex(Generic[K]):
         node's match at the clock). Returns False, changing nothing, otherwise.
         """
         slot = self._lookup(item)
-        b = _coordinate(item, "intercept", intercept)
-        m = _coordinate(item, "slope", slope)
+        # _coordinate's answer for a float in range, without the call (the hot path)
+        b = (
+            intercept
+            if type(intercept) is float and -MAX_MAGNITUDE <= intercept <= MAX_MAGNITUDE
+            else _coordinate(item, "intercept", intercept)
+        )
+        m = (
+            slope
+            if type(slope) is float and -MAX_MAGNITUDE <= slope <= MAX_MAGNITUDE
+            else _coordinate(item, "slope", slope)
+        )
         if not isinstance(tiebreak, tuple):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
         pages = self._page_free

@@ -214,9 +214,24 @@ class Scheduler:
             if isinstance(cost_model, AggregateCostModel) and self.layout.kvp == 1
             else None
         )
+        # drafts price one-group tail probes in one call when the model can (the
+        # same floats; a model's chunk_price is fixed for its life)
+        self._draft_price = None if self._one_group is None else self._one_group.chunk_price()
         # prefix cache lookups at admission, in prompt tokens (vLLM's counters)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def __getstate__(self) -> dict:
+        """Pickled without the drafts' chunk pricer (a closure); :meth:`__setstate__`
+        asks the model for it again (the same floats)."""
+        state = self.__dict__.copy()
+        state["_draft_price"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        agg = self._one_group
+        self._draft_price = None if agg is None else agg.chunk_price()
 
     # ----------------------------------------------------------------- intake
     @property
@@ -374,7 +389,10 @@ class Scheduler:
 
     def _new_draft(self) -> Draft:
         """An empty batch priced by the cost model, with this step's time budget."""
-        return Draft(BatchCost(self.cost_model, self.layout.kvp), self._target_time())
+        return Draft(
+            BatchCost(self.cost_model, self.layout.kvp, price=self._draft_price),
+            self._target_time(),
+        )
 
     def _target_time(self) -> float:
         target = self.config.target_batch_time
@@ -1666,6 +1684,12 @@ class Scheduler:
 
     def _register(self, request: Request) -> None:
         """Offer the request's computed full blocks to the prefix cache."""
+        if (
+            not request.block_hashes
+            and request.prompt_token_ids is None
+            and request.prefix_id is None
+        ):
+            return  # no block of it can be hashed: register_blocks would offer none
         done = request.num_computed_tokens
         self.memory.register_blocks(request.request_id, self._hashes(request, done), done)
 
