@@ -12,7 +12,8 @@ that do them with the thread CPU clock (each wrapped call adds ~1-2 us):
 - per layer: RMSNorm, the linear layers, rotary, the KV write, the
   attention plan (the step's first layer), the local attention over this
   rank's shard (``PagedAttentionPlan.run``), the merge
-  (``KVPCommunicator.merge``) and its shared-memory exchange (the wait for
+  (``KVPCommunicator.merge``, and the callable ``KVPCommunicator.merger``
+  hands a step's later layers) and its shared-memory exchange (the wait for
   the peer included);
 - logits, sampling; the model's forward pass and the whole step.
 
@@ -111,6 +112,18 @@ def _profile(
         (llama.LlamaModel, "forward", "model forward"),
     ):
         wrap(owner, name, label)
+    if hasattr(kvp.KVPCommunicator, "merger"):  # a step's later merges: its callable, timed
+        merger = kvp.KVPCommunicator.merger
+
+        def timed_merger(self, *args, **kwargs):
+            fn = merger(self, *args, **kwargs)
+            if fn is None:
+                return None
+            holder = type("merge", (), {"forward": staticmethod(fn)})
+            wrap(holder, "forward", "merge (all)")
+            return holder.forward
+
+        kvp.KVPCommunicator.merger = timed_merger
     group = -(-context // world // block) * block
     spec = RunnerSpec(
         model="tiny",
