@@ -11,7 +11,8 @@ that do them with the thread CPU clock (each wrapped call adds ~1-2 us):
   rotary tables;
 - per layer: RMSNorm, the linear layers, rotary, the KV write, the
   attention plan (the step's first layer), the local attention over this
-  rank's shard (``PagedAttentionPlan.run``), the merge
+  rank's shard (``PagedAttentionPlan.run``, and its ``unchecked_run`` that a
+  KVP step's later layers call), the merge
   (``KVPCommunicator.merge``, and the callable ``KVPCommunicator.merger``
   hands a step's later layers) and its shared-memory exchange (the wait for
   the peer included);
@@ -112,18 +113,26 @@ def _profile(
         (llama.LlamaModel, "forward", "model forward"),
     ):
         wrap(owner, name, label)
-    if hasattr(kvp.KVPCommunicator, "merger"):  # a step's later merges: its callable, timed
-        merger = kvp.KVPCommunicator.merger
 
-        def timed_merger(self, *args, **kwargs):
-            fn = merger(self, *args, **kwargs)
+    def wrap_returned(owner: object, name: str, label: str) -> None:
+        """Time the callable that ``owner.name`` returns (None passes) under ``label``."""
+        if not hasattr(owner, name):  # an older checkout
+            return
+        get = getattr(owner, name)
+
+        def timed_getter(self, *args, **kwargs):
+            fn = get(self, *args, **kwargs)
             if fn is None:
                 return None
-            holder = type("merge", (), {"forward": staticmethod(fn)})
-            wrap(holder, "forward", "merge (all)")
+            holder = type("returned", (), {"forward": staticmethod(fn)})
+            wrap(holder, "forward", label)
             return holder.forward
 
-        kvp.KVPCommunicator.merger = timed_merger
+        setattr(owner, name, timed_getter)
+
+    # a step's later layers: the merge and the attention call resolved by its first layer
+    wrap_returned(kvp.KVPCommunicator, "merger", "merge (all)")
+    wrap_returned(PagedAttentionPlan, "unchecked_run", "attention (local)")
     group = -(-context // world // block) * block
     spec = RunnerSpec(
         model="tiny",

@@ -509,12 +509,13 @@ class KVPAttentionPlan:
         return self._partial_parts(q, k_cache, v_cache)
 
     def partial_fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`partial` without its row check, for a step's later layers (the first
-        one checked the rows): the one paged-attention ``run`` where it covers every row
-        (a decode step), else the loop over the parts."""
+        """:meth:`partial` without its checks, for a step's later layers (the first one's
+        :meth:`partial` checked the rows, the query and the caches): the one paged-attention
+        call, unchecked (:meth:`~medha_kernels.PagedAttentionPlan.unchecked_run`), where it
+        covers every row (a decode step), else the loop over the parts."""
         parts = self.parts
         if len(parts) == 1 and parts[0].rows is None:
-            return parts[0].plan.run
+            return parts[0].plan.unchecked_run()
         return self._partial_parts
 
     def _partial_parts(

@@ -1,11 +1,13 @@
-"""A KVP rank's later layers merge through ``KVPCommunicator.merger`` (resolved by the
-step's first layer): one ``merge`` call a step, the same logits bit for bit as a rank
-whose every layer goes through ``merge``."""
+"""A KVP rank's later layers merge through ``KVPCommunicator.merger`` and attend through
+``PagedAttentionPlan.unchecked_run`` (both resolved by the step's first layer): one
+``merge`` call a step, the same logits bit for bit as a rank whose every layer goes
+through ``merge`` and the checked ``run``."""
 
 from __future__ import annotations
 
 import torch
 
+from medha_kernels import PagedAttentionPlan
 from medha_runtime import runner as runner_mod
 from medha_runtime.runner import ModelRunner
 from tests.parallel.dist import launch
@@ -14,7 +16,8 @@ from tests.runtime.test_prepare_next import _decode_plans, _spec
 
 def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
     """The same steps on a runner as built and on one whose communicator never finds a
-    merger: the sampled logits (rank 0) and the ``merge`` calls per step."""
+    merger and whose attention plans hand out their checked ``run``: the sampled logits
+    (rank 0) and the ``merge`` calls per step."""
     from medha_parallel import ParallelLayout, ParallelState
 
     torch.set_num_threads(1)
@@ -24,7 +27,7 @@ def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
     spec = _spec(num_blocks=8, kvp=2, group_tokens=16)
     plans = _decode_plans("a", 21, 8, kvp=2, group_tokens=16)  # prefill of 21, decodes 21..27
     seen: list[torch.Tensor] = []
-    sample_step = runner_mod.sample_step
+    sample_step, unchecked_run = runner_mod.sample_step, PagedAttentionPlan.unchecked_run
 
     def keep(sampler, logits, chunks):
         seen.append(logits.clone())
@@ -43,8 +46,9 @@ def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
                 return _merge(*args, **kwargs)
 
             comm.merge = counted
-            if name == "checked":
+            if name == "checked":  # every layer's merge and attention checked
                 comm.merger = lambda *args, **kwargs: None
+                PagedAttentionPlan.unchecked_run = lambda plan: plan.run
             seen.clear()
             per_step = []
             for p in plans:
@@ -54,6 +58,7 @@ def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
             out[name] = (list(seen), per_step, comm.uses_shared_memory)
     finally:
         runner_mod.sample_step = sample_step
+        PagedAttentionPlan.unchecked_run = unchecked_run
     return out
 
 
