@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,11 +74,9 @@ def _profile(
     on = [False]
     clock = time.thread_time
 
-    def wrap(owner: object, name: str, label: str) -> None:
-        fn = getattr(owner, name)
-
+    def timed(fn: Callable, label: str) -> Callable:
         @functools.wraps(fn)
-        def timed(*args, **kwargs):
+        def timed_fn(*args, **kwargs):
             if not on[0]:
                 return fn(*args, **kwargs)
             t = clock()
@@ -86,7 +85,10 @@ def _profile(
             calls[label] += 1
             return out
 
-        setattr(owner, name, timed)
+        return timed_fn
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        setattr(owner, name, timed(getattr(owner, name), label))
 
     for owner, name, label in (
         (runner_mod, "build_group_batch", "batch build"),
@@ -122,11 +124,7 @@ def _profile(
 
         def timed_getter(self, *args, **kwargs):
             fn = get(self, *args, **kwargs)
-            if fn is None:
-                return None
-            holder = type("returned", (), {"forward": staticmethod(fn)})
-            wrap(holder, "forward", label)
-            return holder.forward
+            return None if fn is None else timed(fn, label)
 
         setattr(owner, name, timed_getter)
 
