@@ -11,8 +11,10 @@ that do them with the thread CPU clock (each wrapped call adds ~1-2 us):
   rotary tables;
 - per layer: RMSNorm, the linear layers, rotary, the KV write, the
   attention plan (the step's first layer), the local attention over this
-  rank's shard (``PagedAttentionPlan.run``), the merge
-  (``KVPCommunicator.merge``) and its shared-memory exchange (the wait for
+  rank's shard (``PagedAttentionPlan.run``, and its ``unchecked_run`` that a
+  KVP step's later layers call), the merge
+  (``KVPCommunicator.merge``, and the callable ``KVPCommunicator.merger``
+  hands a step's later layers) and its shared-memory exchange (the wait for
   the peer included);
 - logits, sampling; the model's forward pass and the whole step.
 
@@ -34,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,11 +74,9 @@ def _profile(
     on = [False]
     clock = time.thread_time
 
-    def wrap(owner: object, name: str, label: str) -> None:
-        fn = getattr(owner, name)
-
+    def timed(fn: Callable, label: str) -> Callable:
         @functools.wraps(fn)
-        def timed(*args, **kwargs):
+        def timed_fn(*args, **kwargs):
             if not on[0]:
                 return fn(*args, **kwargs)
             t = clock()
@@ -84,7 +85,10 @@ def _profile(
             calls[label] += 1
             return out
 
-        setattr(owner, name, timed)
+        return timed_fn
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        setattr(owner, name, timed(getattr(owner, name), label))
 
     for owner, name, label in (
         (runner_mod, "build_group_batch", "batch build"),
@@ -111,6 +115,22 @@ def _profile(
         (llama.LlamaModel, "forward", "model forward"),
     ):
         wrap(owner, name, label)
+
+    def wrap_returned(owner: object, name: str, label: str) -> None:
+        """Time the callable that ``owner.name`` returns (None passes) under ``label``."""
+        if not hasattr(owner, name):  # an older checkout
+            return
+        get = getattr(owner, name)
+
+        def timed_getter(self, *args, **kwargs):
+            fn = get(self, *args, **kwargs)
+            return None if fn is None else timed(fn, label)
+
+        setattr(owner, name, timed_getter)
+
+    # a step's later layers: the merge and the attention call resolved by its first layer
+    wrap_returned(kvp.KVPCommunicator, "merger", "merge (all)")
+    wrap_returned(PagedAttentionPlan, "unchecked_run", "attention (local)")
     group = -(-context // world // block) * block
     spec = RunnerSpec(
         model="tiny",

@@ -177,6 +177,18 @@ class PagedAttentionPlan:
                 )
         return self._run(q, k_cache, v_cache)
 
+    def unchecked_run(self) -> RunFn:
+        """:meth:`run` without its checks, for the later layers of a step whose first
+        layer's :meth:`run` checked them: the backend's planned call itself.
+
+        Every layer of a step has the first one's query shape and dtype, and its own
+        cache of the same shape, dtype and device (one allocation per layer, alike); the
+        checks would only run again, cold (each layer's attention streams its KV through
+        the caches first). Take it only after a :meth:`run` that returned, and call it
+        only with such arguments: it does not check them.
+        """
+        return self._run
+
 
 def plan_paged_attention(
     *,

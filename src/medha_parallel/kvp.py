@@ -71,6 +71,45 @@ def _direct(merge_fn: Callable) -> Callable:
     return merge_fn
 
 
+def _fast_merge(
+    shared: shm.ShmAllGather,
+    both: tuple[tuple, ...],
+    out_bytes: int,
+    lse_bytes: int,
+    merge_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A repeat of an fp32 shared-memory ``ag_all`` merge (its arguments checked once
+    for these shapes), as one closure: write this rank's state, exchange, merge.
+
+    A decode step makes one such call per layer, each right after its attention
+    streamed the layer's KV shard through the caches: every Python frame, attribute
+    read and dispatched op here runs cold (several microseconds each), so it spends
+    none the merge does not need. ``both``: per exchange buffer, the ``[num_q, size,
+    num_heads, head_dim]`` outputs and ``[num_q, size, num_heads]`` LSEs over it, this
+    rank's slots of each and their addresses (0 where the slots are not contiguous).
+    Contiguous states (what the attention returns) are copied into this rank's slots
+    with ``memmove`` where those are contiguous too (one query: fp32 on the CPU, as
+    the key of :attr:`KVPCommunicator._fast` says), else with ``copy_``; the
+    exchange raises its own :class:`~medha_parallel.errors.CommunicationError` (named
+    ``kvp``) on a timeout, and ``merge_fn`` is the native op itself.
+    """
+    next_parity, exchange, memmove = shared.next_parity, shared.exchange, _memmove
+    op = "merge[ag_all].all_gather"
+
+    def merge(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v, s, v_mine, s_mine, v_addr, s_addr = both[next_parity()]
+        if v_addr and out.is_contiguous() and lse.is_contiguous():
+            memmove(v_addr, out.data_ptr(), out_bytes)
+            memmove(s_addr, lse.data_ptr(), lse_bytes)
+        else:
+            v_mine.copy_(out.detach())
+            s_mine.copy_(lse.detach())
+        exchange(op)
+        return merge_fn(v, s)
+
+    return merge
+
+
 class KVPCommunicator:
     """Query replication and partial-attention merging over a KVP group prefix.
 
@@ -102,9 +141,9 @@ class KVPCommunicator:
         self._merge_fns: dict[str, Callable] = {}  # medha_kernels' merge_states per device type
         self._state_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # merge() calls that took the shared-memory fp32 path, by their arguments' shapes:
-        # (each buffer's (outputs, LSEs) views, merge_states); the next such call goes
-        # straight to them (a decode step makes one per layer, every step the same)
-        self._fast: dict[tuple, tuple[tuple, Callable]] = {}
+        # the merge of such states with everything resolved (_fast_merge); the next such
+        # call goes straight to it (a decode step makes one per layer, every step the same)
+        self._fast: dict[tuple, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def __repr__(self) -> str:
         return f"KVPCommunicator(index={self.index}, size={self.size})"
@@ -170,7 +209,7 @@ class KVPCommunicator:
         key = (out.shape, lse.shape, out.dtype, lse.dtype, out.device, active, strategy)
         fast = self._fast.get(key)
         if fast is not None:
-            return self._merge_fast(out, lse, *fast)
+            return fast(out, lse)
         group = self._group(active)
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
@@ -221,7 +260,7 @@ class KVPCommunicator:
                     addrs = (mine[0].data_ptr(), mine[1].data_ptr()) if one else (0, 0)
                     both.append((vb, sb, *mine, *addrs))
                 sizes = (out.numel() * 4, lse.numel() * 4)
-                self._fast[key] = ((shared, tuple(both), *sizes), _direct(merge_fn))
+                self._fast[key] = _fast_merge(shared, tuple(both), *sizes, _direct(merge_fn))
             v[:, self.index].copy_(out.detach())  # tokens first: merged in place, no copy
             s[:, self.index].copy_(lse.detach())
             with named_comm("kvp", op):
@@ -244,31 +283,24 @@ class KVPCommunicator:
             merged, lse_global = merge_partials(states[..., :-1], states[..., -1])
         return merged.to(out.dtype), lse_global.float()
 
-    def _merge_fast(
-        self, out: torch.Tensor, lse: torch.Tensor, where: tuple, merge_fn: Callable
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A repeat of an fp32 shared-memory ``ag_all`` merge (arguments already checked
-        once for these shapes): write this rank's state, exchange, merge.
+    def merger(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        active: int,
+        strategy: MergeStrategy = "auto",
+    ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`merge` of states like ``out`` and ``lse`` with nothing left to check
+        or resolve, where an earlier :meth:`merge` of these shapes, dtypes, device,
+        ``active`` and ``strategy`` took the fp32 shared-memory path; else None.
 
-        A decode step makes one such call per layer, each right after its attention
-        streamed the layer's KV shard through the caches: every Python frame and
-        dispatched op here runs cold (several microseconds each), so it spends none
-        the merge does not need. Contiguous states (what the attention returns) are
-        copied into this rank's slots with ``memmove`` where those are contiguous too
-        (one query; fp32 on the CPU: the key says so; ``copy_`` otherwise), and the
-        merge calls the native op directly.
+        For a decode step's later layers (the first one merged through :meth:`merge`):
+        the callable takes ``(out, lse)`` of exactly those shapes and dtypes (it does
+        not check them) and returns what :meth:`merge` would.
         """
-        shared, both, out_bytes, lse_bytes = where
-        v, s, v_mine, s_mine, v_addr, s_addr = both[shared.next_parity()]
-        if v_addr and out.is_contiguous() and lse.is_contiguous():
-            _memmove(v_addr, out.data_ptr(), out_bytes)
-            _memmove(s_addr, lse.data_ptr(), lse_bytes)
-        else:
-            v_mine.copy_(out.detach())
-            s_mine.copy_(lse.detach())
-        with named_comm("kvp", "merge[ag_all].all_gather"):
-            shared.exchange("merge[ag_all].all_gather")
-        return merge_fn(v, s)
+        key = (out.shape, lse.shape, out.dtype, lse.dtype, out.device, active, strategy)
+        return self._fast.get(key)
 
     def _merge_fn(self, v: torch.Tensor, s: torch.Tensor) -> Callable:
         """medha_kernels' ``merge_states`` for ``v``'s device, resolved once (shapes are ours)."""
@@ -477,12 +509,13 @@ class KVPAttentionPlan:
         return self._partial_parts(q, k_cache, v_cache)
 
     def partial_fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`partial` without its row check, for a step's later layers (the first
-        one checked the rows): the one paged-attention ``run`` where it covers every row
-        (a decode step), else the loop over the parts."""
+        """:meth:`partial` without its checks, for a step's later layers (the first one's
+        :meth:`partial` checked the rows, the query and the caches): the one paged-attention
+        call, unchecked (:meth:`~medha_kernels.PagedAttentionPlan.unchecked_run`), where it
+        covers every row (a decode step), else the loop over the parts."""
         parts = self.parts
         if len(parts) == 1 and parts[0].rows is None:
-            return parts[0].plan.run
+            return parts[0].plan.unchecked_run()
         return self._partial_parts
 
     def _partial_parts(

@@ -190,12 +190,15 @@ class ShardedAttention:
         #: the plan's partial state per layer: its one paged-attention call's ``run``
         #: where that covers every row (a decode step), else ``plan.partial``
         self._partial: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        #: the step's merge for its later layers: the communicator's resolved one
+        #: (``KVPCommunicator.merger``) where the first layer's merge found it, else None
+        self._merge: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __repr__(self) -> str:
         return f"ShardedAttention({self.comm}, backend={self.backend!r})"
 
     def prepare(self, shards: GroupShards) -> None:
-        self.shards, self.plan, self._partial = shards, None, None
+        self.shards, self.plan, self._partial, self._merge = shards, None, None, None
 
     def _batch_plan(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch
@@ -236,11 +239,18 @@ class ShardedAttention:
             )
             out, lse = self.plan.partial(q, k_cache, v_cache)
             self._partial = self.plan.partial_fn()
-        else:  # later layers: the partial state with fewest frames (each runs cold after
-            # the previous layer's attention streamed its KV shard through the caches)
+        else:  # later layers: the partial state and the merge with fewest frames (each
+            # runs cold after the previous layer's attention streamed its KV shard through
+            # the caches); every layer's states have the first one's shapes
             out, lse = partial(q, k_cache, v_cache)
+            merge = self._merge
+            if merge is not None:
+                return merge(out, lse)[0]
         # what kvp_paged_attention does: one merge over the whole KVP group
-        merged, _ = self.comm.merge(out, lse, active=self.comm.size, strategy=self.strategy)  # type: ignore[arg-type]
+        comm, strategy = self.comm, self.strategy
+        merged, _ = comm.merge(out, lse, active=comm.size, strategy=strategy)  # type: ignore[arg-type]
+        if partial is None:
+            self._merge = comm.merger(out, lse, active=comm.size, strategy=strategy)  # type: ignore[arg-type]
         return merged
 
 
