@@ -82,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.is_contiguous()
     ):
         module, limit = _native()
-        if 0 < x.shape[0] <= limit:
+        if 0 < x.shape[0] <= limit and x.shape[1] > 0:  # K = 0: torch's zeros
             return module.linear_small_m(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
@@ -115,7 +115,7 @@ def linear_silu_mul(
         and weight.shape[0] % 2 == 0
     ):
         module, limit = _native()
-        if 0 < x.shape[0] <= limit:
+        if 0 < x.shape[0] <= limit and x.shape[1] > 0:  # K = 0: torch's zeros
             return module.linear_silu_mul(x.contiguous(), weight)
     gate, up = linear(x, weight, bias).chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -109,3 +109,22 @@ def test_native_checks() -> None:
         module.linear_silu_mul(torch.randn(20, 8), torch.randn(7, 8))
     with pytest.raises(RuntimeError, match="fp32 only"):
         module.linear_silu_mul(torch.randn(20, 8).double(), torch.randn(6, 8).double())
+
+
+@pytest.mark.parametrize("m", [17, 24, 32])
+def test_huge_negative_gates_give_torchs_silu(m: int) -> None:
+    # gates far below exp's clamp: silu is ~0 as in torch (not g / (1 + e^88)), -inf NaN
+    gates = torch.tensor([-1e30, -1e36, -1e38, -3e38, -100.0, -88.5, float("-inf"), 5.0])
+    k = gates.numel()
+    x = torch.eye(k).repeat(m // k + 1, 1)[:m].contiguous()  # row j picks gate j % k
+    w = torch.cat([torch.diag(gates), torch.ones(k, k)])  # up = 1 for every row
+    out = linear_silu_mul(x, w)
+    want = F.silu(F.linear(x, w[:k])) * F.linear(x, w[k:])
+    torch.testing.assert_close(out, want, equal_nan=True, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("m", [1, 8, 24, 40])
+def test_no_inner_dimension_gives_zeros(m: int) -> None:
+    x, w = torch.randn(m, 0), torch.randn(60, 0)
+    assert torch.equal(linear(x, w), torch.zeros(m, 60))
+    assert torch.equal(linear_silu_mul(x, w), torch.zeros(m, 30))

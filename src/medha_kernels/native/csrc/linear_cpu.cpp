@@ -50,6 +50,7 @@
 #include <ATen/ops/silu.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -413,9 +414,12 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// silu(g) * u = g / (1 + e^-g) * u, 16 lanes.
+// silu(g) * u = g / (1 + e^-g) * u, 16 lanes. Where g < -88, e^-g is taken as +inf
+// (exp512 clamps at e^88), so silu is -0 as in torch (and NaN at g = -inf).
 inline __m512 silu_mul512(__m512 g, __m512 u) {
-  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-88.0f), _CMP_LT_OQ),
+                         _mm512_set1_ps(INFINITY));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
