@@ -239,7 +239,7 @@ class KVPCommunicator:
         then LSE; fp32, or fp64 for fp64 outputs), merged locally.
 
         ``key``: :meth:`merge`'s arguments, under which a call that goes through shared
-        memory in fp32 remembers its views for the next (:meth:`_merge_fast`).
+        memory in fp32 remembers its views for the next (:func:`_fast_merge`).
         """
         dtype = torch.promote_types(out.dtype, torch.float32)
         op = "merge[ag_all].all_gather"

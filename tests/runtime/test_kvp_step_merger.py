@@ -14,6 +14,13 @@ from tests.parallel.dist import launch
 from tests.runtime.test_prepare_next import _decode_plans, _spec
 
 
+class _NeverKept(dict):
+    """A ``KVPCommunicator._fast`` that keeps nothing: every merge takes the checked path."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
 def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
     """The same steps on a runner as built and on one whose communicator never finds a
     merger and whose attention plans hand out their checked ``run``: the sampled logits
@@ -48,6 +55,7 @@ def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
             comm.merge = counted
             if name == "checked":  # every layer's merge and attention checked
                 comm.merger = lambda *args, **kwargs: None
+                comm._fast = _NeverKept()  # merge itself never takes the closure either
                 PagedAttentionPlan.unchecked_run = lambda plan: plan.run
             seen.clear()
             per_step = []
