@@ -17,15 +17,16 @@ from tests.numerics import assert_twice_torch
 from tests.parallel.dist import launch
 from tests.runtime.checkpoints import greedy, hf_logits
 
-PROMPT = [1, 17, 42, 5, 88, 23, 61, 9, 70, 33, 14, 50, 3]
+# 24 tokens: the prefill's MLP runs the fused SwiGLU kernel (17-32 rows) on each shard
+PROMPT = [1, 17, 42, 5, 88, 23, 61, 9, 70, 33, 14, 50, 3, 77, 2, 64, 11, 29, 95, 40, 7, 58, 36, 12]
 
 
 def _run(path: str | Path, tp: TPCommunicator | None) -> dict:
     model, _ = load_model(path, dtype="float32", tp=tp)
-    batch = ForwardBatch.build([PROMPT], [0], [[3, 1, 0, 2]], block_size=4)
+    batch = ForwardBatch.build([PROMPT], [0], [[3, 1, 0, 2, 5, 4]], block_size=4)
     batch.sample_rows = torch.arange(len(PROMPT))
     return {
-        "logits": model(batch, model.allocate_kv_cache(4, 4)),
+        "logits": model(batch, model.allocate_kv_cache(6, 4)),
         "greedy": greedy(model, PROMPT, 8, chunk=5),
         "qkv_rows": model.layers["0"].self_attn.qkv_proj.weight.shape[0],
     }
