@@ -17,8 +17,11 @@ prediction made before it was learned from:
   mean step time: near 1 is unbiased);
 - microseconds per ``observe`` (pure Python).
 
-The initial coefficients are the first step's logged prediction as a constant
-(``--init first``, the calibration itself is not in the log), given
+The initial coefficients are, by default (``--init auto``), those of the
+model the server started the log with (``<log>.initial.json``, which the
+engine saves beside a step log when its cost model is online; logs written
+before 2026-11-26 noon have none), else the first step's logged prediction as
+a constant (``--init first``), given
 (``--init STEP,PER_REQUEST,PER_TOKEN,PER_KV,PER_ATTN`` seconds per unit), or a
 saved model's (``--init FILE.json``, e.g. a run's ``<run>.online.json``: its
 coefficients only, learned from in a fresh model). From the constant the
@@ -37,7 +40,7 @@ import os
 import statistics
 import time
 
-from medha_runtime.step_log import read_step_log
+from medha_runtime.step_log import initial_model_path, read_step_log
 from medha_sched.cost import BatchWork, RequestWork
 from medha_sched.cost.online import OnlineCostModel
 
@@ -75,6 +78,9 @@ def replay(path: str, init: str, skip: int) -> dict:
     records = read_step_log(path)
     if not records:
         raise SystemExit(f"{path}: empty step log")
+    if init == "auto":  # the model the server started the log with, where it saved one
+        saved = initial_model_path(path)
+        init = saved if os.path.exists(saved) else "first"
     if init == "first":
         coef = (records[0].predicted_s, 0.0, 0.0, 0.0, 0.0)
     elif init.endswith(".json"):
@@ -126,8 +132,9 @@ def main() -> None:
     ap.add_argument("logs", nargs="+", help="step logs (JSON lines)")
     ap.add_argument(
         "--init",
-        default="first",
-        help="'first', five coefficients (comma-separated) or a saved model's FILE.json",
+        default="auto",
+        help="'auto' (<log>.initial.json if there, else 'first'), 'first', five "
+        "coefficients (comma-separated) or a saved model's FILE.json",
     )
     ap.add_argument("--skip", type=int, default=50, help="steps left out of the error statistics")
     ap.add_argument("--json", action="store_true", help="one JSON object per log")

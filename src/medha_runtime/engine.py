@@ -64,7 +64,7 @@ from medha_runtime.sampling import (
     SampleSpec,
     SamplingParams,
 )
-from medha_runtime.step_log import StepLog
+from medha_runtime.step_log import StepLog, initial_model_path
 from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
     PENDING_TOKEN,
@@ -235,6 +235,9 @@ class LLMEngine:
                 if online:
                     cost = OnlineCostModel.from_model(cost)
             self.cost_model = cost
+            if self._step_log is not None and isinstance(cost, OnlineCostModel):
+                # the model the log's first step is priced with, to replay the log from
+                cost.save(initial_model_path(self._step_log.path))
             self.cost_feedback = CostFeedback(
                 cost, group_limit=self.cache.group_token_limit, save_to=config.cost_model_out
             )

@@ -22,6 +22,12 @@ the wait behind the previous batch on a later stage), so ``error`` is
 measured against that sum; without ``stage_s`` it is measured against
 ``execute_s``.
 
+When the engine's cost model is an online one, the engine also saves that
+model's state as it was before the first step (its start-up calibration, or
+the file it was loaded from) beside the log, as :func:`initial_model_path`
+names it, so that ``benchmarks/replay_cost.py`` can replay the log from where
+the server started.
+
 The gap between two consecutive ``start_s`` is the whole iteration as a
 client sees it: the three phases above plus whatever the caller does between
 steps (the server's detokenising and streaming). :func:`read_step_log` reads
@@ -111,6 +117,12 @@ class StepRecord:
         if self.stage_s:
             d["stage_s"] = [round(t, 6) for t in self.stage_s]
         return d
+
+
+def initial_model_path(log_path: str | os.PathLike[str]) -> str:
+    """Where the engine saves the online cost model it starts a step log with:
+    ``<log_path>.initial.json``."""
+    return f"{os.fspath(log_path)}.initial.json"
 
 
 class StepLog:

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 from itertools import pairwise
 
 import pytest
 
 from medha_runtime import LLM, SamplingParams
-from medha_runtime.step_log import StepRecord, check_predictions, read_step_log, step_overheads
+from medha_runtime.step_log import (
+    StepRecord,
+    check_predictions,
+    initial_model_path,
+    read_step_log,
+    step_overheads,
+)
 from medha_sched import AffineCostModel
 from medha_sched.cost import BatchWork
+from medha_sched.cost.online import OnlineCostModel
 
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 
@@ -113,3 +121,23 @@ def test_spp_records_measure_the_stage_sum(tmp_path):
         assert r.error == pytest.approx(abs(r.predicted_s - sum(r.stage_s)) / sum(r.stage_s))
     check = check_predictions(COST, records)
     assert check.measured_s == pytest.approx(sum(sum(r.stage_s) for r in records))
+
+
+def test_an_online_model_is_saved_as_it_started_the_log(tmp_path):
+    """Beside a step log, the engine saves its online model before the first step:
+    loaded back, it prices the log's first batch exactly as the server did."""
+    path = tmp_path / "steps.jsonl"
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM("tiny", chunk_size=32, step_log=path) as llm:  # online: calibrated at start
+        assert isinstance(llm.engine.cost_model, OnlineCostModel)
+        llm.generate([[5 + i for i in range(40)]], params)
+        learned = llm.engine.cost_model.coefficients
+    records = read_step_log(path)
+    first = OnlineCostModel.load(initial_model_path(path))
+    assert first.steps == 0 and first.coefficients != learned  # before any learning
+    assert first.predict(BatchWork.single_group(*records[0].items)) == pytest.approx(
+        records[0].predicted_s, abs=1e-6  # the log keeps microseconds
+    )
+    with LLM("tiny", cost_model=COST, step_log=tmp_path / "affine.jsonl") as llm:
+        llm.generate([[1, 2, 3]], params)
+    assert not os.path.exists(initial_model_path(tmp_path / "affine.jsonl"))  # not online
