@@ -675,3 +675,34 @@ def test_runs_of_one_token_steps_leave_the_shared_fit_alone(seed):
     assert errors[-1] < 0.2
     decode = BatchWork.single_group((1, 140), (1, 141))
     assert model.predict(decode) == pytest.approx(0.9e-3, rel=0.15)  # the anchor's price
+
+
+@pytest.mark.parametrize("slowdown", [2.5, 6.0])
+def test_one_token_steps_slowing_alone_move_the_anchor_not_the_chunks(slowdown):
+    """A hog that slows the one-token steps but not the chunks: the decode anchor
+    follows them; the shared fit, which prices the chunks, is not rescaled (it
+    was, by the anchored streak's ratio, and the next chunks were priced
+    2.5-6x high)."""
+    rng = random.Random(7)
+    true = (5e-3, 1e-4, 3e-5, 2e-8, 2e-8)
+    model = OnlineCostModel(true)
+    kv, chunk_errors = 30_000, []
+    for r in range(40):
+        slow = slowdown if r >= 20 else 1.0
+        for _ in range(3):
+            q = rng.choice((32, 64, 128))
+            kv += q
+            b = BatchWork.single_group((1, 140), (q, kv))
+            err = model.observe(b, _truth(b, true) * math.exp(rng.gauss(0, 0.02)))
+            if r >= 20:
+                chunk_errors.append(err)
+        for j in range(3):
+            y = 0.8e-3 * slow * math.exp(rng.gauss(0, 0.02))
+            model.observe(BatchWork.single_group((1, 140 + j)), y)
+        if r == 19:
+            before = dict(model.coefficients)
+    after = model.coefficients
+    assert all(after[k] == pytest.approx(before[k], rel=0.25) for k in ("step", "per_token"))
+    assert max(chunk_errors) < 0.2
+    decode = BatchWork.single_group((1, 141))
+    assert model.predict(decode) == pytest.approx(0.8e-3 * slowdown, rel=0.15)

@@ -53,7 +53,8 @@ beyond the last 100 errors. It is robust:
   predictions stay monotone. Once the anchor exists, a one-token step is
   judged for drift by the anchor's price: the shared fit, which may price
   them far off, is not rescaled by a run of them (it still learns from
-  those it prices within its robust bounds).
+  those it prices within its robust bounds); a run of them off the anchor's
+  price rescales the anchor alone.
 
 The model is mutable: the scheduler prices batches with the current
 coefficients (``group_time`` reads them), while the features stay integers
@@ -176,6 +177,8 @@ class OnlineCostModel(AggregateCostModel):
         self._scale = 0.05  # robust scale of log ratios (EWMA of clipped |ln(measured/predicted)|)
         self._streak = 0  # consecutive large residuals of one sign (signed count)
         self._streak_residuals: list[float] = []
+        #: how many of the open streak's steps were one-token steps the anchor priced
+        self._streak_anchored = 0
         #: per class of step (:func:`_step_class`): signed streak count, last log ratios
         self._class_streaks: dict[int, tuple[int, tuple[float, ...]]] = {}
         #: per class of step: recent level of its log ratios (EWMA)
@@ -491,10 +494,12 @@ class OnlineCostModel(AggregateCostModel):
         predicted 20x too high (relative residual -0.95) is as far off as
         one predicted 20x too low (+19). ``anchored``: for a one-token step
         the decode anchor priced, measured over the anchor's price; the
-        overall drift streak judges it by that, it keeps no class streak,
-        and when it completes an overall streak the shared fit is rescaled
-        but takes no step on it (otherwise it learns from it as usual:
-        robustly, ignored when the shared fit prices it far off).
+        overall drift streak judges it by that, and it ends its class's
+        streak. A streak of such steps alone rescales the anchor, not the
+        shared fit (:meth:`_rescale_anchor`); a mixed streak it completes
+        rescales the shared fit, which takes no step on it. Otherwise it
+        learns from it as usual (robustly, ignored when the shared fit
+        prices it far off).
         """
         log_r = math.log(ratio)
         residual = ratio - 1.0
@@ -507,10 +512,12 @@ class OnlineCostModel(AggregateCostModel):
             if self._streak * streak_sign > 0:
                 self._streak += streak_sign
                 self._streak_residuals.append(streak_log)
+                self._streak_anchored += anchored is not None
             else:
                 self._streak, self._streak_residuals = streak_sign, [streak_log]
+                self._streak_anchored = int(anchored is not None)
         else:
-            self._streak, self._streak_residuals = 0, []
+            self._streak, self._streak_residuals, self._streak_anchored = 0, [], 0
         # the same per class of step: interleaved steps of another kind that
         # are predicted well must not hide a class that is persistently off
         count, logs = self._class_streaks.get(kind, (0, ()))
@@ -518,9 +525,15 @@ class OnlineCostModel(AggregateCostModel):
             count, logs = (count + sign, (*logs, log_r)) if count * sign > 0 else (sign, (log_r,))
         else:
             count, logs = 0, ()
-        if anchored is None:  # the anchor prices it: no class drift of the shared fit
-            self._class_streaks[kind] = (count, logs[-self.drift_steps :])
+        # the anchor prices it: no class drift of the shared fit (its class's streak ends)
+        self._class_streaks[kind] = (count, logs[-self.drift_steps :])
         weight = 1.0
+        if abs(self._streak) >= self.drift_steps and self._streak_anchored == abs(self._streak):
+            # Only one-token steps, each off the anchor's price: the anchor's level
+            # changed (a hog slowing them, not the chunks); rescale the anchor
+            # alone, so the chunks keep the shared fit's price.
+            self._rescale_anchor(statistics.median(self._streak_residuals))
+            return
         if abs(self._streak) >= self.drift_steps:
             # A change of regime, not an outlier. Most are a uniform speed
             # change (cores taken or freed): rescale by the streak's median
@@ -534,7 +547,7 @@ class OnlineCostModel(AggregateCostModel):
             x = [f / factor for f in x]
             residual = ratio / factor - 1.0
             self.drifts += 1
-            self._streak, self._streak_residuals = 0, []
+            self._streak, self._streak_residuals, self._streak_anchored = 0, [], 0
             self._class_streaks.clear()
             self._reset_covariance()
             if anchored is not None:
@@ -565,6 +578,20 @@ class OnlineCostModel(AggregateCostModel):
         self._scale = min(max(self._scale, 0.01), 1.0)
         self._rls(x, residual, weight)
         self.steps += 1
+
+    def _rescale_anchor(self, log_ratio: float) -> None:
+        """A drift of the decode anchor alone: its coefficients times the streak's
+        median measured/predicted ratio (``log_ratio``, as a log, at most 16x),
+        relearned around fresh covariance; the shared fit is left as it is."""
+        assert self._dec is not None
+        factor = math.exp(min(max(log_ratio, -_MAX_DRIFT_LOG), _MAX_DRIFT_LOG))
+        self._dec = [min(max(a * factor, 0.0), _MAX_COEF) for a in self._dec]
+        self._dec[0] = max(self._dec[0], _MIN_STEP)
+        self._dec_out = []
+        self._reset_decode_covariance()
+        self._sync_decode()
+        self.drifts += 1
+        self._streak, self._streak_residuals, self._streak_anchored = 0, [], 0
 
     def _rls(self, x: list[float], residual: float, weight: float) -> None:
         n = len(x)
@@ -781,6 +808,7 @@ class OnlineCostModel(AggregateCostModel):
         return {
             "streak": self._streak,
             "streak_log_ratios": list(self._streak_residuals),
+            "streak_anchored": self._streak_anchored,
             "classes": [
                 [kind, count, list(logs), self._class_centers.get(kind)]
                 for kind, (count, logs) in sorted(self._class_streaks.items())
@@ -801,6 +829,9 @@ class OnlineCostModel(AggregateCostModel):
         logs = [float(v) for v in drift.get("streak_log_ratios", [])]
         if not isinstance(streak, int) or abs(streak) != len(logs):
             raise ValueError(f"streak {streak!r} does not match its {len(logs)} log ratios")
+        anchored = drift.get("streak_anchored", 0)  # absent before 2026-11-26 noon: 0
+        if not isinstance(anchored, int) or not 0 <= anchored <= len(logs):
+            raise ValueError(f"streak_anchored {anchored!r}: want 0 to {len(logs)}")
         streaks: dict[int, tuple[int, tuple[float, ...]]] = {}
         centers: dict[int, float] = {}
         for entry in drift.get("classes", []):
@@ -820,7 +851,7 @@ class OnlineCostModel(AggregateCostModel):
             values.extend(logs_[1])
         if not all(math.isfinite(v) for v in values) or any(e < 0 for e in errors):
             raise ValueError("a non-finite log ratio or a negative error")
-        self._streak, self._streak_residuals = streak, logs
+        self._streak, self._streak_residuals, self._streak_anchored = streak, logs, anchored
         self._class_streaks, self._class_centers = streaks, centers
         self.errors.clear()
         self.errors.extend(errors[-_ERROR_WINDOW:])
