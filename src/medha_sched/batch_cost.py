@@ -90,20 +90,9 @@ class BatchCost:
         return max(self._priced(works).values(), default=0.0) if works else self.time
 
     def time_with_tail(self, group: int, q_tokens: int, kv_tokens: int) -> float:
-        """``time_with([(group, q_tokens, kv_tokens, True)])``: one chunk in one tail shard."""
-        price = self._price
-        if price is not None:  # one group: the model's price of the same sums
-            time = price(self._totals[0], kv_tokens, q_tokens)
-            self._probes[(group, q_tokens, kv_tokens, True)] = (None, time)
-            return time
-        agg = self._agg
-        if agg is None or self._num_groups != 1:
-            return self.time_with([(group, q_tokens, kv_tokens, True)])
-        work = (group, q_tokens, kv_tokens, True)
-        totals = self._totals_with(work)
-        time = agg.group_time(totals)
-        self._probes[work] = (totals, time)
-        return time
+        """``time_with([(group, q_tokens, kv_tokens, True)])``: one chunk in one tail shard
+        (:meth:`tail_price` with the arguments in this order)."""
+        return self.tail_price(group, kv_tokens, q_tokens)
 
     def tail_price(self, group: int, kv_tokens: int, q_tokens: int) -> float:
         """``time_with_tail(group, q_tokens, kv_tokens)`` with the arguments in
