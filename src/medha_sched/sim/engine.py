@@ -269,7 +269,7 @@ class Simulator:
         times = self.sched.plan_decode_run(self._run_len, horizon - now)
         if not times:
             return now
-        spp, starts, ends = self.spp, [], []
+        spp, starts = self.spp, []
         free = self.pipeline.free  # a copy
         if not free[-1] <= now:  # nothing is in flight: every batch has left the pipeline
             raise SimulationError(f"a decode run at t={now} with stages busy until {free}")
@@ -277,17 +277,26 @@ class Simulator:
         # the one before), so Pipeline.push's max(arrival, free) always picks the
         # arrival: a batch leaves stage k at its start plus k + 1 stage times,
         # added one at a time.
-        t = now
-        for predicted in times:
-            stage = predicted / spp
-            end = t + stage
-            for _ in range(1, spp):
-                end += stage
-            if not end < horizon:
-                break
-            starts.append(t)
-            ends.append(end)
-            t = end
+        # ``t`` ends as the last batch's end.
+        t, append = now, starts.append
+        if spp == 2:  # the loop below with its one stage added inline (the same sums)
+            for predicted in times:
+                stage = predicted / spp
+                end = t + stage + stage
+                if not end < horizon:
+                    break
+                append(t)
+                t = end
+        else:
+            for predicted in times:
+                stage = predicted / spp
+                end = t + stage
+                for _ in range(1, spp):
+                    end += stage
+                if not end < horizon:
+                    break
+                append(t)
+                t = end
         n = len(starts)
         self._run_len = min(2 * self._run_len, 4096) if n == len(times) else 16
         if n == 0:
@@ -309,8 +318,8 @@ class Simulator:
             zeros,
             zeros,
         )
-        self.now = ends[-1]
-        return self.now
+        self.now = t
+        return t
 
     def _horizon(self) -> float:
         """When the next event comes, the ends of the batches in flight left out."""
