@@ -18,14 +18,11 @@ cached and the pool behaves exactly as a plain free stack.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Hashable, Iterable, Sequence
-from operator import itemgetter
+from operator import itemgetter, length_hint
 
 _RUN = 8
 """Fewest blocks whose reference counts are set as one slice when they are a run of ids."""
-_ONE = array("i", [1])
-_ZERO = array("i", [0])
 
 
 class BlockPool:
@@ -49,10 +46,12 @@ class BlockPool:
         self.group = group
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
-        # reference count of every block (0: free or cached). An array, not a
-        # dict of the held ones: a dict with this much churn is rebuilt now and
-        # then, a pause of milliseconds in whichever call inserts.
-        self._ref = array("i", [0]) * num_blocks
+        # reference count of every block (0: free or cached). A list, not a dict
+        # of the held ones: a dict with this much churn is rebuilt now and then,
+        # a pause of milliseconds in whichever call inserts. And not an array:
+        # the interpreter reads and writes a list's items by index in its fast
+        # path (about half an array's time per block in release and allocate).
+        self._ref = [0] * num_blocks
         self._num_held = 0
         self._hash_of: dict[int, Hashable] = {}  # block -> content hash (held or cached)
         self._block_of: dict[Hashable, int] = {}  # content hash -> block
@@ -110,7 +109,7 @@ class BlockPool:
             and abs(blocks[-1] - blocks[0]) == count - 1
             and (hi := max(blocks)) - (lo := min(blocks)) == count - 1
         ):
-            ref[lo : hi + 1] = _ONE * count
+            ref[lo : hi + 1] = [1] * count
         else:
             for block in blocks:
                 ref[block] = 1
@@ -124,7 +123,7 @@ class BlockPool:
         hashed ones go to the cache in order, the others back to the stack."""
         count, ref = len(blocks), self._ref
         if run:
-            ref[lo : lo + count] = _ZERO * count
+            ref[lo : lo + count] = [0] * count
         else:
             for block in blocks:
                 ref[block] = 0
@@ -137,6 +136,37 @@ class BlockPool:
             self._free.extend(reversed(blocks))
         self.num_frees += count
 
+    def _drop_held_once(self, blocks: list[int]) -> bool:
+        """:meth:`release` of ``blocks`` (ids >= 0) if each is held exactly once and
+        they are distinct (the common case), checking and clearing each count in
+        one pass; True if so. Otherwise the counts are put back as they were and
+        False is returned (the general path decides, and raises if need be): a
+        block held twice or not at all, a block listed twice (its count is
+        already 0 the second time) or an id past the pool stops the pass."""
+        ref = self._ref
+        it = iter(blocks)
+        try:
+            for block in it:
+                if ref[block] != 1:
+                    break
+                ref[block] = 0
+            else:
+                count = len(blocks)
+                self._num_held -= count
+                hashed = self._hash_of
+                if hashed:
+                    self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
+                    self._free.extend(reversed([b for b in blocks if b not in hashed]))
+                else:
+                    self._free.extend(reversed(blocks))
+                self.num_frees += count
+                return True
+        except IndexError:  # an id past the pool: ``it`` did not move past it
+            pass
+        for block in blocks[: len(blocks) - length_hint(it) - 1]:  # those cleared
+            ref[block] = 1
+        return False
+
     def allocate_each(self, owners: Sequence[Hashable]) -> tuple[int, ...]:
         """One block for each of ``owners``, in order: the blocks that
         ``allocate(owner, 1)`` called for each owner in turn would give."""
@@ -145,7 +175,8 @@ class BlockPool:
     def release(self, owner: Hashable, blocks: Iterable[int]) -> None:
         """Drop one reference to each of ``blocks``; a block nobody holds
         becomes cached if it has a hash, else free."""
-        blocks = list(blocks)
+        if type(blocks) is not list:
+            blocks = list(blocks)  # (a list is only read)
         if not blocks:
             return
         ref = self._ref
@@ -164,6 +195,8 @@ class BlockPool:
                 if min(held) == max(held) == 1:
                     self._drop_once(blocks, lo, run=True)
                     return
+        if min(blocks) >= 0 and self._drop_held_once(blocks):
+            return
         lo, hi = min(blocks), max(blocks)
         if lo < 0 or hi >= self.num_blocks:
             self._check_release(owner, blocks)

@@ -336,9 +336,11 @@ class KVBlockManager:
         blocks offered before are skipped, so the cost is the new blocks.
         A no-op with prefix caching off.
         """
-        if not self.cache.enable_prefix_caching:
+        if not self._caching:
             return
         entry = self._entry(request_id)
+        if not block_hashes:  # (a prompt without a shared prefix: nothing to offer)
+            return
         upto = min(len(block_hashes), num_tokens // self._bs)
         per_shard = self._g // self._bs
         for k in range(entry.registered, upto):

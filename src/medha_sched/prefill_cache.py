@@ -65,6 +65,7 @@ class PrefillTimeCache:
         self._max_chunk = max_chunk_tokens
         self._limit = group_token_limit
         self._spp = model.layout.spp
+        self._fill = (1.0 - 1.0 / self._spp) * target_time  # the pipeline-fill term
         self._initial = initial_tokens
         self._built_at = -math.inf
         self._build(initial_tokens)
@@ -95,6 +96,8 @@ class PrefillTimeCache:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._price = _pricer(self._model)
+        if "_fill" not in state:  # pickled before the term was kept
+            self._fill = (1.0 - 1.0 / self._spp) * self._target
 
     def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
         """Rebuild the table if the model's revision changed and the last
@@ -117,13 +120,13 @@ class PrefillTimeCache:
 
     def prefill_time(self, num_tokens: int) -> float:
         """C(L): seconds to prefill ``num_tokens`` alone, stage time summed."""
+        known = self._recent.get(num_tokens)  # (only lengths >= 0 within the table)
+        if known is not None:
+            return known
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
         if num_tokens > self._bounds[-1]:
             self._extend_to(max(num_tokens, 2 * self._bounds[-1]))
-        known = self._recent.get(num_tokens)
-        if known is not None:
-            return known
         k = bisect.bisect_right(self._bounds, num_tokens) - 1
         base = self._bounds[k]
         if base == num_tokens:
@@ -140,21 +143,25 @@ class PrefillTimeCache:
         Never negative, 0 when nothing is left, and non-decreasing in
         ``num_tokens``.
         """
-        if num_done < 0 or num_tokens < 0:
-            raise ValueError(f"token counts must be >= 0, got {num_tokens!r}, {num_done!r}")
-        if num_done >= num_tokens:
+        if num_done >= num_tokens or num_done < 0:
+            if num_done < 0 or num_tokens < 0:
+                raise ValueError(f"token counts must be >= 0, got {num_tokens!r}, {num_done!r}")
             return 0.0
-        # prefill_time of each, its memo read here first (a hit is what it returns:
-        # the memo holds only lengths within the table, whose values never change)
+        # 0 <= num_done < num_tokens; C(0) = 0.0 (the table's first entry)
         recent = self._recent
-        whole = recent.get(num_tokens)
-        if whole is None:
-            whole = self.prefill_time(num_tokens)
-        done = recent.get(num_done)
-        if done is None:
-            done = self.prefill_time(num_done)
-        span = max(0.0, whole - done)
-        return span / self._spp + (1.0 - 1.0 / self._spp) * self._target
+        total = recent.get(num_tokens)
+        if total is None:
+            total = self.prefill_time(num_tokens)
+        if num_done:
+            done = recent.get(num_done)
+            if done is None:
+                done = self.prefill_time(num_done)
+            span = total - done
+            if not span > 0.0:  # max(0.0, span)
+                span = 0.0
+        else:
+            span = total if total > 0.0 else 0.0
+        return span / self._spp + self._fill
 
     def _chunk_time(self, start: int, num_tokens: int) -> float:
         model = self._model

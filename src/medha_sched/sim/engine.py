@@ -29,8 +29,10 @@ from __future__ import annotations
 import gc
 import heapq
 import time as _time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import cycle, islice, repeat
 
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
@@ -40,9 +42,14 @@ from medha_sched.output import BatchResult
 from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler, TurnRun
 from medha_sched.sim.events import Arrival, BatchEnd, Event, ScheduleWakeup, StageEnd
-from medha_sched.sim.metrics import IterationRecord, RequestRecord
+from medha_sched.sim.metrics import IterationLog, RequestRecord
 from medha_sched.sim.pipeline import Pipeline, push_times
 from medha_sched.sim.trace import TraceRequest
+
+
+def _zeros(n: int) -> array:
+    """``n`` zeros as int64 (a column of a run's records, extended by memcpy)."""
+    return array("q", bytes(8 * n))
 
 
 class SimulationError(RuntimeError):
@@ -51,10 +58,6 @@ class SimulationError(RuntimeError):
 
 _RESULT = BatchResult(sampled_token_ids=ZERO_TOKENS)  # every sampling chunk sampled token 0
 
-# ``_record(IterationRecord, (fields...))`` is ``IterationRecord(*fields)`` without the
-# namedtuple's Python-level ``__new__`` (a record per batch: millions in a long run)
-_record = tuple.__new__
-
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
@@ -62,7 +65,8 @@ class SimResult:
 
     Attributes:
         records: one per trace request, in trace order.
-        iterations: one per issued (non-empty) batch, in issue order.
+        iterations: one per issued (non-empty) batch, in issue order (a sequence
+            of :class:`~medha_sched.sim.metrics.IterationRecord` kept as columns).
         end_s: simulated time of the last event.
         wall_s: wall-clock seconds the simulation took.
         prefix_cache_queries: prompt tokens looked up in the prefix cache.
@@ -70,7 +74,7 @@ class SimResult:
     """
 
     records: list[RequestRecord]
-    iterations: list[IterationRecord]
+    iterations: IterationLog
     end_s: float
     wall_s: float
     prefix_cache_queries: int = 0
@@ -131,7 +135,7 @@ class Simulator:
         # batch -> (ids whose prefill it completes, how many of its chunks sample, end)
         self._in_flight: dict[int, tuple[list[str], int, float]] = {}
         self._awaiting = 0  # live requests waiting for a token from a batch in flight
-        self.iterations: list[IterationRecord] = []
+        self.iterations = IterationLog()
         self._progress = progress or (lambda n: None)
         self._heap: list[tuple[float, int, int, Event]] = []
         self._seq = 0
@@ -242,12 +246,7 @@ class Simulator:
             prefill_tokens += n
             if samples:
                 completes.append(rid)
-        self.iterations.append(
-            _record(
-                IterationRecord,
-                (bid, now, predicted, n_decode, n_prefill, prefill_tokens, preempted),
-            )
-        )
+        self.iterations.append(bid, now, predicted, n_decode, n_prefill, prefill_tokens, preempted)
         sampling = n_decode + len(completes)  # every decode samples
         self._awaiting += sampling
         stage0_end, end = self.pipeline.push(now, predicted / self.spp)
@@ -270,7 +269,7 @@ class Simulator:
         times = self.sched.plan_decode_run(self._run_len, horizon - now)
         if not times:
             return now
-        spp, starts, ends = self.spp, [], []
+        spp, starts = self.spp, []
         free = self.pipeline.free  # a copy
         if not free[-1] <= now:  # nothing is in flight: every batch has left the pipeline
             raise SimulationError(f"a decode run at t={now} with stages busy until {free}")
@@ -278,17 +277,26 @@ class Simulator:
         # the one before), so Pipeline.push's max(arrival, free) always picks the
         # arrival: a batch leaves stage k at its start plus k + 1 stage times,
         # added one at a time.
-        t = now
-        for predicted in times:
-            stage = predicted / spp
-            end = t + stage
-            for _ in range(1, spp):
-                end += stage
-            if not end < horizon:
-                break
-            starts.append(t)
-            ends.append(end)
-            t = end
+        # ``t`` ends as the last batch's end.
+        t, append = now, starts.append
+        if spp == 2:  # the loop below with its one stage added inline (the same sums)
+            for predicted in times:
+                stage = predicted / spp
+                end = t + stage + stage
+                if not end < horizon:
+                    break
+                append(t)
+                t = end
+        else:
+            for predicted in times:
+                stage = predicted / spp
+                end = t + stage
+                for _ in range(1, spp):
+                    end += stage
+                if not end < horizon:
+                    break
+                append(t)
+                t = end
         n = len(starts)
         self._run_len = min(2 * self._run_len, 4096) if n == len(times) else 16
         if n == 0:
@@ -299,12 +307,19 @@ class Simulator:
             x += stage
             free[k] = x
         self.pipeline.free = free
-        ids = self.sched.commit_decode_run(starts)
-        decodes, append = len(self._live), self.iterations.append
-        for bid, start, predicted in zip(ids, starts, times, strict=False):
-            append(_record(IterationRecord, (bid, start, predicted, decodes, 0, 0, 0)))
-        self.now = ends[-1]
-        return self.now
+        ids = self.sched.commit_decode_run(starts)  # n ids
+        zeros = _zeros(n)
+        self.iterations.extend(
+            ids,
+            starts,
+            times[:n] if n < len(times) else times,
+            repeat(len(self._live), n),
+            zeros,
+            zeros,
+            zeros,
+        )
+        self.now = t
+        return t
 
     def _horizon(self) -> float:
         """When the next event comes, the ends of the batches in flight left out."""
@@ -382,13 +397,16 @@ class Simulator:
         for b in plan.in_flight:
             self._awaiting -= in_flight.pop(b)[1]
         self._drop_batch_ends(set(plan.in_flight))
-        sizes, append = plan.sizes, self.iterations.append
-        for i in range(n):
-            append(
-                _record(
-                    IterationRecord, (first + i, starts[i], predicted[i], sizes[i % k], 0, 0, 0)
-                )
-            )
+        sizes, zeros = plan.sizes, _zeros(n)
+        self.iterations.extend(
+            range(first, first + n),
+            starts,
+            predicted,
+            islice(cycle(sizes), n),
+            zeros,
+            zeros,
+            zeros,
+        )
         self.pipeline.free = free
         for i in range(n - k, n):
             size = sizes[i % k]
@@ -446,11 +464,10 @@ class Simulator:
             for b in done:
                 del in_flight[b]
             self._drop_batch_ends(set(done))
-        append = self.iterations.append
-        for i in range(m):
-            append(
-                _record(IterationRecord, (first + i, starts[i], predicted[i], 0, 1, chunks[i], 0))
-            )
+        zeros = _zeros(m)
+        self.iterations.extend(
+            range(first, first + m), starts, predicted, zeros, repeat(1, m), chunks, zeros
+        )
         self.pipeline.free = free
         for i in range(ended, m):
             in_flight[first + i] = ([], 0, ends[i])
@@ -501,7 +518,7 @@ class Simulator:
                 queued = bool(issued)  # its last chunk cleared stage 0: it waits again
                 break
             bid, n, p, decodes = got
-            append(_record(IterationRecord, (bid, s, p, decodes, 1, n, 0)))
+            append(bid, s, p, decodes, 1, n, 0)
             f, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy
             in_flight[bid] = ([], decodes, t)
             self._awaiting += decodes
@@ -547,21 +564,12 @@ class Simulator:
             b = next(iter(in_flight))
             self._awaiting -= in_flight.pop(b)[1]
             gone.add(b)
-        append = self.iterations.append
-        starts, times, chunks, decodes, ends = (
-            run.starts,
-            run.times,
-            run.chunks,
-            run.decodes,
-            run.ends,
+        starts, decodes, ends = run.starts, run.decodes, run.ends
+        first, m = run.ids.start, len(starts)
+        zeros = _zeros(m)
+        self.iterations.extend(
+            range(first, first + m), starts, run.times, decodes, repeat(1, m), run.chunks, zeros
         )
-        first = run.ids.start
-        for i in range(len(starts)):
-            append(
-                _record(
-                    IterationRecord, (first + i, starts[i], times[i], decodes[i], 1, chunks[i], 0)
-                )
-            )
         for i in range(run.ended_turns, len(starts)):
             in_flight[first + i] = ([], decodes[i], ends[i])
             self._awaiting += decodes[i]

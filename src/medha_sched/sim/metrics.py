@@ -35,11 +35,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -126,6 +127,119 @@ class IterationRecord(NamedTuple):
         return self.decodes + self.prefill_tokens
 
 
+_COLUMNS = IterationRecord._fields
+_TYPECODES = ("q", "d", "d", "q", "q", "q", "q")  # int64 / float64, field by field
+
+
+class IterationLog(Sequence[IterationRecord]):
+    """The issued batches of a run, in issue order: a sequence of
+    :class:`IterationRecord`, kept as one array per field.
+
+    A long run has millions of batches; a tuple per batch costs an object (and
+    its time to make, collect and free) that the columns do not. Reading an
+    item builds its record; :meth:`columns` gives the arrays themselves
+    (``batch_id``, ``decodes``, ``prefill_chunks``, ``prefill_tokens``,
+    ``preempted`` int64; ``start_s``, ``predicted_s`` float64; all of length
+    ``len(self)``). A value is stored as its field's type: an ``int`` time
+    reads back as a ``float``.
+
+    Args:
+        records: records to start with (any iterable of 7-field rows).
+    """
+
+    __slots__ = _COLUMNS
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    def __init__(self, records: Iterable[Sequence[float]] = ()) -> None:
+        for name, code in zip(_COLUMNS, _TYPECODES, strict=True):
+            setattr(self, name, array(code))
+        for r in records:
+            self.append(*r)
+
+    def append(
+        self,
+        batch_id: int,
+        start_s: float,
+        predicted_s: float,
+        decodes: int,
+        prefill_chunks: int,
+        prefill_tokens: int,
+        preempted: int,
+    ) -> None:
+        """Add one batch (the fields of :class:`IterationRecord`, in order)."""
+        self.batch_id.append(batch_id)
+        self.start_s.append(start_s)
+        self.predicted_s.append(predicted_s)
+        self.decodes.append(decodes)
+        self.prefill_chunks.append(prefill_chunks)
+        self.prefill_tokens.append(prefill_tokens)
+        self.preempted.append(preempted)
+
+    def extend(
+        self,
+        batch_ids: Iterable[int],
+        starts: Iterable[float],
+        predicted: Iterable[float],
+        decodes: Iterable[int],
+        prefill_chunks: Iterable[int],
+        prefill_tokens: Iterable[int],
+        preempted: Iterable[int],
+    ) -> None:
+        """Add batches column by column: the ``i``-th item of each argument is
+        the ``i``-th batch's field. Every argument must have the same length
+        (checked: a mismatch raises ValueError and leaves the log as it was)."""
+        cols = self.columns()
+        before = len(self.batch_id)
+        for col, values in zip(
+            cols,
+            (batch_ids, starts, predicted, decodes, prefill_chunks, prefill_tokens, preempted),
+            strict=True,
+        ):
+            col.extend(values)
+        if any(len(col) != len(self.batch_id) for col in cols):
+            for col in cols:
+                del col[before:]
+            raise ValueError("IterationLog.extend: the columns have different lengths")
+
+    def columns(self) -> tuple[array, ...]:
+        """The seven arrays, in :class:`IterationRecord`'s field order (not copies)."""
+        return (
+            self.batch_id,
+            self.start_s,
+            self.predicted_s,
+            self.decodes,
+            self.prefill_chunks,
+            self.prefill_tokens,
+            self.preempted,
+        )
+
+    def __len__(self) -> int:
+        return len(self.batch_id)
+
+    @overload
+    def __getitem__(self, index: int) -> IterationRecord: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[IterationRecord]: ...
+    def __getitem__(self, index: int | slice) -> IterationRecord | list[IterationRecord]:
+        if isinstance(index, slice):
+            rows = zip(*(c[index] for c in self.columns()), strict=True)
+            return list(map(IterationRecord._make, rows))
+        return IterationRecord._make(c[index] for c in self.columns())
+
+    def __iter__(self) -> Iterator[IterationRecord]:
+        return map(IterationRecord._make, zip(*self.columns(), strict=True))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IterationLog):
+            return self.columns() == other.columns()
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"IterationLog({len(self)} batches)"
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile with linear interpolation (numpy's default); None if empty."""
     if not values:
@@ -198,6 +312,8 @@ def _batches(iterations: Sequence[IterationRecord]) -> dict[str, object]:
         return {"n": 0}
 
     def column(i: int, dtype: type) -> np.ndarray:
+        if isinstance(iterations, IterationLog):  # the arrays as they are
+            return np.frombuffer(iterations.columns()[i], dtype)
         return np.fromiter(map(itemgetter(i), iterations), dtype, n)
 
     predicted = column(2, float)
@@ -227,7 +343,10 @@ def _throughput(
     span = max(end - start, 1e-12)
     out_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
-    busy = sum(it.predicted_s for it in iterations) / num_stages
+    if isinstance(iterations, IterationLog):  # the same floats summed in the same order
+        busy = sum(iterations.predicted_s) / num_stages
+    else:
+        busy = sum(it.predicted_s for it in iterations) / num_stages
     return {
         "makespan_s": span,
         "requests_per_s": len(done) / span,
@@ -250,7 +369,10 @@ def write_iterations(path: Path, iterations: Iterable[IterationRecord]) -> None:
     with path.open("w", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
         w.writerow(IterationRecord._fields)
-        w.writerows(iterations)
+        if isinstance(iterations, IterationLog):
+            w.writerows(zip(*iterations.columns(), strict=True))
+        else:
+            w.writerows(iterations)
 
 
 def read_requests(path: Path) -> list[dict[str, object]]:

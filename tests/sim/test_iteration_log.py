@@ -1,0 +1,79 @@
+"""IterationLog (the simulator's batches kept as columns) against a plain list of
+IterationRecord: same items, same summary, same iterations.csv bytes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from medha_sched.sim import TraceRequest, simulate
+from medha_sched.sim.metrics import IterationLog, IterationRecord, summarize, write_iterations
+from medha_sched.sim.runner import RunSpec
+
+
+def _records(n: int, seed: int = 0) -> list[IterationRecord]:
+    rng = random.Random(seed)
+    return [
+        IterationRecord(
+            i + rng.randrange(3),
+            rng.random() * 1e4,
+            rng.random() * 0.05,
+            rng.randrange(300),
+            rng.randrange(3),
+            rng.randrange(70000),
+            rng.randrange(2),
+        )
+        for i in range(n)
+    ]
+
+
+def test_log_is_the_list() -> None:
+    rows = _records(500)
+    log = IterationLog(rows)
+    assert len(log) == 500
+    assert log == rows and rows == log and log == IterationLog(rows)
+    assert list(log) == rows
+    assert log[0] == rows[0] and log[-1] == rows[-1] and log[123] == rows[123]
+    assert type(log[7]) is IterationRecord and log[7].tokens == rows[7].tokens
+    assert log[10:20] == rows[10:20] and log[::-7] == rows[::-7]
+    assert [type(v) for v in log[3]] == [type(v) for v in rows[3]]
+    other = IterationLog(rows)
+    other.append(*rows[0])
+    assert other != log and log != rows[:-1]
+    changed = list(rows)
+    changed[250] = changed[250]._replace(predicted_s=changed[250].predicted_s + 1e-12)
+    assert log != changed and log != IterationLog(changed)
+
+
+def test_extend_is_append() -> None:
+    rows = _records(300, seed=1)
+    one, bulk = IterationLog(), IterationLog()
+    for r in rows:
+        one.append(*r)
+    bulk.extend(*(list(c) for c in zip(*rows[:100], strict=True)))
+    bulk.extend(*(iter(c) for c in zip(*rows[100:], strict=True)))
+    assert bulk == one == rows
+    before = list(bulk)
+    with pytest.raises(ValueError, match="different lengths"):
+        bulk.extend([1, 2], [0.0, 1.0], [0.1, 0.2], [1, 1], [0, 0], [0, 0], [0])
+    assert bulk == before
+
+
+def test_summary_and_csv_same_as_list(tmp_path) -> None:
+    trace = [
+        TraceRequest(f"r{i}", 0.3 * i, 200 + 4000 * (i % 5 == 0) + 37 * i, 5 + (i % 9) * 40)
+        for i in range(40)
+    ]
+    spec = RunSpec(cost_model="roofline:model=llama3-8b,gpu=a100", tp=8, spp=2)
+    config, model, cache = spec.build()
+    result = simulate(trace, config, model, cache=cache)
+    log = result.iterations
+    assert isinstance(log, IterationLog) and len(log) > 100
+    rows = list(log)
+    assert summarize(result.records, log, long_threshold=2000, num_stages=2) == summarize(
+        result.records, rows, long_threshold=2000, num_stages=2
+    )
+    write_iterations(tmp_path / "log.csv", log)
+    write_iterations(tmp_path / "rows.csv", rows)
+    assert (tmp_path / "log.csv").read_bytes() == (tmp_path / "rows.csv").read_bytes()
