@@ -15,7 +15,6 @@ reads ``prefill_time``'s memo itself; it must return what the two calls did.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -27,9 +26,9 @@ from medha_sched.cost import RooflineCostModel
 from medha_sched.packer import Draft
 from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler
-from medha_sched.sim.engine import SimResult, Simulator
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
+from tests.sim.same import assert_same_results, simulate
 
 ROOFLINE = "roofline:model=llama3-8b,gpu=a100"
 
@@ -177,23 +176,6 @@ def test_a_draft_without_price_or_with_several_groups_sums_as_before() -> None:
     assert priced._totals == plain._totals and priced.time == plain.time
 
 
-def _results(trace, spec: RunSpec) -> SimResult:
-    config, model, cache = spec.build()
-    return Simulator(config, model, cache=cache).run(trace)
-
-
-def _assert_same(a: SimResult, b: SimResult) -> None:
-    assert [dataclasses.astuple(r) for r in a.records] == [
-        dataclasses.astuple(r) for r in b.records
-    ]
-    assert a.iterations == b.iterations
-    assert a.end_s == b.end_s
-    assert (a.prefix_cache_queries, a.prefix_cache_hits) == (
-        b.prefix_cache_queries,
-        b.prefix_cache_hits,
-    )
-
-
 @pytest.mark.parametrize(
     ("qps", "spp", "caching"), [(0.5, 2, True), (2.0, 2, True), (2.0, 4, False)]
 )
@@ -215,10 +197,10 @@ def test_simulations_match_drafts_without_price(monkeypatch, qps, spp, caching) 
         return tail_price(self, group, kv_tokens, q_tokens)
 
     monkeypatch.setattr(BatchCost, "tail_price", counting)
-    priced = _results(trace, spec)
+    priced = simulate(trace, spec)
     assert priced_calls[0] > 1_000  # the drafts did probe with the price
     monkeypatch.setattr(Scheduler, "_new_draft", _unpriced_draft)
-    _assert_same(priced, _results(trace, spec))
+    assert_same_results(priced, simulate(trace, spec))
 
 
 def _unpriced_draft(self: Scheduler) -> Draft:
@@ -285,7 +267,7 @@ def test_register_skips_only_requests_without_hashable_blocks(monkeypatch) -> No
     ] + [TraceRequest("long", 1.0, 60_000, 5, prefix_id="doc", prefix_tokens=256)]
     trace.sort(key=lambda r: (r.arrival_s, r.id))
     spec = RunSpec(policy="lars-mp", cost_model=ROOFLINE, tp=8, spp=2, target_batch_time=0.05)
-    new = _results(trace, spec)
+    new = simulate(trace, spec)
     assert new.prefix_cache_hits > 5_000  # the shared prefix was offered and found
     monkeypatch.setattr(Scheduler, "_register", _old_register)
-    _assert_same(new, _results(trace, spec))
+    assert_same_results(new, simulate(trace, spec))

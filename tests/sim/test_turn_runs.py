@@ -13,32 +13,13 @@ and crossing blocks between them, and with the prefix cache on.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim import TraceRequest
-from medha_sched.sim.engine import SimResult, Simulator
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
-
-
-def _results(trace, spec: RunSpec, **flags) -> SimResult:
-    config, model, cache = spec.build()
-    return Simulator(config, model, cache=cache, **flags).run(trace)
-
-
-def _assert_same(a: SimResult, b: SimResult) -> None:
-    assert [dataclasses.astuple(r) for r in a.records] == [
-        dataclasses.astuple(r) for r in b.records
-    ]
-    assert a.iterations == b.iterations
-    assert a.end_s == b.end_s
-    assert (a.prefix_cache_queries, a.prefix_cache_hits) == (
-        b.prefix_cache_queries,
-        b.prefix_cache_hits,
-    )
+from tests.sim.same import assert_same_results, simulate
 
 
 def _count_runs(monkeypatch) -> dict[str, int]:
@@ -93,12 +74,12 @@ def test_turn_runs_same_results_as_per_turn(monkeypatch, policy, spp, caching) -
         prefix_caching=caching,
     )
     trace = _mixed_trace()
-    per_batch = _results(trace, spec, decode_runs=False)
-    per_turn = _results(trace, spec, turn_runs=False)
+    per_batch = simulate(trace, spec, decode_runs=False)
+    per_turn = simulate(trace, spec, turn_runs=False)
     counts = _count_runs(monkeypatch)
-    runs = _results(trace, spec)
-    _assert_same(runs, per_turn)
-    _assert_same(runs, per_batch)
+    runs = simulate(trace, spec)
+    assert_same_results(runs, per_turn)
+    assert_same_results(runs, per_batch)
     assert all(r.finish_s is not None for r in runs.records)
     with_chunk = sum(1 for it in runs.iterations if it.prefill_chunks and it.decodes)
     taken = counts["single"] + counts["shared"]
@@ -108,7 +89,7 @@ def test_turn_runs_same_results_as_per_turn(monkeypatch, policy, spp, caching) -
 
 
 @pytest.mark.parametrize("qps", [0.5, 2.0])
-def test_paper_setting_same_results(monkeypatch, qps) -> None:
+def test_paper_setting_samesimulate(monkeypatch, qps) -> None:
     trace = generate(WorkloadSpec(qps=qps, num_requests=120, long_fraction=0.08, seed=5))
     spec = RunSpec(
         policy="lars-mp",
@@ -117,10 +98,10 @@ def test_paper_setting_same_results(monkeypatch, qps) -> None:
         spp=2,
         target_batch_time=0.05,
     )
-    per_turn = _results(trace, spec, turn_runs=False)
+    per_turn = simulate(trace, spec, turn_runs=False)
     counts = _count_runs(monkeypatch)
-    runs = _results(trace, spec)
-    _assert_same(runs, per_turn)
+    runs = simulate(trace, spec)
+    assert_same_results(runs, per_turn)
     assert counts["single"] + counts["shared"] > 1_000
 
 
@@ -139,10 +120,10 @@ def test_kvp2_turns_per_turn_affine_in_runs(monkeypatch) -> None:
         long_threshold=16_384,
     )
     for spec, taken in ((kvp2, False), (affine, True)):
-        per_turn = _results(trace, spec, turn_runs=False)
+        per_turn = simulate(trace, spec, turn_runs=False)
         counts = _count_runs(monkeypatch)
-        runs = _results(trace, spec)
-        _assert_same(runs, per_turn)
+        runs = simulate(trace, spec)
+        assert_same_results(runs, per_turn)
         if taken:
             assert counts["single"] + counts["shared"] > 100
         else:
@@ -168,9 +149,9 @@ def test_a_long_prompt_computed_in_runs_shares_its_prefix(monkeypatch) -> None:
         prefix_caching=True,
     )
     trace = sorted(shorts + longs, key=lambda r: (r.arrival_s, r.id))
-    per_turn = _results(trace, spec, turn_runs=False)
+    per_turn = simulate(trace, spec, turn_runs=False)
     counts = _count_runs(monkeypatch)
-    runs = _results(trace, spec)
-    _assert_same(runs, per_turn)
+    runs = simulate(trace, spec)
+    assert_same_results(runs, per_turn)
     assert counts["single"] > 0  # the first prompt's turns went in runs
     assert 0 < runs.prefix_cache_hits < 90_000  # part of the document was computed
