@@ -161,7 +161,7 @@ class BlockPool:
                     self._free.extend(reversed(blocks))
                 self.num_frees += count
                 return True
-        except IndexError:  # an id past the pool: ``it`` did not move past it
+        except (IndexError, TypeError):  # an id past the pool or not an int: ``it`` stopped on it
             pass
         for block in blocks[: len(blocks) - length_hint(it) - 1]:  # those cleared
             ref[block] = 1

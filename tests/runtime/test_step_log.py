@@ -136,7 +136,8 @@ def test_an_online_model_is_saved_as_it_started_the_log(tmp_path):
     first = OnlineCostModel.load(initial_model_path(path))
     assert first.steps == 0 and first.coefficients != learned  # before any learning
     assert first.predict(BatchWork.single_group(*records[0].items)) == pytest.approx(
-        records[0].predicted_s, abs=1e-6  # the log keeps microseconds
+        records[0].predicted_s,
+        abs=1e-6,  # the log keeps microseconds
     )
     with LLM("tiny", cost_model=COST, step_log=tmp_path / "affine.jsonl") as llm:
         llm.generate([[1, 2, 3]], params)

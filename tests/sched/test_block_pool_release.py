@@ -86,3 +86,13 @@ def test_scattered_releases_match_the_plain_stack(seed: int) -> None:
             free.extend(reversed(freed))
         assert pool._ref == ref and pool._free == free
     pool.check()
+
+
+def test_an_id_that_is_not_an_int_changes_nothing() -> None:
+    pool = BlockPool(0, 8)
+    pool.allocate("a", 4)
+    before = _state(pool)
+    with pytest.raises(TypeError):
+        pool.release("a", [0, 1, 2.0])  # type: ignore[list-item]
+    assert _state(pool) == before
+    pool.check()

@@ -77,3 +77,14 @@ def test_summary_and_csv_same_as_list(tmp_path) -> None:
     write_iterations(tmp_path / "log.csv", log)
     write_iterations(tmp_path / "rows.csv", rows)
     assert (tmp_path / "log.csv").read_bytes() == (tmp_path / "rows.csv").read_bytes()
+
+
+def test_a_refused_value_leaves_the_log_as_it_was() -> None:
+    log = IterationLog()
+    log.append(0, 0.0, 0.1, 1, 0, 0, 0)
+    with pytest.raises(TypeError):
+        log.append(1, 0.5, 0.1, 2.5, 0, 0, 0)  # decodes: an int column
+    with pytest.raises(TypeError):
+        log.extend([1, 2], [0.5, 0.6], [0.1, 0.1], [1, 1], [0, 0.5], [0, 0], [0, 0])
+    assert [len(col) for col in log.columns()] == [1] * 7
+    assert list(log) == [IterationRecord(0, 0.0, 0.1, 1, 0, 0, 0)]

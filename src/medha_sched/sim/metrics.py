@@ -166,14 +166,21 @@ class IterationLog(Sequence[IterationRecord]):
         prefill_tokens: int,
         preempted: int,
     ) -> None:
-        """Add one batch (the fields of :class:`IterationRecord`, in order)."""
-        self.batch_id.append(batch_id)
-        self.start_s.append(start_s)
-        self.predicted_s.append(predicted_s)
-        self.decodes.append(decodes)
-        self.prefill_chunks.append(prefill_chunks)
-        self.prefill_tokens.append(prefill_tokens)
-        self.preempted.append(preempted)
+        """Add one batch (the fields of :class:`IterationRecord`, in order); a value
+        a column refuses (a float where an int goes) raises and leaves the log as it was."""
+        try:
+            self.batch_id.append(batch_id)
+            self.start_s.append(start_s)
+            self.predicted_s.append(predicted_s)
+            self.decodes.append(decodes)
+            self.prefill_chunks.append(prefill_chunks)
+            self.prefill_tokens.append(prefill_tokens)
+            self.preempted.append(preempted)
+        except BaseException:
+            before = len(self.preempted)  # the last column: not appended to
+            for col in self.columns():
+                del col[before:]
+            raise
 
     def extend(
         self,
@@ -190,12 +197,17 @@ class IterationLog(Sequence[IterationRecord]):
         (checked: a mismatch raises ValueError and leaves the log as it was)."""
         cols = self.columns()
         before = len(self.batch_id)
-        for col, values in zip(
-            cols,
-            (batch_ids, starts, predicted, decodes, prefill_chunks, prefill_tokens, preempted),
-            strict=True,
-        ):
-            col.extend(values)
+        try:
+            for col, values in zip(
+                cols,
+                (batch_ids, starts, predicted, decodes, prefill_chunks, prefill_tokens, preempted),
+                strict=True,
+            ):
+                col.extend(values)
+        except BaseException:  # a value a column refuses: nothing of the call is kept
+            for col in cols:
+                del col[before:]
+            raise
         if any(len(col) != len(self.batch_id) for col in cols):
             for col in cols:
                 del col[before:]
