@@ -117,7 +117,10 @@ def linear_silu_mul(
         module, limit = _native()
         if 0 < x.shape[0] <= limit and x.shape[1] > 0:  # K = 0: torch's zeros
             return module.linear_silu_mul(x.contiguous(), weight)
-    gate, up = linear(x, weight, bias).chunk(2, dim=-1)
+        y = F.linear(x, weight)  # what linear() would pick here (its checks just passed)
+    else:
+        y = linear(x, weight, bias)
+    gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

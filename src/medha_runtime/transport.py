@@ -30,8 +30,6 @@ from typing import Any, Protocol
 
 from medha_runtime.messages import Done, Failed, FromWorker, ToWorker
 
-_dumps, _PROTOCOL = pickle.dumps, pickle.HIGHEST_PROTOCOL
-
 
 class TransportClosed(ConnectionError):
     """The driver or the link to it is gone."""
@@ -67,7 +65,7 @@ class PipeTransport:
         no worker message holds), about twice the time for a decode's :class:`Done`,
         and every decode step's reply waits for it."""
         try:
-            self.conn.send_bytes(_dumps(msg, _PROTOCOL))
+            self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise TransportClosed(f"the driver's pipe closed ({exc!r})") from None
 

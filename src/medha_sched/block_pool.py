@@ -117,16 +117,18 @@ class BlockPool:
         self.num_allocs += count
         return tuple(blocks)
 
-    def _drop_once(self, blocks: list[int], lo: int, *, run: bool) -> None:
-        """Release ``blocks`` (distinct, each held once; ``run``: the ids ``lo`` to ``lo +
-        len - 1`` in some order): what the general loop of :meth:`release` does. The
-        hashed ones go to the cache in order, the others back to the stack."""
-        count, ref = len(blocks), self._ref
-        if run:
-            ref[lo : lo + count] = [0] * count
-        else:
-            for block in blocks:
-                ref[block] = 0
+    def _drop_run(self, blocks: list[int], lo: int) -> None:
+        """Release ``blocks``, the ids ``lo`` to ``lo + len - 1`` in some order, each
+        held once: their counts cleared as a slice, then :meth:`_drop_cleared`."""
+        count = len(blocks)
+        self._ref[lo : lo + count] = [0] * count
+        self._drop_cleared(blocks)
+
+    def _drop_cleared(self, blocks: list[int]) -> None:
+        """The rest of releasing ``blocks`` (distinct, held once, counts now 0): what
+        the general loop of :meth:`release` does. The hashed ones go to the cache in
+        order, the others back to the stack."""
+        count = len(blocks)
         self._num_held -= count
         hashed = self._hash_of
         if hashed:
@@ -151,15 +153,7 @@ class BlockPool:
                     break
                 ref[block] = 0
             else:
-                count = len(blocks)
-                self._num_held -= count
-                hashed = self._hash_of
-                if hashed:
-                    self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
-                    self._free.extend(reversed([b for b in blocks if b not in hashed]))
-                else:
-                    self._free.extend(reversed(blocks))
-                self.num_frees += count
+                self._drop_cleared(blocks)
                 return True
         except (IndexError, TypeError):  # an id past the pool or not an int: ``it`` stopped on it
             pass
@@ -193,7 +187,7 @@ class BlockPool:
             ):
                 held = ref[lo : lo + count]
                 if min(held) == max(held) == 1:
-                    self._drop_once(blocks, lo, run=True)
+                    self._drop_run(blocks, lo)
                     return
         if min(blocks) >= 0 and self._drop_held_once(blocks):
             return
@@ -201,13 +195,9 @@ class BlockPool:
         if lo < 0 or hi >= self.num_blocks:
             self._check_release(owner, blocks)
         counts = itemgetter(*blocks)(ref) if count > 1 else (ref[first],)
-        # (counts.count(1) is quick when it is all of them: the same small int object)
-        ones = counts.count(1) == count
-        if len(set(blocks)) < count or (not ones and min(counts) < 1):
+        # (distinct ids each held once were taken by _drop_held_once above)
+        if len(set(blocks)) < count or min(counts) < 1:
             self._check_release(owner, blocks)
-        if ones:  # each block held once (and distinct): every one leaves
-            self._drop_once(blocks, lo, run=hi - lo == count - 1)
-            return
         hashed = self._hash_of
         freed = []
         for block in blocks:

@@ -1280,7 +1280,7 @@ class Scheduler:
         size = self._sizer.adaptive_alone
         group_time, features, chunk_time = agg.group_time, agg.features, agg.chunk_time_fn
         # ChunkSizer.adaptive_alone's rule, inline when the model prices in one call
-        price = agg.chunk_price()
+        price = self._draft_price  # agg.chunk_price(), looked up once
         cfg = self.config
         grid, max_chunk, long_min = cfg.token_grid, cfg.max_chunk_tokens, cfg.long_prefill_threshold
         share = cfg.max_space_share if self.policy.space_sharing else None

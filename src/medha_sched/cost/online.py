@@ -584,12 +584,8 @@ class OnlineCostModel(AggregateCostModel):
         median measured/predicted ratio (``log_ratio``, as a log, at most 16x),
         relearned around fresh covariance; the shared fit is left as it is."""
         assert self._dec is not None
-        factor = math.exp(min(max(log_ratio, -_MAX_DRIFT_LOG), _MAX_DRIFT_LOG))
-        self._dec = [min(max(a * factor, 0.0), _MAX_COEF) for a in self._dec]
-        self._dec[0] = max(self._dec[0], _MIN_STEP)
         self._dec_out = []
-        self._reset_decode_covariance()
-        self._sync_decode()
+        self._scale_decode(math.exp(min(max(log_ratio, -_MAX_DRIFT_LOG), _MAX_DRIFT_LOG)))
         self.drifts += 1
         self._streak, self._streak_residuals, self._streak_anchored = 0, [], 0
 
