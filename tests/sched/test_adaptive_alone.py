@@ -12,9 +12,9 @@ import pytest
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.packer import Draft
-from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim.runner import RunSpec
+from tests.sched.mixed_queue import add_mixed_requests
 
 
 @pytest.mark.parametrize("policy", ["lars-mp", "lars", "fcfs", "edf"])
@@ -29,12 +29,7 @@ def test_adaptive_alone_matches_adaptive_on_a_seeded_draft(policy: str) -> None:
     sched = Scheduler(config, model, cache=cache)
     sizer = sched._sizer
     rng = random.Random(7)
-    reqs = []
-    for i in range(40):
-        prompt = rng.randint(40_000, 200_000) if i % 3 == 0 else rng.randint(20, 8_000)
-        r = Request(f"r{i}", rng.uniform(0.0, 2.0), prompt, rng.randint(1, 50))
-        sched.add_request(r)
-        reqs.append(r)
+    reqs = add_mixed_requests(sched, rng)
     fits = zero = seeded = 0
     for _ in range(3_000):
         r = rng.choice(reqs)

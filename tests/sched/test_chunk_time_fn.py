@@ -14,9 +14,9 @@ from medha_sched.config import ParallelDegrees
 from medha_sched.cost.affine import AffineCostModel
 from medha_sched.cost.roofline import RooflineCostModel
 from medha_sched.prefill_cache import PrefillTimeCache
-from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim.runner import RunSpec
+from tests.sched.mixed_queue import add_mixed_requests
 
 
 @pytest.mark.parametrize(("tp", "spp", "kvp"), [(1, 1, 1), (8, 2, 1), (8, 4, 2), (2, 1, 4)])
@@ -75,12 +75,7 @@ def test_adaptive_alone_with_chunk_time_equals_without(policy: str) -> None:
     sched = Scheduler(config, model, cache=cache)
     sizer = sched._sizer
     rng = random.Random(11)
-    reqs = []
-    for i in range(40):
-        prompt = rng.randint(40_000, 200_000) if i % 3 == 0 else rng.randint(20, 8_000)
-        r = Request(f"r{i}", rng.uniform(0.0, 2.0), prompt, rng.randint(1, 50))
-        sched.add_request(r)
-        reqs.append(r)
+    reqs = add_mixed_requests(sched, rng)
     fits = seeded = 0
     for _ in range(3_000):
         r = rng.choice(reqs)

@@ -28,6 +28,7 @@ from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
+from tests.sched.mixed_queue import add_mixed_requests
 from tests.sim.same import assert_same_results, simulate
 
 ROOFLINE = "roofline:model=llama3-8b,gpu=a100"
@@ -97,12 +98,7 @@ def test_priced_sizing_matches_the_summed_probes(policy: str) -> None:
     sched = Scheduler(config, model, cache=cache)
     sizer, limit_g = sched._sizer, sched.group_limit
     rng = random.Random(11)
-    reqs = []
-    for i in range(40):
-        prompt = rng.randint(40_000, 200_000) if i % 3 == 0 else rng.randint(20, 8_000)
-        r = Request(f"r{i}", rng.uniform(0.0, 2.0), prompt, rng.randint(1, 50))
-        sched.add_request(r)
-        reqs.append(r)
+    reqs = add_mixed_requests(sched, rng)
     joined = zero = two = lowered = 0
     for _ in range(1_500):
         target = config.target_batch_time * rng.choice([1.0, 1.0, 0.5, 0.2])

@@ -640,6 +640,21 @@ def test_the_decode_anchor_moves_the_revision_and_the_prefill_table():
     assert model.predict(short) == price and model.revision == revision
 
 
+def _three_chunk_steps(
+    model: OnlineCostModel, rng: random.Random, kv: int, true: tuple[float, ...]
+) -> tuple[int, list[float | None]]:
+    """Three steps of a short chat's decode beside a 32-128-token chunk of a long
+    prompt from KV ``kv`` on, timed by ``true`` with 2% noise: (the KV after
+    them, each step's error as ``observe`` returned it)."""
+    errors = []
+    for _ in range(3):
+        q = rng.choice((32, 64, 128))
+        kv += q
+        b = BatchWork.single_group((1, 140), (q, kv))
+        errors.append(model.observe(b, _truth(b, true) * math.exp(rng.gauss(0, 0.02))))
+    return kv, errors
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_runs_of_one_token_steps_leave_the_shared_fit_alone(seed):
     """A long prompt's chunks carry a fixed cost (5 ms here) that one-token steps
@@ -651,20 +666,12 @@ def test_runs_of_one_token_steps_leave_the_shared_fit_alone(seed):
     with a chunk only."""
     rng = random.Random(seed)
     true = (5e-3, 1e-4, 3e-5, 2e-8, 2e-8)
-
-    def chunk_time(q: int, kv: int) -> float:  # a decode of a short chat and a chunk
-        return _truth(BatchWork.single_group((1, 140), (q, kv)), true)
-
     model = OnlineCostModel(true)
     kv, errors = 30_000, []
     for r in range(60):
-        for _ in range(3):
-            q = rng.choice((32, 64, 128))
-            kv += q
-            b = BatchWork.single_group((1, 140), (q, kv))
-            err = model.observe(b, chunk_time(q, kv) * math.exp(rng.gauss(0, 0.02)))
-            if r >= 1:
-                errors.append(err)
+        kv, errs = _three_chunk_steps(model, rng, kv, true)
+        if r >= 1:
+            errors.extend(errs)
         for j in range(3):
             n = rng.choice((1, 2))
             y = (0.7e-3 + 0.1e-3 * n) * math.exp(rng.gauss(0, 0.02))
@@ -689,13 +696,9 @@ def test_one_token_steps_slowing_alone_move_the_anchor_not_the_chunks(slowdown):
     kv, chunk_errors = 30_000, []
     for r in range(40):
         slow = slowdown if r >= 20 else 1.0
-        for _ in range(3):
-            q = rng.choice((32, 64, 128))
-            kv += q
-            b = BatchWork.single_group((1, 140), (q, kv))
-            err = model.observe(b, _truth(b, true) * math.exp(rng.gauss(0, 0.02)))
-            if r >= 20:
-                chunk_errors.append(err)
+        kv, errs = _three_chunk_steps(model, rng, kv, true)
+        if r >= 20:
+            chunk_errors.extend(errs)
         for j in range(3):
             y = 0.8e-3 * slow * math.exp(rng.gauss(0, 0.02))
             model.observe(BatchWork.single_group((1, 140 + j)), y)
