@@ -155,3 +155,40 @@ def test_a_long_prompt_computed_in_runs_shares_its_prefix(monkeypatch) -> None:
     assert_same_results(runs, per_turn)
     assert counts["single"] > 0  # the first prompt's turns went in runs
     assert 0 < runs.prefix_cache_hits < 90_000  # part of the document was computed
+
+
+def test_a_decode_batch_ending_in_a_run_before_clearing_stage_0_counts_as_cleared(
+    monkeypatch,
+) -> None:
+    """A decode-only batch in flight that has not cleared stage 0 when a run starts
+    (it happens once on this trace with SPP 4) and ends during the run clears
+    it there: after every run, each running request's progress stays ordered,
+    computed <= cleared stage 0 <= scheduled (its lane's cleared count was left
+    one short without that, and the members' stage-0 count fell below their
+    computed count)."""
+    trace = generate(WorkloadSpec(qps=1.0, num_requests=1000, long_fraction=0.05, seed=0))
+    spec = RunSpec(
+        policy="lars-mp",
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=4,
+        target_batch_time=0.05,
+    )
+    run, seen = Scheduler.turn_run, {"uncleared": 0, "runs": 0}
+
+    def checked(self, request, now, horizon, free, ends_before):  # type: ignore[no-untyped-def]
+        seen["uncleared"] += sum(
+            1 for b in self._in_flight.values() if not b.stage0_cleared and not b.entries
+        )
+        out = run(self, request, now, horizon, free, ends_before)
+        if out is not None:
+            seen["runs"] += 1
+            for r in self._running.values():
+                assert r.num_computed_tokens <= r.num_stage0_tokens <= r.num_scheduled_tokens, (
+                    r.request_id
+                )
+        return out
+
+    monkeypatch.setattr(Scheduler, "turn_run", checked)
+    simulate(trace, spec)
+    assert seen["runs"] > 100 and seen["uncleared"] >= 1  # the case was met
