@@ -300,8 +300,8 @@ def plan_paged_attention_from_host(
         max_block = int(hi_t)
     cu, lens = [int(x) for x in cu_seqlens_q], [int(x) for x in kv_lens]
     meta = _validate(
-        _int32(cu, device),
-        _int32(lens, device),
+        host_tensor(cu, torch.int32, device),
+        host_tensor(lens, torch.int32, device),
         table.to(device),
         num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads,
@@ -328,11 +328,6 @@ def host_tensor(
         return torch.empty(0, dtype=dtype, device=device)
     t = torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
     return t if torch.device(device).type == "cpu" else t.to(device)
-
-
-def _int32(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """:func:`host_tensor` of int32 values."""
-    return host_tensor(values, torch.int32, device)
 
 
 def _plan(meta: PagedMeta, backend: str) -> PagedAttentionPlan:

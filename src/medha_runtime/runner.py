@@ -340,26 +340,23 @@ def build_group_batch(
         cu.append(len(ids))
         sample_rows.extend(logit_rows(c, len(ids) - n))
 
-    def tensor(x: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return host_tensor(x, dtype, device)
-
     table = padded_block_table(shards.block_tables)
     max_block = int(table.max()) if table.numel() else -1  # padding zeros: ids are >= 0
     batch = ForwardBatch(
-        input_ids=tensor(ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        cu_seqlens_q=tensor(cu, torch.int32),
-        kv_lens=tensor(shards.kv_lens, torch.int32),
+        input_ids=host_tensor(ids, torch.int64, device),
+        positions=host_tensor(positions, torch.int64, device),
+        cu_seqlens_q=host_tensor(cu, torch.int32, device),
+        kv_lens=host_tensor(shards.kv_lens, torch.int32, device),
         block_table=table.to(device),
-        slots=tensor(slots, torch.int32),
-        sample_rows=tensor(sample_rows, torch.int64),
+        slots=host_tensor(slots, torch.int32, device),
+        sample_rows=host_tensor(sample_rows, torch.int64, device),
         host=PagedHost(cu_seqlens_q=cu, kv_lens=shards.kv_lens, max_block=max_block),
         writes_kv=any(shards.is_tail),  # a chunk's KV is written on its tail group only
     )
     if capacity is not None and all(shards.is_tail):  # every row writes: slots all >= 0
         if slots and (top := max(slots)) >= capacity:
             raise ValueError(f"slots: {top} is past the cache's {capacity} slots")
-        batch.set_kv_write_index(tensor(slots, torch.int64))
+        batch.set_kv_write_index(host_tensor(slots, torch.int64, device))
     return batch, shards
 
 

@@ -22,7 +22,6 @@ from operator import add as _add
 from medha_sched.batch_cost import BatchCost, Work, chunk_works
 from medha_sched.chunking import (
     largest_chunk_priced,
-    largest_chunk_within,
     largest_fitting_chunk,
 )
 from medha_sched.config import SchedulerConfig
@@ -232,32 +231,27 @@ class ChunkSizer:
         limit_g = self._limit
         if limit_g - start % limit_g < limit:
             limit = limit_g - start % limit_g
-        probes: dict[int, float] = {}
         fn = None if chunk_time is None else chunk_time(base, start)
         if fn is not None:
-
-            def time_of(n: int) -> float:
-                t = probes[n] = fn(n)
-                return t
-
+            time_of = fn
         elif base is None:
 
             def time_of(n: int) -> float:
-                t = probes[n] = group_time(list(features(n, start, True)))
-                return t
+                return group_time(list(features(n, start, True)))
 
         else:
 
             def time_of(n: int) -> float:
-                t = probes[n] = group_time(list(map(_add, base, features(n, start, True))))
-                return t
+                return group_time(list(map(_add, base, features(n, start, True))))
 
-        chunk = largest_chunk_within(
+        # largest_chunk_within's search, keeping the chosen chunk's probed time
+        return largest_chunk_priced(
             limit,
             cfg.token_grid,
-            time_of,
+            lambda _base, _start, n: time_of(n),
+            None,
+            0,
             target,
-            base=base_time,
-            hint=self._last_chunk.get(request.request_id, 0),
+            base_time,
+            self._last_chunk.get(request.request_id, 0),
         )
-        return (chunk, probes[chunk]) if chunk else (0, 0.0)

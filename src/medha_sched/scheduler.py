@@ -1270,7 +1270,6 @@ class Scheduler:
         first_queued = queue.first
         out = self._turn_out
         running = self._running
-        kvp = self.layout.kvp
         spp = len(free)
         lanes = self._lanes
         ready = lanes.ready
@@ -1318,10 +1317,8 @@ class Scheduler:
             start = r._scheduled
             if start >= limit:
                 break
-            if shared:
-                groups = memory.groups_of(rid)
-                if len(set(groups[: start // limit + 1])) < kvp:
-                    break
+            if shared and not memory.groups_of(rid):  # one KVP group (start < limit)
+                break
             lane = ready[0] if ready else None
             if lane is None:
                 decodes, crossers, base, base_time = 0, None, None, 0.0

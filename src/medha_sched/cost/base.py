@@ -18,6 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Protocol, runtime_checkable
 
 from medha_sched.config import ParallelDegrees
@@ -125,9 +126,11 @@ class AggregateCostModel(ABC):
         """``f(n)``: :meth:`group_time` of ``base`` plus the features of an
         ``n``-token tail chunk at KV position ``start`` (``base`` None: the chunk
         alone), summed term by term as ``base[k] + features(n, start, True)[k]``,
-        giving the very same floats; None when the model has no quicker form
-        (the default). A prefill turn probes one group for its chunk size."""
-        return None
+        giving the very same floats (:meth:`chunk_price` with ``base`` and
+        ``start`` bound); None when the model has no :meth:`chunk_price`. A
+        prefill turn probes one group for its chunk size."""
+        price = self.chunk_price()
+        return None if price is None else partial(price, base, start)
 
     def chunk_price(self) -> Callable[[Sequence[float] | None, int, int], float] | None:
         """``price(base, start, n)``: ``chunk_time_fn(base, start)(n)`` in one call

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import ClassVar
 
 from medha_sched.config import ParallelDegrees
@@ -154,16 +154,6 @@ class RooflineCostModel(AggregateCostModel):
             return time
 
         return time_of
-
-    def chunk_time_fn(
-        self, base: Sequence[float] | None, start: int
-    ) -> Callable[[int], float] | None:
-        """:meth:`group_time` of ``base + features(n, start, True)`` as a function of
-        ``n`` (see :meth:`AggregateCostModel.chunk_time_fn`): the same sums and the
-        same floats, without the feature tuple, the summed list and the
-        coefficient unpacking of each call."""
-        price = self.chunk_price()
-        return None if price is None else partial(price, base, start)
 
     def chunk_price(self) -> Callable[[Sequence[float] | None, int, int], float] | None:
         """``price(base, start, n)``: :meth:`group_time` of ``base`` (None: nothing)

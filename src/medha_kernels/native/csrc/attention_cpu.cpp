@@ -782,14 +782,16 @@ at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Te
   };
   int64_t decodes = 0, work = 0;
   std::vector<int64_t> costs(B);
+  std::vector<char> decode(B);
   for (int64_t b = 0; b < B; ++b) {
-    decodes += is_decode(b) ? 1 : 0;
+    decode[b] = is_decode(b);
+    decodes += decode[b] ? 1 : 0;
     costs[b] = seq_cost(b);
     work += costs[b];
   }
   const int64_t threads = at::get_num_threads();
   auto whole_task = [&](int64_t b) {
-    if (!is_decode(b)) return false;
+    if (!decode[b]) return false;
     return threads == 1 || (decodes >= 2 * threads && costs[b] * threads <= work);
   };
   std::vector<int32_t> flat;
@@ -811,7 +813,8 @@ at::Tensor plan_paged_attention_cpu(const at::Tensor& cu_seqlens_q, const at::Te
   std::vector<int64_t> order(T), cost(T);
   for (int64_t i = 0; i < T; ++i) {
     const int32_t* t = &flat[4 * i];
-    cost[i] = task_cost(t, lens, starts, t[1] < 0 ? group * num_kv_heads : group, causal);
+    // a whole-sequence task is {b, -1, 0, nq}: seq_cost(b), computed above
+    cost[i] = t[1] < 0 ? costs[t[0]] : task_cost(t, lens, starts, group, causal);
   }
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
