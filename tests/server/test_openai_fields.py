@@ -321,11 +321,12 @@ def test_log_lines_and_sigterm_with_orphaned_requests(server: Server, log_path: 
     with open(f"/proc/{server.proc.pid}/maps") as maps:  # the HTTP process
         assert "libtorch" not in maps.read()
     port = int(server.url.rsplit(":", 1)[1])
-    # 12 requests of 202 tokens do not fit the 2,048-token KV pool at once: some wait
-    # for the others to finish, so requests are still in flight when SIGTERM comes
-    socks = [_orphan(port, stream=i % 2 == 1) for i in range(12)]
+    # 12 requests of 4 samples of 202 tokens need 9,696 KV tokens, almost five times the
+    # 2,048-token pool: they run in five or more rounds (~0.2 s each), so requests are
+    # still in flight when SIGTERM comes
+    socks = [_orphan(port, stream=i % 2 == 1, n=4) for i in range(12)]
     try:
-        _wait_in_engine(server, 12)
+        _wait_in_engine(server, 12, at_least=True)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         rc = server.proc.wait(timeout=10)
@@ -342,7 +343,7 @@ def test_log_lines_and_sigterm_with_orphaned_requests(server: Server, log_path: 
     assert "/v1/completions 200 prompt_tokens=" in text  # access lines
     assert "/v1/completions 400 error=suffix: suffix (insertion) is not supported" in text
     aborted = re.search(r"aborted (\d+) in-flight", text)
-    assert aborted is not None and 1 <= int(aborted[1]) <= 12, text[-2000:]
+    assert aborted is not None and 1 <= int(aborted[1]) <= 48, text[-2000:]  # samples
 
 
 def test_front_end_imports_no_torch() -> None:
