@@ -374,12 +374,18 @@ def allocate_kv(
 
     Real steps write every slot before reading it, but synthetic (profiling)
     steps read slots nobody wrote: zeros keep them free of NaNs and denormals,
-    which would distort the timings.
+    which would distort the timings. On the CPU, on huge pages where the kernel
+    allows (:meth:`KVCache.allocate`).
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    return KVCache(k, v)
+    return KVCache.allocate(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+    )
 
 
 class ModelRunner:

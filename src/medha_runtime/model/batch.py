@@ -15,6 +15,7 @@ import torch
 
 from medha_kernels import PagedAttentionPlan, PagedHost, append_paged_kv, plan_paged_attention
 from medha_kernels.decode_ops import write_kv as native_write_kv
+from medha_runtime import huge_pages
 
 
 @dataclass
@@ -311,8 +312,18 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        """Zero-filled caches for ``num_layers`` layers."""
+        """Zero-filled caches for ``num_layers`` layers.
+
+        On the CPU, one huge-page arena holds every layer's K and V where the
+        kernel allows (:mod:`medha_runtime.huge_pages`; ``MEDHA_CPU_HUGE_PAGES=off``
+        turns it off): a long context's attention reads blocks in the table's
+        order, scattered over the cache.
+        """
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            made = huge_pages.zeros(2 * num_layers, shape, dtype)
+            if made is not None:  # layer i's K then its V
+                return cls(made[0::2], made[1::2])
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(k, v)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from medha_parallel import TPCommunicator
+from medha_runtime import huge_pages
 from medha_runtime.model.config import ModelConfig
 from medha_runtime.model.errors import (
     ConfigError,
@@ -234,18 +235,38 @@ def load_weights(
         ShapeMismatchError: a tensor's shape differs from the config's (named,
             expected vs got).
     """
+    plan = weight_plan(model)
+    arena = None
+    if torch.device(device).type == "cpu":  # every weight on huge pages where the kernel allows
+        shapes = {tuple(pieces): _param_shape(pieces) for pieces in plan.values()}
+        arena = huge_pages.new_arena(
+            huge_pages.packed_bytes([(shape, model.dtype) for shape in shapes.values()])
+        )
     made: dict[tuple[Piece, ...], nn.Parameter] = {}
     state: dict[str, nn.Parameter] = {}
-    for param_name, pieces in weight_plan(model).items():
+    for param_name, pieces in plan.items():
         key = tuple(pieces)
         if key not in made:
             parts = [_read_piece(source, p, model.dtype, device) for p in pieces]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if arena is not None:
+                value = arena.copy(value)
             made[key] = nn.Parameter(value, requires_grad=False)
         state[param_name] = made[key]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model
+
+
+def _param_shape(pieces: list[Piece]) -> tuple[int, ...]:
+    """The shape of a parameter built from ``pieces`` (sliced, padded, concatenated on dim 0)."""
+    shapes = []
+    for p in pieces:
+        shape = list(p.shape)
+        if p.dim is not None:
+            shape[p.dim] = p.stop - p.start
+        shapes.append(shape)
+    return (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
 
 
 def _read_piece(
