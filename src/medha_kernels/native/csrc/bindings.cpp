@@ -161,6 +161,17 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
                              tasks, causal, sm_scale);
 }
 
+// paged_attention with the step's planned arguments first, so that a plan binds them
+// once (functools.partial) and each layer's call is (q, k_cache, v_cache) with no
+// Python frame; the three are made contiguous here.
+std::tuple<at::Tensor, at::Tensor> paged_attention_planned(
+    const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens, const at::Tensor& q_start,
+    const at::Tensor& block_table, const at::Tensor& tasks, bool causal, double sm_scale,
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return paged_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu_seqlens_q,
+                         kv_lens, q_start, block_table, tasks, causal, sm_scale);
+}
+
 }  // namespace medha
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -189,6 +200,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("kv_lens"),
         py::arg("q_start"), py::arg("block_table"), py::arg("tasks"), py::arg("causal"),
         py::arg("sm_scale"), nogil);
+  m.def("paged_attention_planned", &medha::paged_attention_planned,
+        "paged_attention(q, k_cache, v_cache, ...) with the planned arguments first (q, "
+        "k_cache and v_cache made contiguous).",
+        py::arg("cu_seqlens_q"), py::arg("kv_lens"), py::arg("q_start"), py::arg("block_table"),
+        py::arg("tasks"), py::arg("causal"), py::arg("sm_scale"), py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), nogil);
   m.def(
       "linear_small_m",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
