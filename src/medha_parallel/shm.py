@@ -219,9 +219,10 @@ class ShmAllGather:
         def exchange_merge(
             out: torch.Tensor, lse: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            self._seq = seq = self._seq + 1
+            seq = self._seq + 1
             v, s = views[seq % 2]
             merged = publish_merge(out, lse, v, s, index, base, _FLAG_STRIDE, seq, spin)
+            self._seq = seq  # published (a call refusing its arguments publishes nothing)
             if merged is None:  # published; a peer is later than the spin
                 flags = self._flags
                 for r in self._peers:

@@ -6,7 +6,8 @@ extension builds, the merger a decode's later layers call is
 that arrives within the native spin, one 30 ms late (past the spin: the early rank
 sleeps on the futex and the late one's native call wakes it), and plain ``merge``
 calls between them (the two paths share the exchange's sequence), are bit for bit
-what ``merge`` gives and within twice plain torch's fp32 error of float64.
+what ``merge`` gives and within twice plain torch's fp32 error of float64; a call
+the native op refuses publishes nothing (the ranks' merges stay paired).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def _worker(rank: int, world: int, init: str) -> dict[str, object]:
     comm.merge(outs[rank], lses[rank], active=2)
     merger = comm.merger(outs[rank], lses[rank], active=2)
     assert merger is not None
+    before = comm._shm._seq
+    try:  # a state of another shape: refused before anything is published
+        merger(outs[rank][:, :2], lses[rank][:, :2])
+        refused = False
+    except RuntimeError:
+        refused = True
+    unchanged = comm._shm._seq == before
     got, seqs = [], []
     for i in range(1, 7):
         outs, lses = _states(i)
@@ -55,7 +63,12 @@ def _worker(rank: int, world: int, init: str) -> dict[str, object]:
         comm._fast = fast_cache
         got.append((fast, checked, outs, lses))
         seqs.append(comm._shm._seq)
-    return {"name": merger.__qualname__, "got": got, "seqs": seqs}
+    return {
+        "name": merger.__qualname__,
+        "refused": (refused, unchanged),
+        "got": got,
+        "seqs": seqs,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +79,9 @@ def ranks() -> list[dict[str, object]]:
 def test_the_merger_is_the_native_one(ranks) -> None:
     for res in ranks:
         assert res["name"] == "ShmAllGather.merger.<locals>.exchange_merge"
+        # a refused call leaves the exchange's sequence alone, so the ranks stay paired;
         # each round: one exchange in the merger, one in merge (the first merge: 1)
+        assert res["refused"] == (True, True)
         assert res["seqs"] == [1 + 2 * i for i in range(1, 7)]
 
 
