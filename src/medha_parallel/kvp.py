@@ -251,16 +251,26 @@ class KVPCommunicator:
             if key is not None and out.dtype == torch.float32 and lse.dtype == torch.float32:
                 if len(self._fast) >= 64:
                     self._fast.clear()
-                both = []
-                for b in (0, 1):  # each buffer's states, this rank's slots, their addresses
-                    vb, sb = self._state_views_of(shared.buffer(b), out.shape)
-                    mine = (vb[:, self.index], sb[:, self.index])
-                    # a decode's slots (one query) are contiguous: copied by address
-                    one = mine[0].is_contiguous() and mine[1].is_contiguous()
-                    addrs = (mine[0].data_ptr(), mine[1].data_ptr()) if one else (0, 0)
-                    both.append((vb, sb, *mine, *addrs))
-                sizes = (out.numel() * 4, lse.numel() * 4)
-                self._fast[key] = _fast_merge(shared, tuple(both), *sizes, _direct(merge_fn))
+                direct = _direct(merge_fn)
+                publish = (
+                    getattr(native.get_module("cpu"), "publish_merge_states", None)
+                    if direct is not merge_fn
+                    else None
+                )
+                if publish is not None:  # the native op: one call copies, exchanges, merges
+                    views = tuple(self._state_views_of(shared.buffer(b), out.shape) for b in (0, 1))
+                    self._fast[key] = shared.merger(views, publish, direct, op)
+                else:
+                    both = []
+                    for b in (0, 1):  # each buffer's states, this rank's slots, their addresses
+                        vb, sb = self._state_views_of(shared.buffer(b), out.shape)
+                        mine = (vb[:, self.index], sb[:, self.index])
+                        # a decode's slots (one query) are contiguous: copied by address
+                        one = mine[0].is_contiguous() and mine[1].is_contiguous()
+                        addrs = (mine[0].data_ptr(), mine[1].data_ptr()) if one else (0, 0)
+                        both.append((vb, sb, *mine, *addrs))
+                    sizes = (out.numel() * 4, lse.numel() * 4)
+                    self._fast[key] = _fast_merge(shared, tuple(both), *sizes, direct)
             v[:, self.index].copy_(out.detach())  # tokens first: merged in place, no copy
             s[:, self.index].copy_(lse.detach())
             with named_comm("kvp", op):

@@ -45,6 +45,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -182,6 +183,56 @@ class ShmAllGather:
             if not _reached(flags[r].value, seq):
                 self._wait(r, seq, op)
 
+    def merger(
+        self,
+        views: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        publish_merge: Callable[..., tuple[torch.Tensor, torch.Tensor] | None],
+        merge: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        op: str,
+    ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """An exchange and merge of one state per rank as one native call, for a KVP
+        decode's later layers (each runs cold, after its attention streamed the
+        layer's KV shard through the caches: one call instead of the copies, the
+        exchange's Python frames and the merge).
+
+        Args:
+            views: per buffer (0, 1), fp32 ``[num_q, size, num_heads, head_dim]``
+                states and ``[num_q, size, num_heads]`` LSEs over it (what
+                ``merge`` takes; this rank's slots at index :attr:`index`).
+            publish_merge: ``medha_kernels``' native ``publish_merge_states``: this
+                rank's state into its slots, its flag stored and sleepers woken as
+                :meth:`exchange` does, a spin of :data:`_GATHER_SPIN_S` for the
+                peers, then ``merge``'s result, or None if a peer is later.
+            merge: the native ``merge_states`` (``views`` -> merged state).
+            op: names the operation in a timeout's error.
+
+        Returns:
+            ``(out, lse) -> merge(*views[parity])`` with this rank's ``out``
+            ``[num_q, num_heads, head_dim]`` and ``lse`` ``[num_q, num_heads]`` fp32,
+            the shapes of ``views`` (not checked here: the native call checks them).
+            A peer later than the spin is waited for as :meth:`exchange` waits
+            (futex, then :class:`~medha_parallel.errors.CommunicationError` after
+            the timeout).
+        """
+        base, index, spin = self._base, self.index, _GATHER_SPIN_S
+
+        def exchange_merge(
+            out: torch.Tensor, lse: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            seq = self._seq + 1
+            v, s = views[seq % 2]
+            merged = publish_merge(out, lse, v, s, index, base, _FLAG_STRIDE, seq, spin)
+            self._seq = seq  # published (a call refusing its arguments publishes nothing)
+            if merged is None:  # published; a peer is later than the spin
+                flags = self._flags
+                for r in self._peers:
+                    if not _reached(flags[r].value, seq):
+                        self._wait(r, seq, op, spin=False)
+                return merge(v, s)
+            return merged
+
+        return exchange_merge
+
     def gather(
         self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, op: str
     ) -> torch.Tensor:
@@ -227,12 +278,13 @@ class ShmAllGather:
             self._cache[key] = views
         return views[seq % 2]
 
-    def _wait(self, rank: int, seq: int, op: str) -> None:
+    def _wait(self, rank: int, seq: int, op: str, *, spin: bool = True) -> None:
         """Wait for ``rank``'s flag to reach ``seq``: a spin yielding the core for
-        :data:`_GATHER_SPIN_S`, then futex waits of :data:`_GATHER_SLICE_S` with this
-        rank's sleeping word set (see the module docstring)."""
+        :data:`_GATHER_SPIN_S` (unless ``spin`` is False: the caller spun), then futex
+        waits of :data:`_GATHER_SLICE_S` with this rank's sleeping word set (see the
+        module docstring)."""
         flag = self._flags[rank]
-        if _spin(flag, seq, _GATHER_SPIN_S):
+        if spin and _spin(flag, seq, _GATHER_SPIN_S):
             return
         mine = self._sleeping[self.index]
         mine.value = 1

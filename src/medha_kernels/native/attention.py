@@ -13,6 +13,7 @@ by :func:`plan_paged_attention`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import TYPE_CHECKING
 
@@ -99,14 +100,11 @@ def _native_run(
         counts = cu[1:] - cu[:-1]
         q_start = (lens - counts).to(_I32)  # a chunk is the newest tokens of its sequence
     tasks = ext.plan_paged_attention(cu, lens, q_start, meta.num_kv_heads, group, meta.causal)
-    args = (cu, lens, q_start, table, tasks, meta.causal, meta.sm_scale)
-
-    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        return ext.paged_attention(
-            q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), *args
-        )
-
-    return run
+    # run(q, k_cache, v_cache): the native op with the plan's arguments bound, no Python
+    # frame (it makes the three contiguous); a decode step's KVP layers call it cold
+    return functools.partial(
+        ext.paged_attention_planned, cu, lens, q_start, table, tasks, meta.causal, meta.sm_scale
+    )
 
 
 def paged_attention(

@@ -96,6 +96,30 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& v, const at::T
   return merge_states_cpu(v, s);
 }
 
+std::optional<std::tuple<at::Tensor, at::Tensor>> publish_merge_states(
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& v, const at::Tensor& s,
+    int64_t index, int64_t flags, int64_t flag_stride, int64_t seq, double spin_s) {
+  check_state("publish_merge_states: ", v, s, 4);
+  TORCH_CHECK(v.is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous() &&
+                  s.is_contiguous(),
+              "publish_merge_states: expected contiguous fp32 CPU states, got ",
+              v.scalar_type(), " on ", v.device());
+  const int64_t T = v.size(0), N = v.size(1), H = v.size(2), D = v.size(3);
+  TORCH_CHECK(out.is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 3 &&
+                  out.size(0) == T && out.size(1) == H && out.size(2) == D,
+              "publish_merge_states: out: expected fp32 [", T, ", ", H, ", ", D, "] on the CPU, got ",
+              out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(lse.is_cpu() && lse.scalar_type() == at::kFloat && lse.dim() == 2 &&
+                  lse.size(0) == T && lse.size(1) == H,
+              "publish_merge_states: lse: expected fp32 [", T, ", ", H, "] on the CPU, got ",
+              lse.scalar_type(), " ", lse.sizes());
+  TORCH_CHECK(index >= 0 && index < N, "publish_merge_states: index ", index, " not in [0, ", N,
+              ")");
+  TORCH_CHECK(flags != 0 && flag_stride >= 8 && flag_stride % 4 == 0,
+              "publish_merge_states: bad flags address or stride ", flag_stride);
+  return publish_merge_states_cpu(out, lse, v, s, index, flags, flag_stride, seq, spin_s);
+}
+
 void check_cpu_i32(const std::string& name, const at::Tensor& t, int64_t dim) {
   TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kInt && t.dim() == dim && t.is_contiguous(),
               name, ": expected a contiguous int32 CPU tensor of rank ", dim);
@@ -137,6 +161,17 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
                              tasks, causal, sm_scale);
 }
 
+// paged_attention with the step's planned arguments first, so that a plan binds them
+// once (functools.partial) and each layer's call is (q, k_cache, v_cache) with no
+// Python frame; the three are made contiguous here.
+std::tuple<at::Tensor, at::Tensor> paged_attention_planned(
+    const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens, const at::Tensor& q_start,
+    const at::Tensor& block_table, const at::Tensor& tasks, bool causal, double sm_scale,
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return paged_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu_seqlens_q,
+                         kv_lens, q_start, block_table, tasks, causal, sm_scale);
+}
+
 }  // namespace medha
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -151,6 +186,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask") = py::none(), nogil);
   m.def("merge_states", &medha::merge_states, "Merge N states [T, N, H, D] / [T, N, H].",
         py::arg("v"), py::arg("s"), nogil);
+  m.def("publish_merge_states", &medha::publish_merge_states,
+        "Copy a state into its shared slots, publish seq, wait up to spin_s for the peers, "
+        "merge (None if a peer is later).",
+        py::arg("out"), py::arg("lse"), py::arg("v"), py::arg("s"), py::arg("index"),
+        py::arg("flags"), py::arg("flag_stride"), py::arg("seq"), py::arg("spin_s"), nogil);
   m.def("plan_paged_attention", &medha::plan_paged_attention,
         "CPU paged attention: the step's task list [T, 5] int32 (plan once per step).",
         py::arg("cu_seqlens_q"), py::arg("kv_lens"), py::arg("q_start"), py::arg("num_kv_heads"),
@@ -160,6 +200,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("kv_lens"),
         py::arg("q_start"), py::arg("block_table"), py::arg("tasks"), py::arg("causal"),
         py::arg("sm_scale"), nogil);
+  m.def("paged_attention_planned", &medha::paged_attention_planned,
+        "paged_attention(q, k_cache, v_cache, ...) with the planned arguments first (q, "
+        "k_cache and v_cache made contiguous).",
+        py::arg("cu_seqlens_q"), py::arg("kv_lens"), py::arg("q_start"), py::arg("block_table"),
+        py::arg("tasks"), py::arg("causal"), py::arg("sm_scale"), py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), nogil);
   m.def(
       "linear_small_m",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {

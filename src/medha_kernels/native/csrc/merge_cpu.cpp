@@ -12,8 +12,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ctime>
 #include <limits>
 #include <vector>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "merge.h"
 
@@ -128,6 +138,69 @@ std::tuple<at::Tensor, at::Tensor> merge_states_cpu(const at::Tensor& v, const a
     merge_rows(in, T, H, D, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr);
   });
   return {out, lse};
+}
+
+namespace {
+
+double monotonic_s() {
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> publish_merge_states_cpu(
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& v, const at::Tensor& s,
+    int64_t index, int64_t flags, int64_t flag_stride, int64_t seq, double spin_s) {
+  const int64_t N = v.size(1);
+  // this rank's state into its slots: a decode's (one token) are contiguous
+  at::Tensor v_mine = v.select(1, index), s_mine = s.select(1, index);
+  if (out.is_contiguous() && lse.is_contiguous() && v_mine.is_contiguous() &&
+      s_mine.is_contiguous()) {
+    std::memcpy(v_mine.data_ptr(), out.const_data_ptr(), out.nbytes());
+    std::memcpy(s_mine.data_ptr(), lse.const_data_ptr(), lse.nbytes());
+  } else {
+    v_mine.copy_(out);
+    s_mine.copy_(lse);
+  }
+#ifdef __linux__
+  char* base = reinterpret_cast<char*>(static_cast<uintptr_t>(flags));
+  auto flag = [&](int64_t r) { return reinterpret_cast<int32_t*>(base + r * flag_stride); };
+  const auto value = static_cast<uint32_t>(seq);  // the flags wrap modulo 2**32
+  // publish (the release orders the slot's stores before the flag's); wake sleepers
+  __atomic_store_n(flag(index), static_cast<int32_t>(value), __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < N; ++r) {
+    if (r != index && __atomic_load_n(flag(r) + 1, __ATOMIC_RELAXED) != 0) {
+      syscall(SYS_futex, flag(index), FUTEX_WAKE, static_cast<int>(N), nullptr, nullptr, 0);
+      break;
+    }
+  }
+  auto reached = [&](int64_t r) {
+    const auto seen = static_cast<uint32_t>(__atomic_load_n(flag(r), __ATOMIC_ACQUIRE));
+    return static_cast<int32_t>(seen - value) >= 0;
+  };
+  double end = -1.0;
+  for (int64_t r = 0; r < N; ++r) {
+    while (r != index && !reached(r)) {
+      const double now = monotonic_s();
+      if (end < 0.0) {
+        end = now + spin_s;
+      } else if (now > end) {
+        return std::nullopt;  // published; the caller waits for the rest
+      }
+      sched_yield();
+    }
+  }
+  return merge_states_cpu(v, s);
+#else
+  (void)flags;
+  (void)flag_stride;
+  (void)seq;
+  (void)spin_s;
+  (void)N;
+  TORCH_CHECK(false, "publish_merge_states: shared-memory flags need Linux");
+#endif
 }
 
 }  // namespace medha
