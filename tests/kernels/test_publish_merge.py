@@ -80,6 +80,19 @@ def test_non_contiguous_state_is_copied() -> None:
     _check(v, s, out, lse, 1, merged)
 
 
+def test_a_state_that_requires_grad_is_copied_in_grad_mode() -> None:
+    """A direct library call in grad mode (the runner's steps run under no_grad) with a
+    strided state that requires grad: its copy into the slots takes the values."""
+    v, s, out, lse, flags = _setup(3, 2, 0, seed=5)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    lse = lse.clone().requires_grad_()
+    flags[::WORDS] = 1
+    with torch.enable_grad():
+        merged = _ext().publish_merge_states(out, lse, v, s, 0, flags.data_ptr(), STRIDE, 1, 0.0)
+    assert merged is not None
+    _check(v, s, out.detach(), lse.detach(), 0, merged)
+
+
 def test_late_peer_returns_none_after_the_spin() -> None:
     v, s, out, lse, flags = _setup(1, 2, 0, seed=4)
     flags[WORDS] = 4  # the peer is one exchange behind

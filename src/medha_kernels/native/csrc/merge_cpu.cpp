@@ -161,15 +161,18 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> publish_merge_states_cpu(
     std::memcpy(v_mine.data_ptr(), out.const_data_ptr(), out.nbytes());
     std::memcpy(s_mine.data_ptr(), lse.const_data_ptr(), lse.nbytes());
   } else {
-    v_mine.copy_(out);
-    s_mine.copy_(lse);
+    v_mine.copy_(out.detach());  // detached: a state that requires grad records nothing
+    s_mine.copy_(lse.detach());
   }
 #ifdef __linux__
   char* base = reinterpret_cast<char*>(static_cast<uintptr_t>(flags));
   auto flag = [&](int64_t r) { return reinterpret_cast<int32_t*>(base + r * flag_stride); };
   const auto value = static_cast<uint32_t>(seq);  // the flags wrap modulo 2**32
-  // publish (the release orders the slot's stores before the flag's); wake sleepers
-  __atomic_store_n(flag(index), static_cast<int32_t>(value), __ATOMIC_RELEASE);
+  // publish (the slot's stores come before the flag's); wake sleepers. Sequentially
+  // consistent, so the sleeping-word loads below cannot pass the flag's store (x86 lets
+  // a later load pass an earlier plain or release store): a peer that starts to sleep
+  // meanwhile either sees the flag or is seen asleep and woken
+  __atomic_store_n(flag(index), static_cast<int32_t>(value), __ATOMIC_SEQ_CST);
   for (int64_t r = 0; r < N; ++r) {
     if (r != index && __atomic_load_n(flag(r) + 1, __ATOMIC_RELAXED) != 0) {
       syscall(SYS_futex, flag(index), FUTEX_WAKE, static_cast<int>(N), nullptr, nullptr, 0);
