@@ -56,12 +56,15 @@ from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from typing import Any, Generic, TypeVar
 
-__all__ = ["MAX_MAGNITUDE", "IndexStats", "KineticIndex"]
+__all__ = ["AHEAD_RTOL", "MAX_MAGNITUDE", "IndexStats", "KineticIndex"]
 
 K = TypeVar("K", bound=Hashable)
 
 MAX_MAGNITUDE = 1e300
 """Largest accepted ``|intercept|`` / ``|slope|``: their differences stay finite."""
+
+AHEAD_RTOL = 1e-10
+"""The margin of :meth:`KineticIndex.count_ahead`, relative to the largest key magnitude."""
 
 _INF = math.inf
 _CHECK_RTOL = 1e-9
@@ -152,6 +155,9 @@ class KineticIndex(Generic[K]):
         self._cert: list[float] = [_INF]
         self._events: list[tuple[float, int, int]] = []
         self._epoch = 0
+        # the largest |intercept| and |slope| ever stored (a bound for count_ahead)
+        self._hi_b = 0.0
+        self._hi_m = 0.0
         self.stats = IndexStats()
 
     # ----------------------------------------------------------------- queries
@@ -186,6 +192,49 @@ class KineticIndex(Generic[K]):
         self.advance(now)
         return self._best_first()
 
+    def count_ahead(self, ahead: Iterable[K], behind: Iterable[K], now: float) -> int:
+        """Advance to ``now``; how many distinct items of ``ahead`` (those not in
+        the index left out) ``iter_sorted(now)`` yields before every item of
+        ``behind``, as far as keys alone tell: those whose key at ``now`` is
+        below every ``behind`` key by more than ``AHEAD_RTOL`` times the largest
+        ``|intercept| + |slope * now|`` ever stored. All of ``ahead`` when
+        ``behind`` is empty. A lower bound on the place of ``behind``'s first
+        item in the iteration, found without it.
+
+        Why the margin is enough: when ``iter_sorted`` yields ``y``, the winner
+        of the subtree it pops, every item ``z`` not yet yielded lies in that
+        subtree or in one waiting in its heap, whose winner has a key at least
+        ``y``'s (the heap pops the smallest). A match at the clock gives its
+        winner a key at most ``16 u M`` above the loser's (``u`` the unit
+        roundoff, ``M`` that largest magnitude: the crossing time is off by 3
+        ulps and each key by 2), so a winner's key is at most ``16 u M`` per
+        level above its subtree's least key, ``z``'s at most. So ``key(y) <=
+        key(z) + 16 u M depth``, and a ``z`` with ``key(z) + AHEAD_RTOL M <
+        key(y)`` comes first (``AHEAD_RTOL`` is over 800 times ``16 u`` times
+        64 levels).
+        """
+        self.advance(now)
+        now = self._clock
+        slot_of, b, m = self._slot, self._b, self._m
+        low, rivals = _INF, 0
+        for item in behind:
+            s = slot_of[item]
+            k = b[s] + m[s] * now
+            rivals += 1
+            if k < low:
+                low = k
+        if not rivals:
+            return len({item for item in ahead if item in slot_of})
+        low -= AHEAD_RTOL * (self._hi_b + self._hi_m * abs(now))
+        if not -_INF < low < _INF:
+            return 0  # keys past the float range: nothing is told
+        counted = set()
+        for item in ahead:
+            s = slot_of.get(item)
+            if s is not None and b[s] + m[s] * now < low:
+                counted.add(item)
+        return len(counted)
+
     # --------------------------------------------------------------- mutation
 
     def add(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> None:
@@ -207,6 +256,10 @@ class KineticIndex(Generic[K]):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
         if not self._num_free:
             self._grow()
+        if not -self._hi_b <= b <= self._hi_b:
+            self._hi_b = abs(b)
+        if not -self._hi_m <= m <= self._hi_m:
+            self._hi_m = abs(m)
         slot = self._take(m)
         self._slot[item] = slot
         self._items[slot], self._b[slot], self._m[slot], self._tb[slot] = item, b, m, tiebreak
@@ -229,6 +282,10 @@ class KineticIndex(Generic[K]):
         )
         if b == self._b[slot] and m == self._m[slot]:
             return
+        if not -self._hi_b <= b <= self._hi_b:
+            self._hi_b = abs(b)
+        if not -self._hi_m <= m <= self._hi_m:
+            self._hi_m = abs(m)
         self._b[slot], self._m[slot] = b, m
         self._repair(slot)
 
@@ -261,6 +318,10 @@ class KineticIndex(Generic[K]):
             p = bisect_right(self._page_lo, m) - 1
             if (p if p > 0 else 0) != page:
                 return False  # add would take a slot elsewhere
+        if not -self._hi_b <= b <= self._hi_b:
+            self._hi_b = abs(b)
+        if not -self._hi_m <= m <= self._hi_m:
+            self._hi_m = abs(m)
         self._b[slot], self._m[slot], self._tb[slot] = b, m, tiebreak
         self._repair(slot)
         return True

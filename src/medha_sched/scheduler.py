@@ -14,7 +14,7 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from medha_sched.batch_cost import BatchCost, chunk_works
@@ -105,6 +105,16 @@ class _PrefillQueue(PrefillQueue):
     def renew(self, request: Request) -> None:
         super().renew(request)
         self._classify(request)
+
+    def ahead_of_not_long(self, request_ids: Iterable[str], now: float) -> int:
+        """How many distinct queued requests of ``request_ids`` ``iter_sorted(now)``
+        surely yields before every request that is not long
+        (:meth:`KineticIndex.count_ahead`); 0 with more than one priority class."""
+        classes = self._classes
+        if len(classes) != 1:
+            return 0
+        (index,) = classes.values()
+        return index.count_ahead(request_ids, self._not_long, now)
 
 
 @dataclass(slots=True)
@@ -206,6 +216,10 @@ class Scheduler:
         # turns of long prompts waiting together: those that left the queue at
         # a turn whose batch has not cleared stage 0 (still in the index)
         self._turn_out: set[str] = set()
+        # the candidates the latest scan past its first one met, in order, if
+        # all were long prefills: those still queued usually still come before
+        # every other prompt (see _pack_prefills)
+        self._walked: list[str] = []
         self._caching = self.cache.enable_prefix_caching
         # prefill turns price their batch from summed features without a draft
         # when one KVP group holds everything (ChunkSizer.adaptive_alone)
@@ -589,7 +603,9 @@ class Scheduler:
         first = True
         queue, checked = self._queue, None
         seen = 0  # candidates met that are not long prefills
+        visited: list[str] = []
         for r in queue.iter_sorted(now):
+            visited.append(r.request_id)
             if len(entries) >= max_entries:
                 break
             if long_min is not None and r.num_prefill_tokens < long_min:
@@ -615,12 +631,18 @@ class Scheduler:
                     chosen.append(r)
                     skips = 0
                     spent = None
-                    if (
-                        long_min is not None
-                        and len(long_groups) >= kvp
-                        and seen == queue.num_not_long
-                    ):
-                        break  # every candidate left is a long prefill: blocked
+                    if long_min is not None and len(long_groups) >= kvp:
+                        if seen == queue.num_not_long:
+                            break  # every candidate left is a long prefill: blocked
+                        if (
+                            len(visited) == 1
+                            and self._walked
+                            and queue.ahead_of_not_long(visited + self._walked, now) > max_skips
+                        ):
+                            # the first candidate joined, and so many long prefills
+                            # surely come before every other one that the scan
+                            # meets only them, blocked, before its skip limit
+                            break
                     continue
                 if smallest > draft.fits_somewhere:  # else it cannot become the floor
                     self._lower_floor(draft, smallest)
@@ -636,6 +658,8 @@ class Scheduler:
                 checked = floor
                 if not queue.has_remaining_below(floor):
                     break
+        if len(visited) > 1:  # (none when the scan met a prompt that is not long)
+            self._walked = [] if seen else visited
         if chosen:
             queue.remove_many([r.request_id for r in chosen])
         if self._adaptive and not entries and not draft.num_decodes and not self._in_flight:

@@ -1,0 +1,227 @@
+"""The scan's early stop when long prompts surely come before every short one.
+
+``Scheduler._pack_prefills`` stops after its first candidate, a long prompt
+whose chunk joined (one KVP group: every other long prompt is then blocked),
+when ``KineticIndex.count_ahead`` finds more than ``max_consecutive_skips``
+long prompts that the walk surely yields before every prompt that is not
+long: the scan would meet only blocked long prompts up to its skip limit.
+These tests check ``count_ahead`` against the walk itself (every item it
+counts comes before every rival, on random lines, crossing ones included),
+and whole simulations with the early stop against the same simulations
+without it (every record, batch and float the same, and the stop taken).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from medha_sched.priority_index import AHEAD_RTOL, KineticIndex
+from medha_sched.request import Request
+from medha_sched.scheduler import Scheduler, _PrefillQueue
+from medha_sched.sim import TraceRequest
+from medha_sched.sim.engine import SimResult, Simulator
+from medha_sched.sim.runner import RunSpec
+from medha_sched.sim.workload import WorkloadSpec, generate
+from tests.sim.same import assert_same_results
+
+# ----------------------------------------------------------------- count_ahead
+
+
+def _walk_count(index: KineticIndex, ahead: list[int], behind: list[int], now: float) -> int:
+    """How many distinct items of ``ahead`` the walk yields before every one of ``behind``."""
+    order = list(index.iter_sorted(now))
+    place = {item: i for i, item in enumerate(order)}
+    first_rival = min((place[y] for y in behind), default=len(order))
+    return len({z for z in ahead if z in place and place[z] < first_rival})
+
+
+def _crossing_index(rng: random.Random, n: int, now: float) -> tuple[KineticIndex, dict]:
+    """``n`` lines in a fresh index, many of them crossing at or near ``now``
+    (keys there within a few ulps), advanced in steps to ``now``."""
+    index: KineticIndex[int] = KineticIndex()
+    lines = {}
+    for i in range(n):
+        kind = rng.random()
+        m = rng.choice([-1.0, -0.5, 0.0, 0.25, 1.0]) * rng.uniform(0.1, 1e3)
+        if kind < 0.5:  # crossing a common value at now (to rounding)
+            target = rng.choice([1.0, 7.25, 1e3 / 3])
+            b = target - m * now
+        else:
+            b = rng.uniform(-1e4, 1e4)
+        lines[i] = (b, m)
+        index.add(i, intercept=b, slope=m, tiebreak=(rng.randrange(3), i))
+    for t in [*sorted(rng.uniform(0.0, now) for _ in range(3)), now]:
+        index.advance(t)
+    return index, lines
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_count_ahead_never_counts_an_item_the_walk_yields_late(seed) -> None:
+    rng = random.Random(seed)
+    for _ in range(40):
+        now = rng.uniform(0.0, 50.0)
+        index, lines = _crossing_index(rng, rng.randint(2, 90), now)
+        items = list(lines)
+        rng.shuffle(items)
+        k = rng.randint(1, max(1, len(items) // 4))
+        behind, ahead = items[:k], items[k:] + items[k:3]  # repeats are counted once
+        got = index.count_ahead(ahead, behind, now)
+        assert 0 <= got <= _walk_count(index, ahead, behind, now)
+        index.check()  # counting changed nothing in the tree
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_count_ahead_is_exact_for_separated_keys(seed) -> None:
+    # keys a whole unit apart: the walk's order is the keys' order, and the
+    # count is every ahead item yielded before the first rival
+    rng = random.Random(100 + seed)
+    for _ in range(40):
+        n = rng.randint(2, 120)
+        now = rng.uniform(0.0, 100.0)
+        values = rng.sample(range(10 * n), n)
+        index: KineticIndex[str] = KineticIndex()
+        for i, v in enumerate(values):
+            m = rng.uniform(-2.0, 2.0)
+            index.add(f"x{i}", intercept=float(v) - m * now, slope=m, tiebreak=(i,))
+        names = [f"x{i}" for i in range(n)]
+        behind = rng.sample(names, rng.randint(1, n))
+        ahead = [x for x in names if x not in behind] + ["absent"]
+        want = _walk_count(index, ahead, behind, now)
+        assert index.count_ahead(ahead, behind, now) == want
+
+
+def test_count_ahead_margin_and_edges() -> None:
+    index: KineticIndex[str] = KineticIndex()
+    index.add("a", intercept=1.0, slope=0.0, tiebreak=(0,))
+    index.add("b", intercept=2.0, slope=0.0, tiebreak=(1,))
+    index.add("c", intercept=1.0 + 1e-12, slope=0.0, tiebreak=(2,))
+    # "a" comes first, but within the margin of "c" it is not counted
+    assert next(index.iter_sorted(0.0)) == "a"
+    assert index.count_ahead(["a"], ["c"], 0.0) == 0
+    assert index.count_ahead(["a", "a"], ["b"], 0.0) == 1
+    assert index.count_ahead(["a", "c"], ["b"], 0.0) == 2
+    assert index.count_ahead(["a", "b", "gone"], [], 0.0) == 2  # no rival: every queued one
+    # the margin grows with the largest magnitude ever stored, and never shrinks
+    index.add("huge", intercept=1e9, slope=0.0, tiebreak=(3,))
+    index.remove("huge")
+    assert AHEAD_RTOL * 1e9 < 1.0  # below the gap of 1 between "a" and "b"
+    assert index.count_ahead(["a"], ["b"], 0.0) == 1
+    index.add("steep", intercept=0.0, slope=-1e5, tiebreak=(4,))
+    index.remove("steep")
+    assert AHEAD_RTOL * (1e9 + 1e5 * 1e6) > 1.0  # over it at t = 1e6
+    assert index.count_ahead(["a"], ["b"], 1e6) == 0
+    with pytest.raises(ValueError, match="time went backwards"):
+        index.count_ahead(["a"], ["b"], 0.5)
+
+
+# ------------------------------------------------------------- whole simulations
+
+
+def _run(trace: list[TraceRequest], spec: RunSpec, skips: int, **flags) -> SimResult:
+    config, model, cache = spec.build()
+    config = dataclasses.replace(config, max_consecutive_skips=skips)
+    return Simulator(config, model, cache=cache, **flags).run(trace)
+
+
+def _mixed_trace(seed: int, longs: int, shorts: int) -> list[TraceRequest]:
+    """Long prompts arriving early and over time, short ones among them: most
+    behind the long ones in the queue's order, some ahead (early deadlines)."""
+    rng = random.Random(seed)
+    out = [
+        TraceRequest(
+            f"long{i:02d}",
+            rng.uniform(0.0, 0.4) if i < longs // 2 else rng.uniform(0.4, 20.0),
+            rng.randint(40_000, 90_000),
+            rng.randint(2, 6),
+        )
+        for i in range(longs)
+    ]
+    out += [
+        TraceRequest(
+            f"s{i:03d}",
+            rng.uniform(0.0, 25.0),
+            rng.randint(30, 3_000),
+            rng.randint(2, 60),
+            ttft_slo_s=rng.choice([None, 400.0, 30.0, 0.5]),
+        )
+        for i in range(shorts)
+    ]
+    return sorted(out, key=lambda r: (r.arrival_s, r.id))
+
+
+def _counting(monkeypatch, skips: int) -> dict[str, int]:
+    """Counts of the early-stop checks and of the stops (more than ``skips`` ahead)."""
+    counts = {"asked": 0, "stopped": 0}
+    ahead = _PrefillQueue.ahead_of_not_long
+
+    def counting(self, request_ids, now):
+        got = ahead(self, request_ids, now)
+        counts["asked"] += 1
+        counts["stopped"] += got > skips
+        return got
+
+    monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", counting)
+    return counts
+
+
+def _never(self, request_ids, now) -> int:
+    return 0  # the scan never stops early: the plain walk
+
+
+@pytest.mark.parametrize(
+    ("policy", "skips", "spp", "seed"),
+    [
+        ("lars-mp", 16, 2, 0),
+        ("lars-mp", 4, 2, 1),
+        ("lars", 3, 3, 2),
+        ("edf", 6, 2, 3),
+        ("fcfs", 5, 1, 4),
+        ("lars-mp", 8, 4, 5),
+    ],
+)
+def test_simulations_match_the_plain_scan(monkeypatch, policy, skips, spp, seed) -> None:
+    spec = RunSpec(policy=policy, tp=8, spp=spp, long_threshold=16_384)
+    trace = _mixed_trace(seed, longs=3 * skips + 6, shorts=90)
+    counts = _counting(monkeypatch, skips)
+    fast = _run(trace, spec, skips)
+    assert all(r.finish_s is not None for r in fast.records)
+    assert counts["stopped"] > 20  # the scan stopped early many times
+    monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", _never)
+    assert_same_results(fast, _run(trace, spec, skips))
+
+
+@pytest.mark.parametrize("spp", [2, 4])
+def test_an_overloaded_roofline_run_matches_the_plain_scan(monkeypatch, spp) -> None:
+    # sim_speed's setting, shorter: 30% long prompts at 2 QPS build a long queue
+    trace = generate(WorkloadSpec(qps=2.0, num_requests=200, long_fraction=0.3, seed=2))
+    spec = RunSpec(
+        policy="lars-mp",
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=spp,
+        target_batch_time=0.05,
+    )
+    counts = _counting(monkeypatch, 16)
+    fast = _run(trace, spec, 16)
+    assert counts["stopped"] > 100
+    monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", _never)
+    assert_same_results(fast, _run(trace, spec, 16))
+
+
+def test_the_stop_needs_more_than_the_skip_limit_ahead() -> None:
+    spec = RunSpec(policy="edf", tp=8, spp=2, long_threshold=16_384)
+    config, model, cache = spec.build()
+    config = dataclasses.replace(config, max_consecutive_skips=3)
+    s = Scheduler(config, model, cache=cache)
+    for i in range(4):  # edf: earlier deadlines first (ttft 10 s, then 1,000 s)
+        s.add_request(Request(f"long{i}", 0.001 * i, 20_000, 2, ttft_slo=10.0))
+    s.add_request(Request("short", 0.01, 300, 2, ttft_slo=1_000.0))
+    queue = s._queue
+    ids = [f"long{i}" for i in range(4)]
+    assert queue.ahead_of_not_long(ids, 0.02) == 4
+    assert queue.ahead_of_not_long([*ids[:3], "short"], 0.02) == 3
+    s.add_request(Request("other", 0.01, 300, 2, ttft_slo=1_000.0, priority=1))
+    assert queue.ahead_of_not_long(ids, 0.02) == 0  # two classes: nothing is told
