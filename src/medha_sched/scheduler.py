@@ -637,11 +637,15 @@ class Scheduler:
                         if (
                             len(visited) == 1
                             and self._walked
+                            and queue.num_not_long <= 4 * max_skips
                             and queue.ahead_of_not_long(visited + self._walked, now) > max_skips
                         ):
                             # the first candidate joined, and so many long prefills
                             # surely come before every other one that the scan
-                            # meets only them, blocked, before its skip limit
+                            # meets only them, blocked, before its skip limit (the
+                            # proof reads every queued short prompt's key: with
+                            # more of them than a few walks' worth it costs more
+                            # than the walk it saves)
                             break
                     continue
                 if smallest > draft.fits_somewhere:  # else it cannot become the floor

@@ -225,3 +225,50 @@ def test_the_stop_needs_more_than_the_skip_limit_ahead() -> None:
     assert queue.ahead_of_not_long([*ids[:3], "short"], 0.02) == 3
     s.add_request(Request("other", 0.01, 300, 2, ttft_slo=1_000.0, priority=1))
     assert queue.ahead_of_not_long(ids, 0.02) == 0  # two classes: nothing is told
+
+
+@pytest.mark.parametrize(
+    ("kvp", "kv_tokens", "longs", "seed", "flags"),
+    [
+        (2, 100_000, 60, 3, {}),  # two KVP groups, prompts over 45,056 tokens sharded
+        (1, 120_000, 30, 7, {}),  # a pool of about two long prompts: memory gates admission
+        (1, 8_000_000, 30, 7, {"turn_runs": False}),  # every prefill turn through schedule()
+    ],
+)
+def test_kvp_small_pools_and_plain_turns_match_the_plain_scan(
+    monkeypatch, kvp, kv_tokens, longs, seed, flags
+) -> None:
+    spec = RunSpec(
+        policy="lars-mp",
+        tp=8,
+        spp=2,
+        kvp=kvp,
+        kv_cache_tokens=kv_tokens,
+        max_tokens_per_group=45_056 if kvp > 1 else None,
+        long_threshold=16_384,
+    )
+    trace = _mixed_trace(seed, longs=longs, shorts=90)
+    counts = _counting(monkeypatch, 8)
+    fast = _run(trace, spec, 8, **flags)
+    assert all(r.finish_s is not None for r in fast.records)
+    assert counts["stopped"] > 0  # the early stop was taken
+    monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", _never)
+    assert_same_results(fast, _run(trace, spec, 8, **flags))
+
+
+def test_the_proof_is_not_tried_with_many_short_prompts_queued(monkeypatch) -> None:
+    """It reads every queued short prompt's key: with more than four skip limits' worth
+    it would cost more than the walk (an overloaded fcfs run: 35% slower)."""
+    trace = _mixed_trace(4, longs=20, shorts=400)
+    trace = [dataclasses.replace(r, arrival_s=r.arrival_s / 20) for r in trace]
+    spec = RunSpec(policy="fcfs", tp=8, spp=2, long_threshold=16_384)
+    sizes: list[int] = []
+    ahead = _PrefillQueue.ahead_of_not_long
+
+    def sized(self, request_ids, now):
+        sizes.append(self.num_not_long)
+        return ahead(self, request_ids, now)
+
+    monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", sized)
+    _run(trace, spec, 4)
+    assert sizes and max(sizes) <= 16
