@@ -109,12 +109,12 @@ class _PrefillQueue(PrefillQueue):
     def ahead_of_not_long(self, request_ids: Iterable[str], now: float) -> int:
         """How many distinct queued requests of ``request_ids`` ``iter_sorted(now)``
         surely yields before every request that is not long
-        (:meth:`KineticIndex.count_ahead`); 0 with more than one priority class."""
-        classes = self._classes
-        if len(classes) != 1:
+        (:meth:`KineticIndex.count_ahead`); 0 with requests of more than one
+        priority class queued (a class once used and now empty does not count)."""
+        live = [index for index in self._classes.values() if len(index)]
+        if len(live) != 1:
             return 0
-        (index,) = classes.values()
-        return index.count_ahead(request_ids, self._not_long, now)
+        return live[0].count_ahead(request_ids, self._not_long, now)
 
 
 @dataclass(slots=True)

@@ -225,6 +225,8 @@ def test_the_stop_needs_more_than_the_skip_limit_ahead() -> None:
     assert queue.ahead_of_not_long([*ids[:3], "short"], 0.02) == 3
     s.add_request(Request("other", 0.01, 300, 2, ttft_slo=1_000.0, priority=1))
     assert queue.ahead_of_not_long(ids, 0.02) == 0  # two classes: nothing is told
+    queue.remove("other")
+    assert queue.ahead_of_not_long(ids, 0.02) == 4  # its class is empty: one class again
 
 
 @pytest.mark.parametrize(
