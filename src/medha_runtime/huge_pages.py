@@ -21,7 +21,10 @@ Used at load for all of a CPU model's weights (one arena per rank,
 :func:`medha_runtime.model.loader.load_weights`) and for the CPU KV cache
 (one arena for every layer's K and V). ``MEDHA_CPU_HUGE_PAGES=off`` turns
 both off (default ``on``); the same code runs either way, so A/B runs differ
-only in the pages.
+only in the pages. Each process that loads weights reads it: the worker
+processes of a multi-rank engine inherit the environment of the forkserver,
+which starts with the first such engine, so set it before that (changing it
+later in the same driver process does not reach them).
 """
 
 from __future__ import annotations
