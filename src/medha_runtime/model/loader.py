@@ -248,9 +248,12 @@ def load_weights(
         key = tuple(pieces)
         if key not in made:
             parts = [_read_piece(source, p, model.dtype, device) for p in pieces]
-            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if arena is not None:
-                value = arena.copy(value)
+            if arena is None:
+                value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            elif len(parts) == 1:
+                value = arena.copy(parts[0])
+            else:  # fused pieces straight into the arena: no concatenated temporary
+                value = torch.cat(parts, dim=0, out=arena.empty(shapes[key], model.dtype))
             made[key] = nn.Parameter(value, requires_grad=False)
         state[param_name] = made[key]
     model.load_state_dict(state, strict=True, assign=True)
