@@ -15,10 +15,9 @@ import torch
 
 from medha_parallel import ParallelLayout, ParallelState, shm
 from medha_parallel.kvp import KVPCommunicator
-from medha_parallel.merge import merge_partials
-from tests.numerics import assert_twice_torch
 
 from .dist import launch
+from .merge_checks import assert_merged_like_merge
 
 
 def _states(seed: int, num_q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +89,6 @@ def test_merger_merges_each_calls_own_states_like_merge(ranks) -> None:
         if not res["shm"]:
             continue
         assert len(res["got"]) == 6
-        for (out, lse), (c_out, c_lse), outs, lses in res["got"]:
-            assert torch.equal(out, c_out) and torch.equal(lse, c_lse)
-            truth_out, truth_lse = merge_partials(outs.double(), lses.double())
-            base_out, base_lse = merge_partials(outs, lses)
-            assert_twice_torch(out, truth_out, base_out, what="merged output")
-            assert_twice_torch(lse, truth_lse, base_lse, what="merged LSE")
+        assert_merged_like_merge(res["got"])
     (a, _, _, _), (b, _, _, _) = ranks[0]["got"][0], ranks[1]["got"][0]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # both ranks agree

@@ -20,10 +20,9 @@ import torch
 from medha_kernels import native
 from medha_parallel import ParallelLayout, ParallelState, shm
 from medha_parallel.kvp import KVPCommunicator
-from medha_parallel.merge import merge_partials
-from tests.numerics import assert_twice_torch
 
 from .dist import launch
+from .merge_checks import assert_merged_like_merge
 
 pytestmark = pytest.mark.skipif(
     not (shm.supported() and native.supports_device(torch.device("cpu"))),
@@ -88,11 +87,6 @@ def test_the_merger_is_the_native_one(ranks) -> None:
 def test_native_merges_are_merge_bit_for_bit(ranks) -> None:
     for res in ranks:
         assert len(res["got"]) == 6
-        for (out, lse), (c_out, c_lse), outs, lses in res["got"]:
-            assert torch.equal(out, c_out) and torch.equal(lse, c_lse)
-            truth_out, truth_lse = merge_partials(outs.double(), lses.double())
-            base_out, base_lse = merge_partials(outs, lses)
-            assert_twice_torch(out, truth_out, base_out, what="merged output")
-            assert_twice_torch(lse, truth_lse, base_lse, what="merged LSE")
+        assert_merged_like_merge(res["got"])
     for (a, _, _, _), (b, _, _, _) in zip(ranks[0]["got"], ranks[1]["got"], strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # both ranks agree

@@ -108,29 +108,26 @@ def test_arena_packs_aligned_tensors_on_huge_pages(on) -> None:
     assert keep.eq(1.5).all()
 
 
+def _tiny_kv():
+    """A 512-block KV cache of tiny's shape (4 layers of ``[512, 16, 2, 16]`` fp32)."""
+    return allocate_kv(
+        num_layers=4,
+        num_blocks=512,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        device="cpu",
+    )
+
+
 def test_weights_and_kv_on_huge_pages_equal_the_normal_load(monkeypatch) -> None:
     monkeypatch.setenv(huge_pages.ENV, "off")
     plain, _ = load_model("tiny")
-    plain_kv = allocate_kv(
-        num_layers=4,
-        num_blocks=512,
-        block_size=16,
-        num_kv_heads=2,
-        head_dim=16,
-        dtype=torch.float32,
-        device="cpu",
-    )
+    plain_kv = _tiny_kv()
     monkeypatch.setenv(huge_pages.ENV, "on")
     huge, _ = load_model("tiny")
-    kv = allocate_kv(
-        num_layers=4,
-        num_blocks=512,
-        block_size=16,
-        num_kv_heads=2,
-        head_dim=16,
-        dtype=torch.float32,
-        device="cpu",
-    )
+    kv = _tiny_kv()
     got, want = dict(huge.named_parameters()), dict(plain.named_parameters())
     assert got.keys() == want.keys()
     for name, p in got.items():
