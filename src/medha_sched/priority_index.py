@@ -155,7 +155,9 @@ class KineticIndex(Generic[K]):
         self._cert: list[float] = [_INF]
         self._events: list[tuple[float, int, int]] = []
         self._epoch = 0
-        # the largest |intercept| and |slope| ever stored (a bound for count_ahead)
+        # at least the largest |intercept| and |slope| of the live lines (the bound
+        # of count_ahead): raised as lines come, set to the live maxima again at
+        # every rebuild and event compaction (_refresh_bounds) and when emptied
         self._hi_b = 0.0
         self._hi_m = 0.0
         self.stats = IndexStats()
@@ -196,8 +198,11 @@ class KineticIndex(Generic[K]):
         """Advance to ``now``; how many distinct items of ``ahead`` (those not in
         the index left out) ``iter_sorted(now)`` yields before every item of
         ``behind``, as far as keys alone tell: those whose key at ``now`` is
-        below every ``behind`` key by more than ``AHEAD_RTOL`` times the largest
-        ``|intercept| + |slope * now|`` ever stored. All of ``ahead`` when
+        below every ``behind`` key by more than ``AHEAD_RTOL`` times a bound
+        ``M`` on ``|intercept| + |slope * now|`` of the lines in the index (the
+        largest ``|intercept|`` plus the largest ``|slope|`` times ``|now|``, as
+        of the latest rebuild or event compaction, raised by every line stored
+        since: a line that left stops counting there). All of ``ahead`` when
         ``behind`` is empty. A lower bound on the place of ``behind``'s first
         item in the iteration, found without it.
 
@@ -206,7 +211,9 @@ class KineticIndex(Generic[K]):
         subtree or in one waiting in its heap, whose winner has a key at least
         ``y``'s (the heap pops the smallest). A match at the clock gives its
         winner a key at most ``16 u M`` above the loser's (``u`` the unit
-        roundoff, ``M`` that largest magnitude: the crossing time is off by 3
+        roundoff, ``M`` that bound: every match in the tree was played between
+        lines still in it, as a line that leaves or changes has the matches it
+        won replayed; the crossing time is off by 3
         ulps and each key by 2), so a winner's key is at most ``16 u M`` per
         level above its subtree's least key, ``z``'s at most. So ``key(y) <=
         key(z) + 16 u M depth``, and a ``z`` with ``key(z) + AHEAD_RTOL M <
@@ -360,6 +367,8 @@ class KineticIndex(Generic[K]):
                 else:
                     level.add((self._cap + slot) >> 1)
         finally:  # also when an absent item stops the loop: the tree stays whole
+            if not self._slot:
+                self._hi_b = self._hi_m = 0.0  # no line left to bound
             if removed == 1:
                 self._repair(first)
             elif removed:
@@ -618,15 +627,27 @@ class KineticIndex(Generic[K]):
         self._cap = cap
         for node in range(cap - 1, 0, -1):
             self._settle(node)
+        self._refresh_bounds()
         self.stats.rebuilds += 1
         self._epoch += 1
 
     def _compact_events(self) -> None:
-        """Drop stale heap entries once they outnumber the nodes."""
+        """Drop stale heap entries once they outnumber the nodes (and refresh
+        the ``count_ahead`` bound: O(n), no more than the compaction's O(cap),
+        which comes after at least ``cap + 32`` heap pushes)."""
         if len(self._events) > 2 * self._cap + 32:
             ver = self._ver
             self._events = [(c, n, ver[n]) for n, c in enumerate(self._cert) if c < _INF]
             heapify(self._events)
+            self._refresh_bounds()
+
+    def _refresh_bounds(self) -> None:
+        """Set ``_hi_b`` / ``_hi_m`` to the largest ``|intercept|`` / ``|slope|``
+        of the lines in the index (0.0 when empty): a line that left, however
+        extreme, no longer widens :meth:`count_ahead`'s margin."""
+        slots = self._slot.values()
+        self._hi_b = max(map(abs, map(self._b.__getitem__, slots)), default=0.0)
+        self._hi_m = max(map(abs, map(self._m.__getitem__, slots)), default=0.0)
 
     def _best_first(self) -> Iterator[K]:
         """Best-first enumeration over subtrees (see the module docstring)."""
@@ -686,6 +707,10 @@ class KineticIndex(Generic[K]):
         _require(len(occupied) + len(free) == cap, "slots lost from the free lists")
         for item, slot in self._slot.items():
             _require(self._items[slot] == item, f"slot {slot} does not hold item {item!r}")
+            _require(
+                abs(self._b[slot]) <= self._hi_b and abs(self._m[slot]) <= self._hi_m,
+                f"the count_ahead bound does not cover item {item!r}",
+            )
 
     def _check_node(self, node: int, live: set[tuple[float, int, int]], best: float) -> None:
         win, now = self._win, self._clock
