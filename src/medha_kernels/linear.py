@@ -28,6 +28,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from medha_kernels.norm import _module as _norm_module
+from medha_kernels.norm import rms_norm
+
 #: most token rows the native kernels take on any build (AVX-512 builds)
 SMALL_M_MAX = 64
 #: most token rows on AVX2-only builds (the row kernel loses to BLAS from 24 rows)
@@ -122,6 +125,86 @@ def linear_silu_mul(
         y = linear(x, weight, bias)
     gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection, the residual add after it and the RMSNorm after that:
+    ``rms_norm(linear(x, weight), norm_weight, eps, residual)`` (a decode layer's
+    o-projection and post-attention norm at TP 1).
+
+    Args:
+        x: ``[M, K]`` (any ``[..., K]`` goes to torch).
+        weight: ``[N, K]`` (no bias).
+        residual: ``[M, N]`` in ``x``'s dtype.
+        norm_weight: ``[N]``.
+        eps: added to the mean square.
+
+    Returns:
+        ``(h, norm(h))`` with ``h = x @ weight.T + residual``, each ``[M, N]`` (the dtypes of
+        :func:`medha_kernels.rms_norm`). Where :func:`linear` and ``rms_norm`` both run
+        natively (fp32 CPU, at most :func:`native_row_limit` rows, contiguous weights, no
+        autograd), one native call with the same kernels, so the same bits as the two
+        calls; else the two calls.
+    """
+    # the checks are in the native call (None: the tensors do not fit): read from Python,
+    # a decode layer's dozen tensor attributes cost more than the call saves
+    fused, limit = _fused()
+    if fused is not None:
+        out = fused.linear_add_rms_norm(x, weight, residual, norm_weight, eps, limit)
+        if out is not None:
+            return out
+    return rms_norm(linear(x, weight), norm_weight, eps, residual)
+
+
+def linear_add_rms_norm_swiglu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_add_rms_norm`, then a SwiGLU MLP on the normalized rows: a decode
+    layer from its o-projection to its MLP's output (TP 1, no biases).
+
+    Args:
+        x, weight, residual, norm_weight, eps: as :func:`linear_add_rms_norm`
+            (``x [M, K]``, ``weight [N, K]``, ``residual [M, N]``, ``norm_weight [N]``).
+        gate_up: ``[2 I, N]``, the gate's ``I`` rows, then the up projection's.
+        down: ``[N, I]``.
+
+    Returns:
+        ``(h, linear(linear_silu_mul(n, gate_up), down))`` for ``(h, n) =
+        linear_add_rms_norm(...)``, each ``[M, N]``. Where all of it runs natively (fp32
+        CPU, at most :func:`native_row_limit` rows, contiguous weights, no autograd), one
+        native call with the same kernels (the same bits); else those calls.
+    """
+    fused, limit = _fused()
+    if fused is not None:
+        out = fused.linear_add_rms_norm_swiglu(
+            x, weight, residual, norm_weight, eps, gate_up, down, limit
+        )
+        if out is not None:
+            return out
+    h, normed = linear_add_rms_norm(x, weight, residual, norm_weight, eps)
+    return h, linear(linear_silu_mul(normed, gate_up), down)
+
+
+@functools.cache
+def _fused():
+    """``(native module, row limit)`` where both :func:`linear` and
+    :func:`medha_kernels.rms_norm` run natively, else ``(None, 0)``."""
+    module, limit = _native()
+    if module is None or limit == 0 or _norm_module() is None:
+        return None, 0
+    return module, limit
 
 
 def _native():

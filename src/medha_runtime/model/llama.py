@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medha_kernels import rms_norm
-from medha_kernels.linear import linear_silu_mul
+from medha_kernels.linear import linear_add_rms_norm_swiglu, linear_silu_mul
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
@@ -197,6 +197,27 @@ class LlamaAttention(nn.Module):
         """The hook: ``q [N, Hq_local, D]`` over the cache → ``[N, Hq_local, D]``."""
         return self.attn_fn(q, k_cache, v_cache, batch, layer_id=self.layer_id)
 
+    def attention(
+        self,
+        x: torch.Tensor,
+        cos2: torch.Tensor,
+        sin2: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Everything before o_proj: ``[N, hidden_size]`` normed input → ``[N, q_size]``
+        (this rank's heads' attention output, flattened); writes the K/V."""
+        n, hq, d = x.shape[0], self.num_q_heads, self.head_dim
+        qkv = self.qkv_proj.forward(x)  # [n, q_size + 2 kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, hq + self.num_kv_heads, d)
+        apply_rotary_(qk, cos2, sin2)  # q's and k's heads at once, in the projection's output
+        k = qk[:, hq:]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
+        batch.write_kv(k, v, k_cache, v_cache)
+        o = self.attend(qk[:, :hq].contiguous(), k_cache, v_cache, batch)
+        return o.reshape(n, self.q_size)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -206,15 +227,8 @@ class LlamaAttention(nn.Module):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        n, hq, d = x.shape[0], self.num_q_heads, self.head_dim
-        qkv = self.qkv_proj.forward(x)  # [n, q_size + 2 kv_size]
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, hq + self.num_kv_heads, d)
-        apply_rotary_(qk, cos2, sin2)  # q's and k's heads at once, in the projection's output
-        k = qk[:, hq:]
-        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
-        batch.write_kv(k, v, k_cache, v_cache)
-        o = self.attend(qk[:, :hq].contiguous(), k_cache, v_cache, batch)
-        return self.o_proj.forward(o.reshape(n, self.q_size))
+        """``[N, hidden_size]`` normed input → ``[N, hidden_size]``: the attention, then o_proj."""
+        return self.o_proj.forward(self.attention(x, cos2, sin2, k_cache, v_cache, batch))
 
 
 class LlamaMLP(nn.Module):
@@ -286,9 +300,25 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm.forward(x)
         else:
             residual, h = self.input_layernorm.forward_add(x, residual)
-        a = self.self_attn.forward(h, cos2, sin2, k_cache, v_cache, batch)
-        residual, h = self.post_attention_layernorm.forward_add(a, residual)
-        return self.mlp.forward(h), residual
+        attn = self.self_attn
+        o = attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
+        o_proj, mlp = attn.o_proj, self.mlp
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if (
+            o_proj.comm.world_size == 1
+            and o_proj.bias is None
+            and gate_up.bias is None
+            and down.bias is None
+        ):
+            # TP 1, no biases: from o_proj to the MLP's output in one call where it runs
+            # natively (a decode step: fewer calls after the attention, each run cold)
+            norm = self.post_attention_layernorm
+            residual, out = linear_add_rms_norm_swiglu(
+                o, o_proj.weight, residual, norm.weight, norm.eps, gate_up.weight, down.weight
+            )
+            return out, residual
+        residual, h = self.post_attention_layernorm.forward_add(o_proj.forward(o), residual)
+        return mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):

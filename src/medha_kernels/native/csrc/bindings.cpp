@@ -2,6 +2,7 @@
 //
 // The kernels need contiguous inputs; medha_kernels.native makes them so
 // before calling here (and copies back for a non-contiguous in-place target).
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
@@ -43,6 +44,28 @@ void check_like(const std::string& name, const at::Tensor& v, const at::Tensor& 
 }
 
 }  // namespace
+
+// linear_add_rms_norm's inputs: x [M, K] (0 < M <= max_rows, K > 0), w [N, K], residual
+// [M, N], norm_weight [N], all fp32 on the CPU, w and norm_weight contiguous, no autograd.
+// Checked here, not in Python: a decode layer calls this once, and each tensor attribute read
+// from Python costs more than the check.
+bool fits_linear_add_rms_norm(const at::Tensor& x, const at::Tensor& w,
+                              const at::Tensor& residual, const at::Tensor& norm_weight,
+                              int64_t max_rows) {
+  const auto f = at::kFloat;
+  if (!(x.is_cpu() && w.is_cpu() && residual.is_cpu() && norm_weight.is_cpu() &&
+        x.scalar_type() == f && w.scalar_type() == f && residual.scalar_type() == f &&
+        norm_weight.scalar_type() == f && x.dim() == 2 && w.dim() == 2 && residual.dim() == 2 &&
+        norm_weight.dim() == 1 && x.size(0) > 0 && x.size(0) <= max_rows && x.size(1) > 0 &&
+        x.size(1) == w.size(1) && residual.size(0) == x.size(0) &&
+        residual.size(1) == w.size(0) && norm_weight.size(0) == w.size(0) && w.is_contiguous() &&
+        norm_weight.is_contiguous())) {
+    return false;
+  }
+  return !(at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() ||
+                                          residual.requires_grad() ||
+                                          norm_weight.requires_grad()));
+}
 
 std::tuple<at::Tensor, at::Tensor> merge_state(const at::Tensor& v_a, const at::Tensor& s_a,
                                                const at::Tensor& v_b, const at::Tensor& s_b) {
@@ -241,6 +264,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "SwiGLU: silu(x @ gate^T) * (x @ up^T) for w = [gate; up] [2 I, K], fp32 on the CPU.",
       py::arg("x"), py::arg("w"), nogil);
+  m.def(
+      "linear_add_rms_norm",
+      [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& residual,
+         const at::Tensor& norm_weight, double eps,
+         int64_t max_rows) -> std::optional<std::tuple<at::Tensor, at::Tensor>> {
+        if (!medha::fits_linear_add_rms_norm(x, w, residual, norm_weight, max_rows)) {
+          return std::nullopt;
+        }
+        return medha::linear_add_rms_norm_cpu(x.contiguous(), w, residual.contiguous(),
+                                              norm_weight, eps);
+      },
+      "(h, rms_norm(h)) for h = x @ w^T + residual, fp32 on the CPU, one call; None where\n"
+      "the tensors do not fit (dtype, device, shapes, more than max_rows rows, autograd).",
+      py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("norm_weight"), py::arg("eps"),
+      py::arg("max_rows"), nogil);
+  m.def(
+      "linear_add_rms_norm_swiglu",
+      [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& residual,
+         const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
+         const at::Tensor& down,
+         int64_t max_rows) -> std::optional<std::tuple<at::Tensor, at::Tensor>> {
+        const int64_t n = w.size(0);
+        if (!(medha::fits_linear_add_rms_norm(x, w, residual, norm_weight, max_rows) &&
+              gate_up.is_cpu() && down.is_cpu() && gate_up.scalar_type() == at::kFloat &&
+              down.scalar_type() == at::kFloat && gate_up.dim() == 2 && down.dim() == 2 &&
+              gate_up.size(0) > 0 && gate_up.size(0) % 2 == 0 && gate_up.size(1) == n &&
+              down.size(0) == n && down.size(1) == gate_up.size(0) / 2 &&
+              gate_up.is_contiguous() && down.is_contiguous())) {
+          return std::nullopt;
+        }
+        if (at::GradMode::is_enabled() && (gate_up.requires_grad() || down.requires_grad())) {
+          return std::nullopt;
+        }
+        return medha::linear_add_rms_norm_swiglu_cpu(x.contiguous(), w, residual.contiguous(),
+                                                     norm_weight, eps, gate_up, down);
+      },
+      "(h, down(silu(n gate^T) * (n up^T))) for (h, n) = linear_add_rms_norm(...), fp32 on\n"
+      "the CPU, one call; None where the tensors do not fit.",
+      py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("norm_weight"), py::arg("eps"),
+      py::arg("gate_up"), py::arg("down"), py::arg("max_rows"), nogil);
   m.def(
       "rms_norm",
       [](const at::Tensor& x, const at::Tensor& weight, double eps,

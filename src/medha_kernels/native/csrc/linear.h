@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 namespace medha {
 
@@ -17,6 +18,25 @@ at::Tensor linear_small_m_cpu(const at::Tensor& x, const at::Tensor& w,
 // (x up^T), [M, I] fp32. Fused into the product's epilogue from 17 to 32 rows on AVX-512
 // builds; otherwise linear_small_m_cpu, then at::silu and at::mul.
 at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& w);
+
+// A row-parallel projection and the RMSNorm after it (a decode layer's o-projection and its
+// post-attention norm, TP 1): y = x @ w^T, h = y + residual, returns (h, norm(h)), each
+// [M, N] fp32: linear_small_m_cpu (no bias), then rms_norm_cpu, the same bits as the two calls.
+// residual [M, N] and norm_weight [N] fp32 contiguous (already validated).
+std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cpu(const at::Tensor& x,
+                                                           const at::Tensor& w,
+                                                           const at::Tensor& residual,
+                                                           const at::Tensor& norm_weight,
+                                                           double eps);
+
+// linear_add_rms_norm_cpu, then a SwiGLU MLP on the normalized rows (a decode layer from its
+// o-projection to its MLP's output, TP 1): returns (h, down(silu(n gate^T) * (n up^T))) for
+// (h, n) = linear_add_rms_norm_cpu(...), gate_up [2 I, N] ([gate; up]) and down [N, I] fp32
+// contiguous, no biases: linear_silu_mul_cpu and linear_small_m_cpu, the same bits as the calls.
+std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_swiglu_cpu(
+    const at::Tensor& x, const at::Tensor& w, const at::Tensor& residual,
+    const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
+    const at::Tensor& down);
 
 // Whether this build has the AVX2/FMA kernel (else linear_small_m_cpu calls at::linear).
 bool linear_small_m_vectorized();

@@ -62,6 +62,7 @@
 #endif
 
 #include "linear.h"
+#include "norm.h"
 
 namespace medha {
 
@@ -557,6 +558,24 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& w) {
   const int64_t I = w.size(0) / 2;
   const at::Tensor y = linear_small_m_cpu(x, w, std::nullopt);
   return at::mul(at::silu(y.narrow(1, 0, I)), y.narrow(1, I, I));
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_cpu(const at::Tensor& x,
+                                                           const at::Tensor& w,
+                                                           const at::Tensor& residual,
+                                                           const at::Tensor& norm_weight,
+                                                           double eps) {
+  // The same kernels (and bits) as linear_small_m, then rms_norm with the residual: one call
+  // from Python instead of two.
+  return rms_norm_cpu(linear_small_m_cpu(x, w, std::nullopt), norm_weight, eps, residual);
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_swiglu_cpu(
+    const at::Tensor& x, const at::Tensor& w, const at::Tensor& residual,
+    const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
+    const at::Tensor& down) {
+  auto [h, normed] = linear_add_rms_norm_cpu(x, w, residual, norm_weight, eps);
+  return {h, linear_small_m_cpu(linear_silu_mul_cpu(normed, gate_up), down, std::nullopt)};
 }
 
 const char* linear_small_m_isa() {
