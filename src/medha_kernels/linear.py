@@ -154,7 +154,8 @@ def linear_add_rms_norm(
     """
     # the checks are in the native call (None: the tensors do not fit): read from Python,
     # a decode layer's dozen tensor attributes cost more than the call saves
-    fused, limit = _fused()
+    # a CPU tensor first: a GPU model never loads (or builds) the CPU extension here
+    fused, limit = _fused() if x.device.type == "cpu" else (None, 0)
     if fused is not None:
         out = fused.linear_add_rms_norm(x, weight, residual, norm_weight, eps, limit)
         if out is not None:
@@ -186,7 +187,7 @@ def linear_add_rms_norm_swiglu(
         CPU, at most :func:`native_row_limit` rows, contiguous weights, no autograd), one
         native call with the same kernels (the same bits); else those calls.
     """
-    fused, limit = _fused()
+    fused, limit = _fused() if x.device.type == "cpu" else (None, 0)
     if fused is not None:
         out = fused.linear_add_rms_norm_swiglu(
             x, weight, residual, norm_weight, eps, gate_up, down, limit
