@@ -194,7 +194,8 @@ def linear_add_rms_norm_swiglu(
         )
         if out is not None:
             return out
-    h, normed = linear_add_rms_norm(x, weight, residual, norm_weight, eps)
+    # (the native call declined: linear_add_rms_norm's would too, so its torch path)
+    h, normed = rms_norm(linear(x, weight), norm_weight, eps, residual)
     return h, linear(linear_silu_mul(normed, gate_up), down)
 
 

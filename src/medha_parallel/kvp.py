@@ -257,13 +257,12 @@ class KVPCommunicator:
                     if direct is not merge_fn
                     else None
                 )
+                views = tuple(self._state_views_of(shared.buffer(b), out.shape) for b in (0, 1))
                 if publish is not None:  # the native op: one call copies, exchanges, merges
-                    views = tuple(self._state_views_of(shared.buffer(b), out.shape) for b in (0, 1))
                     self._fast[key] = shared.merger(views, publish, direct, op)
                 else:
                     both = []
-                    for b in (0, 1):  # each buffer's states, this rank's slots, their addresses
-                        vb, sb = self._state_views_of(shared.buffer(b), out.shape)
+                    for vb, sb in views:  # each buffer's states, this rank's slots, addresses
                         mine = (vb[:, self.index], sb[:, self.index])
                         # a decode's slots (one query) are contiguous: copied by address
                         one = mine[0].is_contiguous() and mine[1].is_contiguous()

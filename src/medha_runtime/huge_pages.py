@@ -30,6 +30,7 @@ later in the same driver process does not reach them).
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import sys
@@ -192,10 +193,7 @@ def _madvise_hugepage(address: int, length: int) -> None:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(int(s) for s in shape) * dtype.itemsize
 
 
 def _round_up(n: int, to: int) -> int:

@@ -189,9 +189,10 @@ class BlockPool:
                 if min(held) == max(held) == 1:
                     self._drop_run(blocks, lo)
                     return
-        if min(blocks) >= 0 and self._drop_held_once(blocks):
+        lo = min(blocks)
+        if lo >= 0 and self._drop_held_once(blocks):
             return
-        lo, hi = min(blocks), max(blocks)
+        hi = max(blocks)
         if lo < 0 or hi >= self.num_blocks:
             self._check_release(owner, blocks)
         counts = itemgetter(*blocks)(ref) if count > 1 else (ref[first],)

@@ -339,8 +339,6 @@ class KVBlockManager:
         if not self._caching:
             return
         entry = self._entry(request_id)
-        if not block_hashes:  # (a prompt without a shared prefix: nothing to offer)
-            return
         upto = min(len(block_hashes), num_tokens // self._bs)
         per_shard = self._g // self._bs
         for k in range(entry.registered, upto):

@@ -233,24 +233,27 @@ class ChunkSizer:
             limit = limit_g - start % limit_g
         fn = None if chunk_time is None else chunk_time(base, start)
         if fn is not None:
-            time_of = fn
+
+            def price(_base: list[int] | None, _start: int, n: int) -> float:
+                return fn(n)
+
         elif base is None:
 
-            def time_of(n: int) -> float:
-                return group_time(list(features(n, start, True)))
+            def price(_base: list[int] | None, at: int, n: int) -> float:
+                return group_time(list(features(n, at, True)))
 
         else:
 
-            def time_of(n: int) -> float:
-                return group_time(list(map(_add, base, features(n, start, True))))
+            def price(summed: list[int], at: int, n: int) -> float:
+                return group_time(list(map(_add, summed, features(n, at, True))))
 
         # largest_chunk_within's search, keeping the chosen chunk's probed time
         return largest_chunk_priced(
             limit,
             cfg.token_grid,
-            lambda _base, _start, n: time_of(n),
-            None,
-            0,
+            price,
+            base,
+            start,
             target,
             base_time,
             self._last_chunk.get(request.request_id, 0),

@@ -89,7 +89,7 @@ def test_turn_runs_same_results_as_per_turn(monkeypatch, policy, spp, caching) -
 
 
 @pytest.mark.parametrize("qps", [0.5, 2.0])
-def test_paper_setting_samesimulate(monkeypatch, qps) -> None:
+def test_paper_setting_same_results(monkeypatch, qps) -> None:
     trace = generate(WorkloadSpec(qps=qps, num_requests=120, long_fraction=0.08, seed=5))
     spec = RunSpec(
         policy="lars-mp",

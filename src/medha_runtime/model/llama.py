@@ -272,6 +272,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_id, comm=comm, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.mlp = LlamaMLP(config, comm=comm, **kw)
+        # TP 1 and no biases (o_proj's from attention_bias, the MLP's from mlp_bias):
+        # from o_proj to the MLP's output in one call (decided once, not per step)
+        self._fused_tail = (
+            comm.world_size == 1 and not config.attention_bias and not config.mlp_bias
+        )
 
     def forward(
         self,
@@ -302,23 +307,22 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = self.input_layernorm.forward_add(x, residual)
         attn = self.self_attn
         o = attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
-        o_proj, mlp = attn.o_proj, self.mlp
-        gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        if (
-            o_proj.comm.world_size == 1
-            and o_proj.bias is None
-            and gate_up.bias is None
-            and down.bias is None
-        ):
-            # TP 1, no biases: from o_proj to the MLP's output in one call where it runs
-            # natively (a decode step: fewer calls after the attention, each run cold)
-            norm = self.post_attention_layernorm
+        if self._fused_tail:
+            # one call where it runs natively (a decode step: fewer calls after the
+            # attention, each run cold)
+            norm, mlp = self.post_attention_layernorm, self.mlp
             residual, out = linear_add_rms_norm_swiglu(
-                o, o_proj.weight, residual, norm.weight, norm.eps, gate_up.weight, down.weight
+                o,
+                attn.o_proj.weight,
+                residual,
+                norm.weight,
+                norm.eps,
+                mlp.gate_up_proj.weight,
+                mlp.down_proj.weight,
             )
             return out, residual
-        residual, h = self.post_attention_layernorm.forward_add(o_proj.forward(o), residual)
-        return mlp.forward(h), residual
+        residual, h = self.post_attention_layernorm.forward_add(attn.o_proj.forward(o), residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
