@@ -60,7 +60,7 @@ constexpr int64_t kDecodeTile = 32;
 // The next tile's rows are prefetched (decode_tile) as this many interleaved sub-streams
 // per cache (the tile's first quarter, second, third, fourth in turn), not in key order:
 // the same lines, the same arithmetic. With the KV cold, at batch 32 and 80 keys 0.90-0.91x
-// the time of key order, 2 sub-streams 0.92-0.93x, 8 0.96-0.98x; batch 1 at 32K keys
+// the time of key order, 2 sub-streams 0.92-0.94x, 8 0.96-0.98x; batch 1 at 32K keys
 // 0.86-0.91x (docs/benchmarks.md, "Batch 32's cold weight stream: interleaved prefetch
 // sub-streams"; why several streams read faster: linear_cpu.cpp, NextTask).
 constexpr int64_t kPrefetchSubStreams = 4;
