@@ -57,6 +57,13 @@ constexpr int64_t kSerialWork = int64_t{1} << 16;  // below this many row-keys, 
 // time, with the next tile prefetched (see run_decode_task).
 constexpr int64_t kDecodeRows = 12;
 constexpr int64_t kDecodeTile = 32;
+// The next tile's rows are prefetched (decode_tile) as this many interleaved sub-streams
+// per cache (the tile's first quarter, second, third, fourth in turn), not in key order:
+// the same lines, the same arithmetic. With the KV cold, at batch 32 and 80 keys 0.90-0.91x
+// the time of key order, 2 sub-streams 0.92-0.94x, 8 0.96-0.98x; batch 1 at 32K keys
+// 0.86-0.91x (docs/benchmarks.md, "Batch 32's cold weight stream: interleaved prefetch
+// sub-streams"; why several streams read faster: linear_cpu.cpp, NextTask).
+constexpr int64_t kPrefetchSubStreams = 4;
 
 // out[i] = <q, k_i> for 4 key rows of length D (portable path; AVX2 builds use small_scores4).
 inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
@@ -636,9 +643,14 @@ void run_decode_task(const int32_t* task, const int32_t* next, const scalar_t* q
   // the cache rows of keys [a, b) of the sequence with block-table row ``tb`` into w.pfk/pfv
   auto next_rows = [&](const int32_t* tb, int64_t a, int64_t b) {
     w.pf_n = std::max<int64_t>(0, b - a);
+    // in kPrefetchSubStreams interleaved sub-streams: position i holds row (i % S) part + i / S
+    // (where S divides the count; else in key order)
+    const int64_t S = w.pf_n % kPrefetchSubStreams == 0 ? kPrefetchSubStreams : 1;
+    const int64_t part = w.pf_n / S;
     for (int64_t i = 0; i < w.pf_n; ++i) {
-      const int64_t off = (int64_t{tb[(a + i) / sh.block_size]} * sh.block_size +
-                           (a + i) % sh.block_size) * row;
+      const int64_t key = a + (i % S) * part + i / S;
+      const int64_t off =
+          (int64_t{tb[key / sh.block_size]} * sh.block_size + key % sh.block_size) * row;
       w.pfk[i] = reinterpret_cast<const char*>(k_cache + off);
       w.pfv[i] = reinterpret_cast<const char*>(v_cache + off);
     }

@@ -235,11 +235,51 @@ void ctask(const float* xt, int64_t MP, const float* w, float* out, const float*
 // 128 x 32 floats, 16 KB, and stays in L1 across the task's two blocks); while
 // it runs, the next task's rows (contiguous) are prefetched into L2 at an even
 // pace that ends with the task (NR floats per k step; one line a step measured
-// ~2% slower, two lines a step ~1.15x slower, none ~1.4x slower). Each output
-// is still a sum of 64-product partial sums.
+// ~2% slower, two lines a step ~1.15x slower, none ~1.4x slower), as PF_STREAMS
+// interleaved sub-streams (NextTask). Each output is still a sum of 64-product
+// partial sums.
 constexpr int NR2 = 14;
 constexpr int CB2 = 28;
 constexpr int64_t KB2 = 128;
+
+// The next task's rows [start, end), prefetched into L2 one line a k step as PF_STREAMS
+// sub-streams in lockstep: sub-stream j covers [start + j part, start + (j + 1) part) and
+// the steps take them in turn, each advancing NR floats (so together NR floats a step, as
+// the single stream did; the same lines, so the same sums). Why it helps, as far as
+// measured (benchmarks/cpu_stream.cpp): one core's reads were capped near 9 GB/s with one
+// ascending prefetch stream however far ahead it ran, and several interleaved streams
+// raised that cap (13-15 GB/s at twice this kernel's pace), consistent with each software
+// prefetch holding one of the core's few L1 fill buffers while the L2 streamer, which
+// follows each 4 KB page separately, adds requests per page it is following. In the
+// kernel (docs/benchmarks.md, "Batch 32's cold weight stream: interleaved prefetch
+// sub-streams"): 2-6 sub-streams 2-4% faster than one at 32 rows, one a row (14 or 28)
+// slower.
+constexpr int PF_STREAMS = 4;
+
+struct NextTask {
+  const float* b;     // sub-stream 0's next address; sub-stream j's is b + j * part
+  const float* bend;  // sub-stream 0's end
+  const float* end;
+  int64_t part;  // floats a sub-stream, whole lines
+  int j = 0;     // the sub-stream of the next step
+
+  NextTask(const float* start, const float* stop)
+      : b(start),
+        end(stop),
+        part((((stop - start) + PF_STREAMS - 1) / PF_STREAMS + 15) / 16 * 16) {
+    bend = start + part;
+  }
+
+  template <int NR>
+  inline void step() {
+    const float* q = b + j * part;
+    if (b < bend && q < end) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
+    if (++j == PF_STREAMS) {
+      j = 0;
+      b += NR;  // NR floats a step: the task's CB2 / NR blocks spread the lines over it
+    }
+  }
+};
 
 // broadcast of the float at p + S * K4 bytes (S < 3): rows of a group of three
 template <int S>
@@ -267,12 +307,12 @@ inline void row_fmas(__m512 (&acc)[NR][MV], const __m512 (&xv)[MV], const float*
 
 // sum[i][j] (+)= sum over k in [k0, k1) of w[i, k] xt[k, j], i < NR, j < 16 MV; wr = row 0 of
 // the block, xt already offset to the first x row, sum rows 64 floats apart. first: store.
-// Prefetches [pf, pfend) into L2, NR floats per k step (pf advances).
+// Prefetches one line of the next task a k step (pf advances).
 template <int NR, int MV>
 inline void kblock(const float* xt, int64_t MP, const float* wr, int64_t K, int64_t k0,
-                   int64_t k1, float* sum, bool first, const float*& pf_io, const float* pfend) {
+                   int64_t k1, float* sum, bool first, NextTask& pf_io) {
   constexpr int NG = (NR + 2) / 3;
-  const float* pf = pf_io;
+  NextTask pf = pf_io;
   const int64_t K4 = 4 * K;
   for (int64_t kc = k0; kc < k1; kc += KC) {
     const int64_t kend = std::min<int64_t>(k1, kc + KC);
@@ -285,10 +325,7 @@ inline void kblock(const float* xt, int64_t MP, const float* wr, int64_t K, int6
     for (int64_t k = kc; k < kend; ++k, xp += MP) {
       __m512 xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = _mm512_loadu_ps(xp + 16 * v);
-      if (pf < pfend) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
-        pf += NR;  // NR floats a step: the task's CB2 / NR blocks spread the lines over it
-      }
+      pf.step<NR>();
       row_fmas<NR, MV, 0>(acc, xv, g, K4);
       for (int q = 0; q < NG; ++q) ++g[q];
     }
@@ -304,10 +341,10 @@ inline void kblock(const float* xt, int64_t MP, const float* wr, int64_t K, int6
 
 template <int NR, int MV>
 void kblock_tail(int rows, const float* xt, int64_t MP, const float* wr, int64_t K, int64_t k0,
-                 int64_t k1, float* sum, bool first, const float*& pf, const float* pfend) {
+                 int64_t k1, float* sum, bool first, NextTask& pf) {
   if constexpr (NR > 1) {
-    if (rows == NR - 1) kblock<NR - 1, MV>(xt, MP, wr, K, k0, k1, sum, first, pf, pfend);
-    else kblock_tail<NR - 1, MV>(rows, xt, MP, wr, K, k0, k1, sum, first, pf, pfend);
+    if (rows == NR - 1) kblock<NR - 1, MV>(xt, MP, wr, K, k0, k1, sum, first, pf);
+    else kblock_tail<NR - 1, MV>(rows, xt, MP, wr, K, k0, k1, sum, first, pf);
   }
 }
 
@@ -315,16 +352,15 @@ void kblock_tail(int rows, const float* xt, int64_t MP, const float* wr, int64_t
 void ktask2(const float* xt, int64_t MP, const float* w, float* out, const float* bias, int64_t M,
             int64_t K, int64_t N, int64_t n0, int64_t n1) {
   alignas(64) float sum[CB2 * 64];
-  const float* pf = w + n1 * K;
-  const float* pfend = w + std::min<int64_t>(N, n1 + CB2) * K;
+  NextTask pf(w + n1 * K, w + std::min<int64_t>(N, n1 + CB2) * K);
   for (int64_t kb = 0; kb < K; kb += KB2) {
     const int64_t ke = std::min<int64_t>(K, kb + KB2);
     int64_t n = n0;
     for (; n + NR2 <= n1; n += NR2)
-      kblock<NR2, 2>(xt, MP, w + n * K, K, kb, ke, sum + (n - n0) * 64, kb == 0, pf, pfend);
+      kblock<NR2, 2>(xt, MP, w + n * K, K, kb, ke, sum + (n - n0) * 64, kb == 0, pf);
     if (n < n1) {
       kblock_tail<NR2, 2>(static_cast<int>(n1 - n), xt, MP, w + n * K, K, kb, ke,
-                          sum + (n - n0) * 64, kb == 0, pf, pfend);
+                          sum + (n - n0) * 64, kb == 0, pf);
     }
   }
   for (int64_t j = 0; j < M; ++j) {
@@ -435,20 +471,18 @@ void ktask2_silu_mul(const float* xt, int64_t MP, const float* w, float* out, in
   float* su = sum + NR2 * 64;
   const int rows = static_cast<int>(n1 - n0);
   const int64_t next_end = std::min<int64_t>(I, n1 + NR2);
-  const float* pfg = w + n1 * K;
-  const float* pfu = w + (I + n1) * K;
-  const float* pfg_end = w + next_end * K;
-  const float* pfu_end = w + (I + next_end) * K;
+  NextTask pfg(w + n1 * K, w + next_end * K);
+  NextTask pfu(w + (I + n1) * K, w + (I + next_end) * K);
   const float* wg = w + n0 * K;
   const float* wu = w + (I + n0) * K;
   for (int64_t kb = 0; kb < K; kb += KB2) {
     const int64_t ke = std::min<int64_t>(K, kb + KB2);
     if (rows == NR2) {
-      kblock<NR2, 2>(xt, MP, wg, K, kb, ke, sg, kb == 0, pfg, pfg_end);
-      kblock<NR2, 2>(xt, MP, wu, K, kb, ke, su, kb == 0, pfu, pfu_end);
+      kblock<NR2, 2>(xt, MP, wg, K, kb, ke, sg, kb == 0, pfg);
+      kblock<NR2, 2>(xt, MP, wu, K, kb, ke, su, kb == 0, pfu);
     } else {
-      kblock_tail<NR2, 2>(rows, xt, MP, wg, K, kb, ke, sg, kb == 0, pfg, pfg_end);
-      kblock_tail<NR2, 2>(rows, xt, MP, wu, K, kb, ke, su, kb == 0, pfu, pfu_end);
+      kblock_tail<NR2, 2>(rows, xt, MP, wg, K, kb, ke, sg, kb == 0, pfg);
+      kblock_tail<NR2, 2>(rows, xt, MP, wu, K, kb, ke, su, kb == 0, pfu);
     }
   }
   for (int i = 0; i < rows; ++i) {  // lanes past M hold silu(0) * 0 = 0
