@@ -1152,7 +1152,7 @@ class Scheduler:
         if not self._adaptive or not self._lanes.exact or not queue or self._abort_pending:
             return None
         if len(queue) > 1:
-            if now is None or queue.num_not_long:
+            if now is None:
                 return None
             request = queue.first(now)
             if request is None or request.request_id not in self._running:
@@ -1160,6 +1160,8 @@ class Scheduler:
             for batch in self._in_flight.values():
                 if batch.entries and not batch.stage0_cleared:
                     return None
+            if queue.num_not_long and not self._shorts_out_of_reach(request, now):
+                return None
             return request
         if len(self._running) != len(self._lanes) + 1:
             return None
@@ -1171,6 +1173,30 @@ class Scheduler:
                 if r is not request or not batch.stage0_cleared:
                     return None
         return request
+
+    def _shorts_out_of_reach(self, first: Request, now: float) -> bool:
+        """True when ``first``, the queue's first prompt at ``now`` and long, is
+        followed by so many long prompts surely coming before every queued
+        prompt that is not long that the scan of :meth:`_pack_prefills`, once
+        ``first``'s chunk joins, stops with that chunk alone: the stop it takes
+        itself (the same proof, ``_PrefillQueue.ahead_of_not_long`` on ``first``
+        and the latest whole scan's candidates, under the same conditions).
+        Then a batch of the decodes and a chunk of ``first`` is the batch
+        ``schedule`` forms, short prompts queued or not.
+
+        With one KVP group only (the caller's: :meth:`turn_run`,
+        :meth:`turns_prefill`); False (the scan decides) whenever the proof
+        does not hold or is not tried.
+        """
+        cfg = self.config
+        queue, walked = self._queue, self._walked
+        max_skips = cfg.max_consecutive_skips
+        return (
+            bool(walked)
+            and first.num_prefill_tokens >= cfg.long_prefill_threshold
+            and queue.num_not_long <= 4 * max_skips
+            and queue.ahead_of_not_long([first.request_id, *walked], now) > max_skips
+        )
 
     def prefill_turn(
         self, request: Request | None, now: float
@@ -1296,6 +1322,7 @@ class Scheduler:
         shared = request is None
         queue = self._queue
         first_queued = queue.first
+        out_of_reach = self._shorts_out_of_reach
         out = self._turn_out
         running = self._running
         spp = len(free)
@@ -1335,11 +1362,11 @@ class Scheduler:
             if len(ready) > 1:
                 break  # schedule() merges the ready lanes: the per-turn path does
             if shared:
-                if queue.num_not_long:
-                    break
                 r = first_queued(s)  # as prefill_turn(None, s) looks it up
                 if r is None or r.request_id not in running or r._lane is not None:
                     break
+                if queue.num_not_long and not out_of_reach(r, s):
+                    break  # a short prompt may be within the scan's reach: schedule()
             assert r is not None
             rid = r.request_id
             start = r._scheduled
