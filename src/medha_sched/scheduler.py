@@ -1184,9 +1184,11 @@ class Scheduler:
         Then a batch of the decodes and a chunk of ``first`` is the batch
         ``schedule`` forms, short prompts queued or not.
 
-        With one KVP group only (the caller's: :meth:`turn_run`,
-        :meth:`turns_prefill`); False (the scan decides) whenever the proof
-        does not hold or is not tried.
+        The callers (:meth:`turn_run`, :meth:`prefill_turn`; :meth:`turns_prefill`
+        to open the turns) take the turn only where ``first``'s chunk holds
+        every KVP group (one group: always), so that every other long prompt
+        is blocked, as in the scan. False (the scan decides) whenever the
+        proof does not hold or is not tried.
         """
         cfg = self.config
         queue, walked = self._queue, self._walked
@@ -1210,7 +1212,8 @@ class Scheduler:
         ``request`` None: long prompts wait together (see :meth:`turns_prefill`);
         the chunk is the first queued prompt's, taken out of the queue as the
         scan takes it (:meth:`clear_turn` puts it back). None also when a short
-        prompt waits, that prompt is not admitted, or its chunk leaves a KVP
+        prompt waits within the scan's reach (:meth:`_shorts_out_of_reach` does
+        not hold), that prompt is not admitted, or its chunk leaves a KVP
         group free.
         """
         if now < self._clock:
@@ -1218,11 +1221,11 @@ class Scheduler:
         queue = self._queue
         shared = request is None
         if shared:
-            if queue.num_not_long:
-                return None
             request = queue.first(now)
             if request is None or request.request_id not in self._running:
                 return None
+            if queue.num_not_long and not self._shorts_out_of_reach(request, now):
+                return None  # a short prompt may be within the scan's reach
         assert request is not None  # given, or the queue's first
         rid = request.request_id
         lanes = self._lanes

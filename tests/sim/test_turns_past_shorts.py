@@ -2,7 +2,8 @@
 
 ``Scheduler.turn_run`` (and ``turns_prefill``, which opens a run) take the
 turn of the queue's first prompt, long, beside the ready decodes while short
-prompts are queued when ``Scheduler._shorts_out_of_reach`` holds: the proof
+prompts are queued when ``Scheduler._shorts_out_of_reach`` holds (and so
+does ``prefill_turn``, the per-turn path): the proof
 with which ``_pack_prefills`` stops its own scan after that chunk
 (``_PrefillQueue.ahead_of_not_long``: more than ``max_consecutive_skips`` long
 prompts surely come before every short one). These tests check
@@ -12,8 +13,10 @@ prompts surely come before every short one). These tests check
   every ``schedule()`` of mixed simulations;
 - whole simulations with such turns against the same simulations without
   them (the proof never tried in the turns, so ``schedule()`` forms those
-  batches) and against the per-turn path (``turn_runs=False``): every
-  record, batch and float the same, and many turns taken past short prompts.
+  batches), against the per-turn path (``turn_runs=False``: ``prefill_turn``
+  takes the same turns one at a time) and against one batch at a time
+  (``decode_runs=False``): every record, batch and float the same, and many
+  turns taken past short prompts.
 """
 
 from __future__ import annotations
@@ -116,8 +119,9 @@ def test_turns_past_short_prompts_change_no_result(monkeypatch, policy, skips, s
     fast = _run(trace, spec, skips)
     assert all(r.finish_s is not None for r in fast.records)
     assert counts["turns"] > 20  # many turns went past queued short prompts
-    per_turn = _run(trace, spec, skips, turn_runs=False)  # schedule() takes those turns
-    assert_same_results(fast, per_turn)
+    # every turn on its own (prefill_turn), and every batch through schedule()
+    assert_same_results(fast, _run(trace, spec, skips, turn_runs=False))
+    assert_same_results(fast, _run(trace, spec, skips, decode_runs=False))
     monkeypatch.setattr(Scheduler, "_shorts_out_of_reach", _never_past_shorts)
     assert_same_results(fast, _run(trace, spec, skips))
 
@@ -147,7 +151,7 @@ def test_an_overloaded_roofline_run_changes_no_result(monkeypatch, spp) -> None:
 def test_the_proof_holds_only_where_the_full_scan_forms_the_first_chunk_alone(
     monkeypatch, policy, skips, spp, seed
 ) -> None:
-    """At every ``schedule()`` (turn runs off, the scan's early stop off so that it
+    """At every ``schedule()`` (no turns, the scan's early stop off so that it
     walks to its end): where the first queued prompt is long, admitted and in
     one KVP group, and the proof holds with short prompts queued, the batch
     must be the decodes and a chunk of that prompt alone (its last chunk too,
@@ -187,6 +191,6 @@ def test_the_proof_holds_only_where_the_full_scan_forms_the_first_chunk_alone(
 
     monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", ahead)
     monkeypatch.setattr(Scheduler, "schedule_plain", checking)
-    result = _run(trace, spec, skips, turn_runs=False)
+    result = _run(trace, spec, skips, decode_runs=False)  # every batch through schedule()
     assert all(r.finish_s is not None for r in result.records)
     assert checked["joined"] > 20, checked  # the proof held, and was checked, many times
