@@ -1136,11 +1136,13 @@ class Scheduler:
         the queue scan or a :class:`ScheduleOutput`.
 
         Long prompts waiting together (``now`` given; every queued prompt
-        long, the first at ``now`` admitted, every batch in flight cleared
-        stage 0): each next batch is the ready decodes plus a chunk of the
-        prompt first in the queue at its time. Its long chunk holds every KVP
-        group, so the scan stops after it (see :meth:`_pack_prefills`); the
-        turns (``prefill_turn(None, ...)``) look up only that first prompt.
+        long, or the short ones out of the scan's reach by
+        :meth:`_shorts_out_of_reach`; the first at ``now`` admitted, every
+        batch in flight cleared stage 0): each next batch is the ready
+        decodes plus a chunk of the prompt first in the queue at its time.
+        Its long chunk holds every KVP group, so the scan stops after it (see
+        :meth:`_pack_prefills`); the turns (``prefill_turn(None, ...)``) look
+        up only that first prompt, and check the reach again at each turn.
         Returns the first prompt at ``now``.
 
         Never with ``async_decodes``: the turns do not issue decodes ahead nor
