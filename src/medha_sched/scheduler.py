@@ -1136,11 +1136,13 @@ class Scheduler:
         the queue scan or a :class:`ScheduleOutput`.
 
         Long prompts waiting together (``now`` given; every queued prompt
-        long, the first at ``now`` admitted, every batch in flight cleared
-        stage 0): each next batch is the ready decodes plus a chunk of the
-        prompt first in the queue at its time. Its long chunk holds every KVP
-        group, so the scan stops after it (see :meth:`_pack_prefills`); the
-        turns (``prefill_turn(None, ...)``) look up only that first prompt.
+        long, or the short ones out of the scan's reach by
+        :meth:`_shorts_out_of_reach`; the first at ``now`` admitted, every
+        batch in flight cleared stage 0): each next batch is the ready
+        decodes plus a chunk of the prompt first in the queue at its time.
+        Its long chunk holds every KVP group, so the scan stops after it (see
+        :meth:`_pack_prefills`); the turns (``prefill_turn(None, ...)``) look
+        up only that first prompt, and check the reach again at each turn.
         Returns the first prompt at ``now``.
 
         Never with ``async_decodes``: the turns do not issue decodes ahead nor
@@ -1152,7 +1154,7 @@ class Scheduler:
         if not self._adaptive or not self._lanes.exact or not queue or self._abort_pending:
             return None
         if len(queue) > 1:
-            if now is None or queue.num_not_long:
+            if now is None:
                 return None
             request = queue.first(now)
             if request is None or request.request_id not in self._running:
@@ -1160,6 +1162,8 @@ class Scheduler:
             for batch in self._in_flight.values():
                 if batch.entries and not batch.stage0_cleared:
                     return None
+            if queue.num_not_long and not self._shorts_out_of_reach(request, now):
+                return None
             return request
         if len(self._running) != len(self._lanes) + 1:
             return None
@@ -1171,6 +1175,32 @@ class Scheduler:
                 if r is not request or not batch.stage0_cleared:
                     return None
         return request
+
+    def _shorts_out_of_reach(self, first: Request, now: float) -> bool:
+        """True when ``first``, the queue's first prompt at ``now`` and long, is
+        followed by so many long prompts surely coming before every queued
+        prompt that is not long that the scan of :meth:`_pack_prefills`, once
+        ``first``'s chunk joins, stops with that chunk alone: the stop it takes
+        itself (the same proof, ``_PrefillQueue.ahead_of_not_long`` on ``first``
+        and the latest whole scan's candidates, under the same conditions).
+        Then a batch of the decodes and a chunk of ``first`` is the batch
+        ``schedule`` forms, short prompts queued or not.
+
+        The callers (:meth:`turn_run`, :meth:`prefill_turn`; :meth:`turns_prefill`
+        to open the turns) take the turn only where ``first``'s chunk holds
+        every KVP group (one group: always), so that every other long prompt
+        is blocked, as in the scan. False (the scan decides) whenever the
+        proof does not hold or is not tried.
+        """
+        cfg = self.config
+        queue, walked = self._queue, self._walked
+        max_skips = cfg.max_consecutive_skips
+        return (
+            bool(walked)
+            and first.num_prefill_tokens >= cfg.long_prefill_threshold
+            and queue.num_not_long <= 4 * max_skips
+            and queue.ahead_of_not_long([first.request_id, *walked], now) > max_skips
+        )
 
     def prefill_turn(
         self, request: Request | None, now: float
@@ -1184,7 +1214,8 @@ class Scheduler:
         ``request`` None: long prompts wait together (see :meth:`turns_prefill`);
         the chunk is the first queued prompt's, taken out of the queue as the
         scan takes it (:meth:`clear_turn` puts it back). None also when a short
-        prompt waits, that prompt is not admitted, or its chunk leaves a KVP
+        prompt waits within the scan's reach (:meth:`_shorts_out_of_reach` does
+        not hold), that prompt is not admitted, or its chunk leaves a KVP
         group free.
         """
         if now < self._clock:
@@ -1192,11 +1223,11 @@ class Scheduler:
         queue = self._queue
         shared = request is None
         if shared:
-            if queue.num_not_long:
-                return None
             request = queue.first(now)
             if request is None or request.request_id not in self._running:
                 return None
+            if queue.num_not_long and not self._shorts_out_of_reach(request, now):
+                return None  # a short prompt may be within the scan's reach
         assert request is not None  # given, or the queue's first
         rid = request.request_id
         lanes = self._lanes
@@ -1296,6 +1327,7 @@ class Scheduler:
         shared = request is None
         queue = self._queue
         first_queued = queue.first
+        out_of_reach = self._shorts_out_of_reach
         out = self._turn_out
         running = self._running
         spp = len(free)
@@ -1335,11 +1367,11 @@ class Scheduler:
             if len(ready) > 1:
                 break  # schedule() merges the ready lanes: the per-turn path does
             if shared:
-                if queue.num_not_long:
-                    break
                 r = first_queued(s)  # as prefill_turn(None, s) looks it up
                 if r is None or r.request_id not in running or r._lane is not None:
                     break
+                if queue.num_not_long and not out_of_reach(r, s):
+                    break  # a short prompt may be within the scan's reach: schedule()
             assert r is not None
             rid = r.request_id
             start = r._scheduled
