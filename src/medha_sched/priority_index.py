@@ -333,6 +333,15 @@ class KineticIndex(Generic[K]):
         self._repair(slot)
         return True
 
+    def shares_page(self, item: K, others: Iterable[K]) -> bool:
+        """Whether one of ``others`` holds a slot in the page of ``item``'s slot
+        (the page a :meth:`remove` of ``item`` frees a slot in, and an
+        :meth:`add` after removing several items takes the last freed slot of).
+        With one page, whether ``others`` has any item. ValueError if absent."""
+        page = self._page
+        home = self._lookup(item) // page
+        return any(self._lookup(x) // page == home for x in others)
+
     def remove(self, item: K) -> None:
         """Delete ``item``; ValueError if absent."""
         self.remove_many((item,))  # one item: its leaf is repaired as it goes

@@ -14,7 +14,7 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from medha_sched.batch_cost import BatchCost, chunk_works
@@ -70,21 +70,88 @@ class LaneCycle:
 class _PrefillQueue(PrefillQueue):
     """The prefill queue, also counting the queued requests whose prompt (as
     of their latest ``push``) is shorter than ``long_min`` tokens: a scan that
-    met all of them knows every candidate left is a long prefill."""
+    met all of them knows every candidate left is a long prefill.
+
+    The chunks a scan chose leave it by :meth:`take`, which defers their
+    removal from the index to the next queue operation: most often that is
+    the ``push`` of one of them when its batch clears stage 0, and a
+    ``remove`` then ``push`` of the same request is one in-place renewal
+    (:meth:`KineticIndex.renew`) when that leaves the index as the pair
+    would. Any other operation first removes what is deferred, in the order
+    taken, so the index goes through the same states as with
+    :meth:`remove_many` at the scan (but for stale certificate entries).
+    """
 
     def __init__(self, policy: Policy, *, short_below: int, long_min: int) -> None:
         super().__init__(policy, short_below=short_below)
         self._long_min = long_min
         self._not_long: set[str] = set()
+        self._out: list[str] = []  # taken (out of the queue), still in the index
+
+    def __len__(self) -> int:
+        return len(self._where) - len(self._out)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._where and request_id not in self._out
 
     @property
     def num_not_long(self) -> int:
         """Queued requests with fewer than ``long_min`` prompt tokens to prefill."""
+        if self._out:
+            self._flush()
         return len(self._not_long)
 
+    def take(self, request_ids: list[str]) -> None:
+        """:meth:`remove_many` of ``request_ids`` (distinct, queued), deferred:
+        they are out of the queue now (``len``, ``in``), and out of the index
+        at the next operation but a ``push`` renewing one of them in place.
+        The list is kept (and emptied): do not reuse it."""
+        if self._out:
+            self._flush()
+        self._out = request_ids
+
+    def _flush(self) -> None:
+        """Remove what :meth:`take` deferred, in the order taken."""
+        out, self._out = self._out, []
+        super().remove_many(out)
+        self._not_long.difference_update(out)
+
     def push(self, request: Request) -> None:
+        if self._out:
+            if request.request_id in self._out and self._renew_taken(request):
+                return
+            self._flush()
         super().push(request)
         self._classify(request)
+
+    def _renew_taken(self, request: Request) -> bool:
+        """``push`` of a taken ``request`` as one in-place renewal, if that ends as
+        the deferred removals then the push would (then True): the index's
+        :meth:`~KineticIndex.renew` accepts (its slot's page keeps a free slot
+        and is the one for its new slope), and no request taken after it
+        shares that page (that one's freed slot would be the one the push
+        takes). The other taken requests stay deferred."""
+        rid = request.request_id
+        out, where = self._out, self._where
+        at = out.index(rid)
+        priority = where[rid]
+        if priority != request.priority:
+            return False
+        index = self._classes[priority]
+        later = [x for x in out[at + 1 :] if where[x] == priority]
+        if later and index.shares_page(rid, later):
+            return False
+        intercept, slope = self._policy.line(request)
+        seq = self._seq + 1
+        if not index.renew(
+            rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
+        ):
+            return False
+        self._seq = seq
+        del out[at]
+        self._note_left(request)
+        self._classify(request)
+        return True
 
     def _classify(self, request: Request) -> None:
         """Count ``request`` as not long, or no longer, by its prompt left to prefill."""
@@ -94,23 +161,56 @@ class _PrefillQueue(PrefillQueue):
             self._not_long.discard(request.request_id)
 
     def remove(self, request_id: str) -> None:
+        if self._out:
+            self._flush()
         super().remove(request_id)
         self._not_long.discard(request_id)
 
-    def remove_many(self, request_ids: list[str]) -> None:
+    def remove_many(self, request_ids: Iterable[str]) -> None:
+        if self._out:
+            self._flush()
         request_ids = list(request_ids)  # read twice (an iterator would be used up)
         super().remove_many(request_ids)
         self._not_long.difference_update(request_ids)
 
     def renew(self, request: Request) -> None:
+        if self._out:
+            self._flush()
         super().renew(request)
         self._classify(request)
+
+    def count_pushes(self, count: int) -> None:
+        if self._out:
+            self._flush()
+        super().count_pushes(count)
+
+    def only(self) -> Request:
+        if self._out:
+            self._flush()
+        return super().only()
+
+    def has_remaining_below(self, tokens: int) -> bool:
+        if self._out:
+            self._flush()
+        return super().has_remaining_below(tokens)
+
+    def first(self, now: float) -> Request | None:
+        if self._out:
+            self._flush()
+        return super().first(now)
+
+    def iter_sorted(self, now: float) -> Iterator[Request]:
+        if self._out:
+            self._flush()
+        return super().iter_sorted(now)
 
     def ahead_of_not_long(self, request_ids: Iterable[str], now: float) -> int:
         """How many distinct queued requests of ``request_ids`` ``iter_sorted(now)``
         surely yields before every request that is not long
         (:meth:`KineticIndex.count_ahead`); 0 with requests of more than one
         priority class queued (a class once used and now empty does not count)."""
+        if self._out:
+            self._flush()
         live = [index for index in self._classes.values() if len(index)]
         if len(live) != 1:
             return 0
@@ -665,7 +765,7 @@ class Scheduler:
         if len(visited) > 1:  # (none when the scan met a prompt that is not long)
             self._walked = [] if seen else visited
         if chosen:
-            queue.remove_many([r.request_id for r in chosen])
+            queue.take([r.request_id for r in chosen])  # the index renews them in place
         if self._adaptive and not entries and not draft.num_decodes and not self._in_flight:
             self._force_progress(draft, now)
 
