@@ -79,7 +79,13 @@ class _PrefillQueue(PrefillQueue):
     (:meth:`KineticIndex.renew`) when that leaves the index as the pair
     would. Any other operation first removes what is deferred, in the order
     taken, so the index goes through the same states as with
-    :meth:`remove_many` at the scan (but for stale certificate entries).
+    :meth:`remove_many` at the scan, but for stale certificate entries and
+    :meth:`KineticIndex.count_ahead`'s margin bounds: an in-place renewal
+    neither empties an index nor pushes the events that time its
+    compactions, so those bounds may stay higher than the remove-then-push
+    path leaves them. They still cover every live line (``check()``), so
+    :meth:`ahead_of_not_long` stays a sound lower bound, and the scan's stop
+    on it, taken or not, forms the same batch.
     """
 
     def __init__(self, policy: Policy, *, short_below: int, long_min: int) -> None:
@@ -149,6 +155,7 @@ class _PrefillQueue(PrefillQueue):
             return False
         self._seq = seq
         del out[at]
+        self._requests[rid] = request  # as the push would store it
         self._note_left(request)
         self._classify(request)
         return True
@@ -1284,7 +1291,13 @@ class Scheduler:
         itself (the same proof, ``_PrefillQueue.ahead_of_not_long`` on ``first``
         and the latest whole scan's candidates, under the same conditions).
         Then a batch of the decodes and a chunk of ``first`` is the batch
-        ``schedule`` forms, short prompts queued or not.
+        ``schedule`` forms, short prompts queued or not. The two paths may
+        answer the proof differently (its margin bounds and ``_walked`` depend
+        on the index's history: a turn renews ``first`` in place, a scan takes
+        it out and pushes it back), so batches rely on the proof being sound
+        wherever it holds, not on equal state: after ``first``'s chunk holds
+        every group, the next ``max_consecutive_skips`` candidates it proves
+        long are all blocked, and every exit they reach adds nothing.
 
         The callers (:meth:`turn_run`, :meth:`prefill_turn`; :meth:`turns_prefill`
         to open the turns) take the turn only where ``first``'s chunk holds

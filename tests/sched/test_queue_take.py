@@ -183,6 +183,8 @@ class _Twins:
             self.both("__contains__", rid)
         if not self.lazy._out:
             assert _queue_state(self.lazy) == _queue_state(self.plain)
+        for index in self.lazy._classes.values():
+            index._check_leaves()  # with the count_ahead bounds covering every live line
 
 
 @pytest.mark.parametrize(
