@@ -5,7 +5,8 @@ Public ops (each takes ``backend="auto"``): :func:`merge_state`,
 :func:`chunked_prefill_attention`, :func:`paged_attention`,
 :func:`append_paged_kv`; :func:`available_backends` lists what runs here.
 :func:`linear` is ``F.linear`` with a native CPU path for decode batches,
-:func:`rms_norm` transformers' RMSNorm (a residual add first) with one for fp32.
+:func:`rms_norm` transformers' RMSNorm (a residual add first) with one for fp32,
+:func:`row_argmax` a greedy step's per-row arg-max with one for fp32 logits.
 A step's layers share one :func:`plan_paged_attention` (validated once, no
 host sync per layer), each calling :meth:`PagedAttentionPlan.run`.
 LSE is natural-log fp32 ``[num_tokens, num_heads]``; an empty state is
@@ -13,6 +14,7 @@ LSE is natural-log fp32 ``[num_tokens, num_heads]``; an empty state is
 """
 
 from medha_kernels._checks import KernelInputError as KernelInputError
+from medha_kernels.argmax import row_argmax as row_argmax
 from medha_kernels.attention import chunked_prefill_attention as chunked_prefill_attention
 from medha_kernels.attention import paged_attention as paged_attention
 from medha_kernels.backends import available_backends as available_backends

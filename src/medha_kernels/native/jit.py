@@ -41,12 +41,14 @@ _CPU_FILES = (
     "attention.h",
     "linear.h",
     "norm.h",
+    "argmax.h",
     "rotary.h",
     "bindings.cpp",
     "merge_cpu.cpp",
     "attention_cpu.cpp",
     "linear_cpu.cpp",
     "norm_cpu.cpp",
+    "argmax_cpu.cpp",
     "rotary_kv_cpu.cpp",
 )
 SOURCES = {"cpu": _CPU_FILES, "cuda": (*_CPU_FILES, "merge_cuda.cu")}

@@ -11,6 +11,7 @@
 #include "attention.h"
 #include "linear.h"
 #include "merge.h"
+#include "argmax.h"
 #include "norm.h"
 #include "rotary.h"
 
@@ -304,6 +305,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the CPU, one call; None where the tensors do not fit.",
       py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("norm_weight"), py::arg("eps"),
       py::arg("gate_up"), py::arg("down"), py::arg("max_rows"), nogil);
+  m.def(
+      "row_argmax",
+      [](const at::Tensor& x) -> std::optional<at::Tensor> {
+        TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat,
+                    "row_argmax: fp32 CPU logits only, got ", x.scalar_type(), " on ",
+                    x.device());
+        TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.is_contiguous(),
+                    "row_argmax: expected contiguous logits [M, V] with V > 0, got ", x.sizes());
+        return medha::row_argmax_cpu(x);
+      },
+      "int64 [M]: the first index of each row's maximum of fp32 [M, V] logits (as torch's\n"
+      "max(dim=-1).indices); None when a row holds a NaN.",
+      py::arg("x"), nogil);
   m.def(
       "rms_norm",
       [](const at::Tensor& x, const at::Tensor& weight, double eps,
