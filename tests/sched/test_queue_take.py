@@ -24,6 +24,7 @@ from medha_sched.request import Request
 from medha_sched.scheduler import _PrefillQueue
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
+from tests.sched.test_remove_many import _state
 from tests.sim.same import assert_same_results, simulate
 
 _LONG = 1_000  # long_min of the twins
@@ -32,21 +33,7 @@ _SHORT = 64  # short_below
 
 def _index_state(index: KineticIndex) -> tuple:
     """What decides every later answer of an index (not versions or counters)."""
-    live = sorted((c, n) for c, n, v in index._events if v == index._ver[n] and index._cert[n] == c)
-    return (
-        index._clock,
-        index._win,
-        index._cert,
-        index._slot,
-        index._items,
-        index._b,
-        index._m,
-        index._tb,
-        index._page_free,
-        index._open,
-        index._num_free,
-        live,
-    )
+    return (*_state(index), index._b, index._m)
 
 
 def _queue_state(queue: _PrefillQueue) -> tuple:

@@ -21,11 +21,11 @@ import pytest
 from medha_sched.priority_index import AHEAD_RTOL, KineticIndex
 from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler, _PrefillQueue
-from medha_sched.sim import TraceRequest
-from medha_sched.sim.engine import SimResult, Simulator
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
 from tests.sim.same import assert_same_results
+from tests.sim.same import mixed_long_short_trace as _mixed_trace
+from tests.sim.same import simulate_with_skips as _run
 
 # ----------------------------------------------------------------- count_ahead
 
@@ -118,38 +118,6 @@ def test_count_ahead_margin_and_edges() -> None:
 
 
 # ------------------------------------------------------------- whole simulations
-
-
-def _run(trace: list[TraceRequest], spec: RunSpec, skips: int, **flags) -> SimResult:
-    config, model, cache = spec.build()
-    config = dataclasses.replace(config, max_consecutive_skips=skips)
-    return Simulator(config, model, cache=cache, **flags).run(trace)
-
-
-def _mixed_trace(seed: int, longs: int, shorts: int) -> list[TraceRequest]:
-    """Long prompts arriving early and over time, short ones among them: most
-    behind the long ones in the queue's order, some ahead (early deadlines)."""
-    rng = random.Random(seed)
-    out = [
-        TraceRequest(
-            f"long{i:02d}",
-            rng.uniform(0.0, 0.4) if i < longs // 2 else rng.uniform(0.4, 20.0),
-            rng.randint(40_000, 90_000),
-            rng.randint(2, 6),
-        )
-        for i in range(longs)
-    ]
-    out += [
-        TraceRequest(
-            f"s{i:03d}",
-            rng.uniform(0.0, 25.0),
-            rng.randint(30, 3_000),
-            rng.randint(2, 60),
-            ttft_slo_s=rng.choice([None, 400.0, 30.0, 0.5]),
-        )
-        for i in range(shorts)
-    ]
-    return sorted(out, key=lambda r: (r.arrival_s, r.id))
 
 
 def _counting(monkeypatch, skips: int) -> dict[str, int]:

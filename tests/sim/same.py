@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
+from medha_sched.sim import TraceRequest
 from medha_sched.sim.engine import SimResult, Simulator
 from medha_sched.sim.runner import RunSpec
 
@@ -25,3 +27,36 @@ def simulate(trace, spec: RunSpec, **flags) -> SimResult:
     """``spec``'s simulator (``flags``: :class:`Simulator`'s keywords) run on ``trace``."""
     config, model, cache = spec.build()
     return Simulator(config, model, cache=cache, **flags).run(trace)
+
+
+def simulate_with_skips(trace: list[TraceRequest], spec: RunSpec, skips: int, **flags) -> SimResult:
+    """``simulate`` with the scheduler's ``max_consecutive_skips`` set to ``skips``."""
+    config, model, cache = spec.build()
+    config = dataclasses.replace(config, max_consecutive_skips=skips)
+    return Simulator(config, model, cache=cache, **flags).run(trace)
+
+
+def mixed_long_short_trace(seed: int, longs: int, shorts: int) -> list[TraceRequest]:
+    """Long prompts arriving early and over time, short ones among them: most
+    behind the long ones in the queue's order, some ahead (early deadlines)."""
+    rng = random.Random(seed)
+    out = [
+        TraceRequest(
+            f"long{i:02d}",
+            rng.uniform(0.0, 0.4) if i < longs // 2 else rng.uniform(0.4, 20.0),
+            rng.randint(40_000, 90_000),
+            rng.randint(2, 6),
+        )
+        for i in range(longs)
+    ]
+    out += [
+        TraceRequest(
+            f"s{i:03d}",
+            rng.uniform(0.0, 25.0),
+            rng.randint(30, 3_000),
+            rng.randint(2, 60),
+            ttft_slo_s=rng.choice([None, 400.0, 30.0, 0.5]),
+        )
+        for i in range(shorts)
+    ]
+    return sorted(out, key=lambda r: (r.arrival_s, r.id))

@@ -21,53 +21,18 @@ prompts surely come before every short one). These tests check
 
 from __future__ import annotations
 
-import dataclasses
-import random
-
 import pytest
 
 from medha_sched.scheduler import Scheduler, _PrefillQueue
-from medha_sched.sim import TraceRequest
-from medha_sched.sim.engine import SimResult, Simulator
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
 from tests.sim.same import assert_same_results
+from tests.sim.same import mixed_long_short_trace as _mixed_trace
+from tests.sim.same import simulate_with_skips as _run
 
 _AHEAD = _PrefillQueue.ahead_of_not_long
 _OUT_OF_REACH = Scheduler._shorts_out_of_reach
 _TURN_RUN = Scheduler.turn_run
-
-
-def _run(trace: list[TraceRequest], spec: RunSpec, skips: int, **flags) -> SimResult:
-    config, model, cache = spec.build()
-    config = dataclasses.replace(config, max_consecutive_skips=skips)
-    return Simulator(config, model, cache=cache, **flags).run(trace)
-
-
-def _mixed_trace(seed: int, longs: int, shorts: int) -> list[TraceRequest]:
-    """Long prompts arriving early and over time, short ones among them: most
-    behind the long ones in the queue's order, some ahead (early deadlines)."""
-    rng = random.Random(seed)
-    out = [
-        TraceRequest(
-            f"long{i:02d}",
-            rng.uniform(0.0, 0.4) if i < longs // 2 else rng.uniform(0.4, 20.0),
-            rng.randint(40_000, 90_000),
-            rng.randint(2, 6),
-        )
-        for i in range(longs)
-    ]
-    out += [
-        TraceRequest(
-            f"s{i:03d}",
-            rng.uniform(0.0, 25.0),
-            rng.randint(30, 3_000),
-            rng.randint(2, 60),
-            ttft_slo_s=rng.choice([None, 400.0, 30.0, 0.5]),
-        )
-        for i in range(shorts)
-    ]
-    return sorted(out, key=lambda r: (r.arrival_s, r.id))
 
 
 def _count_turns_past_shorts(monkeypatch) -> dict[str, int]:
