@@ -741,18 +741,10 @@ class Scheduler:
                     if long_min is not None and len(long_groups) >= kvp:
                         if seen == queue.num_not_long:
                             break  # every candidate left is a long prefill: blocked
-                        if (
-                            len(visited) == 1
-                            and self._walked
-                            and queue.num_not_long <= 4 * max_skips
-                            and queue.ahead_of_not_long(visited + self._walked, now) > max_skips
-                        ):
+                        if len(visited) == 1 and self._shorts_out_of_reach(r, now):
                             # the first candidate joined, and so many long prefills
                             # surely come before every other one that the scan
-                            # meets only them, blocked, before its skip limit (the
-                            # proof reads every queued short prompt's key: with
-                            # more of them than a few walks' worth it costs more
-                            # than the walk it saves)
+                            # meets only them, blocked, before its skip limit
                             break
                     continue
                 if smallest > draft.fits_somewhere:  # else it cannot become the floor
@@ -1303,7 +1295,9 @@ class Scheduler:
         to open the turns) take the turn only where ``first``'s chunk holds
         every KVP group (one group: always), so that every other long prompt
         is blocked, as in the scan. False (the scan decides) whenever the
-        proof does not hold or is not tried.
+        proof does not hold or is not tried: it reads every queued short
+        prompt's key, so with more of them than a few walks' worth (``4 *
+        max_consecutive_skips``) it would cost more than the walk it saves.
         """
         cfg = self.config
         queue, walked = self._queue, self._walked

@@ -30,10 +30,10 @@ namespace {
 
 // (first maximal index of row[0, n), whether a NaN was seen)
 inline int64_t row_argmax(const float* row, int64_t n, bool* nan) {
-  int64_t j = 0;
-  float best = -std::numeric_limits<float>::infinity();
+  float best = row[0];
   int64_t at = 0;
-  bool seen_nan = false;
+  bool seen_nan = std::isnan(best);
+  int64_t j = 1;
 #ifdef MEDHA_ARGMAX_AVX512
   if (n >= 16) {
     __m512 vmax = _mm512_loadu_ps(row);
@@ -55,17 +55,9 @@ inline int64_t row_argmax(const float* row, int64_t n, bool* nan) {
     // smallest index among the lanes holding the maximum (indices < 2^31: V is a vocabulary)
     const __m512i big = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
     at = _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(big, holders, vidx));
-  } else {
-    best = row[0];
-    seen_nan = std::isnan(best);
-    j = 1;
   }
-#else
-  best = row[0];
-  seen_nan = std::isnan(best);
-  j = 1;
 #endif
-  for (; j < n; ++j) {
+  for (; j < n; ++j) {  // the tail after the vectors (or the whole row): later indices
     const float v = row[j];
     seen_nan |= std::isnan(v);
     if (v > best) {
