@@ -20,8 +20,8 @@ DOCS = [
 
 #: a repository path as the docs quote it: `src/...`, `benchmarks/...`, ...
 _PATH = re.compile(r"(?<![\w/.$~-])((?:src|benchmarks|examples|tests|docs|\.ci)/[\w./-]*[\w/])")
-#: a Markdown link [text](target), not an image's or a web address
-_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+#: a Markdown link or image, [text](target) or ![text](target)
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 #: how the code reads a variable: os.environ.get / os.environ[...] / os.getenv /
 #: medha_kernels.native.cpu_module(opt_out) / ENV = "..." (read through ENV) / ${NAME in bash
 _READ_PY = re.compile(
