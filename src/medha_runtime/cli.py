@@ -152,7 +152,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("model", nargs="?", default="tiny", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEDHA_API_KEY, if set)",
+    )
     s.add_argument("--served-model-name", default=None, help="model id in the API (default MODEL)")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if any")

@@ -89,6 +89,21 @@ def test_import_and_supports_device_build_nothing(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_cache_root_follows_the_model_cache(monkeypatch, tmp_path) -> None:
+    """The build cache is where fetched models go: ``$MEDHA_CACHE_DIR`` (``~``
+    expanded), else ``$XDG_CACHE_HOME/medha``, else ``~/.cache/medha``."""
+    from medha_runtime.model.smollm2 import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MEDHA_CACHE_DIR", "~/m")
+    assert jit.cache_root() == cache_dir() == tmp_path / "m"
+    monkeypatch.delenv("MEDHA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert jit.cache_root() == cache_dir() == tmp_path / "xdg" / "medha"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert jit.cache_root() == cache_dir() == tmp_path / ".cache" / "medha"
+
+
 def test_second_process_reuses_the_build() -> None:
     jit.get_module("cpu")  # built (or loaded) by this process
     library = jit.load_info("cpu").library

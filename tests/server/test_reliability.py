@@ -2,7 +2,7 @@
 
 Load, client disconnects, KV memory pressure, a killed worker and malformed
 input; see docs/reliability.md. ``pytest -s`` prints the measured figures.
-``MEDHA_RELIABILITY_LOAD_S`` sets the load test's length (default 60 s).
+``MEDHA_RELIABILITY_LOAD_S`` sets the load test's length (default 20 s; the soak runs 60).
 """
 
 from __future__ import annotations

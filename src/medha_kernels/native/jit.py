@@ -4,7 +4,9 @@
 (ninja) the first time a process needs it and caches the module for the
 process. The build lives in::
 
-    $MEDHA_CACHE_DIR/native/<torch version>-<hash>/   (default ~/.cache/medha)
+    $MEDHA_CACHE_DIR/native/<torch version>-<hash>/
+
+(``MEDHA_CACHE_DIR`` defaults to ``$XDG_CACHE_HOME/medha``, else ``~/.cache/medha``)
 
 where the hash covers the sources, the flags, the compiler, the Python tag and,
 for CUDA, the target architectures (see :func:`build_directory`). A finished build leaves a
@@ -75,8 +77,12 @@ def load_info(device_type: str) -> LoadInfo | None:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("MEDHA_CACHE_DIR")
-    return Path(base) if base else Path.home() / ".cache" / "medha"
+    """``$MEDHA_CACHE_DIR``, else ``$XDG_CACHE_HOME/medha``, else ``~/.cache/medha``
+    (``~`` expanded): where ``medha_runtime`` keeps fetched models too."""
+    if os.environ.get("MEDHA_CACHE_DIR"):
+        return Path(os.environ["MEDHA_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "medha"
 
 
 def cxx_available() -> bool:
