@@ -1519,8 +1519,9 @@ class Scheduler:
         batch, time and float. It only takes the common turn: one KVP group
         and an aggregate cost model, the prompt's first shard, at most one
         ready lane, no decode finishing at a batch end it handles, block growth
-        by ``grow_all``, every batch in flight before it without a sampling
-        chunk (and, if it has not cleared stage 0, without any chunk). Any
+        by ``grow_all``, every batch in flight before it that has not cleared
+        stage 0 without any chunk, and the end of a batch in flight with a
+        sampling chunk taken as the horizon (if earlier). Any
         other turn is left to the per-turn path (the run stops before it,
         changing nothing for it); None when no turn was taken.
         Every sampled token is 0 (the simulator's convention).
@@ -1560,7 +1561,11 @@ class Scheduler:
             entries = []
             for r, _, n, samples in batch.entries:
                 if samples:
-                    return None
+                    # its end (a prompt joining the decodes) is not the run's: the
+                    # run stops at it, as at the next event (ends come in issue order)
+                    if end < horizon:
+                        horizon = end
+                    break
                 entries.append((r, n))
             flying.append((end, batch.lane, tuple(entries), bid))
         shared = request is None
