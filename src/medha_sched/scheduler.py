@@ -1608,7 +1608,7 @@ class Scheduler:
             tuple[list[tuple[Request, int, int]] | None, Request, int, int, Lane | None]
         ] = []
         pack, join, refresh = self._pack_prefills, self._join, self.prefill_times.refresh
-        new_draft, price_lane = self._new_draft, self._price_lane
+        new_draft = self._new_draft
         plain: tuple[Draft, Lane | None, list[str]] | None = None
         turn_scans = self.turn_scans
         head = 0  # the oldest batch in flight in ``flying``
@@ -1690,8 +1690,9 @@ class Scheduler:
             if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on
                 hints[rid] = n  # as ChunkSizer.adaptive leaves it
                 draft = new_draft()
-                if lane is not None:
-                    price_lane(draft, lane)
+                if lane is not None:  # _price_lane's seed, of the sums found above
+                    draft.cost.seed([base])
+                    draft.set_decodes(decodes)
                 join(draft, r, memory.groups_of(rid), n, total >= long_min)
                 chosen = pack(draft, s, take=False, joined=r)
                 taken = [(x, x._scheduled, k) for x, k in draft.entries]
