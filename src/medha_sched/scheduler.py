@@ -232,7 +232,8 @@ class TurnRun:
     Attributes:
         ids: the turns' batch ids, in issue order.
         starts: each turn's issue time.
-        chunks: each turn's chunk of the prefill, in tokens.
+        chunks: each turn's prefill tokens (its chunk; two chunks for a scan's pair).
+        prefills: each turn's prefill chunks (1, or 2 for a scan's pair).
         times: each turn's predicted seconds.
         decodes: each turn's decodes.
         ends: when each turn's batch leaves the pipeline.
@@ -241,11 +242,15 @@ class TurnRun:
         ended_turns: of the turns, how many ended (the first ones).
         cleared: the last turn cleared stage 0 (else its stage-0 end is at or
             after the horizon, and the run stopped there).
+        plain: a batch the scan formed at ``next_start`` that is no turn (one of
+            its chunks samples), issued after the turns as
+            :meth:`Scheduler.schedule_plain` returns it; the run stopped there.
     """
 
     ids: range
     starts: list[float]
     chunks: list[int]
+    prefills: list[int]
     times: list[float]
     decodes: list[int]
     ends: list[float]
@@ -253,6 +258,7 @@ class TurnRun:
     ended: int
     ended_turns: int
     cleared: bool
+    plain: tuple[int, float, int, list[tuple[str, int, bool]], int] | None = None
 
 
 @dataclass(slots=True)
@@ -322,11 +328,16 @@ class Scheduler:
         self._tpot: dict[str, float] = {}
         # turns of long prompts waiting together: those that left the queue at
         # a turn whose batch has not cleared stage 0 (still in the index)
-        self._turn_out: set[str] = set()
+        # (in the order they left; a dict: removed in that order at the end of the turns)
+        self._turn_out: dict[str, None] = {}
         # the candidates the latest scan past its first one met, in order, if
         # all were long prefills: those still queued usually still come before
         # every other prompt (see _pack_prefills)
         self._walked: list[str] = []
+        #: batches the scan forms while prompts wait together may go as turns
+        #: (:meth:`scan_turns`, :meth:`turn_run`); False: only prompts' turns (a
+        #: simulator compares the two)
+        self.turn_scans = True
         self._caching = self.cache.enable_prefix_caching
         # prefill turns price their batch from summed features without a draft
         # when one KVP group holds everything (ChunkSizer.adaptive_alone)
@@ -481,6 +492,12 @@ class Scheduler:
         built (an empty batch has no decodes and no chunks).
         """
         draft, lane, _, preempted = self._pack(now)
+        return self._plain(draft, lane, now, preempted)
+
+    def _plain(
+        self, draft: Draft, lane: Lane | None, now: float, preempted: list[str]
+    ) -> tuple[int, float, int, list[tuple[str, int, bool]], int]:
+        """Issue ``draft`` (with ``lane``'s decodes) as :meth:`schedule_plain` returns it."""
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         decodes = 0 if lane is None else len(lane.members)
@@ -693,9 +710,26 @@ class Scheduler:
         )
         self._queue.push(request)
 
-    def _pack_prefills(self, draft: Draft, now: float) -> None:
+    def _pack_prefills(
+        self,
+        draft: Draft,
+        now: float,
+        *,
+        take: bool = True,
+        joined: Request | None = None,
+    ) -> list[str]:
+        """The scan: queued prompts' chunks into ``draft``, in policy order. The
+        chosen leave the queue (:meth:`_PrefillQueue.take`), or with ``take``
+        False stay in it and their ids are returned (the caller takes them, or
+        turns them: :meth:`scan_turn`, :meth:`turn_run`); else ``[]``.
+
+        ``joined``: the queue's first prompt at ``now``, whose chunk the caller
+        already put in ``draft`` (decodes only before it) as the scan's
+        :meth:`_try_prefill` would have (sized, its hint set, :meth:`_join`):
+        the scan goes on from there.
+        """
         if not self._queue:
-            return
+            return []
         cfg = self.config
         chosen: list[Request] = []
         skips = 0
@@ -711,7 +745,22 @@ class Scheduler:
         queue, checked = self._queue, None
         seen = 0  # candidates met that are not long prefills
         visited: list[str] = []
-        for r in queue.iter_sorted(now):
+        candidates = queue.iter_sorted(now)
+        if joined is not None:  # the first candidate's steps, its chunk joined
+            r = next(candidates)
+            assert r is joined, "the joined prompt is not the queue's first"
+            visited.append(r.request_id)
+            first = False
+            if long_min is not None and r.num_prefill_tokens < long_min:
+                seen += 1
+            chosen.append(r)
+            if (
+                long_min is not None
+                and len(long_groups) >= kvp
+                and (seen == queue.num_not_long or self._shorts_out_of_reach(r, now))
+            ):
+                candidates = iter(())  # the stops below, after a first chunk
+        for r in candidates:
             visited.append(r.request_id)
             if len(entries) >= max_entries:
                 break
@@ -764,9 +813,13 @@ class Scheduler:
         if len(visited) > 1:  # (none when the scan met a prompt that is not long)
             self._walked = [] if seen else visited
         if chosen:
-            queue.take([r.request_id for r in chosen])  # the index renews them in place
+            ids = [r.request_id for r in chosen]
+            if not take:
+                return ids  # (no forced progress: a chunk joined)
+            queue.take(ids)  # the index renews them in place
         if self._adaptive and not entries and not draft.num_decodes and not self._in_flight:
             self._force_progress(draft, now)
+        return []
 
     def _force_progress(self, draft: Draft, now: float) -> None:
         """Nothing runs and no chunk fits the budget (a learning cost model that met
@@ -863,13 +916,21 @@ class Scheduler:
             self._seq += 1
             self._seq_of[rid] = self._seq
             request.status = RequestStatus.RUNNING
-        draft.groups[rid] = groups
+        self._join(draft, request, groups, n, is_long)
+        return True
+
+    def _join(
+        self, draft: Draft, request: Request, groups: tuple[int, ...], n: int, is_long: bool
+    ) -> None:
+        """``n`` tokens of ``request`` (on KVP ``groups``; ``is_long``: a long
+        prefill, its shard's group held) join ``draft``: :meth:`_try_prefill`'s
+        last step, once the chunk is sized."""
+        draft.groups[request.request_id] = groups
         start = request.num_scheduled_tokens
         if is_long:
             draft.long_groups.update(groups[: start // self.group_limit + 1])
         draft.add(request, n, chunk_works(groups, start, n, self.group_limit))
         draft.num_prefills += 1
-        return True
 
     def _emit(
         self,
@@ -1370,9 +1431,68 @@ class Scheduler:
         self._in_flight[batch_id] = _InFlight([(request, start, n, False)], lane)
         request.num_scheduled_tokens = start + n
         if shared:  # out of the queue, as the scan takes it: renewed at clear_turn
-            self._turn_out.add(rid)
+            self._turn_out[rid] = None
         self._clock = now
         return batch_id, n, time, decodes
+
+    def scan_turns(self, now: float) -> bool:
+        """Whether the batches from ``now`` may go as shared turns (see
+        :meth:`turns_prefill`) even where no prompt's turn is taken: prompts wait
+        together (more than one queued) and, as for those turns, adaptive
+        chunking with an exact cost model, no ``async_decodes``, no abort
+        pending and every batch in flight holding prefill chunks cleared stage
+        0. Then a turn :meth:`prefill_turn` refuses is the scan's batch,
+        :meth:`scan_turn`."""
+        if (
+            not self.turn_scans
+            or self._async
+            or not self._adaptive
+            or not self._lanes.exact
+            or self._abort_pending
+            or len(self._queue) < 2
+            or now < self._clock
+        ):
+            return False
+        for batch in self._in_flight.values():
+            if batch.entries and not batch.stage0_cleared:
+                return False
+        return True
+
+    def scan_turn(
+        self, now: float
+    ) -> tuple[int, float, int, list[tuple[str, int, bool]], int, bool]:
+        """:meth:`schedule_plain` at ``now`` (the same batch, decisions and state
+        but for the queue), its answer and whether the batch went as a turn.
+
+        A turn when the scan's chunks (one or more) all leave their prompts
+        unfinished (none samples) and no decode was preempted: the chosen
+        prompts then stay in the queue's index, out of it until the batch
+        clears stage 0 (:meth:`clear_turn` renews them in place, as the push
+        of :meth:`on_stage_end` would put them back; :meth:`end_prefill_turns`
+        takes out those whose batch has not cleared, in the order the scan
+        chose them). Otherwise the batch is :meth:`schedule_plain`'s in full
+        (the scan's choice taken out of the queue) and goes as one: its stage
+        0 end is :meth:`on_stage_end`'s. Only where :meth:`scan_turns` holds.
+        """
+        if now < self._clock:
+            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        self._clock = now  # _pack's steps, the scan's choice not yet taken
+        if self.prefill_times.refresh(now):
+            self._reprice()
+        draft = self._new_draft()
+        lane, _, preempted = self._pack_decodes(draft, now)
+        chosen = self._pack_prefills(draft, now, take=False)
+        turn = bool(chosen) and not preempted
+        if turn:
+            for r, n in draft.entries:
+                if r.num_scheduled_tokens + n >= r.num_prefill_tokens:
+                    turn = False  # it samples: it joins the decodes at the batch end
+                    break
+        if turn:
+            self._turn_out.update(dict.fromkeys(chosen))  # out at the turn: see clear_turn
+        elif chosen:
+            self._queue.take(chosen)  # as the scan takes them
+        return (*self._plain(draft, lane, now, preempted), turn)
 
     def turn_run(
         self,
@@ -1399,11 +1519,24 @@ class Scheduler:
         batch, time and float. It only takes the common turn: one KVP group
         and an aggregate cost model, the prompt's first shard, at most one
         ready lane, no decode finishing at a batch end it handles, block growth
-        by ``grow_all``, every batch in flight before it without a sampling
-        chunk (and, if it has not cleared stage 0, without any chunk). Any
+        by ``grow_all``, every batch in flight before it that has not cleared
+        stage 0 without any chunk, and the end of a batch in flight with a
+        sampling chunk taken as the horizon (if earlier). Any
         other turn is left to the per-turn path (the run stops before it,
         changing nothing for it); None when no turn was taken.
         Every sampled token is 0 (the simulator's convention).
+
+        Scan turns (``turn_scans``, prompts waiting together): where a short
+        prompt may be within the scan's reach of the first queued prompt's
+        chunk, the turn is the batch :meth:`_pack_prefills` forms (that chunk
+        sized here and joined first, the scan going on from it: most often a
+        short prompt's chunk joins too), its chosen prompts renewed in the
+        queue when it clears stage 0, as :meth:`scan_turn` takes it. The decodes'
+        block growth then comes before the scan (as in :meth:`schedule`), a turn
+        whose stage-0 time holds a batch end finishing a decode is issued and
+        its stage-0 end left to the events, and a batch with a sampling chunk
+        is issued after the turns as ``schedule_plain``'s (``TurnRun.plain``),
+        the run stopping there.
         """
         agg = self._one_group
         if agg is None or self._async or self._abort_pending:
@@ -1428,7 +1561,11 @@ class Scheduler:
             entries = []
             for r, _, n, samples in batch.entries:
                 if samples:
-                    return None
+                    # its end (a prompt joining the decodes) is not the run's: the
+                    # run stops at it, as at the next event (ends come in issue order)
+                    if end < horizon:
+                        horizon = end
+                    break
                 entries.append((r, n))
             flying.append((end, batch.lane, tuple(entries), bid))
         shared = request is None
@@ -1461,10 +1598,19 @@ class Scheduler:
         before = len(flying)
         starts: list[float] = []
         chunks: list[int] = []
+        prefills: list[int] = []
         times: list[float] = []
         decs: list[int] = []
         ends: list[float] = []
-        turns: list[tuple[Request, int, Lane | None]] = []  # request, chunk start, lane
+        # each turn's chunks (request, start, tokens; None: the prompt's chunk
+        # alone), the prompt, its chunk's start and tokens, and the lane
+        turns: list[
+            tuple[list[tuple[Request, int, int]] | None, Request, int, int, Lane | None]
+        ] = []
+        pack, join, refresh = self._pack_prefills, self._join, self.prefill_times.refresh
+        new_draft = self._new_draft
+        plain: tuple[Draft, Lane | None, list[str]] | None = None
+        turn_scans = self.turn_scans
         head = 0  # the oldest batch in flight in ``flying``
         ended = 0
         s = now
@@ -1473,12 +1619,15 @@ class Scheduler:
         while True:
             if len(ready) > 1:
                 break  # schedule() merges the ready lanes: the per-turn path does
+            scan = False
             if shared:
                 r = first_queued(s)  # as prefill_turn(None, s) looks it up
                 if r is None or r.request_id not in running or r._lane is not None:
                     break
-                if queue.num_not_long and not out_of_reach(r, s):
-                    break  # a short prompt may be within the scan's reach: schedule()
+                # a short prompt may be within the scan's reach: the scan decides
+                scan = bool(queue.num_not_long) and not out_of_reach(r, s)
+                if scan and not turn_scans:
+                    break  # schedule() forms it
             assert r is not None
             rid = r.request_id
             start = r._scheduled
@@ -1510,6 +1659,14 @@ class Scheduler:
                 base_time = 0.0 if base is None else group_time(base)
             if base_time >= target:
                 break
+            if scan:  # the scan decides: _pack's steps, the first prompt's chunk sized here
+                if refresh(s):
+                    self._reprice()
+                if crossers is not None:  # _pack_decodes grows them before the scan
+                    if lanes.grow_all(lane, crossers) is None:  # type: ignore[arg-type]
+                        break  # short of blocks: schedule() decides
+                    del lane.cross_at[lane.issued]  # type: ignore[union-attr]
+                    crossers = None
             total = r.num_prefill_tokens
             if price is None:
                 n, p = size(r, group_time, features, base, base_time, target, s, chunk_time)
@@ -1530,6 +1687,23 @@ class Scheduler:
                 )
             if n == 0 or start + n >= total:
                 break
+            if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on
+                hints[rid] = n  # as ChunkSizer.adaptive leaves it
+                draft = new_draft()
+                if lane is not None:  # _price_lane's seed, of the sums found above
+                    draft.cost.seed([base])
+                    draft.set_decodes(decodes)
+                join(draft, r, memory.groups_of(rid), n, total >= long_min)
+                chosen = pack(draft, s, take=False, joined=r)
+                taken = [(x, x._scheduled, k) for x, k in draft.entries]
+                if any(st + k >= x.num_prefill_tokens for x, st, k in taken):
+                    # a chunk samples (its prompt joins the decodes at the batch end):
+                    # the batch goes as schedule_plain's, after the turns
+                    plain = (draft, lane, chosen)
+                    break
+                p = draft.cost.time
+            else:
+                taken = None  # the prompt's chunk alone
             stage = p / spp
             # push_times' answer (sim.pipeline), on a copy of the stages
             x = free[0]
@@ -1540,8 +1714,8 @@ class Scheduler:
                 t = (t if t > x else x) + stage
                 moved.append(t)
             f = moved[0]
+            finishes = False
             if f < horizon:  # the batches ending by f end in the run: none may finish a decode
-                finishes = False
                 for i in range(head, len(flying)):
                     end_i, lane_i, _, _ = flying[i]
                     if end_i > f:
@@ -1549,31 +1723,47 @@ class Scheduler:
                     if lane_i is not None and lane_i.computed + 1 in lane_i.finish_at:
                         finishes = True
                         break
-                if finishes:
-                    break
+                if finishes and not scan:
+                    break  # the per-turn path takes it
             if crossers is not None:
                 if lanes.grow_all(lane, crossers) is None:  # type: ignore[arg-type]
                     break  # short of blocks: schedule() decides
                 del lane.cross_at[lane.issued]  # type: ignore[union-attr]
-            # the turn goes: prefill_turn's commit
-            hints[rid] = n
-            pop_new_blocks(rid)
+            # the turn goes: prefill_turn's commit (schedule_plain's for the scan's
+            # batch, whose chunks the scan sized)
             bid = self._next_batch_id
             self._next_batch_id = bid + 1
             lanes.issue_unspelled(lane, bid)
-            r._scheduled = start + n
-            if shared:
-                out.add(rid)
+            if taken is None:
+                hints[rid] = n
+                pop_new_blocks(rid)
+                r._scheduled = start + n
+                if shared:
+                    out[rid] = None
+                chunks.append(n)
+                prefills.append(1)
+                flying.append((t, lane, ((r, n),), bid))
+            else:
+                tokens = 0
+                for x, st, k in taken:
+                    pop_new_blocks(x.request_id)
+                    x._scheduled = st + k
+                    tokens += k
+                    if shared:
+                        out[x.request_id] = None
+                chunks.append(tokens)
+                prefills.append(len(taken))
+                flying.append((t, lane, tuple((x, k) for x, _, k in taken), bid))
             self._clock = s
             free[:] = moved
             starts.append(s)
-            chunks.append(n)
             times.append(p)
             decs.append(decodes)
             ends.append(t)
-            turns.append((r, start, lane))
-            flying.append((t, lane, ((r, n),), bid))
-            if not f < horizon:
+            turns.append((taken, r, start, n, lane))
+            if finishes or not f < horizon:
+                # its stage-0 end is an event (a scan's turn whose stage-0 time
+                # holds a batch end finishing a decode goes on the events too)
                 cleared = False
                 break
             # the batch ends due by f, in issue order (on_batch_end's work)
@@ -1597,28 +1787,46 @@ class Scheduler:
             # the turn clears stage 0 (clear_turn's work)
             if lane is not None:
                 lane.cleared += 1
-            r._stage0 += n
-            done = r._scheduled if cache_aware else r._scheduled - r.num_cached_tokens
-            r.remaining_work = remaining(r.num_prefill_tokens, done)
-            if shared:
-                out.discard(rid)
-                queue.renew(r)
+            if taken is None:
+                r._stage0 += n
+                done = r._scheduled if cache_aware else r._scheduled - r.num_cached_tokens
+                r.remaining_work = remaining(r.num_prefill_tokens, done)
+                if shared:
+                    del out[rid]
+                    queue.renew(r)
+            else:
+                for x, _, k in taken:
+                    x._stage0 += k
+                    done = x._scheduled if cache_aware else x._scheduled - x.num_cached_tokens
+                    x.remaining_work = remaining(x.num_prefill_tokens, done)
+                    if shared:
+                        del out[x.request_id]
+                        queue.renew(x)
             s = f
-        if not starts:
+        if not starts and plain is None:
             return None
         count = len(starts)
         ended_turns = head - before if head > before else 0
         for i in range(ended_turns, count):
-            r_i, start_i, lane_i = turns[i]
+            taken_i, r_i, start_i, n_i, lane_i = turns[i]
             in_flight[first + i] = _InFlight(
-                [(r_i, start_i, chunks[i], False)],
+                [(r_i, start_i, n_i, False)]
+                if taken_i is None
+                else [(x, start_x, k, False) for x, start_x, k in taken_i],
                 lane_i,
                 stage0_cleared=cleared or i < count - 1,
             )
+        formed = None
+        if plain is not None:  # issued after the turns (batches end in issue order)
+            draft, lane, chosen = plain
+            self._queue.take(chosen)  # as the scan takes them
+            self._clock = s
+            formed = self._plain(draft, lane, s, [])
         return TurnRun(
             range(first, first + count),
             starts,
             chunks,
+            prefills,
             times,
             decs,
             ends,
@@ -1626,6 +1834,7 @@ class Scheduler:
             ended,
             ended_turns,
             cleared,
+            formed,
         )
 
     def clear_turn(self, batch_id: int) -> None:
@@ -1642,19 +1851,21 @@ class Scheduler:
             if out and r.request_id in out:
                 # long prompts waiting together: it left the queue at its turn
                 # and is queued again now (on_stage_end's push), in one step
-                out.discard(r.request_id)
+                del out[r.request_id]
                 self._queue.renew(r)
 
     def end_prefill_turns(self, request: Request | None, turns: int, queued: bool) -> None:
         """After ``turns`` :meth:`prefill_turn` calls: the request left the queue
         at the first and went back after each but the last; ``queued``: its
         last batch cleared stage 0 too (it waits in the queue again). None:
-        turns of long prompts waiting together; the prompt whose last turn has
-        not cleared stage 0 leaves the queue now (as the scan took it out)."""
+        turns of prompts waiting together; the prompts whose last turn has not
+        cleared stage 0 leave the queue now, in the order they left it at the
+        turn (as the scan took them out)."""
         queue = self._queue
         if request is None:
-            queue.remove_many(self._turn_out)  # its last turn has not cleared stage 0
-            self._turn_out.clear()
+            if self._turn_out:  # its last turn has not cleared stage 0
+                queue.remove_many(self._turn_out)  # in the order they left
+                self._turn_out.clear()
             return
         queue.remove(request.request_id)
         queue.count_pushes(turns - 1)

@@ -22,6 +22,8 @@ applied in one go (``Scheduler.plan_decode_run`` / ``commit_decode_run``);
 records and iterations. Prefill turns beside the decodes go many in one call
 (``Scheduler.turn_run``) until a turn the run does not take; ``turn_runs=False``
 takes every turn on its own (tests check both give the same records).
+Where prompts wait together, the batches the scan forms go as turns too when
+none of their chunks samples (``turn_scans=False``: through ``schedule``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class Simulator:
             token back. TTFT and end-to-end latency still count from the arrival.
         turn_runs: with ``decode_runs``, take the common prefill turns many in
             one call (``Scheduler.turn_run``); same results, fewer calls.
+        turn_scans: with ``decode_runs``, the batches the scan forms while
+            prompts wait together go as prefill turns too where they are
+            (``Scheduler.scan_turn``, and in runs); same results, fewer calls.
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class Simulator:
         decode_runs: bool = True,
         admission_delay_s: float = 0.0,
         turn_runs: bool = True,
+        turn_scans: bool = True,
     ) -> None:
         if not 0.0 <= admission_delay_s < float("inf"):
             raise ValueError(
@@ -118,6 +124,7 @@ class Simulator:
         self.spp = cost_model.layout.spp
         self.decode_runs = decode_runs
         self.turn_runs = turn_runs
+        self.turn_scans = turn_scans
 
     def run(
         self, trace: Sequence[TraceRequest], *, progress: Callable[[int], None] | None = None
@@ -125,6 +132,7 @@ class Simulator:
         """Simulate ``trace`` to the end; ``progress(n)`` hears of every n requests done."""
         wall = _time.perf_counter()
         self.sched = Scheduler(self.config, self.cost_model, cache=self.cache)
+        self.sched.turn_scans = self.turn_scans
         self.pipeline = Pipeline(self.spp)
         self.now = 0.0
         self._trace = trace
@@ -238,7 +246,18 @@ class Simulator:
             elif self.spp > 1 and self._lane_cycle(now):
                 return  # every decode is in flight again
         # only the batch's shape: no ScheduleOutput (Scheduler.schedule_plain)
-        bid, predicted, n_decode, chunks, preempted = self.sched.schedule_plain(now)
+        self._issue(now, *self.sched.schedule_plain(now))
+
+    def _issue(
+        self,
+        now: float,
+        bid: int,
+        predicted: float,
+        n_decode: int,
+        chunks: list[tuple[str, int, bool]],
+        preempted: int,
+    ) -> None:
+        """The batch ``Scheduler.schedule_plain`` formed at ``now``, into the pipeline."""
         if not chunks and not n_decode:
             return  # blocked until a batch ends; its event wakes us again
         n_prefill, prefill_tokens, completes = len(chunks), 0, []
@@ -486,14 +505,17 @@ class Simulator:
         Between turns the batch ends due by then are handled as their events
         would be (finished requests included), then the last turn's stage-0
         clearing. A turn that ``prefill_turn`` refuses goes through
-        ``schedule`` (a wake-up at its time). SPP > 1 (with one stage a
-        batch clears stage 0 when it ends).
+        ``schedule`` (a wake-up at its time), but where prompts wait together
+        (``Scheduler.scan_turns``): then the scan forms it
+        (``Scheduler.scan_turn``), a turn if none of its chunks samples, else a
+        batch as ``schedule_plain``'s issued at once, which ends the turns.
+        SPP > 1 (with one stage a batch clears stage 0 when it ends).
         """
         request = self.sched.turns_prefill(now)
-        if request is None:
+        if request is None and not self.sched.scan_turns(now):
             return False
         if self.sched.num_queued > 1:
-            request = None  # long prompts wait together: each turn takes the first
+            request = None  # prompts wait together: each turn takes the first, or the scan's batch
         in_flight = self._in_flight
         horizon = self._horizon()
         sched = self.sched
@@ -504,6 +526,7 @@ class Simulator:
         gone: set[int] = set()
         s = now
         queued = False
+        plain = None  # a batch the scan formed that is no turn: it goes as schedule_plain's
         bulk = self.turn_runs
         while True:
             if bulk:  # the common turns in one call (Scheduler.turn_run)
@@ -511,14 +534,25 @@ class Simulator:
                 run = sched.turn_run(request, s, horizon, free, [v[2] for v in in_flight.values()])
                 if run is not None:
                     s = self._apply_turn_run(run, issued, gone)
+                    if run.plain is not None:
+                        plain = run.plain
+                        break  # the scan's batch at s, no turn
                     if not run.cleared:
                         break  # its stage-0 end is an event of its own
             got = sched.prefill_turn(request, s)
-            if got is None:
+            if got is not None:
+                bid, n, p, decodes = got
+                append(bid, s, p, decodes, 1, n, 0)
+            elif request is None and sched.turn_scans:  # prompts together: the scan's batch
+                *formed, turn = sched.scan_turn(s)
+                if not turn:
+                    plain = formed
+                    break
+                bid, p, decodes, chunks, _ = formed
+                append(bid, s, p, decodes, len(chunks), sum(c[1] for c in chunks), 0)
+            else:
                 queued = bool(issued)  # its last chunk cleared stage 0: it waits again
                 break
-            bid, n, p, decodes = got
-            append(bid, s, p, decodes, 1, n, 0)
             f, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy
             in_flight[bid] = ([], decodes, t)
             self._awaiting += decodes
@@ -539,7 +573,10 @@ class Simulator:
             s = f
             bulk = self.turn_runs
         if not issued:
-            return False
+            if plain is None:
+                return False
+            self._issue(s, *plain)
+            return True
         sched.end_prefill_turns(request, len(issued), queued)
         self.pipeline.free = free
         if gone:
@@ -548,7 +585,10 @@ class Simulator:
             if b in in_flight:
                 self.push(BatchEnd(in_flight[b][2], b))
         self._stage0_unwatched = False
-        if queued:
+        if plain is not None:  # every turn cleared stage 0: the batch goes at s
+            self.now = s
+            self._issue(s, *plain)
+        elif queued:
             self.now = s
             self._wakeup_pending = True
             self.push(ScheduleWakeup(s))
@@ -566,9 +606,11 @@ class Simulator:
             gone.add(b)
         starts, decodes, ends = run.starts, run.decodes, run.ends
         first, m = run.ids.start, len(starts)
+        if not m:
+            return run.next_start  # only a batch that is no turn (run.plain)
         zeros = _zeros(m)
         self.iterations.extend(
-            range(first, first + m), starts, run.times, decodes, repeat(1, m), run.chunks, zeros
+            range(first, first + m), starts, run.times, decodes, run.prefills, run.chunks, zeros
         )
         for i in range(run.ended_turns, len(starts)):
             in_flight[first + i] = ([], decodes[i], ends[i])
@@ -615,6 +657,7 @@ def simulate(
     decode_runs: bool = True,
     admission_delay_s: float = 0.0,
     turn_runs: bool = True,
+    turn_scans: bool = True,
 ) -> SimResult:
     """Run ``trace`` through one replica; see :class:`Simulator`."""
     sim = Simulator(
@@ -624,5 +667,6 @@ def simulate(
         decode_runs=decode_runs,
         admission_delay_s=admission_delay_s,
         turn_runs=turn_runs,
+        turn_scans=turn_scans,
     )
     return sim.run(trace, progress=progress)
