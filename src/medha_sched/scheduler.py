@@ -1621,6 +1621,8 @@ class Scheduler:
                 break  # schedule() merges the ready lanes: the per-turn path does
             scan = False
             if shared:
+                if refresh(s):  # _pack's first step, before the queue is read
+                    self._reprice()
                 r = first_queued(s)  # as prefill_turn(None, s) looks it up
                 if r is None or r.request_id not in running or r._lane is not None:
                     break
@@ -1659,14 +1661,11 @@ class Scheduler:
                 base_time = 0.0 if base is None else group_time(base)
             if base_time >= target:
                 break
-            if scan:  # the scan decides: _pack's steps, the first prompt's chunk sized here
-                if refresh(s):
-                    self._reprice()
-                if crossers is not None:  # _pack_decodes grows them before the scan
-                    if lanes.grow_all(lane, crossers) is None:  # type: ignore[arg-type]
-                        break  # short of blocks: schedule() decides
-                    del lane.cross_at[lane.issued]  # type: ignore[union-attr]
-                    crossers = None
+            if scan and crossers is not None:  # _pack_decodes grows them before the scan
+                if lanes.grow_all(lane, crossers) is None:  # type: ignore[arg-type]
+                    break  # short of blocks: schedule() decides
+                del lane.cross_at[lane.issued]  # type: ignore[union-attr]
+                crossers = None
             total = r.num_prefill_tokens
             if price is None:
                 n, p = size(r, group_time, features, base, base_time, target, s, chunk_time)
@@ -1748,6 +1747,8 @@ class Scheduler:
                 for x, st, k in taken:
                     pop_new_blocks(x.request_id)
                     x._scheduled = st + k
+                    if x.first_scheduled_time is None:  # admitted by the scan (_advance's)
+                        x.first_scheduled_time = s
                     tokens += k
                     if shared:
                         out[x.request_id] = None

@@ -101,3 +101,40 @@ def test_scan_turns_off_forms_every_such_batch_in_schedule(monkeypatch) -> None:
     counts = _count_scan_turns(monkeypatch)
     simulate_with_skips(trace, spec, 16, turn_scans=False)
     assert counts == {"pairs": 0, "run_plain": 0, "scan_turns": 0, "scan_plain": 0}
+
+
+def _finished_states(monkeypatch) -> dict[str, tuple]:
+    """Each request's scheduler fields as it finishes (``Scheduler._finish``)."""
+    states: dict[str, tuple] = {}
+    finish = Scheduler._finish
+
+    def record(self, request, status):
+        states[request.request_id] = (
+            request.first_scheduled_time,
+            request.num_preemptions,
+            request.num_cached_tokens,
+            request.num_prefill_tokens,
+            request.num_scheduled_tokens,
+            request.num_computed_tokens,
+            len(request.output_token_ids),
+            request.total_work,
+            request.remaining_work,
+        )
+        finish(self, request, status)
+
+    monkeypatch.setattr(Scheduler, "_finish", record)
+    return states
+
+
+def test_scan_turns_leave_every_request_as_schedule_does(monkeypatch) -> None:
+    # a short prompt that a scan turn admits is first scheduled at that turn
+    # (the records do not show it: compare the requests themselves)
+    trace = generate(WorkloadSpec(qps=2.0, num_requests=300, long_fraction=0.2, seed=2))
+    spec = RunSpec(policy="lars-mp", cost_model="roofline:model=llama3-8b,gpu=a100", tp=8, spp=2)
+    states = _finished_states(monkeypatch)
+    simulate_with_skips(trace, spec, 16)
+    fast = dict(states)
+    states.clear()
+    simulate_with_skips(trace, spec, 16, turn_scans=False)
+    assert len(fast) == len(trace)
+    assert fast == states
