@@ -72,6 +72,8 @@ _PAGE = 16
 """Leaves per page: a run of slots that new items of nearby slopes fill (see ``_grow``)."""
 _NEAR_PAGES = 4
 """Pages either side of a full page searched for a free slot before any page will do."""
+_HOT_SEATS = 3
+"""Items last renewed in place kept out of the tree (see :meth:`KineticIndex.renew`)."""
 
 
 @dataclass(slots=True)
@@ -160,6 +162,10 @@ class KineticIndex(Generic[K]):
         # every rebuild and event compaction (_refresh_bounds) and when emptied
         self._hi_b = 0.0
         self._hi_m = 0.0
+        # the hot seats: slots of items last renewed in place (most recent last),
+        # their leaves empty; every query matches them against the root's winner
+        self._hot: list[int] = []
+        self._seats = _HOT_SEATS  # 0: every item in the tree (the plain path)
         self.stats = IndexStats()
 
     # ----------------------------------------------------------------- queries
@@ -184,6 +190,8 @@ class KineticIndex(Generic[K]):
         """Advance to ``now`` and return the highest-priority item, or None if empty."""
         self.advance(now)
         slot = self._win[1]
+        if self._hot:
+            slot = self._with_hot(slot)
         return None if slot < 0 else self._items[slot]
 
     def iter_sorted(self, now: float) -> Iterator[K]:
@@ -294,14 +302,28 @@ class KineticIndex(Generic[K]):
         if not -self._hi_m <= m <= self._hi_m:
             self._hi_m = abs(m)
         self._b[slot], self._m[slot] = b, m
+        if slot in self._hot:  # out of the tree: no match to replay
+            self._epoch += 1
+            return
         self._repair(slot)
 
     def renew(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> bool:
-        """:meth:`remove` then :meth:`add` of ``item`` in one repair, when that
+        """:meth:`remove` then :meth:`add` of ``item`` in one step, when that
         pair would leave it in its slot and the free lists as they were: one
         page, or its slot's page has another free slot and is the page laid
-        out for the new slope. The tree then ends in the same state (every
-        node's match at the clock). Returns False, changing nothing, otherwise.
+        out for the new slope. Returns False, changing nothing, otherwise.
+
+        The renewed item takes a hot seat: its leaf is emptied (the matches
+        above it replayed without it, once) and every query matches it
+        against the tree's winner, so renewing it again costs O(1) instead
+        of the matches up to the root (a prefill taking turn after turn is
+        renewed at each, often two or three taking turns in alternation). The seat
+        least recently renewed goes back to its leaf when one more item is
+        renewed, and every seat at a capacity doubling. Slots, free lists and
+        keys are as after the pair; the tree with the seated items put back
+        in their leaves is as after it (every node's match at the clock), and
+        every answer the same but between keys within rounding error of each
+        other, as with any other layout (see the module docstring).
         """
         slot = self._lookup(item)
         # _coordinate's answer for a float in range, without the call (the hot path)
@@ -330,8 +352,58 @@ class KineticIndex(Generic[K]):
         if not -self._hi_m <= m <= self._hi_m:
             self._hi_m = abs(m)
         self._b[slot], self._m[slot], self._tb[slot] = b, m, tiebreak
-        self._repair(slot)
+        hot = self._hot
+        if slot in hot:
+            if hot[-1] != slot:
+                hot.remove(slot)
+                hot.append(slot)
+            self._epoch += 1
+            return True
+        if not self._seats:
+            self._repair(slot)
+            return True
+        cap, win = self._cap, self._win
+        win[cap + slot] = -1
+        self._climb((cap + slot) >> 1, slot)  # the tree without it
+        if len(hot) >= self._seats:
+            cold = hot.pop(0)
+            win[cap + cold] = cold
+            self._climb((cap + cold) >> 1, cold)  # back in its leaf
+        hot.append(slot)
+        self._epoch += 1
+        if len(self._events) > 2 * cap + 32:
+            self._compact_events()
         return True
+
+    def _unseat(self) -> None:
+        """Put every seated item back in its leaf: the tree an index without hot
+        seats would hold (the same winners and certificates)."""
+        cap, win = self._cap, self._win
+        for slot in self._hot:
+            win[cap + slot] = slot
+            self._climb((cap + slot) >> 1, slot)
+        self._hot = []
+        self._epoch += 1
+
+    def _with_hot(self, slot: int) -> int:
+        """The winner of the tree's winner ``slot`` (-1: empty tree) and the
+        seated items, matched at the clock in the order seated (:meth:`_match`'s
+        winner, written out: every ``peek`` with a seat taken comes here)."""
+        b, m, now = self._b, self._m, self._clock
+        for h in self._hot:
+            if slot < 0:
+                slot = h
+                continue
+            ms, mh = m[slot], m[h]
+            if ms < mh:  # slot is below h from tau on
+                if now < (b[h] - b[slot]) / (ms - mh):
+                    slot = h
+            elif ms > mh:  # h is below slot from tau on
+                if now >= (b[slot] - b[h]) / (mh - ms):
+                    slot = h
+            elif (b[h], self._tb[h], h) < (b[slot], self._tb[slot], slot):
+                slot = h
+        return slot
 
     def shares_page(self, item: K, others: Iterable[K]) -> bool:
         """Whether one of ``others`` holds a slot in the page of ``item``'s slot
@@ -353,6 +425,8 @@ class KineticIndex(Generic[K]):
         match above several removed leaves is replayed once, after all of
         them, not once per leaf."""
         removed = 0
+        hot = self._hot
+        seated = False
         try:
             for item in items:
                 slot = self._lookup(item)
@@ -368,6 +442,10 @@ class KineticIndex(Generic[K]):
                     self._open.append(page)
                     if len(self._open) > 2 * len(pages) + 32:  # drop the full ones
                         self._open = [p for p, f in enumerate(pages) if f]
+                if hot and slot in hot:  # out of the tree already: no match to replay
+                    hot.remove(slot)
+                    seated = True
+                    continue
                 removed += 1
                 if removed == 1:
                     first = slot
@@ -385,6 +463,8 @@ class KineticIndex(Generic[K]):
                 self._epoch += 1
                 if len(self._events) > 2 * self._cap + 32:
                     self._compact_events()
+            elif seated:
+                self._epoch += 1
 
     def discard(self, item: K) -> None:
         """Delete ``item`` if present."""
@@ -633,6 +713,7 @@ class KineticIndex(Generic[K]):
         self._open = [p for p, f in enumerate(page_free) if f]
         self._num_free = cap - n
         self._win, self._ver, self._cert, self._events = win, [0] * cap, [_INF] * cap, []
+        self._hot = []  # every item in its new leaf
         self._cap = cap
         for node in range(cap - 1, 0, -1):
             self._settle(node)
@@ -666,8 +747,18 @@ class KineticIndex(Generic[K]):
         if (s := win[1]) >= 0:
             stats.key_evals += 1
             heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], 1))
+        for s in self._hot:  # a seated item: a subtree of its own (node ~slot)
+            stats.key_evals += 1
+            heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], ~s))
+        if len(heap) > 1:
+            heapify(heap)
         while heap:
             node = heappop(heap)[4]
+            if node < 0:
+                yield items[~node]
+                if self._epoch != epoch:
+                    raise RuntimeError("KineticIndex was modified while iter_sorted was running")
+                continue
             s = win[node]
             yield items[s]
             if self._epoch != epoch:
@@ -695,8 +786,10 @@ class KineticIndex(Generic[K]):
             self._check_node(node, live, best[node])
 
     def _check_leaves(self) -> None:
-        cap, win = self._cap, self._win
-        occupied = {s for s in range(cap) if win[cap + s] >= 0}
+        cap, win, hot = self._cap, self._win, self._hot
+        _require(len(hot) == len(set(hot)) <= self._seats, "hot seats repeated or too many")
+        _require(all(win[cap + s] == -1 for s in hot), "a seated item is in the tree")
+        occupied = {s for s in range(cap) if win[cap + s] >= 0}.union(hot)
         _require(all(win[cap + s] in (s, -1) for s in range(cap)), "leaf winner is not its slot")
         _require(occupied == set(self._slot.values()), "occupied leaves differ from the items")
         free = [s for page in self._page_free for s in page]

@@ -7,6 +7,7 @@ decision is the same; where it refuses, nothing may change.
 
 from __future__ import annotations
 
+import copy
 import random
 
 from medha_sched.policies import get_policy
@@ -16,6 +17,10 @@ from medha_sched.request import Request
 
 
 def _state(index: KineticIndex) -> tuple:
+    """Slots, tree and free lists, with any item in a hot seat back in its leaf
+    (on a copy: the seats change no answer)."""
+    index = copy.deepcopy(index)
+    index._unseat()
     return (
         dict(index._slot),
         list(index._win),
