@@ -307,11 +307,22 @@ class KineticIndex(Generic[K]):
             return
         self._repair(slot)
 
-    def renew(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> bool:
-        """:meth:`remove` then :meth:`add` of ``item`` in one step, when that
-        pair would leave it in its slot and the free lists as they were: one
-        page, or its slot's page has another free slot and is the page laid
-        out for the new slope. Returns False, changing nothing, otherwise.
+    def renew(
+        self,
+        item: K,
+        *,
+        intercept: float,
+        slope: float,
+        tiebreak: tuple[Any, ...],
+        move: bool = True,
+    ) -> bool:
+        """:meth:`remove` then :meth:`add` of ``item`` in one step: the slots,
+        free lists, open pages and keys end as after the pair. Most often the
+        pair leaves the item in its slot (one page, or its slot's page has
+        another free slot and is the page laid out for the new slope); else
+        it moves to the slot the add would take, the bookkeeping of both done
+        as they do it. ``move`` False refuses that case: returns False,
+        changing nothing (the caller has removals of its own to do first).
 
         The renewed item takes a hot seat: its leaf is emptied (the matches
         above it replayed without it, once) and every query matches it
@@ -342,11 +353,13 @@ class KineticIndex(Generic[K]):
         pages = self._page_free
         if len(pages) > 1:
             page = slot // self._page
-            if not pages[page]:
-                return False  # remove would list the page as open again
             p = bisect_right(self._page_lo, m) - 1
-            if (p if p > 0 else 0) != page:
-                return False  # add would take a slot elsewhere
+            # remove would list a full page as open again, or add take a slot elsewhere
+            if not pages[page] or (p if p > 0 else 0) != page:
+                if not move:
+                    return False
+                self._move(item, slot, b, m, tiebreak)
+                return True
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -374,6 +387,56 @@ class KineticIndex(Generic[K]):
         if len(self._events) > 2 * cap + 32:
             self._compact_events()
         return True
+
+    def _move(self, item: K, slot: int, b: float, m: float, tiebreak: tuple[Any, ...]) -> None:
+        """:meth:`renew` of ``item`` (in ``slot``) where the pair moves it: the
+        bookkeeping of :meth:`remove_many` and :meth:`add` as they do it, then
+        the tree's: without seats the repair of each in turn (the same tree,
+        certificates and heap entries); with seats the item is seated in its
+        new slot (no match replayed if it was seated already)."""
+        pages = self._page_free
+        page = slot // self._page
+        free = pages[page]
+        # remove_many's
+        del self._slot[item]
+        self._items[slot], self._tb[slot] = None, ()
+        free.append(slot)
+        self._num_free += 1
+        if len(free) == 1:  # the page was full: list it as open (several pages here)
+            self._open.append(page)
+            if len(self._open) > 2 * len(pages) + 32:  # drop the full ones
+                self._open = [p for p, f in enumerate(pages) if f]
+        if not self._slot:
+            self._hi_b = self._hi_m = 0.0  # no line left to bound
+        # add's (a slot is free: no doubling)
+        if not -self._hi_b <= b <= self._hi_b:
+            self._hi_b = abs(b)
+        if not -self._hi_m <= m <= self._hi_m:
+            self._hi_m = abs(m)
+        new = self._take(m)
+        self._slot[item] = new
+        self._items[new], self._b[new], self._m[new], self._tb[new] = item, b, m, tiebreak
+        cap, win, hot = self._cap, self._win, self._hot
+        if slot in hot:  # out of the tree already: seated in its new slot
+            hot.remove(slot)
+            hot.append(new)
+            self._epoch += 1
+            return
+        win[cap + slot] = -1
+        if not self._seats:
+            self._repair(slot)  # remove's
+            win[cap + new] = new
+            self._repair(new)  # add's
+            return
+        self._climb((cap + slot) >> 1, slot)  # the tree without it
+        if len(hot) >= self._seats:
+            cold = hot.pop(0)
+            win[cap + cold] = cold
+            self._climb((cap + cold) >> 1, cold)  # back in its leaf
+        hot.append(new)
+        self._epoch += 1
+        if len(self._events) > 2 * cap + 32:
+            self._compact_events()
 
     def _unseat(self) -> None:
         """Put every seated item back in its leaf: the tree an index without hot
