@@ -231,24 +231,20 @@ class KineticIndex(Generic[K]):
         self.advance(now)
         now = self._clock
         slot_of, b, m = self._slot, self._b, self._m
-        low, rivals = _INF, 0
-        for item in behind:
-            s = slot_of[item]
-            k = b[s] + m[s] * now
-            rivals += 1
-            if k < low:
-                low = k
-        if not rivals:
+        keys = [b[s] + m[s] * now for s in map(slot_of.__getitem__, behind)]
+        if not keys:
             return len({item for item in ahead if item in slot_of})
+        low = min(keys)  # (finite lines and clock: a key is a number, maybe infinite)
         low -= AHEAD_RTOL * (self._hi_b + self._hi_m * abs(now))
         if not -_INF < low < _INF:
             return 0  # keys past the float range: nothing is told
-        counted = set()
-        for item in ahead:
-            s = slot_of.get(item)
-            if s is not None and b[s] + m[s] * now < low:
-                counted.add(item)
-        return len(counted)
+        return len(
+            {
+                item
+                for item in ahead
+                if (s := slot_of.get(item)) is not None and b[s] + m[s] * now < low
+            }
+        )
 
     # --------------------------------------------------------------- mutation
 
