@@ -532,17 +532,20 @@ class KineticIndex(Generic[K]):
 
     def advance(self, now: float) -> None:
         """Move the clock to ``now``, replaying failed certificates in time order."""
-        now = _time(now)
-        if now < self._clock:
-            raise ValueError(f"time went backwards: now={now!r} < index clock={self._clock!r}")
-        if now == self._clock:
+        if type(now) is not float or not -_INF < now < _INF:  # _time's checks, past a float
+            now = _time(now)
+        clock = self._clock
+        if now <= clock:
+            if now < clock:
+                raise ValueError(f"time went backwards: now={now!r} < index clock={clock!r}")
             return
         events = self._events
         if events and events[0][0] <= now:
             self._fail_until(now)
         self._clock = now
         self._epoch += 1
-        self._compact_events()
+        if len(self._events) > 2 * self._cap + 32:  # _compact_events' own test, before the call
+            self._compact_events()
 
     # --------------------------------------------------------------- internals
 

@@ -11,6 +11,7 @@ their leaves must hold the same tree, certificates and free lists.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -208,3 +209,26 @@ def test_a_seat_and_the_tree_at_their_exact_crossing(seated_slope: float) -> Non
     assert tw.plain.peek(2.0) == tw.hot.peek(2.0) == 1 + 2 * (seated_slope == -1.0)
     tw.now = 2.5
     tw.query()
+
+
+def test_advance_checks_its_time() -> None:
+    """``advance`` (every query's first step) takes a finite real, as a float,
+    and refuses a clock that goes back; the same time again changes nothing."""
+    index: KineticIndex[int] = KineticIndex(1.0)
+    index.add(0, intercept=0.0, slope=-1.0, tiebreak=(0,))
+    index.add(1, intercept=0.5, slope=0.0, tiebreak=(1,))
+    for bad in (math.inf, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="time must be finite"):
+            index.advance(bad)
+    with pytest.raises(ValueError, match="time must be a real number"):
+        index.advance("2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="time went backwards"):
+        index.advance(0.5)
+    epoch = index._epoch
+    index.advance(1)  # an int: 1.0, the clock already
+    assert index._epoch == epoch and type(index.clock) is float
+    index.advance(2)
+    assert index.clock == 2.0 and type(index.clock) is float
+    assert index.peek(2) == 0
+    with pytest.raises(ValueError, match="time went backwards"):
+        index.peek(1.5)
