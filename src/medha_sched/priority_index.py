@@ -802,31 +802,44 @@ class KineticIndex(Generic[K]):
         self._hi_m = max(map(abs, map(self._m.__getitem__, slots)), default=0.0)
 
     def _best_first(self) -> Iterator[K]:
-        """Best-first enumeration over subtrees (see the module docstring)."""
+        """Best-first enumeration over subtrees (see the module docstring).
+
+        A seated item is a subtree of its own (node ``~slot``). The first item
+        is :meth:`peek`'s (the root's winner matched against the seats, as
+        the tree would match them), the rest come in heap order: so with
+        seats as without, the first item yielded is the one ``peek`` gives."""
         epoch, now, cap, win = self._epoch, self._clock, self._cap, self._win
         b, m, tb, items, stats = self._b, self._m, self._tb, self._items, self.stats
         heap: list[tuple[float, float, float, tuple[Any, ...], int]] = []
         if (s := win[1]) >= 0:
             stats.key_evals += 1
             heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], 1))
-        for s in self._hot:  # a seated item: a subtree of its own (node ~slot)
-            stats.key_evals += 1
-            heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], ~s))
-        if len(heap) > 1:
-            heapify(heap)
-        while heap:
-            node = heappop(heap)[4]
+        node: int | None = None
+        if self._hot:
+            for s in self._hot:
+                stats.key_evals += 1
+                heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], ~s))
+            if len(heap) > 1:
+                first = self._with_hot(win[1])
+                node = 1 if first == win[1] else ~first
+                heap = [e for e in heap if e[4] != node]
+                heapify(heap)
+        while node is not None or heap:
+            if node is None:
+                node = heappop(heap)[4]
             if node < 0:
                 yield items[~node]
                 if self._epoch != epoch:
                     raise RuntimeError("KineticIndex was modified while iter_sorted was running")
+                node = None
                 continue
             s = win[node]
             yield items[s]
             if self._epoch != epoch:
                 raise RuntimeError("KineticIndex was modified while iter_sorted was running")
             leaf = cap + s
-            for shift in range(leaf.bit_length() - node.bit_length() - 1, -1, -1):
+            top, node = node, None
+            for shift in range(leaf.bit_length() - top.bit_length() - 1, -1, -1):
                 sib = (leaf >> shift) ^ 1
                 if (w := win[sib]) >= 0:
                     stats.key_evals += 1

@@ -63,8 +63,11 @@ class _Twins:
         self.both("remove_many", items)
 
     def query(self) -> None:
-        self.both("peek", self.now)
-        self.both("iter_sorted", self.now)
+        first = self.both("peek", self.now)
+        order = self.both("iter_sorted", self.now)
+        # with seats as without, iter_sorted starts with peek's item (exactly:
+        # the turns look up the first prompt with peek, the scan walks the order)
+        assert first == (order[0] if order else None)
         if len(self.live) > 1:
             k = len(self.live) // 2
             self.both("count_ahead", self.live[:k], self.live[k:], self.now)
@@ -232,3 +235,27 @@ def test_advance_checks_its_time() -> None:
     assert index.peek(2) == 0
     with pytest.raises(ValueError, match="time went backwards"):
         index.peek(1.5)
+
+
+@pytest.mark.parametrize("seated", ["a", "c"])
+def test_iter_sorted_starts_with_peek_at_a_near_tie(seated: str) -> None:
+    """Two keys equal to the last bit at ``now`` whose match (crossing time)
+    and key order disagree: the match gives ``c``, the heap's key order
+    ``a``. With one of them seated, ``peek`` and the first item of
+    ``iter_sorted`` are still the tree's answer, ``c`` (the turns take the
+    first prompt by ``peek``, the scan by the order)."""
+    now = 25.50690257394217
+    lines = {
+        "a": (1.3436424411240122, -0.8474337369372327),
+        "c": (-0.7902425301194249, -0.763774618976614),
+    }
+    assert lines["a"][0] + lines["a"][1] * now == lines["c"][0] + lines["c"][1] * now
+    tw = _Twins()
+    for name in "ac":
+        tw.add(*lines[name])  # items 1 (a) and 2 (c)
+    item = 1 if seated == "a" else 2
+    tw.renew(item, *lines[seated])
+    assert tw.hot._hot == [tw.hot._slot[item]]
+    tw.now = now
+    tw.query()  # both: peek == first of iter_sorted, seated and not
+    assert tw.hot.peek(now) == 2 and next(tw.hot.iter_sorted(now)) == 2
