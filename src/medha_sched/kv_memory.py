@@ -441,7 +441,8 @@ class KVBlockManager:
         pairs = list(zip(entry.groups, entry.blocks, strict=True))
         caching = self.cache.enable_prefix_caching
         for group, blocks in reversed(pairs) if caching else pairs:
-            self._pools[group].release(request_id, blocks[::-1] if caching else blocks)
+            # (its own blocks: ids the pool handed out)
+            self._pools[group].release_allocated(request_id, blocks[::-1] if caching else blocks)
             self._holders[group].discard(request_id)
         del self._entries[request_id]
 

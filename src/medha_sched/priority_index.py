@@ -72,6 +72,8 @@ _PAGE = 16
 """Leaves per page: a run of slots that new items of nearby slopes fill (see ``_grow``)."""
 _NEAR_PAGES = 4
 """Pages either side of a full page searched for a free slot before any page will do."""
+_HOT_SEATS = 3
+"""Items last renewed in place kept out of the tree (see :meth:`KineticIndex.renew`)."""
 
 
 @dataclass(slots=True)
@@ -160,6 +162,10 @@ class KineticIndex(Generic[K]):
         # every rebuild and event compaction (_refresh_bounds) and when emptied
         self._hi_b = 0.0
         self._hi_m = 0.0
+        # the hot seats: slots of items last renewed in place (most recent last),
+        # their leaves empty; every query matches them against the root's winner
+        self._hot: list[int] = []
+        self._seats = _HOT_SEATS  # 0: every item in the tree (the plain path)
         self.stats = IndexStats()
 
     # ----------------------------------------------------------------- queries
@@ -184,6 +190,8 @@ class KineticIndex(Generic[K]):
         """Advance to ``now`` and return the highest-priority item, or None if empty."""
         self.advance(now)
         slot = self._win[1]
+        if self._hot:
+            slot = self._with_hot(slot)
         return None if slot < 0 else self._items[slot]
 
     def iter_sorted(self, now: float) -> Iterator[K]:
@@ -223,24 +231,20 @@ class KineticIndex(Generic[K]):
         self.advance(now)
         now = self._clock
         slot_of, b, m = self._slot, self._b, self._m
-        low, rivals = _INF, 0
-        for item in behind:
-            s = slot_of[item]
-            k = b[s] + m[s] * now
-            rivals += 1
-            if k < low:
-                low = k
-        if not rivals:
+        keys = [b[s] + m[s] * now for s in map(slot_of.__getitem__, behind)]
+        if not keys:
             return len({item for item in ahead if item in slot_of})
+        low = min(keys)  # (finite lines and clock: a key is a number, maybe infinite)
         low -= AHEAD_RTOL * (self._hi_b + self._hi_m * abs(now))
         if not -_INF < low < _INF:
             return 0  # keys past the float range: nothing is told
-        counted = set()
-        for item in ahead:
-            s = slot_of.get(item)
-            if s is not None and b[s] + m[s] * now < low:
-                counted.add(item)
-        return len(counted)
+        return len(
+            {
+                item
+                for item in ahead
+                if (s := slot_of.get(item)) is not None and b[s] + m[s] * now < low
+            }
+        )
 
     # --------------------------------------------------------------- mutation
 
@@ -294,14 +298,39 @@ class KineticIndex(Generic[K]):
         if not -self._hi_m <= m <= self._hi_m:
             self._hi_m = abs(m)
         self._b[slot], self._m[slot] = b, m
+        if slot in self._hot:  # out of the tree: no match to replay
+            self._epoch += 1
+            return
         self._repair(slot)
 
-    def renew(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> bool:
-        """:meth:`remove` then :meth:`add` of ``item`` in one repair, when that
-        pair would leave it in its slot and the free lists as they were: one
-        page, or its slot's page has another free slot and is the page laid
-        out for the new slope. The tree then ends in the same state (every
-        node's match at the clock). Returns False, changing nothing, otherwise.
+    def renew(
+        self,
+        item: K,
+        *,
+        intercept: float,
+        slope: float,
+        tiebreak: tuple[Any, ...],
+        move: bool = True,
+    ) -> bool:
+        """:meth:`remove` then :meth:`add` of ``item`` in one step: the slots,
+        free lists, open pages and keys end as after the pair. Most often the
+        pair leaves the item in its slot (one page, or its slot's page has
+        another free slot and is the page laid out for the new slope); else
+        it moves to the slot the add would take, the bookkeeping of both done
+        as they do it. ``move`` False refuses that case: returns False,
+        changing nothing (the caller has removals of its own to do first).
+
+        The renewed item takes a hot seat: its leaf is emptied (the matches
+        above it replayed without it, once) and every query matches it
+        against the tree's winner, so renewing it again costs O(1) instead
+        of the matches up to the root (a prefill taking turn after turn is
+        renewed at each, often two or three taking turns in alternation). The seat
+        least recently renewed goes back to its leaf when one more item is
+        renewed, and every seat at a capacity doubling. Slots, free lists and
+        keys are as after the pair; the tree with the seated items put back
+        in their leaves is as after it (every node's match at the clock), and
+        every answer the same but between keys within rounding error of each
+        other, as with any other layout (see the module docstring).
         """
         slot = self._lookup(item)
         # _coordinate's answer for a float in range, without the call (the hot path)
@@ -320,18 +349,120 @@ class KineticIndex(Generic[K]):
         pages = self._page_free
         if len(pages) > 1:
             page = slot // self._page
-            if not pages[page]:
-                return False  # remove would list the page as open again
             p = bisect_right(self._page_lo, m) - 1
-            if (p if p > 0 else 0) != page:
-                return False  # add would take a slot elsewhere
+            # remove would list a full page as open again, or add take a slot elsewhere
+            if not pages[page] or (p if p > 0 else 0) != page:
+                if not move:
+                    return False
+                self._move(item, slot, b, m, tiebreak)
+                return True
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
             self._hi_m = abs(m)
         self._b[slot], self._m[slot], self._tb[slot] = b, m, tiebreak
-        self._repair(slot)
+        hot = self._hot
+        if slot in hot:
+            if hot[-1] != slot:
+                hot.remove(slot)
+                hot.append(slot)
+            self._epoch += 1
+            return True
+        if not self._seats:
+            self._repair(slot)
+            return True
+        cap, win = self._cap, self._win
+        win[cap + slot] = -1
+        self._climb((cap + slot) >> 1, slot)  # the tree without it
+        if len(hot) >= self._seats:
+            cold = hot.pop(0)
+            win[cap + cold] = cold
+            self._climb((cap + cold) >> 1, cold)  # back in its leaf
+        hot.append(slot)
+        self._epoch += 1
+        if len(self._events) > 2 * cap + 32:
+            self._compact_events()
         return True
+
+    def _move(self, item: K, slot: int, b: float, m: float, tiebreak: tuple[Any, ...]) -> None:
+        """:meth:`renew` of ``item`` (in ``slot``) where the pair moves it: the
+        bookkeeping of :meth:`remove_many` and :meth:`add` as they do it, then
+        the tree's: without seats the repair of each in turn (the same tree,
+        certificates and heap entries); with seats the item is seated in its
+        new slot (no match replayed if it was seated already)."""
+        pages = self._page_free
+        page = slot // self._page
+        free = pages[page]
+        # remove_many's
+        del self._slot[item]
+        self._items[slot], self._tb[slot] = None, ()
+        free.append(slot)
+        self._num_free += 1
+        if len(free) == 1:  # the page was full: list it as open (several pages here)
+            self._open.append(page)
+            if len(self._open) > 2 * len(pages) + 32:  # drop the full ones
+                self._open = [p for p, f in enumerate(pages) if f]
+        if not self._slot:
+            self._hi_b = self._hi_m = 0.0  # no line left to bound
+        # add's (a slot is free: no doubling)
+        if not -self._hi_b <= b <= self._hi_b:
+            self._hi_b = abs(b)
+        if not -self._hi_m <= m <= self._hi_m:
+            self._hi_m = abs(m)
+        new = self._take(m)
+        self._slot[item] = new
+        self._items[new], self._b[new], self._m[new], self._tb[new] = item, b, m, tiebreak
+        cap, win, hot = self._cap, self._win, self._hot
+        if slot in hot:  # out of the tree already: seated in its new slot
+            hot.remove(slot)
+            hot.append(new)
+            self._epoch += 1
+            return
+        win[cap + slot] = -1
+        if not self._seats:
+            self._repair(slot)  # remove's
+            win[cap + new] = new
+            self._repair(new)  # add's
+            return
+        self._climb((cap + slot) >> 1, slot)  # the tree without it
+        if len(hot) >= self._seats:
+            cold = hot.pop(0)
+            win[cap + cold] = cold
+            self._climb((cap + cold) >> 1, cold)  # back in its leaf
+        hot.append(new)
+        self._epoch += 1
+        if len(self._events) > 2 * cap + 32:
+            self._compact_events()
+
+    def _unseat(self) -> None:
+        """Put every seated item back in its leaf: the tree an index without hot
+        seats would hold (the same winners and certificates)."""
+        cap, win = self._cap, self._win
+        for slot in self._hot:
+            win[cap + slot] = slot
+            self._climb((cap + slot) >> 1, slot)
+        self._hot = []
+        self._epoch += 1
+
+    def _with_hot(self, slot: int) -> int:
+        """The winner of the tree's winner ``slot`` (-1: empty tree) and the
+        seated items, matched at the clock in the order seated (:meth:`_match`'s
+        winner, written out: every ``peek`` with a seat taken comes here)."""
+        b, m, now = self._b, self._m, self._clock
+        for h in self._hot:
+            if slot < 0:
+                slot = h
+                continue
+            ms, mh = m[slot], m[h]
+            if ms < mh:  # slot is below h from tau on
+                if now < (b[h] - b[slot]) / (ms - mh):
+                    slot = h
+            elif ms > mh:  # h is below slot from tau on
+                if now >= (b[slot] - b[h]) / (mh - ms):
+                    slot = h
+            elif (b[h], self._tb[h], h) < (b[slot], self._tb[slot], slot):
+                slot = h
+        return slot
 
     def shares_page(self, item: K, others: Iterable[K]) -> bool:
         """Whether one of ``others`` holds a slot in the page of ``item``'s slot
@@ -353,6 +484,8 @@ class KineticIndex(Generic[K]):
         match above several removed leaves is replayed once, after all of
         them, not once per leaf."""
         removed = 0
+        hot = self._hot
+        seated = False
         try:
             for item in items:
                 slot = self._lookup(item)
@@ -368,6 +501,10 @@ class KineticIndex(Generic[K]):
                     self._open.append(page)
                     if len(self._open) > 2 * len(pages) + 32:  # drop the full ones
                         self._open = [p for p, f in enumerate(pages) if f]
+                if hot and slot in hot:  # out of the tree already: no match to replay
+                    hot.remove(slot)
+                    seated = True
+                    continue
                 removed += 1
                 if removed == 1:
                     first = slot
@@ -385,6 +522,8 @@ class KineticIndex(Generic[K]):
                 self._epoch += 1
                 if len(self._events) > 2 * self._cap + 32:
                     self._compact_events()
+            elif seated:
+                self._epoch += 1
 
     def discard(self, item: K) -> None:
         """Delete ``item`` if present."""
@@ -393,17 +532,20 @@ class KineticIndex(Generic[K]):
 
     def advance(self, now: float) -> None:
         """Move the clock to ``now``, replaying failed certificates in time order."""
-        now = _time(now)
-        if now < self._clock:
-            raise ValueError(f"time went backwards: now={now!r} < index clock={self._clock!r}")
-        if now == self._clock:
+        if type(now) is not float or not -_INF < now < _INF:  # _time's checks, past a float
+            now = _time(now)
+        clock = self._clock
+        if now <= clock:
+            if now < clock:
+                raise ValueError(f"time went backwards: now={now!r} < index clock={clock!r}")
             return
         events = self._events
         if events and events[0][0] <= now:
             self._fail_until(now)
         self._clock = now
         self._epoch += 1
-        self._compact_events()
+        if len(self._events) > 2 * self._cap + 32:  # _compact_events' own test, before the call
+            self._compact_events()
 
     # --------------------------------------------------------------- internals
 
@@ -633,6 +775,7 @@ class KineticIndex(Generic[K]):
         self._open = [p for p, f in enumerate(page_free) if f]
         self._num_free = cap - n
         self._win, self._ver, self._cert, self._events = win, [0] * cap, [_INF] * cap, []
+        self._hot = []  # every item in its new leaf
         self._cap = cap
         for node in range(cap - 1, 0, -1):
             self._settle(node)
@@ -659,21 +802,44 @@ class KineticIndex(Generic[K]):
         self._hi_m = max(map(abs, map(self._m.__getitem__, slots)), default=0.0)
 
     def _best_first(self) -> Iterator[K]:
-        """Best-first enumeration over subtrees (see the module docstring)."""
+        """Best-first enumeration over subtrees (see the module docstring).
+
+        A seated item is a subtree of its own (node ``~slot``). The first item
+        is :meth:`peek`'s (the root's winner matched against the seats, as
+        the tree would match them), the rest come in heap order: so with
+        seats as without, the first item yielded is the one ``peek`` gives."""
         epoch, now, cap, win = self._epoch, self._clock, self._cap, self._win
         b, m, tb, items, stats = self._b, self._m, self._tb, self._items, self.stats
         heap: list[tuple[float, float, float, tuple[Any, ...], int]] = []
         if (s := win[1]) >= 0:
             stats.key_evals += 1
             heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], 1))
-        while heap:
-            node = heappop(heap)[4]
+        node: int | None = None
+        if self._hot:
+            for s in self._hot:
+                stats.key_evals += 1
+                heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], ~s))
+            if len(heap) > 1:
+                first = self._with_hot(win[1])
+                node = 1 if first == win[1] else ~first
+                heap = [e for e in heap if e[4] != node]
+                heapify(heap)
+        while node is not None or heap:
+            if node is None:
+                node = heappop(heap)[4]
+            if node < 0:
+                yield items[~node]
+                if self._epoch != epoch:
+                    raise RuntimeError("KineticIndex was modified while iter_sorted was running")
+                node = None
+                continue
             s = win[node]
             yield items[s]
             if self._epoch != epoch:
                 raise RuntimeError("KineticIndex was modified while iter_sorted was running")
             leaf = cap + s
-            for shift in range(leaf.bit_length() - node.bit_length() - 1, -1, -1):
+            top, node = node, None
+            for shift in range(leaf.bit_length() - top.bit_length() - 1, -1, -1):
                 sib = (leaf >> shift) ^ 1
                 if (w := win[sib]) >= 0:
                     stats.key_evals += 1
@@ -695,8 +861,10 @@ class KineticIndex(Generic[K]):
             self._check_node(node, live, best[node])
 
     def _check_leaves(self) -> None:
-        cap, win = self._cap, self._win
-        occupied = {s for s in range(cap) if win[cap + s] >= 0}
+        cap, win, hot = self._cap, self._win, self._hot
+        _require(len(hot) == len(set(hot)) <= self._seats, "hot seats repeated or too many")
+        _require(all(win[cap + s] == -1 for s in hot), "a seated item is in the tree")
+        occupied = {s for s in range(cap) if win[cap + s] >= 0}.union(hot)
         _require(all(win[cap + s] in (s, -1) for s in range(cap)), "leaf winner is not its slot")
         _require(occupied == set(self._slot.values()), "occupied leaves differ from the items")
         free = [s for page in self._page_free for s in page]

@@ -131,12 +131,14 @@ class _PrefillQueue(PrefillQueue):
         self._classify(request)
 
     def _renew_taken(self, request: Request) -> bool:
-        """``push`` of a taken ``request`` as one in-place renewal, if that ends as
-        the deferred removals then the push would (then True): the index's
-        :meth:`~KineticIndex.renew` accepts (its slot's page keeps a free slot
-        and is the one for its new slope), and no request taken after it
-        shares that page (that one's freed slot would be the one the push
-        takes). The other taken requests stay deferred."""
+        """``push`` of a taken ``request`` as one renewal in the index, if that ends
+        as the deferred removals then the push would (then True): no request
+        taken after it shares its slot's page (that one's freed slot would be
+        the one the push takes), and the index's :meth:`~KineticIndex.renew`
+        keeps its slot (its slot's page keeps a free slot and is the one for
+        its new slope) or, no other request of its priority class being
+        taken, moves it where the pair would. The other taken requests stay
+        deferred."""
         rid = request.request_id
         out, where = self._out, self._where
         at = out.index(rid)
@@ -147,10 +149,12 @@ class _PrefillQueue(PrefillQueue):
         later = [x for x in out[at + 1 :] if where[x] == priority]
         if later and index.shares_page(rid, later):
             return False
+        # alone in its index's deferred removals, the pair may move it to another slot
+        move = not later and all(where[x] != priority for x in out[:at])
         intercept, slope = self._policy.line(request)
         seq = self._seq + 1
         if not index.renew(
-            rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
+            rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq), move=move
         ):
             return False
         self._seq = seq

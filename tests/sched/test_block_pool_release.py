@@ -51,9 +51,11 @@ def test_a_block_held_twice_part_way_goes_the_general_way() -> None:
     pool.check()
 
 
+@pytest.mark.parametrize("how", ["release", "release_allocated"])
 @pytest.mark.parametrize("seed", range(6))
-def test_scattered_releases_match_the_plain_stack(seed: int) -> None:
-    """Many scattered lists (held once, some blocks shared), as a long run frees them."""
+def test_scattered_releases_match_the_plain_stack(seed: int, how: str) -> None:
+    """Many scattered lists (held once, some blocks shared), as a long run frees
+    them; ``release_allocated`` (a KV manager's own blocks) ends alike."""
     rng = random.Random(seed)
     n = 2000
     pool = BlockPool(0, n)
@@ -77,7 +79,7 @@ def test_scattered_releases_match_the_plain_stack(seed: int) -> None:
         elif owners:
             blocks = owners.pop(rng.randrange(len(owners)))
             rng.shuffle(blocks)
-            pool.release(step, blocks)
+            getattr(pool, how)(step, blocks)
             freed = []
             for b in blocks:
                 ref[b] -= 1
@@ -95,4 +97,23 @@ def test_an_id_that_is_not_an_int_changes_nothing() -> None:
     with pytest.raises(TypeError):
         pool.release("a", [0, 1, 2.0])  # type: ignore[list-item]
     assert _state(pool) == before
+    pool.check()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [9, 4, 12, 7, 4],  # listed twice, held once: the second sees a count of 0
+        [2, 5, 11, 14, 3, 8, 2],  # likewise, further on
+    ],
+)
+def test_release_allocated_refuses_alike(bad: list[int]) -> None:
+    """Ids the pool handed out, released more often than held: ``release``'s
+    error, nothing changed."""
+    pool = BlockPool(0, 16)
+    pool.allocate("a", 16)
+    before = _state(pool)
+    with pytest.raises(AssertionError, match="more often than held"):
+        pool.release_allocated("a", bad)
+    assert _state(pool) == before, "a refused release changed the pool"
     pool.check()

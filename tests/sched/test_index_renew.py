@@ -7,7 +7,10 @@ decision is the same; where it refuses, nothing may change.
 
 from __future__ import annotations
 
+import copy
 import random
+
+import pytest
 
 from medha_sched.policies import get_policy
 from medha_sched.priority_index import KineticIndex
@@ -16,6 +19,10 @@ from medha_sched.request import Request
 
 
 def _state(index: KineticIndex) -> tuple:
+    """Slots, tree and free lists, with any item in a hot seat back in its leaf
+    (on a copy: the seats change no answer)."""
+    index = copy.deepcopy(index)
+    index._unseat()
     return (
         dict(index._slot),
         list(index._win),
@@ -34,11 +41,14 @@ def _line(rng: random.Random) -> tuple[float, float]:
     return rng.uniform(-50.0, 50.0), rng.choice([0.0, -1.0, -0.5, rng.uniform(-2.0, 0.0)])
 
 
-def test_renew_equals_remove_then_add() -> None:
+@pytest.mark.parametrize("seats", [3, 0])
+def test_renew_equals_remove_then_add(seats: int) -> None:
+    """With hot seats (the default) and without (every renewal repaired in the tree)."""
     rng = random.Random(7)
     twin_a: KineticIndex[int] = KineticIndex()
     twin_b: KineticIndex[int] = KineticIndex()
-    now, seq, accepted, refused = 0.0, 0, 0, 0
+    twin_b._seats = seats
+    now, seq, accepted, moved, refused = 0.0, 0, 0, 0, 0
     live: list[int] = []
     for step in range(4000):
         op = rng.random()
@@ -62,8 +72,11 @@ def test_renew_equals_remove_then_add() -> None:
                 m = twin_a._m[twin_a._slot[item]]
             tb = (10_000 + step,)
             before = _state(twin_b)
-            if twin_b.renew(item, intercept=b, slope=m, tiebreak=tb):
+            slot = twin_b._slot[item]
+            move = rng.random() < 0.7  # else refused where the pair would move it
+            if twin_b.renew(item, intercept=b, slope=m, tiebreak=tb, move=move):
                 accepted += 1
+                moved += twin_b._slot[item] != slot
                 twin_a.remove(item)
                 twin_a.add(item, intercept=b, slope=m, tiebreak=tb)
             else:
@@ -75,7 +88,8 @@ def test_renew_equals_remove_then_add() -> None:
         assert _state(twin_a) == _state(twin_b)
         if step % 500 == 0:
             twin_b.check()
-    assert accepted > 100 and refused > 50  # both branches were taken
+    # every branch was taken: in place, moved, refused (move=False)
+    assert accepted - moved > 100 and moved > 50 and refused > 20
     assert list(twin_a.iter_sorted(now)) == list(twin_b.iter_sorted(now))
 
 

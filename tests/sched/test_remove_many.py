@@ -4,6 +4,7 @@ order, now and after the clock moves on (certificates failing)."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -31,7 +32,10 @@ def _build(lines: list[tuple[float, float, int]], churn: list[int], t0: float) -
 
 def _state(index: KineticIndex) -> tuple:
     """Everything that decides a later answer (not the versions, which only
-    tell stale heap entries, nor the work counters)."""
+    tell stale heap entries, nor the work counters), with any item in a hot
+    seat (``KineticIndex.renew``) back in its leaf, on a copy."""
+    index = copy.deepcopy(index)
+    index._unseat()
     live = sorted((c, n) for c, n, v in index._events if v == index._ver[n] and index._cert[n] == c)
     return (
         index._clock,

@@ -119,7 +119,16 @@ class RooflineCostModel(AggregateCostModel):
         """:meth:`group_time` as a function of the attended pairs and KV tokens
         (``i, j == 1, 2``; else None), the other totals fixed: the terms that
         do not move are computed once, and each call adds the same floats in
-        the same order as :meth:`group_time`."""
+        the same order as :meth:`group_time`.
+
+        The function's ``series`` attribute prices a whole decode run in one
+        call (:meth:`DecodeLanes.one_group_times
+        <medha_sched.decode_set.DecodeLanes.one_group_times>`'s loop, the
+        function written out in it): ``series(ai, bi, ci, aj, bj, cj, kv_sum,
+        nt, first, steps, budget)`` is the list of ``time_of(ai + kv * bi +
+        ci, aj + kv * bj + cj)`` with ``kv = kv_sum + nt * step`` for ``step``
+        from ``first`` on, ``steps`` of them or up to the first whose running
+        sum reaches ``budget`` seconds (that one included)."""
         if (i, j) != (1, 2) or type(self).group_time is not RooflineCostModel.group_time:
             return None  # (a subclass that prices otherwise keeps group_time)
         q, _, _, qa, qm, nt = totals
@@ -153,6 +162,42 @@ class RooflineCostModel(AggregateCostModel):
                 time += head
             return time
 
+        def series(
+            ai: float,
+            bi: float,
+            ci: float,
+            aj: float,
+            bj: float,
+            cj: float,
+            kv_sum: int,
+            nt: int,
+            first: int,
+            steps: int,
+            budget: float,
+        ) -> list[float]:
+            times = []
+            spent = 0.0
+            for step in range(first, first + steps):
+                kv = kv_sum + nt * step
+                pairs, tokens = ai + kv * bi + ci, aj + kv * bj + cj
+                # time_of(pairs, tokens)
+                a, b = pairs * c_att, tokens * b_kv + read_q
+                layer = qkv + (a if a > b else b)
+                layer += out
+                layer += mlp
+                layer = layer + merged + fixed
+                if reduce is not None:
+                    layer += reduce
+                time = layers * layer + pp_fixed + send
+                if head is not None:
+                    time += head
+                times.append(time)
+                spent += time
+                if spent >= budget:
+                    break
+            return times
+
+        time_of.series = series  # type: ignore[attr-defined]
         return time_of
 
     def chunk_price(self) -> Callable[[Sequence[float] | None, int, int], float] | None:
