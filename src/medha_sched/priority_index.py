@@ -371,17 +371,7 @@ class KineticIndex(Generic[K]):
         if not self._seats:
             self._repair(slot)
             return True
-        cap, win = self._cap, self._win
-        win[cap + slot] = -1
-        self._climb((cap + slot) >> 1, slot)  # the tree without it
-        if len(hot) >= self._seats:
-            cold = hot.pop(0)
-            win[cap + cold] = cold
-            self._climb((cap + cold) >> 1, cold)  # back in its leaf
-        hot.append(slot)
-        self._epoch += 1
-        if len(self._events) > 2 * cap + 32:
-            self._compact_events()
+        self._seat(slot, slot)
         return True
 
     def _move(self, item: K, slot: int, b: float, m: float, tiebreak: tuple[Any, ...]) -> None:
@@ -418,12 +408,20 @@ class KineticIndex(Generic[K]):
             hot.append(new)
             self._epoch += 1
             return
-        win[cap + slot] = -1
         if not self._seats:
+            win[cap + slot] = -1
             self._repair(slot)  # remove's
             win[cap + new] = new
             self._repair(new)  # add's
             return
+        self._seat(slot, new)
+
+    def _seat(self, slot: int, new: int) -> None:
+        """Take ``slot``'s leaf out of the tree and seat its item, now in slot
+        ``new``; with every seat taken, the item seated longest goes back to
+        its leaf first."""
+        cap, win, hot = self._cap, self._win, self._hot
+        win[cap + slot] = -1
         self._climb((cap + slot) >> 1, slot)  # the tree without it
         if len(hot) >= self._seats:
             cold = hot.pop(0)
