@@ -23,7 +23,7 @@ from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler, _PrefillQueue
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
-from tests.sim.same import assert_same_results
+from tests.sim.same import MIXED_CASES, assert_same_results
 from tests.sim.same import mixed_long_short_trace as _mixed_trace
 from tests.sim.same import simulate_with_skips as _run
 
@@ -141,14 +141,7 @@ def _never(self, request_ids, now) -> int:
 
 @pytest.mark.parametrize(
     ("policy", "skips", "spp", "seed"),
-    [
-        ("lars-mp", 16, 2, 0),
-        ("lars-mp", 4, 2, 1),
-        ("lars", 3, 3, 2),
-        ("edf", 6, 2, 3),
-        ("fcfs", 5, 1, 4),
-        ("lars-mp", 8, 4, 5),
-    ],
+    [*MIXED_CASES, ("fcfs", 5, 1, 4)],
 )
 def test_simulations_match_the_plain_scan(monkeypatch, policy, skips, spp, seed) -> None:
     spec = RunSpec(policy=policy, tp=8, spp=spp, long_threshold=16_384)

@@ -60,3 +60,14 @@ def mixed_long_short_trace(seed: int, longs: int, shorts: int) -> list[TraceRequ
         for i in range(shorts)
     ]
     return sorted(out, key=lambda r: (r.arrival_s, r.id))
+
+
+#: (policy, max_consecutive_skips, spp, seed) of the mixed-trace comparisons: the
+#: fast paths against the slow ones (fcfs has no turns: the scan tests add it)
+MIXED_CASES = [
+    ("lars-mp", 16, 2, 0),
+    ("lars-mp", 4, 2, 1),
+    ("lars", 3, 3, 2),
+    ("edf", 6, 2, 3),
+    ("lars-mp", 8, 4, 5),
+]

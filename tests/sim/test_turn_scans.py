@@ -21,7 +21,12 @@ import pytest
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
-from tests.sim.same import assert_same_results, mixed_long_short_trace, simulate_with_skips
+from tests.sim.same import (
+    MIXED_CASES,
+    assert_same_results,
+    mixed_long_short_trace,
+    simulate_with_skips,
+)
 
 _TURN_RUN = Scheduler.turn_run
 _SCAN_TURN = Scheduler.scan_turn
@@ -51,13 +56,7 @@ def _count_scan_turns(monkeypatch) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     ("policy", "skips", "spp", "seed"),
-    [
-        ("lars-mp", 16, 2, 0),
-        ("lars-mp", 4, 2, 1),
-        ("lars", 3, 3, 2),
-        ("edf", 6, 2, 3),
-        ("lars-mp", 8, 4, 5),
-    ],
+    MIXED_CASES,
 )
 def test_scan_turns_change_no_result(monkeypatch, policy, skips, spp, seed) -> None:
     spec = RunSpec(policy=policy, tp=8, spp=spp, long_threshold=16_384)
