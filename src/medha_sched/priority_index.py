@@ -37,7 +37,11 @@ exactly when its certificate fails: float jitter near a crossing can neither
 leave the tree stale nor loop. At ``tau`` itself the smaller slope wins (it is
 smaller from then on); equal slopes compare intercepts, then tiebreaks. The
 order equals sorting by ``(b + m * t, tiebreak)`` except between keys that
-differ by rounding error (a few ulps of ``|b| + |m * t|``).
+differ by rounding error (a few ulps of ``|b| + |m * t|``): there the order
+depends on the layout, hot seats included (three or more lines meeting at the
+query time, matched in another order, may name another winner). Items with
+the same line and the same tiebreak come in the layout's order too: give
+every item its own tiebreak (the scheduler's hold its arrival and sequence).
 
 Costs for ``n`` items: add/update/remove O(log n) matches (add amortised: a
 doubling sorts the items); advance O(log n)

@@ -194,6 +194,24 @@ def test_changing_a_seated_item_stops_a_live_iteration(change: str) -> None:
         next(it)
 
 
+def test_moving_a_seated_item_stops_a_live_iteration() -> None:
+    """A seated item renewed to a slope laid out on another page moves slots
+    (``_move``) and still invalidates an ``iter_sorted`` generator."""
+    index: KineticIndex[int] = KineticIndex()
+    for i in range(40):
+        index.add(i, intercept=float(i), slope=-0.01 * i, tiebreak=(i,))
+    slot = index._slot[39]
+    assert index.renew(39, intercept=39.5, slope=-0.39, tiebreak=(40,))
+    assert index._slot[39] == slot and slot in index._hot  # seated in place
+    it = index.iter_sorted(0.0)
+    assert next(it) == 0
+    assert index.renew(39, intercept=0.5, slope=0.0, tiebreak=(41,))
+    assert index._slot[39] != slot  # moved to its new slope's page, still seated
+    with pytest.raises(RuntimeError, match="modified while iter_sorted"):
+        next(it)
+    index.check()
+
+
 @pytest.mark.parametrize("seated_slope", [-1.0, -0.5])
 def test_a_seat_and_the_tree_at_their_exact_crossing(seated_slope: float) -> None:
     """At the crossing time itself the smaller slope wins, seated or in the
