@@ -93,6 +93,7 @@ class _PrefillQueue(PrefillQueue):
         self._long_min = long_min
         self._not_long: set[str] = set()
         self._out: list[str] = []  # taken (out of the queue), still in the index
+        self._line = policy.line  # the policy's key line, looked up once (renew)
 
     def __len__(self) -> int:
         return len(self._where) - len(self._out)
@@ -185,9 +186,36 @@ class _PrefillQueue(PrefillQueue):
         self._not_long.difference_update(request_ids)
 
     def renew(self, request: Request) -> None:
+        # PrefillQueue.renew (an in-place renewal), _note_left and _classify in
+        # one call: the prefill turns renew a prompt at each turn. The same
+        # steps in the same order; the remove-then-push case goes through them.
         if self._out:
             self._flush()
-        super().renew(request)
+        rid = request.request_id
+        priority = self._where[rid]
+        if priority == request.priority:
+            intercept, slope = self._line(request)
+            seq = self._seq + 1
+            if self._classes[priority].renew(
+                rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
+            ):
+                self._seq = seq
+                total = request.num_prefill_tokens
+                lane = request._lane  # num_scheduled_tokens, inline
+                left = total - (
+                    request._scheduled if lane is None else request._scheduled + lane.issued
+                )
+                if left < self._short_below:
+                    self._short[rid] = left
+                else:
+                    self._short.pop(rid, None)
+                if total < self._long_min:
+                    self._not_long.add(rid)
+                else:
+                    self._not_long.discard(rid)
+                return
+        self.remove(rid)  # PrefillQueue.renew's other case
+        self.push(request)
         self._classify(request)
 
     def count_pushes(self, count: int) -> None:
@@ -208,6 +236,11 @@ class _PrefillQueue(PrefillQueue):
     def first(self, now: float) -> Request | None:
         if self._out:
             self._flush()
+        classes = self._classes
+        if len(classes) == 1:  # PrefillQueue.first's loop, for its one class
+            for index in classes.values():
+                rid = index.peek(now)
+                return None if rid is None else self._requests[rid]
         return super().first(now)
 
     def iter_sorted(self, now: float) -> Iterator[Request]:
