@@ -255,7 +255,11 @@ class _PrefillQueue(PrefillQueue):
         priority class queued (a class once used and now empty does not count)."""
         if self._out:
             self._flush()
-        live = [index for index in self._classes.values() if len(index)]
+        classes = self._classes
+        if len(classes) == 1:  # the one class (the common case), without the list
+            for index in classes.values():
+                return index.count_ahead(request_ids, self._not_long, now) if len(index) else 0
+        live = [index for index in classes.values() if len(index)]
         if len(live) != 1:
             return 0
         return live[0].count_ahead(request_ids, self._not_long, now)

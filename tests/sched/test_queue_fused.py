@@ -1,6 +1,7 @@
-"""``_PrefillQueue.renew`` and ``first`` as one call each (the prefill turns call
-them at every turn) against the calls they fuse: ``PrefillQueue.renew`` then
-``_classify``, and ``PrefillQueue.first``.
+"""``_PrefillQueue.renew``, ``first`` and ``ahead_of_not_long`` as one call each
+(the prefill turns call them at every turn) against the calls they fuse:
+``PrefillQueue.renew`` then ``_classify``, ``PrefillQueue.first``, and the list
+of live classes.
 
 Twin queues, one with the fused methods and one with the composed ones, go
 through the same random operations (new prompts, renewals with progress, a
@@ -14,6 +15,7 @@ sequence), so every later order is too.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from types import SimpleNamespace
 
 import pytest
@@ -39,6 +41,14 @@ class _Composed(_PrefillQueue):
             self._flush()
         return PrefillQueue.first(self, now)
 
+    def ahead_of_not_long(self, request_ids: Iterable[str], now: float) -> int:
+        if self._out:
+            self._flush()
+        live = [index for index in self._classes.values() if len(index)]
+        if len(live) != 1:
+            return 0
+        return live[0].count_ahead(request_ids, self._not_long, now)
+
 
 def _run(seed: int, policy: str, classes: int, steps: int) -> dict[str, int]:
     rng = random.Random(seed)
@@ -46,7 +56,15 @@ def _run(seed: int, policy: str, classes: int, steps: int) -> dict[str, int]:
     composed = _Composed(get_policy(policy), short_below=_SHORT, long_min=_LONG)
     twins = (fused, composed)
     requests: dict[str, Request] = {}
-    counts = {"renew": 0, "moved_class": 0, "lane": 0, "first": 0, "first_none": 0, "at_bound": 0}
+    counts = {
+        "renew": 0,
+        "moved_class": 0,
+        "lane": 0,
+        "first": 0,
+        "first_none": 0,
+        "at_bound": 0,
+        "ahead": 0,
+    }
     now = 0.0
     n = 0
 
@@ -93,6 +111,9 @@ def _run(seed: int, policy: str, classes: int, steps: int) -> dict[str, int]:
             ids = rng.sample(queued, min(len(queued), rng.randint(1, 3)))
             for q in twins:
                 q.take(list(ids))
+        if queued and rng.random() < 0.3:
+            ids = rng.sample(queued, min(len(queued), rng.randint(1, 8)))
+            counts["ahead"] += both("ahead_of_not_long", ids, now) > 0
         got = both("first", now)
         counts["first"] += 1
         counts["first_none"] += got is None
@@ -112,5 +133,7 @@ def test_fused_renew_and_first_match_the_composed_calls(policy: str, classes: in
     assert counts["renew"] > 500
     assert counts["lane"] > 20
     assert counts["at_bound"] > 20
+    if classes == 1:  # (with several classes, mostly 0: more than one is live)
+        assert counts["ahead"] > 20
     if classes > 1:
         assert counts["moved_class"] > 5
