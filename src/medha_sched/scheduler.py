@@ -33,7 +33,7 @@ from medha_sched.kv_memory import KVBlockManager
 from medha_sched.output import BatchResult, BlockGrant, ScheduledChunk, ScheduleOutput
 from medha_sched.packer import ChunkSizer, Draft
 from medha_sched.policies import get_policy
-from medha_sched.policies.base import Policy, relative_slack
+from medha_sched.policies.base import Policy
 from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
@@ -1713,7 +1713,12 @@ class Scheduler:
             else:
                 goal = target
                 if share is not None and total >= long_min:
-                    rho = min(share, max(0.0, relative_slack(r, s)))
+                    # min(share, max(0.0, relative_slack(r, s))), inline: the same floats
+                    rho = (r.deadline - s - r.remaining_work) / max(r.total_work, 1e-12)
+                    if not rho > 0.0:
+                        rho = 0.0
+                    if not rho < share:
+                        rho = share
                     goal *= 1.0 - rho
                 if base_time >= goal:
                     break
