@@ -1634,6 +1634,10 @@ class Scheduler:
         remaining = self.prefill_times.remaining_time  # _refresh_work's, inline
         cache_aware = cfg.cache_aware_slack
         line_a, line_b = lanes._a, lanes._b  # DecodeLanes.totals' rows, inline (one group)
+        six = len(line_a) == 6 and len(line_b) == 6  # the roofline's features, unrolled
+        if six:
+            a0, a1, a2, a3, a4, a5 = line_a
+            b0, b1, b2, b3, b4, b5 = line_b
         target = self._target_time()  # no finish and no prefill end inside the run
         first = self._next_batch_id
         before = len(flying)
@@ -1690,7 +1694,16 @@ class Scheduler:
                     nt = lane.n_tail[0]
                     kv = lane.kv_sum[0] + nt * lane.issued
                     const = lane.const[0]
-                    if const is None:
+                    if const is None and six:  # the comprehension below, unrolled
+                        base = [
+                            nt * a0 + kv * b0,
+                            nt * a1 + kv * b1,
+                            nt * a2 + kv * b2,
+                            nt * a3 + kv * b3,
+                            nt * a4 + kv * b4,
+                            nt * a5 + kv * b5,
+                        ]
+                    elif const is None:
                         base = [nt * x + kv * y for x, y in zip(line_a, line_b, strict=True)]
                     else:
                         base = [
