@@ -33,7 +33,7 @@ from medha_sched.kv_memory import KVBlockManager
 from medha_sched.output import BatchResult, BlockGrant, ScheduledChunk, ScheduleOutput
 from medha_sched.packer import ChunkSizer, Draft
 from medha_sched.policies import get_policy
-from medha_sched.policies.base import Policy, relative_slack
+from medha_sched.policies.base import Policy
 from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 from medha_sched.queue import PrefillQueue
@@ -93,6 +93,7 @@ class _PrefillQueue(PrefillQueue):
         self._long_min = long_min
         self._not_long: set[str] = set()
         self._out: list[str] = []  # taken (out of the queue), still in the index
+        self._line = policy.line  # the policy's key line, looked up once (renew)
 
     def __len__(self) -> int:
         return len(self._where) - len(self._out)
@@ -185,9 +186,36 @@ class _PrefillQueue(PrefillQueue):
         self._not_long.difference_update(request_ids)
 
     def renew(self, request: Request) -> None:
+        # PrefillQueue.renew (an in-place renewal), _note_left and _classify in
+        # one call: the prefill turns renew a prompt at each turn. The same
+        # steps in the same order; the remove-then-push case goes through them.
         if self._out:
             self._flush()
-        super().renew(request)
+        rid = request.request_id
+        priority = self._where[rid]
+        if priority == request.priority:
+            intercept, slope = self._line(request)
+            seq = self._seq + 1
+            if self._classes[priority].renew(
+                rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
+            ):
+                self._seq = seq
+                total = request.num_prefill_tokens
+                lane = request._lane  # num_scheduled_tokens, inline
+                left = total - (
+                    request._scheduled if lane is None else request._scheduled + lane.issued
+                )
+                if left < self._short_below:
+                    self._short[rid] = left
+                else:
+                    self._short.pop(rid, None)
+                if total < self._long_min:
+                    self._not_long.add(rid)
+                else:
+                    self._not_long.discard(rid)
+                return
+        self.remove(rid)  # PrefillQueue.renew's other case
+        self.push(request)
         self._classify(request)
 
     def count_pushes(self, count: int) -> None:
@@ -208,6 +236,11 @@ class _PrefillQueue(PrefillQueue):
     def first(self, now: float) -> Request | None:
         if self._out:
             self._flush()
+        classes = self._classes
+        if len(classes) == 1:  # PrefillQueue.first's loop, for its one class
+            for index in classes.values():
+                rid = index.peek(now)
+                return None if rid is None else self._requests[rid]
         return super().first(now)
 
     def iter_sorted(self, now: float) -> Iterator[Request]:
@@ -222,7 +255,11 @@ class _PrefillQueue(PrefillQueue):
         priority class queued (a class once used and now empty does not count)."""
         if self._out:
             self._flush()
-        live = [index for index in self._classes.values() if len(index)]
+        classes = self._classes
+        if len(classes) == 1:  # the one class (the common case), without the list
+            for index in classes.values():
+                return index.count_ahead(request_ids, self._not_long, now) if len(index) else 0
+        live = [index for index in classes.values() if len(index)]
         if len(live) != 1:
             return 0
         return live[0].count_ahead(request_ids, self._not_long, now)
@@ -1597,6 +1634,10 @@ class Scheduler:
         remaining = self.prefill_times.remaining_time  # _refresh_work's, inline
         cache_aware = cfg.cache_aware_slack
         line_a, line_b = lanes._a, lanes._b  # DecodeLanes.totals' rows, inline (one group)
+        six = len(line_a) == 6 and len(line_b) == 6  # the roofline's features, unrolled
+        if six:
+            a0, a1, a2, a3, a4, a5 = line_a
+            b0, b1, b2, b3, b4, b5 = line_b
         target = self._target_time()  # no finish and no prefill end inside the run
         first = self._next_batch_id
         before = len(flying)
@@ -1653,7 +1694,16 @@ class Scheduler:
                     nt = lane.n_tail[0]
                     kv = lane.kv_sum[0] + nt * lane.issued
                     const = lane.const[0]
-                    if const is None:
+                    if const is None and six:  # the comprehension below, unrolled
+                        base = [
+                            nt * a0 + kv * b0,
+                            nt * a1 + kv * b1,
+                            nt * a2 + kv * b2,
+                            nt * a3 + kv * b3,
+                            nt * a4 + kv * b4,
+                            nt * a5 + kv * b5,
+                        ]
+                    elif const is None:
                         base = [nt * x + kv * y for x, y in zip(line_a, line_b, strict=True)]
                     else:
                         base = [
@@ -1676,7 +1726,12 @@ class Scheduler:
             else:
                 goal = target
                 if share is not None and total >= long_min:
-                    rho = min(share, max(0.0, relative_slack(r, s)))
+                    # min(share, max(0.0, relative_slack(r, s))), inline: the same floats
+                    rho = (r.deadline - s - r.remaining_work) / max(r.total_work, 1e-12)
+                    if not rho > 0.0:
+                        rho = 0.0
+                    if not rho < share:
+                        rho = share
                     goal *= 1.0 - rho
                 if base_time >= goal:
                     break
