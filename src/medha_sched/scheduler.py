@@ -93,7 +93,6 @@ class _PrefillQueue(PrefillQueue):
         self._long_min = long_min
         self._not_long: set[str] = set()
         self._out: list[str] = []  # taken (out of the queue), still in the index
-        self._line = policy.line  # the policy's key line, looked up once (renew)
 
     def __len__(self) -> int:
         return len(self._where) - len(self._out)
@@ -186,36 +185,9 @@ class _PrefillQueue(PrefillQueue):
         self._not_long.difference_update(request_ids)
 
     def renew(self, request: Request) -> None:
-        # PrefillQueue.renew (an in-place renewal), _note_left and _classify in
-        # one call: the prefill turns renew a prompt at each turn. The same
-        # steps in the same order; the remove-then-push case goes through them.
         if self._out:
             self._flush()
-        rid = request.request_id
-        priority = self._where[rid]
-        if priority == request.priority:
-            intercept, slope = self._line(request)
-            seq = self._seq + 1
-            if self._classes[priority].renew(
-                rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
-            ):
-                self._seq = seq
-                total = request.num_prefill_tokens
-                lane = request._lane  # num_scheduled_tokens, inline
-                left = total - (
-                    request._scheduled if lane is None else request._scheduled + lane.issued
-                )
-                if left < self._short_below:
-                    self._short[rid] = left
-                else:
-                    self._short.pop(rid, None)
-                if total < self._long_min:
-                    self._not_long.add(rid)
-                else:
-                    self._not_long.discard(rid)
-                return
-        self.remove(rid)  # PrefillQueue.renew's other case
-        self.push(request)
+        super().renew(request)  # its remove-then-push case classifies in push
         self._classify(request)
 
     def count_pushes(self, count: int) -> None:

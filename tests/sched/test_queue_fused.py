@@ -9,7 +9,9 @@ prompt with a decode lane's issued tokens, a priority class changed, removals,
 takes, one or several classes): every answer must be the same, and after each
 operation the queues must be in the same state (index slots, winners,
 certificates, free lists, keys, the short and not-long counts, the tie-break
-sequence), so every later order is too.
+sequence), so every later order is too. (``renew`` is the composed calls again
+since the final read of 2026-11-26: fusing it saved ~0.5% of a simulation and
+wrote ``PrefillQueue.renew`` a second time; the twin still pins it.)
 """
 
 from __future__ import annotations
