@@ -480,11 +480,15 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def schedule(self, now: float) -> ScheduleOutput:
         """Form the next batch at time ``now`` (seconds, never decreasing)."""
-        draft, lane, grants, preempted = self._pack(now)
+        draft, lane, grants, preempted, _ = self._pack(now)
         return self._emit(draft, now, lane, grants, preempted)
 
-    def _pack(self, now: float) -> tuple[Draft, Lane | None, list[BlockGrant], list[str]]:
-        """The next batch's draft at ``now``: ``(draft, lane, block grants, preempted)``."""
+    def _pack(
+        self, now: float, *, take: bool = True
+    ) -> tuple[Draft, Lane | None, list[BlockGrant], list[str], list[str]]:
+        """The next batch's draft at ``now``: ``(draft, lane, block grants,
+        preempted, chosen)``; ``chosen`` as :meth:`_pack_prefills` returns it with
+        ``take`` (empty when the scan took its prompts out of the queue)."""
         if now < self._clock:
             raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
         self._clock = now
@@ -492,8 +496,8 @@ class Scheduler:
             self._reprice()
         draft = self._new_draft()
         lane, grants, preempted = self._pack_decodes(draft, now)
-        self._pack_prefills(draft, now)
-        return draft, lane, grants, preempted
+        chosen = self._pack_prefills(draft, now, take=take)
+        return draft, lane, grants, preempted, chosen
 
     def schedule_plain(
         self, now: float
@@ -504,7 +508,7 @@ class Scheduler:
         same decisions and state afterwards; no :class:`ScheduleOutput` is
         built (an empty batch has no decodes and no chunks).
         """
-        draft, lane, _, preempted = self._pack(now)
+        draft, lane, _, preempted, _ = self._pack(now)
         return self._plain(draft, lane, now, preempted)
 
     def _plain(
@@ -1487,14 +1491,7 @@ class Scheduler:
         (the scan's choice taken out of the queue) and goes as one: its stage
         0 end is :meth:`on_stage_end`'s. Only where :meth:`scan_turns` holds.
         """
-        if now < self._clock:
-            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
-        self._clock = now  # _pack's steps, the scan's choice not yet taken
-        if self.prefill_times.refresh(now):
-            self._reprice()
-        draft = self._new_draft()
-        lane, _, preempted = self._pack_decodes(draft, now)
-        chosen = self._pack_prefills(draft, now, take=False)
+        draft, lane, _, preempted, chosen = self._pack(now, take=False)  # not yet taken
         turn = bool(chosen) and not preempted
         if turn:
             for r, n in draft.entries:
