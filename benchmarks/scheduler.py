@@ -93,9 +93,18 @@ def build(impl: str, policy: str, decodes: int, seed: int, target: float = 0.05)
     hi = 4000 * 256 // max(decodes, 256)
     for i in range(decodes):  # prefill these to completion first
         sched.add_request(Request(f"d{i}", 0.0, rng.randint(min(100, hi // 4), hi), 1 << 20))
-    now = 0.0
+    now, stalled = 0.0, 0
     while sched.num_waiting or any(r.is_prefilling for r in sched._running.values()):
         out = sched.schedule(now)
+        # decodes alone at or over T leave no room for a prefill chunk, for good
+        # (their KV only grows): stop with the fix instead of looping forever
+        prefilled = any(c.num_tokens > 1 or not c.samples for c in out.chunks)
+        stalled = 0 if prefilled else stalled + 1
+        if stalled >= 3:
+            sys.exit(
+                f"{decodes} decodes alone fill --target {target} s, so the rest of "
+                "their prompts never get a chunk: raise --target (0.2 s for 1,024)"
+            )
         sampled = {c.request_id: 1 for c in out.chunks if c.samples}
         sched.on_batch_end(out.batch_id, BatchResult(sampled_token_ids=sampled))
         now += max(out.predicted_time, 1e-3)
