@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from medha_sched.batch_cost import BatchCost, chunk_works
-from medha_sched.chunking import largest_chunk_priced
+from medha_sched.chunking import chunk_search
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import AggregateCostModel, CostModel
 from medha_sched.decode_run import (
@@ -1594,6 +1594,8 @@ class Scheduler:
         group_time, features, chunk_time = agg.group_time, agg.features, agg.chunk_time_fn
         # ChunkSizer.adaptive_alone's rule, inline when the model prices in one call
         price = self._draft_price  # agg.chunk_price(), looked up once
+        # largest_chunk_priced over it (the roofline's own search: fewer probes)
+        search = None if price is None else chunk_search(price)
         cfg = self.config
         grid, max_chunk, long_min = cfg.token_grid, cfg.max_chunk_tokens, cfg.long_prefill_threshold
         share = cfg.max_space_share if self.policy.space_sharing else None
@@ -1709,9 +1711,7 @@ class Scheduler:
                     room = max_chunk
                 if limit - start % limit < room:
                     room = limit - start % limit
-                n, p = largest_chunk_priced(
-                    room, grid, price, base, start, goal, base_time, hints.get(rid, 0)
-                )
+                n, p = search(room, grid, base, start, goal, base_time, hints.get(rid, 0))
             if n == 0 or start + n >= total:
                 break
             if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on
