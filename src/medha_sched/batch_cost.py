@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from operator import add as _add
 
+from medha_sched.chunking import largest_chunk_priced
 from medha_sched.cost.base import AggregateCostModel, BatchWork, CostModel, RequestWork
 
 Work = tuple[int, int, int, bool]
@@ -60,6 +61,8 @@ class BatchCost:
         # (totals None: not summed yet, a ``price`` probe; add() sums them)
         self._probes: dict[Work, tuple[list[float] | None, float]] = {}
         self._price = price if self._agg is not None and num_groups == 1 else None
+        # the price's own search (the roofline's; see chunking.chunk_search), if any
+        self._search = getattr(self._price, "search", None)
 
     def seed(self, totals: Sequence[list[int] | None]) -> None:
         """Start an empty batch from summed features per group (None: an idle group).
@@ -114,6 +117,23 @@ class BatchCost:
         time = agg.group_time(totals)
         self._probes[work] = (totals, time)
         return time
+
+    def largest_tail_chunk(
+        self, group: int, start: int, limit: int, grid: int, target: float, hint: int
+    ) -> int:
+        """``largest_chunk_priced(limit, grid, self.tail_price, group, start, target,
+        self.time, hint)``'s chunk: with the price's own search where it has
+        one (the same chunk and time, fewer probes; only the chosen chunk's
+        probe is noted for :meth:`add`), else that search itself."""
+        search = self._search
+        if search is None:
+            return largest_chunk_priced(
+                limit, grid, self.tail_price, group, start, target, self.time, hint
+            )[0]
+        chunk, time = search(limit, grid, self._totals[0], start, target, self.time, hint)
+        if chunk:
+            self._probes[(group, chunk, start, True)] = (None, time)
+        return chunk
 
     def add(self, works: Sequence[Work]) -> None:
         """Add ``works`` to the batch."""

@@ -119,6 +119,25 @@ def _gallop(top: int, start: int, grid: int, limit: int, fits: Callable[[int], b
     return lo
 
 
+def chunk_search(
+    price: Callable[[_B, int, int], float],
+) -> Callable[[int, int, _B, int, float, float, int], tuple[int, float]]:
+    """``search(limit, grid, base, start, target, base_time, hint)``: what
+    :func:`largest_chunk_priced` answers with ``price``. The price's own
+    ``search`` attribute where it has one (a cost model's quicker search for
+    its own price, the same answer: the roofline's), else that function."""
+    search = getattr(price, "search", None)
+    if search is not None:
+        return search
+
+    def search(
+        limit: int, grid: int, base: _B, start: int, target: float, base_time: float, hint: int
+    ) -> tuple[int, float]:
+        return largest_chunk_priced(limit, grid, price, base, start, target, base_time, hint)
+
+    return search
+
+
 def largest_chunk_priced(
     limit: int,
     grid: int,

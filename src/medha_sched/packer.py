@@ -177,10 +177,8 @@ class ChunkSizer:
         hint = last.get(rid, 0)
         if single:
             # largest_chunk_within(limit, grid, lambda n: cost.time_with_tail(group, n,
-            # start), target, base=cost.time, hint=hint): the same probes, in order
-            chunk, _ = largest_chunk_priced(
-                limit, grid, cost.tail_price, group, start, target, cost.time, hint
-            )
+            # start), target, base=cost.time, hint=hint): the same chunk
+            chunk = cost.largest_tail_chunk(group, start, limit, grid, target, hint)
         else:
             chunk = largest_fitting_chunk(limit, grid, fits, hint=hint)
         if chunk == 0 and force:

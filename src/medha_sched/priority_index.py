@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
@@ -205,6 +205,34 @@ class KineticIndex(Generic[K]):
         """
         self.advance(now)
         return self._best_first()
+
+    def places(self, items: Iterable[K], now: float) -> dict[int, K] | None:
+        """Advance to ``now``; where :meth:`iter_sorted` yields each of ``items``
+        (distinct, in the index): ``{place: item}``, places counted from 0, when
+        the keys alone tell, else None. They tell when each of ``items`` has a
+        key more than :meth:`count_ahead`'s margin away from every other key:
+        then every item with a lower key comes before it and every other one
+        after it (``count_ahead``'s proof, both ways), so its place is the
+        number of lower keys. One key per item and a sort: O(n log n).
+        """
+        self.advance(now)
+        now = self._clock
+        b, m, slot_of = self._b, self._m, self._slot
+        margin = AHEAD_RTOL * (self._hi_b + self._hi_m * abs(now))
+        if not margin < _INF:
+            return None  # (NaN too)
+        keys = sorted([b[s] + m[s] * now for s in slot_of.values()])
+        found = {}
+        for item in items:
+            s = slot_of[item]
+            key = b[s] + m[s] * now
+            if not -_INF < key < _INF:
+                return None  # keys past the float range: nothing is told
+            place = bisect_left(keys, key - margin)
+            if bisect_right(keys, key + margin, place) != place + 1:
+                return None  # another key within the margin: the layout decides
+            found[place] = item
+        return found
 
     def count_ahead(self, ahead: Iterable[K], behind: Iterable[K], now: float) -> int:
         """Advance to ``now``; how many distinct items of ``ahead`` (those not in

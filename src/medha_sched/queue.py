@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 
 from medha_sched.policies.base import Policy
@@ -144,3 +144,89 @@ class PrefillQueue:
         return chain.from_iterable(
             map(request_of, classes[priority].iter_sorted(now)) for priority in sorted(classes)
         )
+
+
+class ScanCursor:
+    """A scan's candidates: the requests of :meth:`PrefillQueue.iter_sorted`
+    at one time, in its order, with a way to pass over the long prompts up to
+    the next short one without walking to them (a scan that knows every long
+    prompt is blocked and would only count them).
+
+    Iterating yields each request, or None for a place the cursor knows to
+    hold a long prompt it has not walked to (only after :meth:`pass_over`);
+    :meth:`resolve` then walks there. The places of the short prompts come
+    from ``places`` (``{place: request}`` of every one of them, or None when
+    they cannot be told: then nothing is passed over), called once, when
+    first needed.
+    """
+
+    __slots__ = ("_ahead", "_at", "_places", "_shorts", "_size", "_walk", "_walked", "passed")
+
+    def __init__(
+        self,
+        walk: Iterator[Request],
+        size: int,
+        places: Callable[[], dict[int, Request] | None],
+    ) -> None:
+        self._walk = walk
+        self._size = size  # how many requests the walk yields
+        self._places = places
+        self._shorts: dict[int, Request] | None = None  # place -> short prompt
+        self._ahead: list[int] | None = None  # their places, in order (None: not known)
+        self._at = 0  # places met or passed over
+        self._walked = 0  # places the walk has yielded
+        self.passed = False  # some place was passed over: iterate the cursor, not the walk
+
+    def __iter__(self) -> ScanCursor:
+        return self
+
+    def __next__(self) -> Request | None:
+        at = self._at
+        if at == self._walked:  # the walk is here
+            r = next(self._walk)
+            self._walked = self._at = at + 1
+            return r
+        if at >= self._size:
+            raise StopIteration
+        self._at = at + 1
+        assert self._shorts is not None  # (places passed over: they are known)
+        return self._shorts.get(at)  # a short prompt, or None: a long one
+
+    def resolve(self) -> Request:
+        """The request at the place last yielded as None, walked to."""
+        at = self._at - 1
+        walk = self._walk
+        for _ in range(at - self._walked):
+            next(walk)
+        self._walked = at + 1
+        return next(walk)
+
+    def longs_ahead(self) -> tuple[int, bool]:
+        """``(k, short)``: the next ``k`` places hold long prompts, and a short
+        prompt follows them (else the queue ends); ``(0, False)`` when the
+        places of the short prompts cannot be told."""
+        ahead = self._ahead
+        if ahead is None:
+            if self._shorts is not None:
+                return 0, False  # asked before: not told
+            shorts = self._places()
+            self._shorts = {} if shorts is None else shorts
+            if shorts is None:
+                return 0, False
+            ahead = self._ahead = sorted(shorts)
+        at = self._at
+        for place in ahead:
+            if place >= at:
+                return place - at, True
+        return self._size - at, False
+
+    def pass_over(self, k: int) -> None:
+        """Pass over the next ``k`` places (long prompts, by :meth:`longs_ahead`)."""
+        self._at += k
+        self.passed = True
+
+    def sync(self, taken: int) -> None:
+        """The caller has taken ``taken`` requests from the walk itself (none
+        passed over yet)."""
+        assert not self.passed, "places were passed over: iterate the cursor"
+        self._at = self._walked = taken

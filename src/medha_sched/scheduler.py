@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from medha_sched.batch_cost import BatchCost, chunk_works
-from medha_sched.chunking import largest_chunk_priced
+from medha_sched.chunking import chunk_search
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import AggregateCostModel, CostModel
 from medha_sched.decode_run import (
@@ -36,7 +37,7 @@ from medha_sched.policies import get_policy
 from medha_sched.policies.base import Policy
 from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
-from medha_sched.queue import PrefillQueue
+from medha_sched.queue import PrefillQueue, ScanCursor
 from medha_sched.request import Request, RequestStatus
 
 _NO_TOKENS = BatchResult()
@@ -220,6 +221,24 @@ class _PrefillQueue(PrefillQueue):
             self._flush()
         return super().iter_sorted(now)
 
+    def scan_cursor(self, walk: Iterator[Request], now: float) -> ScanCursor:
+        """``walk``, :meth:`iter_sorted` at ``now``, as a :class:`ScanCursor`,
+        which may pass over long prompts: the places of the prompts that are
+        not long are told by the keys (:meth:`KineticIndex.places`) with one
+        priority class queued."""
+        return ScanCursor(walk, len(self), partial(self._not_long_places, now))
+
+    def _not_long_places(self, now: float) -> dict[int, Request] | None:
+        classes = self._classes
+        if len(classes) != 1:
+            return None
+        (index,) = classes.values()
+        places = index.places(self._not_long, now)
+        if places is None:
+            return None
+        requests = self._requests
+        return {place: requests[rid] for place, rid in places.items()}
+
     def ahead_of_not_long(self, request_ids: Iterable[str], now: float) -> int:
         """How many distinct queued requests of ``request_ids`` ``iter_sorted(now)``
         surely yields before every request that is not long
@@ -235,6 +254,10 @@ class _PrefillQueue(PrefillQueue):
         if len(live) != 1:
             return 0
         return live[0].count_ahead(request_ids, self._not_long, now)
+
+
+_END = object()
+"""The end of a scan's candidates (None is a long prompt passed over)."""
 
 
 @dataclass(slots=True)
@@ -762,9 +785,10 @@ class Scheduler:
         queue, checked = self._queue, None
         seen = 0  # candidates met that are not long prefills
         visited: list[str] = []
-        candidates = queue.iter_sorted(now)
+        candidates = walk = queue.iter_sorted(now)
+        cursor: ScanCursor | None = None  # the walk, once long prompts are passed over
         if joined is not None:  # the first candidate's steps, its chunk joined
-            r = next(candidates)
+            r = next(walk)
             assert r is joined, "the joined prompt is not the queue's first"
             visited.append(r.request_id)
             first = False
@@ -777,7 +801,25 @@ class Scheduler:
                 and (seen == queue.num_not_long or self._shorts_out_of_reach(r, now))
             ):
                 candidates = iter(())  # the stops below, after a first chunk
-        for r in candidates:
+        while (r := next(candidates, _END)) is not _END:
+            if r is None:  # a long prompt passed over to here, blocked (see below)
+                assert cursor is not None
+                if len(entries) >= max_entries:
+                    break
+                if spent is None:
+                    spent = self._budget_spent(draft)
+                if spent:
+                    break
+                if draft.fits_somewhere < grid:
+                    r = cursor.resolve()  # its size may lower the floor: its visit, below
+                else:  # the visit below would only count its skip
+                    skips += 1
+                    if skips >= max_skips:
+                        break
+                    skips = self._pass_blocked(cursor, skips, seen)
+                    if skips < 0:
+                        break
+                    continue
             visited.append(r.request_id)
             if len(entries) >= max_entries:
                 break
@@ -827,6 +869,21 @@ class Scheduler:
                 checked = floor
                 if not queue.has_remaining_below(floor):
                     break
+            if (
+                long_min is not None
+                and spent is False
+                and len(long_groups) >= kvp
+                and draft.fits_somewhere >= grid
+                and entries
+            ):
+                if cursor is None:
+                    cursor = queue.scan_cursor(walk, now)
+                if candidates is walk:  # (until the first pass, the scan walks)
+                    cursor.sync(len(visited))
+                skips = self._pass_blocked(cursor, skips, seen)
+                if skips < 0:
+                    break
+                candidates = cursor if cursor.passed else walk
         if len(visited) > 1:  # (none when the scan met a prompt that is not long)
             self._walked = [] if seen else visited
         if chosen:
@@ -837,6 +894,25 @@ class Scheduler:
         if self._adaptive and not entries and not draft.num_decodes and not self._in_flight:
             self._force_progress(draft, now)
         return []
+
+    def _pass_blocked(self, cursor: ScanCursor, skips: int, seen: int) -> int:
+        """The scan's skip count after passing over the long prompts next in
+        ``cursor`` in one step, or -1 when it would stop among them; the
+        caller makes sure that every KVP group holds a long prefill (each long
+        prompt is blocked), that a chunk joined, and that the budget is not
+        spent and a grid chunk fits somewhere (``draft.fits_somewhere``, so no
+        prompt's smallest chunk can lower the floor). Then the visit of each
+        of them only counts a skip (and notes its id, which only matters if
+        the scan meets no short prompt), so passing over ``k`` of them adds
+        ``k`` skips, or ends the scan at the skip limit. Done only where the
+        scan then meets a short prompt, or has met one (``seen``)."""
+        k, short = cursor.longs_ahead()
+        if not k or not (seen or (short and skips + k < self.config.max_consecutive_skips)):
+            return skips  # (the walk goes on: their ids may matter)
+        if skips + k >= self.config.max_consecutive_skips:
+            return -1
+        cursor.pass_over(k)
+        return skips + k
 
     def _force_progress(self, draft: Draft, now: float) -> None:
         """Nothing runs and no chunk fits the budget (a learning cost model that met
@@ -1594,6 +1670,8 @@ class Scheduler:
         group_time, features, chunk_time = agg.group_time, agg.features, agg.chunk_time_fn
         # ChunkSizer.adaptive_alone's rule, inline when the model prices in one call
         price = self._draft_price  # agg.chunk_price(), looked up once
+        # largest_chunk_priced over it (the roofline's own search: fewer probes)
+        search = None if price is None else chunk_search(price)
         cfg = self.config
         grid, max_chunk, long_min = cfg.token_grid, cfg.max_chunk_tokens, cfg.long_prefill_threshold
         share = cfg.max_space_share if self.policy.space_sharing else None
@@ -1709,9 +1787,7 @@ class Scheduler:
                     room = max_chunk
                 if limit - start % limit < room:
                     room = limit - start % limit
-                n, p = largest_chunk_priced(
-                    room, grid, price, base, start, goal, base_time, hints.get(rid, 0)
-                )
+                n, p = search(room, grid, base, start, goal, base_time, hints.get(rid, 0))
             if n == 0 or start + n >= total:
                 break
             if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on

@@ -87,8 +87,13 @@ def _draft_state(draft: Draft):
     )
 
 
+@pytest.mark.parametrize("searched", [False, True])
 @pytest.mark.parametrize("policy", ["lars-mp", "lars", "fcfs", "edf"])
-def test_priced_sizing_matches_the_summed_probes(policy: str) -> None:
+def test_priced_sizing_matches_the_summed_probes(policy: str, searched: bool) -> None:
+    """``searched`` False: the price probed by ``largest_chunk_priced`` (the
+    same probes, in order); True: the roofline's own search (the same chunk,
+    hint, misses and draft after ``add``; only the chosen chunk's probe noted,
+    the time the summed path had for it)."""
     config, model, cache = RunSpec(
         policy=policy, cost_model=ROOFLINE, tp=8, spp=2, target_batch_time=0.05
     ).build()
@@ -110,6 +115,8 @@ def test_priced_sizing_matches_the_summed_probes(policy: str) -> None:
             base = [sum(col) for col in zip(*feats, strict=True)]
         old = Draft(BatchCost(model, 1), target)
         new = Draft(BatchCost(model, 1, price=price), target)
+        if not searched:
+            new.cost._search = None
         if base is not None:
             old.cost.seed([list(base)])
             new.cost.seed([list(base)])
@@ -138,11 +145,16 @@ def test_priced_sizing_matches_the_summed_probes(policy: str) -> None:
             got, got_long = sizer.adaptive(r, (0,), new, now)
             cost._price = price
             assert (got, got_long, sizer.hint(rid)) == (want, want_long, want_hint)
-            assert got_probes == want_probes  # the same probes, in the same order
-            assert list(cost._probes) == list(old.cost._probes)
-            assert [p[1] for p in cost._probes.values()] == [
-                p[1] for p in old.cost._probes.values()
-            ]
+            if searched:  # the chosen chunk's probe, as the summed path timed it
+                for work, (_, time) in cost._probes.items():
+                    assert old.cost._probes[work][1] == time
+                assert len(cost._probes) <= len(old.cost._probes)
+            else:
+                assert got_probes == want_probes  # the same probes, in the same order
+                assert list(cost._probes) == list(old.cost._probes)
+                assert [p[1] for p in cost._probes.values()] == [
+                    p[1] for p in old.cost._probes.values()
+                ]
             if want:
                 start = r.num_scheduled_tokens
                 old.add(r, want, chunk_works((0,), start, want, limit_g))
@@ -192,9 +204,16 @@ def test_simulations_match_drafts_without_price(monkeypatch, qps, spp, caching) 
         priced_calls[0] += self._price is not None
         return tail_price(self, group, kv_tokens, q_tokens)
 
+    largest = BatchCost.largest_tail_chunk
+
+    def counting_searches(self, *args):
+        priced_calls[0] += self._search is not None
+        return largest(self, *args)
+
     monkeypatch.setattr(BatchCost, "tail_price", counting)
+    monkeypatch.setattr(BatchCost, "largest_tail_chunk", counting_searches)
     priced = simulate(trace, spec)
-    assert priced_calls[0] > 1_000  # the drafts did probe with the price
+    assert priced_calls[0] > 1_000  # the drafts did probe with the price (or its search)
     monkeypatch.setattr(Scheduler, "_new_draft", _unpriced_draft)
     assert_same_results(priced, simulate(trace, spec))
 

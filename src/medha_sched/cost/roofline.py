@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import ClassVar
 
+from medha_sched.chunking import _GUESSES, largest_chunk_priced
 from medha_sched.config import ParallelDegrees
 from medha_sched.cost.base import AggregateCostModel
 from medha_sched.cost.hardware import HardwareSpec, get_hardware
@@ -300,4 +301,157 @@ def _chunk_price(
             time += a if a > b else b
         return time
 
+    price.search = _chunk_search(price, layer, outer)  # type: ignore[attr-defined]
     return price
+
+
+_SURE = 1.0 - 1e-9
+"""How much of a convexity bound :func:`_chunk_search` trusts (the floats of a
+price err by some 40 unit roundoffs, about 4.4e-15 of it, all terms positive)."""
+
+
+def _chunk_search(
+    price: Callable[[Sequence[float] | None, int, int], float],
+    layer: tuple[float, ...],
+    outer: tuple[float, ...],
+) -> Callable[[int, int, Sequence[float] | None, int, float, float, int], tuple[int, float]]:
+    """``search(limit, grid, base, start, target, base_time, hint)``: what
+    :func:`~medha_sched.chunking.largest_chunk_priced` answers with ``price``,
+    the same ``(chunk, seconds)``, in fewer and cheaper probes.
+
+    Every operation of ``price`` (products by non-negative coefficients, sums
+    of non-negative terms, ``max``) is monotone in floats, so its time never
+    falls as ``n`` grows and every search that only returns a candidate it
+    saw fit, and proves the next one over the target, finds the same chunk
+    and the same float. This one probes as ``largest_chunk_priced`` does,
+    with ``price``'s body written out (a copy: twin-tested against ``price``
+    in ``tests/sched/test_chunk_search.py``) and the terms that do not move
+    with ``n`` computed once. And after a probe that fits, it proves the next
+    candidate over the target without pricing it where it can: each of
+    ``price``'s terms is a ``max`` of lines (or of a line and the attended
+    pairs, convex in ``n``), so a term grows from ``n`` to ``n + g`` by at
+    least its active branch's growth, and the time by their sum, ``delta``;
+    when ``(t + delta) * _SURE`` is over the target, the float price of ``n +
+    g`` is too. A base with a negative total (no roofline feature is) goes to
+    ``largest_chunk_priced`` itself.
+    """
+    (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = layer
+    (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = outer
+    att_mem = b_kv + b_qo  # the attention's memory branch grows by this a token
+
+    def search(
+        limit: int,
+        grid: int,
+        base: Sequence[float] | None,
+        start: int,
+        target: float,
+        base_time: float,
+        hint: int,
+    ) -> tuple[int, float]:
+        if grid < 1:
+            raise ValueError(f"grid must be >= 1, got {grid!r}")
+        if limit <= 0:
+            return 0, 0.0
+        if base is None:  # price's features(n, start, True) as they are: zeros added
+            b0 = b1 = b2 = b3 = 0
+            merged, nt = 0 * merge, 1
+        else:
+            b0, b1, b2, b3, b4, b5 = base
+            if not (b0 >= 0 and b1 >= 0 and b2 >= 0 and b3 >= 0 and b4 >= 0 and b5 >= 0):
+                return largest_chunk_priced(
+                    limit, grid, price, base, start, target, base_time, hint
+                )
+            merged, nt = (b4 + 0) * merge, b5 + 1
+        a, b = nt * c_h, w_h + nt * a_h
+        head = a if a > b else b  # (nt > 0)
+        # largest_chunk_priced's search, price(base, start, n) written out
+        count = -(-limit // grid)
+        top = count - 1
+        lo, hi = -1, count
+        fit = 0.0  # the time of candidate lo
+        if hint > 0:
+            i = hint // grid - 1
+            if i > top:
+                i = top
+            elif i < 0:
+                i = 0
+        else:
+            i = top
+        n0, t0 = 0, base_time
+        guesses = 0
+        while True:
+            n = (i + 1) * grid
+            if n > limit:
+                n = limit
+            # t = price(base, start, n), each term's growing branch's slope noted
+            pairs = b1 + (n * start + n * (n + 1) // 2)
+            q = b0 + n
+            qa = b3 + n
+            kv = b2 + (start + n)
+            x, y = q * c_qkv, w_qkv + q * a_qkv
+            if x > y:
+                layer, slope = x, c_qkv
+            else:
+                layer, slope = y, a_qkv
+            x, y = pairs * c_att, kv * b_kv + qa * b_qo
+            if x > y:
+                layer += x
+                paired = True
+            else:
+                layer += y
+                paired = False
+            x, y = q * c_o, w_o + q * a_o
+            if x > y:
+                layer += x
+                slope += c_o
+            else:
+                layer += y
+                slope += a_o
+            x, y = q * c_m, w_m + q * a_m
+            if x > y:
+                layer += x
+                slope += c_m
+            else:
+                layer += y
+                slope += a_m
+            layer = layer + merged + fixed
+            layer += ar_fixed + q * ar_tok
+            t = layers * layer + pp_fixed + qa * pp_tok + head
+            if t <= target:
+                lo = i
+                fit = t
+                if i + 1 < hi:  # the next candidate: over the target by convexity?
+                    g = (i + 2) * grid
+                    if g > limit:
+                        g = limit
+                    g -= n
+                    # the attended pairs grow (paired), else the KV read and queries
+                    att = (
+                        (g * start + (g * (2 * n + g + 1)) // 2) * c_att if paired else g * att_mem
+                    )
+                    if (t + layers * (g * (slope + ar_tok) + att) + g * pp_tok) * _SURE > target:
+                        hi = i + 1
+            else:
+                hi = i
+            if hi - lo <= 1:
+                if lo < 0:
+                    return 0, 0.0
+                return min((lo + 1) * grid, limit), fit
+            if guesses < _GUESSES and (t - t0) * (n - n0) > 0:  # the line rises
+                guesses += 1
+                est = n + (target - t) * (n - n0) / (t - t0)  # where the line reaches target
+                if est >= limit:
+                    i = top
+                elif est >= grid:
+                    i = int(est // grid) - 1  # the largest candidate at most est
+                else:  # below the grid, or not a number (infinite times): the bracket decides
+                    i = 0
+            else:
+                i = (lo + hi) // 2
+            if i <= lo:
+                i = lo + 1
+            elif i >= hi:
+                i = hi - 1
+            n0, t0 = n, t
+
+    return search
