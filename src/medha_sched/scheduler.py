@@ -14,7 +14,7 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -385,6 +385,10 @@ class Scheduler:
         # drafts price one-group tail probes in one call when the model can (the
         # same floats; a model's chunk_price is fixed for its life)
         self._draft_price = None if self._one_group is None else self._one_group.chunk_price()
+        # turn_run's decode-lane times by number of decodes (see _decode_time_of),
+        # for the model's revision they were made at
+        self._decode_times: dict[int, Callable[[float, float], float]] = {}
+        self._decode_times_revision = getattr(cost_model, "revision", 0)
         # prefix cache lookups at admission, in prompt tokens (vLLM's counters)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -394,12 +398,15 @@ class Scheduler:
         asks the model for it again (the same floats)."""
         state = self.__dict__.copy()
         state["_draft_price"] = None
+        state["_decode_times"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         agg = self._one_group
         self._draft_price = None if agg is None else agg.chunk_price()
+        self._decode_times = {}  # (made again on demand; pickled before it was kept)
+        self._decode_times_revision = getattr(self.cost_model, "revision", 0)
 
     # ----------------------------------------------------------------- intake
     @property
@@ -1636,8 +1643,9 @@ class Scheduler:
             raise ValueError(
                 f"{len(ends_before)} batch ends given for {len(in_flight)} batches in flight"
             )
-        # the batches in flight, oldest first: (end, lane, prefill chunks, id)
-        flying: list[tuple[float, Lane | None, tuple[tuple[Request, int], ...], int]] = []
+        # the batches in flight, oldest first: (end, lane, prefill chunks, id), the
+        # chunks as _InFlight's entries (request, start, tokens, samples: False)
+        flying: list[tuple[float, Lane | None, list[tuple[Request, int, int, bool]], int]] = []
         uncleared: set[int] = set()  # decode-only batches from before that clear at their end
         for end, (bid, batch) in zip(ends_before, in_flight.items(), strict=True):
             if not batch.stage0_cleared:
@@ -1645,15 +1653,15 @@ class Scheduler:
                     return None
                 uncleared.add(bid)
             entries = []
-            for r, _, n, samples in batch.entries:
-                if samples:
+            for entry in batch.entries:
+                if entry[3]:  # it samples
                     # its end (a prompt joining the decodes) is not the run's: the
                     # run stops at it, as at the next event (ends come in issue order)
                     if end < horizon:
                         horizon = end
                     break
-                entries.append((r, n))
-            flying.append((end, batch.lane, tuple(entries), bid))
+                entries.append(entry)
+            flying.append((end, batch.lane, entries, bid))
         shared = request is None
         queue = self._queue
         first_queued = queue.first
@@ -1685,6 +1693,12 @@ class Scheduler:
         if six:
             a0, a1, a2, a3, a4, a5 = line_a
             b0, b1, b2, b3, b4, b5 = line_b
+        # a lane's time as a function of its attended pairs and KV tokens, by its
+        # number of decodes, where only those two totals move with the lane step
+        times_of = self._decode_times if six and not (b0 or b3 or b4 or b5) else None
+        if times_of is not None and self._decode_times_revision != getattr(agg, "revision", 0):
+            times_of.clear()  # a learning model moved its coefficients
+            self._decode_times_revision = getattr(agg, "revision", 0)
         target = self._target_time()  # no finish and no prefill end inside the run
         first = self._next_batch_id
         before = len(flying)
@@ -1694,17 +1708,15 @@ class Scheduler:
         times: list[float] = []
         decs: list[int] = []
         ends: list[float] = []
-        # each turn's chunks (request, start, tokens; None: the prompt's chunk
-        # alone), the prompt, its chunk's start and tokens, and the lane
-        turns: list[
-            tuple[list[tuple[Request, int, int]] | None, Request, int, int, Lane | None]
-        ] = []
         pack, join, refresh = self._pack_prefills, self._join, self.prefill_times.refresh
         new_draft = self._new_draft
         plain: tuple[Draft, Lane | None, list[str]] | None = None
         turn_scans = self.turn_scans
         head = 0  # the oldest batch in flight in ``flying``
         ended = 0
+        # lane -> its batch ends in the run: each member's tokens (0s), appended
+        # after the loop (no member joins or leaves a lane inside the run)
+        sampled: dict[Lane, int] = {}
         s = now
         cleared = True
         r = request
@@ -1759,7 +1771,15 @@ class Scheduler:
                         ]
                 else:
                     base = None
-                base_time = 0.0 if base is None else group_time(base)
+                if base is None:
+                    base_time = 0.0
+                elif times_of is not None and const is None:  # base = nt * a + kv * b
+                    time_of = times_of.get(nt)
+                    if time_of is None:
+                        time_of = times_of[nt] = self._decode_time_of(base)
+                    base_time = time_of(base[1], base[2])  # group_time(base), the same float
+                else:
+                    base_time = group_time(base)
             if base_time >= target:
                 break
             if scan and crossers is not None:  # _pack_decodes grows them before the scan
@@ -1774,7 +1794,10 @@ class Scheduler:
                 goal = target
                 if share is not None and total >= long_min:
                     # min(share, max(0.0, relative_slack(r, s))), inline: the same floats
-                    rho = (r.deadline - s - r.remaining_work) / max(r.total_work, 1e-12)
+                    w = r.total_work
+                    if w < 1e-12:  # max(w, 1e-12): w itself when equal (or NaN)
+                        w = 1e-12
+                    rho = (r.deadline - s - r.remaining_work) / w
                     if not rho > 0.0:
                         rho = 0.0
                     if not rho < share:
@@ -1798,11 +1821,14 @@ class Scheduler:
                     draft.set_decodes(decodes)
                 join(draft, r, memory.groups_of(rid), n, total >= long_min)
                 chosen = pack(draft, s, take=False, joined=r)
-                taken = [(x, x._scheduled, k) for x, k in draft.entries]
-                if any(st + k >= x.num_prefill_tokens for x, st, k in taken):
-                    # a chunk samples (its prompt joins the decodes at the batch end):
-                    # the batch goes as schedule_plain's, after the turns
-                    plain = (draft, lane, chosen)
+                taken = [(x, x._scheduled, k, False) for x, k in draft.entries]
+                for x, st, k, _ in taken:
+                    if st + k >= x.num_prefill_tokens:
+                        # a chunk samples (its prompt joins the decodes at the batch
+                        # end): the batch goes as schedule_plain's, after the turns
+                        plain = (draft, lane, chosen)
+                        break
+                if plain is not None:
                     break
                 p = draft.cost.time
             else:
@@ -1810,13 +1836,18 @@ class Scheduler:
             stage = p / spp
             # push_times' answer (sim.pipeline), on a copy of the stages
             x = free[0]
-            t = (s if s > x else x) + stage
-            moved = [t]
-            for k in range(1, spp):
-                x = free[k]
-                t = (t if t > x else x) + stage
-                moved.append(t)
-            f = moved[0]
+            t = f = (s if s > x else x) + stage
+            if spp == 2:  # the loop below, unrolled for the common depth
+                x = free[1]
+                t = (f if f > x else x) + stage
+                moved: Sequence[float] = (f, t)
+            else:
+                stages = [f]
+                for k in range(1, spp):
+                    x = free[k]
+                    t = (t if t > x else x) + stage
+                    stages.append(t)
+                moved = stages
             finishes = False
             if f < horizon:  # the batches ending by f end in the run: none may finish a decode
                 for i in range(head, len(flying)):
@@ -1845,10 +1876,10 @@ class Scheduler:
                     out[rid] = None
                 chunks.append(n)
                 prefills.append(1)
-                flying.append((t, lane, ((r, n),), bid))
+                flying.append((t, lane, [(r, start, n, False)], bid))
             else:
                 tokens = 0
-                for x, st, k in taken:
+                for x, st, k, _ in taken:
                     pop_new_blocks(x.request_id)
                     x._scheduled = st + k
                     if x.first_scheduled_time is None:  # admitted by the scan (_advance's)
@@ -1858,14 +1889,13 @@ class Scheduler:
                         out[x.request_id] = None
                 chunks.append(tokens)
                 prefills.append(len(taken))
-                flying.append((t, lane, tuple((x, k) for x, _, k in taken), bid))
+                flying.append((t, lane, taken, bid))
             self._clock = s
             free[:] = moved
             starts.append(s)
             times.append(p)
             decs.append(decodes)
             ends.append(t)
-            turns.append((taken, r, start, n, lane))
             if finishes or not f < horizon:
                 # its stage-0 end is an event (a scan's turn whose stage-0 time
                 # holds a batch end finishing a decode goes on the events too)
@@ -1882,11 +1912,10 @@ class Scheduler:
                         lane_e.cleared += 1  # type: ignore[union-attr]  # on_stage_end's
                 if lane_e is not None:
                     lane_e.computed += 1
-                    for m in lane_e.members:
-                        m.request.output_token_ids.append(0)
+                    sampled[lane_e] = sampled.get(lane_e, 0) + 1
                     ready.append(lane_e)
-                for r_e, n_e in entries:
-                    r_e.num_computed_tokens += n_e
+                for r_e, _, n_e, _ in entries:
+                    r_e._computed += n_e  # num_computed_tokens += n_e: the lane's part cancels
                     if register is not None and r_e.request_id in running:
                         register(r_e)
             # the turn clears stage 0 (clear_turn's work)
@@ -1900,7 +1929,7 @@ class Scheduler:
                     del out[rid]
                     queue.renew(r)
             else:
-                for x, _, k in taken:
+                for x, _, k, _ in taken:
                     x._stage0 += k
                     done = x._scheduled if cache_aware else x._scheduled - x.num_cached_tokens
                     x.remaining_work = remaining(x.num_prefill_tokens, done)
@@ -1908,18 +1937,18 @@ class Scheduler:
                         del out[x.request_id]
                         queue.renew(x)
             s = f
+        for lane_s, k in sampled.items():
+            tokens = [0] * k
+            for m in lane_s.members:
+                m.request.output_token_ids.extend(tokens)
         if not starts and plain is None:
             return None
         count = len(starts)
         ended_turns = head - before if head > before else 0
         for i in range(ended_turns, count):
-            taken_i, r_i, start_i, n_i, lane_i = turns[i]
+            _, lane_i, entries_i, _ = flying[before + i]  # turn i's batch
             in_flight[first + i] = _InFlight(
-                [(r_i, start_i, n_i, False)]
-                if taken_i is None
-                else [(x, start_x, k, False) for x, start_x, k in taken_i],
-                lane_i,
-                stage0_cleared=cleared or i < count - 1,
+                entries_i, lane_i, stage0_cleared=cleared or i < count - 1
             )
         formed = None
         if plain is not None:  # issued after the turns (batches end in issue order)
@@ -1941,6 +1970,25 @@ class Scheduler:
             cleared,
             formed,
         )
+
+    def _decode_time_of(self, base: list[float]) -> Callable[[float, float], float]:
+        """``group_time`` of ``base`` (the one group's totals of a lane of decodes) as
+        a function of its attended pairs and KV tokens (``base[1]``, ``base[2]``),
+        the other totals fixed: the model's ``group_time_varying`` (its terms that
+        do not move computed once), else ``group_time`` of the totals rebuilt;
+        the same floats either way."""
+        agg = self._one_group
+        assert agg is not None
+        time_of = agg.group_time_varying(base, 1, 2)
+        if time_of is not None:
+            return time_of
+        q, _, _, qa, qm, nt = base
+        group_time = agg.group_time
+
+        def rebuilt(pairs: float, kv: float) -> float:
+            return group_time([q, pairs, kv, qa, qm, nt])
+
+        return rebuilt
 
     def clear_turn(self, batch_id: int) -> None:
         """A :meth:`prefill_turn` batch cleared stage 0 (``on_stage_end`` without

@@ -16,7 +16,9 @@ class LARSPolicy(Policy):
     name = "lars"
 
     def line(self, request: Request) -> tuple[float, float]:
-        w_total = max(request.total_work, 1e-12)
+        w_total = request.total_work
+        if w_total < 1e-12:  # max(w_total, 1e-12): w_total itself when equal (or NaN)
+            w_total = 1e-12
         return (request.deadline - request.remaining_work) / w_total, -1.0 / w_total
 
 

@@ -35,6 +35,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import cycle, islice, repeat
+from operator import itemgetter
 
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.cost.base import CostModel
@@ -47,6 +48,8 @@ from medha_sched.sim.events import Arrival, BatchEnd, Event, ScheduleWakeup, Sta
 from medha_sched.sim.metrics import IterationLog, RequestRecord
 from medha_sched.sim.pipeline import Pipeline, push_times
 from medha_sched.sim.trace import TraceRequest
+
+_END = itemgetter(2)  # a batch in flight's end: (completes, sampling, end)
 
 
 def _zeros(n: int) -> array:
@@ -531,7 +534,8 @@ class Simulator:
         while True:
             if bulk:  # the common turns in one call (Scheduler.turn_run)
                 bulk = False  # after a run, one turn goes the per-turn way
-                run = sched.turn_run(request, s, horizon, free, [v[2] for v in in_flight.values()])
+                ends = list(map(_END, in_flight.values()))
+                run = sched.turn_run(request, s, horizon, free, ends)
                 if run is not None:
                     s = self._apply_turn_run(run, issued, gone)
                     if run.plain is not None:

@@ -203,7 +203,10 @@ class IterationLog(Sequence[IterationRecord]):
                 (batch_ids, starts, predicted, decodes, prefill_chunks, prefill_tokens, preempted),
                 strict=True,
             ):
-                col.extend(values)
+                if type(values) is list:
+                    col.fromlist(values)  # what extend does, one allocation for all
+                else:
+                    col.extend(values)
         except BaseException:  # a value a column refuses: nothing of the call is kept
             for col in cols:
                 del col[before:]
