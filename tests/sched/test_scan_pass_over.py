@@ -14,6 +14,8 @@ taken).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 
 import pytest
@@ -21,6 +23,8 @@ import pytest
 from medha_sched.priority_index import KineticIndex
 from medha_sched.queue import ScanCursor
 from medha_sched.scheduler import Scheduler
+from medha_sched.sim import TraceRequest
+from medha_sched.sim.engine import Simulator
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
 from tests.sched.test_scan_ahead import _crossing_index
@@ -185,3 +189,92 @@ def test_kvp_and_small_pools_match_the_walk(monkeypatch, kvp, kv_tokens, longs, 
     fast = _run(trace, spec, 8)
     monkeypatch.setattr(Scheduler, "_pass_blocked", _never)
     assert_same_results(fast, _run(trace, spec, 8))
+
+
+# ------------------------------------------------------------ per-scan twins
+
+
+def _scan_state(sched: Scheduler, draft) -> tuple:
+    """What one scan leaves behind: the draft's entries, floor, room and time, and
+    the scheduler's walked ids and queue (what a later scan or turn reads)."""
+    return (
+        [(r.request_id, n) for r, n in draft.entries],
+        draft.floor,
+        draft.fits_somewhere,
+        draft.cost.time,
+        draft.num_tokens,
+        list(sched._walked),
+        len(sched._queue),
+        sorted(sched._queue._not_long),
+    )
+
+
+def _blocked_long_trace(rng: random.Random, grid: int, long_min: int) -> list[TraceRequest]:
+    """Long prompts arriving together early (half of them within a few grid
+    chunks of the threshold), short ones with and without TTFT deadlines after."""
+    longs = [
+        TraceRequest(
+            f"L{i}",
+            rng.uniform(0, 3),
+            long_min + rng.randint(0, 3) * grid + rng.randint(1, grid - 1)
+            if rng.random() < 0.5
+            else long_min + rng.randint(0, 60_000),
+            rng.randint(1, 8),
+        )
+        for i in range(rng.randint(6, 12))
+    ]
+    shorts = [
+        TraceRequest(
+            f"s{i}",
+            rng.uniform(0, 12),
+            rng.randint(1, 2000),
+            rng.randint(1, 40),
+            ttft_slo_s=rng.choice([None, 0.3, 5.0, 100.0]),
+        )
+        for i in range(rng.randint(20, 50))
+    ]
+    return sorted(longs + shorts, key=lambda r: (r.arrival_s, r.id))
+
+
+@pytest.mark.parametrize("seed", [3, 9])  # seeds whose runs take the pass
+def test_each_scan_leaves_what_the_walk_leaves(monkeypatch, seed: int) -> None:
+    """Every ``_pack_prefills`` call is also run on a deep copy of the scheduler
+    and its draft with the pass turned off: the two return the same ids and leave
+    the same state (entries, floor, room, time, walked ids, queue), which whole
+    simulations do not show (``_walked`` feeds only an early stop that changes no
+    decision). These runs do not reach the guard on meeting a short prompt:
+    breaking it still passes here."""
+    scan = Scheduler._pack_prefills
+    counts = {"scans": 0, "passes": 0}
+
+    def walk(self, cursor, skips, seen):
+        return skips
+
+    def counted(self, cursor, skips, seen):
+        out = Scheduler._pass_blocked.__wrapped__(self, cursor, skips, seen)
+        counts["passes"] += out != skips
+        return out
+
+    counted.__wrapped__ = Scheduler._pass_blocked
+
+    def twin(self, draft, now, *, take=True, joined=None):
+        other, other_draft = copy.deepcopy((self, draft))
+        other_joined = None if joined is None else other._requests[joined.request_id]
+        monkeypatch.setattr(Scheduler, "_pass_blocked", walk)
+        want = scan(other, other_draft, now, take=take, joined=other_joined)
+        monkeypatch.setattr(Scheduler, "_pass_blocked", counted)
+        got = scan(self, draft, now, take=take, joined=joined)
+        assert got == want
+        assert _scan_state(self, draft) == _scan_state(other, other_draft)
+        counts["scans"] += 1
+        return got
+
+    monkeypatch.setattr(Scheduler, "_pass_blocked", counted)
+    monkeypatch.setattr(Scheduler, "_pack_prefills", twin)
+    rng = random.Random(seed)
+    grid, long_min = rng.choice([64, 256]), rng.choice([2048, 8192])
+    spec = RunSpec(policy="lars-mp", tp=8, spp=2, long_threshold=long_min)
+    config, model, cache = spec.build()
+    config = dataclasses.replace(config, max_consecutive_skips=rng.choice([3, 8]), token_grid=grid)
+    Simulator(config, model, cache=cache).run(_blocked_long_trace(rng, grid, long_min))
+    assert counts["scans"] > 0 and counts["passes"] > 0  # the pass was taken
