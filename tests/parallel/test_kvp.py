@@ -228,6 +228,9 @@ def _kvp2_worker(rank: int, world_size: int, init: str) -> dict:
     res["repeats"] = repeats
     res["fast_paths"] = len(comm._fast)
     if comm.uses_shared_memory:  # nobody sleeps once every merge returned
+        # on both ranks: a sleeper clears its own word when it wakes, which on a
+        # loaded machine can be after the peer's last merge returned
+        torch.distributed.barrier()
         res["sleeping"] = [w.value for w in comm._shm._sleeping]  # type: ignore[union-attr]
     gloo = KVPCommunicator(state, shared_memory=False)
     res["paged_gloo"] = _paged_batches(gloo)
