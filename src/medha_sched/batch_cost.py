@@ -25,6 +25,8 @@ def chunk_works(groups: Sequence[int], start: int, num_tokens: int, group_limit:
     shards are full and only attend; the shard holding ``start`` is the tail.
     The chunk must not cross a shard boundary.
     """
+    if 0 <= start < group_limit:  # the first shard is the tail: the common case, at once
+        return [(groups[0], num_tokens, start, True)]
     tail = start // group_limit
     works: list[Work] = [(groups[i], num_tokens, group_limit, False) for i in range(tail)]
     works.append((groups[tail], num_tokens, start - tail * group_limit, True))
@@ -37,6 +39,19 @@ class BatchCost:
     Attributes:
         time: predicted seconds of the works added so far.
     """
+
+    __slots__ = (
+        "_agg",
+        "_group_times",
+        "_items",
+        "_model",
+        "_num_groups",
+        "_price",
+        "_probes",
+        "_search",
+        "_totals",
+        "time",
+    )
 
     def __init__(
         self,
@@ -78,6 +93,25 @@ class BatchCost:
                 self._group_times[g] = agg.group_time(t)
         self.time = max(self._group_times)
         self._probes = {}  # probed against the empty batch
+
+    def seed_priced(self, totals: list[int] | None, time: float) -> None:
+        """``seed([totals])`` of a one-group batch whose time the caller has:
+        ``time`` must be ``group_time(totals)`` of this batch's model (0.0 for
+        None), the float ``seed`` would compute; it is not computed again."""
+        assert self._num_groups == 1 and self.time == 0.0, "seed an empty one-group batch"
+        if totals is not None:  # (None: an idle group, the time stays 0.0)
+            self._totals[0] = totals
+            self.time = self._group_times[0] = time  # max(self._group_times), of one
+        self._probes = {}  # probed against the empty batch
+
+    def note_tail(self, group: int, q_tokens: int, kv_tokens: int, time: float) -> None:
+        """Note ``time`` as ``time_with_tail(group, q_tokens, kv_tokens)``, which the
+        caller priced with the model's ``chunk_price`` (or its search) against
+        the batch as it is now: :meth:`add` of that chunk reuses it, as it
+        reuses the probes of :meth:`largest_tail_chunk`. A batch without a
+        price notes nothing (its :meth:`add` prices the chunk itself)."""
+        if self._price is not None:
+            self._probes[(group, q_tokens, kv_tokens, True)] = (None, time)
 
     def time_with(self, works: Sequence[Work]) -> float:
         """Predicted seconds if ``works`` were added (nothing changes)."""

@@ -1816,10 +1816,13 @@ class Scheduler:
             if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on
                 hints[rid] = n  # as ChunkSizer.adaptive leaves it
                 draft = new_draft()
-                if lane is not None:  # _price_lane's seed, of the sums found above
-                    draft.cost.seed([base])
+                if lane is not None:  # _price_lane's seed, of the sums and time found above
+                    draft.cost.seed_priced(base, base_time)
                     draft.set_decodes(decodes)
-                join(draft, r, memory.groups_of(rid), n, total >= long_min)
+                groups = memory.groups_of(rid)
+                if price is not None:  # the search priced the chunk: add() reuses its time
+                    draft.cost.note_tail(groups[0], n, start, p)
+                join(draft, r, groups, n, total >= long_min)
                 chosen = pack(draft, s, take=False, joined=r)
                 taken = [(x, x._scheduled, k, False) for x, k in draft.entries]
                 for x, st, k, _ in taken:
