@@ -158,3 +158,19 @@ def test_chunk_search_falls_back_for_a_price_without_search() -> None:
         )
     model = _model(0)
     assert chunk_search(model.chunk_price()) is model.chunk_price().search
+
+
+@pytest.mark.parametrize("memo_max", [1, 3])
+def test_the_memo_of_the_tail_token_terms_answers_as_priced(monkeypatch, memo_max) -> None:
+    """The search keeps the terms that move with the tail tokens alone by their
+    count (``q``, an int or a float of the same value): cleared when full, and
+    whatever it holds, the answers are ``largest_chunk_priced``'s."""
+    monkeypatch.setattr(roofline, "_BY_Q_MAX", memo_max)
+    model = _model(0)
+    price = model.chunk_price()
+    rng = random.Random(17 + memo_max)
+    for _ in range(2_000):
+        args = _case(rng, model, price)
+        limit, grid, base, start, target, base_time, hint = args
+        want = largest_chunk_priced(limit, grid, price, base, start, target, base_time, hint)
+        assert price.search(*args) == want, args

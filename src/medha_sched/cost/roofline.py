@@ -305,6 +305,9 @@ def _chunk_price(
     return price
 
 
+_BY_Q_MAX = 1 << 16
+"""Entries kept in a search's memo of the terms that move with the tail tokens alone."""
+
 _SURE = 1.0 - 1e-9
 """How much of a convexity bound :func:`_chunk_search` trusts (the floats of a
 price err by some 40 unit roundoffs, about 4.4e-15 of it, all terms positive)."""
@@ -334,10 +337,49 @@ def _chunk_search(
     when ``(t + delta) * _SURE`` is over the target, the float price of ``n +
     g`` is too. A base with a negative total (no roofline feature is) goes to
     ``largest_chunk_priced`` itself.
+
+    The QKV, output and MLP terms and the all-reduce depend on the tail query
+    tokens ``q`` (the base's plus the chunk's) alone: they are kept by ``q``
+    (chunk sizes and lane sizes recur; at most ``_BY_Q_MAX`` entries, then
+    the memo starts again), the same floats, added in ``price``'s order. A
+    probe that fits returns at once when the next candidate was seen, or is
+    proved, over the target (the bracket is closed).
     """
     (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = layer
     (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = outer
     att_mem = b_kv + b_qo  # the attention's memory branch grows by this a token
+    # q (the tail query tokens) -> the terms of price that move with q alone
+    by_q: dict[float, tuple[float, float, float, float, float]] = {}
+
+    def _q_terms(q: float) -> tuple[float, float, float, float, float]:
+        """The QKV, output and MLP terms, the all-reduce, and the growth a
+        token of their active branches and the all-reduce (``rise``), at
+        ``q`` tail query tokens: price's floats (memoised: a chunk's size
+        and a lane's decode count recur)."""
+        x, y = q * c_qkv, w_qkv + q * a_qkv
+        if x > y:
+            x_qkv, slope = x, c_qkv
+        else:
+            x_qkv, slope = y, a_qkv
+        x, y = q * c_o, w_o + q * a_o
+        if x > y:
+            x_o = x
+            slope += c_o
+        else:
+            x_o = y
+            slope += a_o
+        x, y = q * c_m, w_m + q * a_m
+        if x > y:
+            x_m = x
+            slope += c_m
+        else:
+            x_m = y
+            slope += a_m
+        terms = (x_qkv, x_o, x_m, ar_fixed + q * ar_tok, slope + ar_tok)
+        if len(by_q) >= _BY_Q_MAX:
+            by_q.clear()
+        by_q[q] = terms
+        return terms
 
     def search(
         limit: int,
@@ -384,59 +426,46 @@ def _chunk_search(
             if n > limit:
                 n = limit
             # t = price(base, start, n), each term's growing branch's slope noted
-            pairs = b1 + (n * start + n * (n + 1) // 2)
             q = b0 + n
+            terms = by_q.get(q)
+            if terms is None:
+                terms = _q_terms(q)
+            x_qkv, x_o, x_m, ar, rise = terms
+            pairs = b1 + (n * start + n * (n + 1) // 2)
             qa = b3 + n
             kv = b2 + (start + n)
-            x, y = q * c_qkv, w_qkv + q * a_qkv
-            if x > y:
-                layer, slope = x, c_qkv
-            else:
-                layer, slope = y, a_qkv
             x, y = pairs * c_att, kv * b_kv + qa * b_qo
             if x > y:
-                layer += x
+                layer = x_qkv + x
                 paired = True
             else:
-                layer += y
+                layer = x_qkv + y
                 paired = False
-            x, y = q * c_o, w_o + q * a_o
-            if x > y:
-                layer += x
-                slope += c_o
-            else:
-                layer += y
-                slope += a_o
-            x, y = q * c_m, w_m + q * a_m
-            if x > y:
-                layer += x
-                slope += c_m
-            else:
-                layer += y
-                slope += a_m
+            layer += x_o
+            layer += x_m
             layer = layer + merged + fixed
-            layer += ar_fixed + q * ar_tok
+            layer += ar
             t = layers * layer + pp_fixed + qa * pp_tok + head
             if t <= target:
+                if i + 1 >= hi:  # the next candidate was seen over the target (or is none)
+                    return n, t
+                # the next candidate: over the target by convexity?
+                g = (i + 2) * grid
+                if g > limit:
+                    g = limit
+                g -= n
+                # the attended pairs grow (paired), else the KV read and queries
+                att = (g * start + (g * (2 * n + g + 1)) // 2) * c_att if paired else g * att_mem
+                if (t + layers * (g * rise + att) + g * pp_tok) * _SURE > target:
+                    return n, t
                 lo = i
                 fit = t
-                if i + 1 < hi:  # the next candidate: over the target by convexity?
-                    g = (i + 2) * grid
-                    if g > limit:
-                        g = limit
-                    g -= n
-                    # the attended pairs grow (paired), else the KV read and queries
-                    att = (
-                        (g * start + (g * (2 * n + g + 1)) // 2) * c_att if paired else g * att_mem
-                    )
-                    if (t + layers * (g * (slope + ar_tok) + att) + g * pp_tok) * _SURE > target:
-                        hi = i + 1
             else:
                 hi = i
-            if hi - lo <= 1:
-                if lo < 0:
-                    return 0, 0.0
-                return min((lo + 1) * grid, limit), fit
+                if hi - lo <= 1:
+                    if lo < 0:
+                        return 0, 0.0
+                    return min((lo + 1) * grid, limit), fit
             if guesses < _GUESSES and (t - t0) * (n - n0) > 0:  # the line rises
                 guesses += 1
                 est = n + (target - t) * (n - n0) / (t - t0)  # where the line reaches target
