@@ -1448,12 +1448,16 @@ class Scheduler:
         proof does not hold or is not tried: it reads every queued short
         prompt's key, so with more of them than a few walks' worth (``4 *
         max_consecutive_skips``) it would cost more than the walk it saves.
+        With fewer than ``max_consecutive_skips`` ids walked it cannot hold
+        (it counts distinct ids among ``first``'s and theirs), so the keys are
+        not read.
         """
         cfg = self.config
         queue, walked = self._queue, self._walked
         max_skips = cfg.max_consecutive_skips
         return (
-            bool(walked)
+            # more than max_skips ids, or the count (of distinct ids) cannot exceed it
+            len(walked) >= max_skips
             and first.num_prefill_tokens >= cfg.long_prefill_threshold
             and queue.num_not_long <= 4 * max_skips
             and queue.ahead_of_not_long([first.request_id, *walked], now) > max_skips
