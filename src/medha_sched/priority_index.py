@@ -203,7 +203,8 @@ class KineticIndex(Generic[K]):
 
         The first ``k`` items cost O(k log n log k); the tree is not modified.
         """
-        self.advance(now)
+        if now != self._clock:  # (advance's answer at the clock, without the call)
+            self.advance(now)
         return self._best_first()
 
     def places(self, items: Iterable[K], now: float) -> dict[int, K] | None:
@@ -215,7 +216,8 @@ class KineticIndex(Generic[K]):
         after it (``count_ahead``'s proof, both ways), so its place is the
         number of lower keys. One key per item and a sort: O(n log n).
         """
-        self.advance(now)
+        if now != self._clock:  # (advance's answer at the clock, without the call)
+            self.advance(now)
         now = self._clock
         b, m, slot_of = self._b, self._m, self._slot
         margin = AHEAD_RTOL * (self._hi_b + self._hi_m * abs(now))
@@ -260,7 +262,8 @@ class KineticIndex(Generic[K]):
         key(y)`` comes first (``AHEAD_RTOL`` is over 800 times ``16 u`` times
         64 levels).
         """
-        self.advance(now)
+        if now != self._clock:  # (advance's answer at the clock, without the call)
+            self.advance(now)
         now = self._clock
         slot_of, b, m = self._slot, self._b, self._m
         keys = [b[s] + m[s] * now for s in map(slot_of.__getitem__, behind)]
@@ -364,7 +367,9 @@ class KineticIndex(Generic[K]):
         every answer the same but between keys within rounding error of each
         other, as with any other layout (see the module docstring).
         """
-        slot = self._lookup(item)
+        slot = self._slot.get(item)  # _lookup's, without the call (every prefill turn)
+        if slot is None:
+            raise ValueError(f"item {item!r} is not in the index")
         # _coordinate's answer for a float in range, without the call (the hot path)
         b = (
             intercept
@@ -840,20 +845,24 @@ class KineticIndex(Generic[K]):
         seats as without, the first item yielded is the one ``peek`` gives."""
         epoch, now, cap, win = self._epoch, self._clock, self._cap, self._win
         b, m, tb, items, stats = self._b, self._m, self._tb, self._items, self.stats
-        heap: list[tuple[float, float, float, tuple[Any, ...], int]] = []
-        if (s := win[1]) >= 0:
-            stats.key_evals += 1
-            heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], 1))
-        node: int | None = None
-        if self._hot:
-            for s in self._hot:
-                stats.key_evals += 1
-                heap.append((b[s] + m[s] * now, m[s], b[s], tb[s], ~s))
-            if len(heap) > 1:
-                first = self._with_hot(win[1])
-                node = 1 if first == win[1] else ~first
-                heap = [e for e in heap if e[4] != node]
-                heapify(heap)
+        heap: list[tuple[float, float, float, tuple[Any, ...], int]]
+        hot, root = self._hot, win[1]
+        # the first subtree popped is known (peek's): it goes first without the heap
+        node: int | None = None if root < 0 else 1
+        if hot:
+            first = self._with_hot(root)
+            if first != root:
+                node = ~first
+            # each seat's entry, and the root's if it does not go first
+            heap = [(b[s] + m[s] * now, m[s], b[s], tb[s], ~s) for s in hot if s != first]
+            if node != 1 and root >= 0:
+                heap.append((b[root] + m[root] * now, m[root], b[root], tb[root], 1))
+            heapify(heap)
+            stats.key_evals += len(hot)
+        else:
+            heap = []
+        if root >= 0:
+            stats.key_evals += 1  # (its key is the heap's, had it gone through it)
         while node is not None or heap:
             if node is None:
                 node = heappop(heap)[4]
@@ -869,11 +878,12 @@ class KineticIndex(Generic[K]):
                 raise RuntimeError("KineticIndex was modified while iter_sorted was running")
             leaf = cap + s
             top, node = node, None
+            pushed = len(heap)
             for shift in range(leaf.bit_length() - top.bit_length() - 1, -1, -1):
                 sib = (leaf >> shift) ^ 1
                 if (w := win[sib]) >= 0:
-                    stats.key_evals += 1
                     heappush(heap, (b[w] + m[w] * now, m[w], b[w], tb[w], sib))
+            stats.key_evals += len(heap) - pushed
 
     # ----------------------------------------------------------------- testing
 

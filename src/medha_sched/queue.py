@@ -19,10 +19,12 @@ class PrefillQueue:
 
     Requests with fewer than ``short_below`` prompt tokens left to issue (as
     of their latest ``push``) are counted by that number, so a scan can tell
-    at once that no such request waits (:meth:`has_remaining_below`).
+    at once that no such request waits (:meth:`has_remaining_below`); those
+    whose prompt is shorter than ``long_min`` tokens (as of their latest
+    ``push``) are kept as a set (``_not_long``; none with the default 0).
     """
 
-    def __init__(self, policy: Policy, *, short_below: int = 0) -> None:
+    def __init__(self, policy: Policy, *, short_below: int = 0, long_min: int = 0) -> None:
         self._policy = policy
         self._classes: dict[int, KineticIndex[str]] = {}
         self._where: dict[str, int] = {}
@@ -30,6 +32,8 @@ class PrefillQueue:
         self._seq = 0
         self._short_below = short_below
         self._short: dict[str, int] = {}  # request id -> tokens left, below short_below
+        self._long_min = long_min
+        self._not_long: set[str] = set()  # ids of prompts shorter than long_min
 
     def __len__(self) -> int:
         return len(self._where)
@@ -41,7 +45,7 @@ class PrefillQueue:
         """Insert, or refresh the key of a request whose progress changed."""
         intercept, slope = self._policy.line(request)
         rid = request.request_id
-        self._note_left(request)
+        self._note(request)
         if rid in self._where:
             self._classes[self._where[rid]].update(rid, intercept=intercept, slope=slope)
             return
@@ -65,19 +69,25 @@ class PrefillQueue:
                 rid, intercept=intercept, slope=slope, tiebreak=(request.arrival_time, seq)
             ):
                 self._seq = seq
-                self._note_left(request)
+                self._note(request)
                 return
         self.remove(rid)
         self.push(request)
 
-    def _note_left(self, request: Request) -> None:
-        """Track ``request`` among the short prompts by the prompt it has left."""
+    def _note(self, request: Request) -> None:
+        """Track ``request`` among the short prompts by the prompt it has left,
+        and among those not long by its prompt."""
         rid = request.request_id
-        left = request.num_prefill_tokens - request.num_scheduled_tokens
+        prompt = request.num_prefill_tokens
+        left = prompt - request.num_scheduled_tokens
         if left < self._short_below:
             self._short[rid] = left
         else:
             self._short.pop(rid, None)
+        if prompt < self._long_min:
+            self._not_long.add(rid)
+        else:
+            self._not_long.discard(rid)
 
     def only(self) -> Request:
         """The one queued request (the queue must hold exactly one)."""
@@ -95,11 +105,12 @@ class PrefillQueue:
             self._classes[self._where.pop(request_id)].remove(request_id)
             del self._requests[request_id]
             self._short.pop(request_id, None)
+            self._not_long.discard(request_id)
 
     def remove_many(self, request_ids: Iterable[str]) -> None:
         """:meth:`remove` each of ``request_ids`` (distinct; one not queued is
         skipped), each class's index repaired once for all of its removals."""
-        where, requests, short = self._where, self._requests, self._short
+        where, requests, short, not_long = self._where, self._requests, self._short, self._not_long
         by_class: dict[int, list[str]] = {}
         for rid in request_ids:
             priority = where.pop(rid, None)
@@ -107,6 +118,7 @@ class PrefillQueue:
                 continue
             del requests[rid]
             short.pop(rid, None)
+            not_long.discard(rid)
             ids = by_class.get(priority)
             if ids is None:
                 by_class[priority] = [rid]

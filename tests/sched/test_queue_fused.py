@@ -38,6 +38,14 @@ class _Composed(_PrefillQueue):
         PrefillQueue.renew(self, request)
         self._classify(request)
 
+    def _classify(self, request: Request) -> None:
+        """The not-long count as ``_PrefillQueue`` kept it before the base
+        class noted it with the short prompts (``PrefillQueue._note``)."""
+        if request.num_prefill_tokens < self._long_min:
+            self._not_long.add(request.request_id)
+        else:
+            self._not_long.discard(request.request_id)
+
     def first(self, now: float) -> Request | None:
         if self._out:
             self._flush()

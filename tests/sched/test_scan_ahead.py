@@ -232,6 +232,17 @@ def test_the_proof_is_not_tried_with_many_short_prompts_queued(monkeypatch) -> N
         sizes.append(self.num_not_long)
         return ahead(self, request_ids, now)
 
+    crowded = 0  # the checks met with more than 16 short prompts queued
+    reach = Scheduler._shorts_out_of_reach
+
+    def counted(self, first, now):
+        nonlocal crowded
+        crowded += self._queue.num_not_long > 16
+        return reach(self, first, now)
+
     monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", sized)
+    monkeypatch.setattr(Scheduler, "_shorts_out_of_reach", counted)
     _run(trace, spec, 4)
-    assert sizes and max(sizes) <= 16
+    # (the keys are read only after 4 ids walked: with this trace, never; they
+    # were read 3 times, all with 16 or fewer queued, before that shortcut)
+    assert crowded > 100 and max(sizes, default=0) <= 16
