@@ -24,13 +24,6 @@ from operator import itemgetter, length_hint
 _RUN = 8
 """Fewest blocks whose reference counts are set as one slice when they are a run of ids."""
 
-_LONG_RUN = 16
-"""Fewest consecutive ids on the free stack recorded as a run (see ``BlockPool._runs``)."""
-
-#: ``(offset, count)``: ``blocks[offset : offset + count]`` of an allocation are
-#: ``count`` consecutive ids (in either direction)
-Run = tuple[int, int]
-
 
 class BlockPool:
     """Block ids ``0 .. num_blocks - 1`` of one group."""
@@ -42,7 +35,6 @@ class BlockPool:
         "_hash_of",
         "_num_held",
         "_ref",
-        "_runs",
         "group",
         "num_allocs",
         "num_blocks",
@@ -54,12 +46,6 @@ class BlockPool:
         self.group = group
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
-        # Runs of consecutive ids lying on the stack, as ``[start, count]`` of
-        # ``_free[start : start + count]``: ascending, disjoint, each at least
-        # _LONG_RUN long (not every such run is recorded). Only records: the stack
-        # alone says which ids come next. They let a long allocation, and its
-        # release, set and check reference counts a slice at a time.
-        self._runs: list[list[int]] = [[0, num_blocks]] if num_blocks >= _LONG_RUN else []
         # reference count of every block (0: free or cached). A list, not a dict
         # of the held ones: a dict with this much churn is rebuilt now and then,
         # a pause of milliseconds in whichever call inserts. And not an array:
@@ -89,91 +75,36 @@ class BlockPool:
         """Blocks held by nobody that still hold reusable KV."""
         return len(self._cached)
 
-    def _take(self, count: int) -> tuple[list[int], list[Run]]:
-        """``count`` blocks off the top of the stack (then evicted cached ones), and
-        the recorded runs among them."""
+    def _take(self, count: int) -> list[int]:
         if count > self.num_free:
             raise AssertionError(
                 f"group {self.group}: {count} blocks asked, only {self.num_free} free"
             )
         free = self._free
-        top = len(free)
-        fresh = min(count, top)
+        fresh = min(count, len(free))
         # the top of the stack first
-        keep = top - fresh
+        keep = len(free) - fresh
         blocks = free[: keep - 1 : -1] if keep else free[::-1]
         del free[keep:]
-        runs = self._runs
-        got = self._cut_runs(keep, top) if runs and sum(runs[-1]) > keep else []
         for _ in range(count - fresh):  # evict, least recently released first
             block = next(iter(self._cached))
             del self._cached[block]
             del self._block_of[self._hash_of.pop(block)]
             self.num_evictions += 1
             blocks.append(block)
-        return blocks, got
-
-    def _cut_runs(self, keep: int, top: int) -> list[Run]:
-        """Drop the records of stack positions ``keep .. top - 1`` (just taken, top
-        first); the runs of at least _LONG_RUN ids that lay there, as ``(offset,
-        count)`` in the allocation."""
-        runs = self._runs
-        got = []
-        while runs:
-            run = runs[-1]
-            start, count = run
-            end = start + count
-            if end <= keep:
-                break
-            if start < keep:  # cut: the part below stays on the stack
-                run[1] = keep - start
-                if keep - start < _LONG_RUN:
-                    runs.pop()
-                count = end - keep
-            else:
-                runs.pop()
-            if count >= _LONG_RUN:
-                got.append((top - end, count))
-            if start < keep:
-                break
-        return got
+        return blocks
 
     def allocate(self, owner: Hashable, count: int) -> tuple[int, ...]:
         """Give ``count`` blocks to ``owner``: free ones (most recently freed
         first), then evicted cached ones."""
         if count == 0:
             return ()
-        return tuple(self._hand_out(count)[0])
-
-    def allocate_runs(self, owner: Hashable, count: int) -> tuple[tuple[int, ...], list[Run]]:
-        """:meth:`allocate`, and runs of consecutive ids in the blocks given, as
-        ``(offset, count)`` (not necessarily all of them): for
-        :meth:`release_runs`."""
-        if count == 0:
-            return (), []
-        blocks, runs = self._hand_out(count)
-        return tuple(blocks), runs
-
-    def _hand_out(self, count: int) -> tuple[list[int], list[Run]]:
-        """:meth:`_take` ``count`` blocks and set their reference counts to 1."""
-        blocks, runs = self._take(count)
+        blocks = self._take(count)
         ref = self._ref
-        if runs:
-            at = 0
-            for offset, n in runs:
-                if at < offset:
-                    for block in blocks[at:offset]:
-                        ref[block] = 1
-                first, last = blocks[offset], blocks[offset + n - 1]
-                lo = first if first < last else last
-                ref[lo : lo + n] = [1] * n
-                at = offset + n
-            for block in blocks[at:]:
-                ref[block] = 1
         # The blocks are distinct (free stack, cached set): count of them spanning
         # count ids are a run. A run comes back as it went (release pushes it
         # reversed): its ends are its first and last block.
-        elif (
+        if (
             count >= _RUN
             and abs(blocks[-1] - blocks[0]) == count - 1
             and (hi := max(blocks)) - (lo := min(blocks)) == count - 1
@@ -184,56 +115,28 @@ class BlockPool:
                 ref[block] = 1
         self._num_held += count
         self.num_allocs += count
-        return blocks, runs
+        return tuple(blocks)
 
     def _drop_run(self, blocks: list[int], lo: int) -> None:
         """Release ``blocks``, the ids ``lo`` to ``lo + len - 1`` in some order, each
         held once: their counts cleared as a slice, then :meth:`_drop_cleared`."""
         count = len(blocks)
         self._ref[lo : lo + count] = [0] * count
-        self._drop_cleared(blocks, [(0, count)])
+        self._drop_cleared(blocks)
 
-    def _drop_cleared(self, blocks: list[int], runs: Sequence[Run] = ()) -> None:
+    def _drop_cleared(self, blocks: list[int]) -> None:
         """The rest of releasing ``blocks`` (distinct, held once, counts now 0): what
         the general loop of :meth:`release` does. The hashed ones go to the cache in
-        order, the others back to the stack; ``runs`` (of ``blocks``, in order) are
-        recorded where they land on it, if no block is hashed."""
+        order, the others back to the stack."""
         count = len(blocks)
         self._num_held -= count
         hashed = self._hash_of
-        free = self._free
-        top = len(free) + count  # blocks[i] lands at top - 1 - i if none is hashed
         if hashed:
-            kept = [b for b in blocks if b not in hashed]
-            if len(kept) < count:
-                self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
-                runs = ()
-            free.extend(reversed(kept))
+            self._cached.update(dict.fromkeys(filter(hashed.__contains__, blocks)))
+            self._free.extend(reversed([b for b in blocks if b not in hashed]))
         else:
-            free.extend(reversed(blocks))
-        if runs and count >= _LONG_RUN:
-            self._runs.extend(
-                [top - offset - n, n] for offset, n in reversed(runs) if n >= _LONG_RUN
-            )
+            self._free.extend(reversed(blocks))
         self.num_frees += count
-
-    def _clear_held_once(self, blocks: list[int]) -> bool:
-        """Clear the counts of ``blocks`` if each is 1 and they are distinct (as in
-        :meth:`_drop_held_once`); else put back those cleared and return False."""
-        ref = self._ref
-        it = iter(blocks)
-        try:
-            for block in it:
-                if ref[block] != 1:
-                    break
-                ref[block] = 0
-            else:
-                return True
-        except (IndexError, TypeError):  # an id past the pool or not an int: ``it`` stopped on it
-            pass
-        for block in blocks[: len(blocks) - length_hint(it) - 1]:  # those cleared
-            ref[block] = 1
-        return False
 
     def _drop_held_once(self, blocks: list[int]) -> bool:
         """:meth:`release` of ``blocks`` (ids >= 0) if each is held exactly once and
@@ -242,9 +145,20 @@ class BlockPool:
         False is returned (the general path decides, and raises if need be): a
         block held twice or not at all, a block listed twice (its count is
         already 0 the second time) or an id past the pool stops the pass."""
-        if self._clear_held_once(blocks):
-            self._drop_cleared(blocks)
-            return True
+        ref = self._ref
+        it = iter(blocks)
+        try:
+            for block in it:
+                if ref[block] != 1:
+                    break
+                ref[block] = 0
+            else:
+                self._drop_cleared(blocks)
+                return True
+        except (IndexError, TypeError):  # an id past the pool or not an int: ``it`` stopped on it
+            pass
+        for block in blocks[: len(blocks) - length_hint(it) - 1]:  # those cleared
+            ref[block] = 1
         return False
 
     def allocate_each(self, owners: Sequence[Hashable]) -> tuple[int, ...]:
@@ -262,47 +176,6 @@ class BlockPool:
         if blocks and self._drop_held_once(blocks):
             return
         self.release(owner, blocks)
-
-    def release_runs(self, owner: Hashable, blocks: list[int], runs: Sequence[Run]) -> None:
-        """:meth:`release_allocated` of ``blocks`` of which ``runs`` (in order, as
-        ``(offset, count)``) are runs of consecutive ids, as :meth:`allocate_runs`
-        gave them: the same end, the runs' counts checked and cleared a slice
-        at a time. A run whose ends are not ``count - 1`` apart, or any block
-        not held once, sends the whole release to :meth:`release_allocated`
-        with the counts put back."""
-        if runs and self._clear_runs_held_once(blocks, runs):
-            self._drop_cleared(blocks, runs)
-            return
-        self.release_allocated(owner, blocks)
-
-    def _clear_runs_held_once(self, blocks: list[int], runs: Sequence[Run]) -> bool:
-        """:meth:`_clear_held_once` of ``blocks``, a run at a time where ``runs`` say."""
-        ref = self._ref
-        gaps: list[list[int]] = []  # the blocks between runs, cleared
-        spans: list[tuple[int, int]] = []  # (lo, count) of the runs cleared
-        at = 0
-        for offset, n in (*runs, (len(blocks), 0)):
-            if at < offset:
-                gap = blocks[at:offset]
-                if not self._clear_held_once(gap):
-                    break
-                gaps.append(gap)
-            if n:
-                first, last = blocks[offset], blocks[offset + n - 1]
-                lo = first if first < last else last
-                if lo < 0 or abs(last - first) != n - 1 or ref[lo : lo + n].count(1) != n:
-                    break
-                ref[lo : lo + n] = [0] * n
-                spans.append((lo, n))
-            at = offset + n
-        else:
-            return True
-        for gap in gaps:  # put back
-            for block in gap:
-                ref[block] = 1
-        for lo, n in spans:
-            ref[lo : lo + n] = [1] * n
-        return False
 
     def release(self, owner: Hashable, blocks: Iterable[int]) -> None:
         """Drop one reference to each of ``blocks``; a block nobody holds
@@ -425,13 +298,6 @@ class BlockPool:
         assert len(self._block_of) == len(self._hash_of), f"group {g}: hash maps disagree"
         for h, b in self._block_of.items():
             assert self._hash_of.get(b) == h, f"group {g}: hash maps disagree on block {b}"
-        ends = [0, *(x for start, count in self._runs for x in (start, start + count))]
-        assert ends == sorted(ends) and ends[-1] <= len(self._free), f"group {g}: runs overlap"
-        for start, count in self._runs:
-            ids = self._free[start : start + count]
-            assert count >= _LONG_RUN and max(ids) - min(ids) == count - 1, (
-                f"group {g}: stack positions {start}..{start + count - 1} are not a run"
-            )
         assert self.num_allocs - self.num_frees == sum(self._ref), (
             f"group {g}: {self.num_allocs} references taken - {self.num_frees} returned != held"
         )

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from medha_sched.block_pool import BlockPool, Run
+from medha_sched.block_pool import BlockPool
 from medha_sched.config import CacheConfig
 from medha_sched.errors import SchedulerError
 
@@ -52,9 +52,6 @@ class _Entry:
     pending: dict[int, list[int]] = field(default_factory=dict)  # group -> new blocks
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     registered: int = 0  # leading blocks offered to the prefix cache so far
-    # shard -> runs of consecutive ids in its blocks, ``(offset, count)``, as its
-    # pool's ``allocate_runs`` gave them: its release is a slice per run
-    runs: dict[int, list[Run]] | None = None
 
 
 #: ``(group, block ids)`` of one shard's cached run, in shard order
@@ -193,14 +190,8 @@ class KVBlockManager:
         if count <= 0:
             return
         group = entry.groups[shard]
-        blocks = entry.blocks[shard]
-        new, runs = self._pools[group].allocate_runs(rid, count)
-        if runs:
-            at = len(blocks)
-            if entry.runs is None:
-                entry.runs = {}
-            entry.runs.setdefault(shard, []).extend([(at + o, n) for o, n in runs])
-        blocks.extend(new)
+        new = self._pools[group].allocate(rid, count)
+        entry.blocks[shard].extend(new)
         entry.pending.setdefault(group, []).extend(new)
         self._holders[group].add(rid)
 
@@ -325,14 +316,9 @@ class KVBlockManager:
         the same blocks, without planning again."""
         if request_id in self._entries:
             raise SchedulerError(f"request {request_id!r} is already admitted")
-        count = self._blocks_for(num_tokens)
-        new, runs = self._pools[group].allocate_runs(request_id, count)
+        new = self._pools[group].allocate(request_id, self._blocks_for(num_tokens))
         self._entries[request_id] = _Entry(
-            groups=(group,),
-            blocks=[list(new)],
-            tokens=num_tokens,
-            pending={group: list(new)},
-            runs={0: runs} if runs else None,
+            groups=(group,), blocks=[list(new)], tokens=num_tokens, pending={group: list(new)}
         )
         self._holders[group].add(request_id)
 
@@ -452,20 +438,11 @@ class KVBlockManager:
         every longer match needs, stays cached longest.
         """
         entry = self._entry(request_id)
-        shards = list(enumerate(zip(entry.groups, entry.blocks, strict=True)))
-        caching = self._caching
-        runs = entry.runs or {}
-        for shard, (group, blocks) in reversed(shards) if caching else shards:
+        pairs = list(zip(entry.groups, entry.blocks, strict=True))
+        caching = self.cache.enable_prefix_caching
+        for group, blocks in reversed(pairs) if caching else pairs:
             # (its own blocks: ids the pool handed out)
-            got = runs.get(shard)
-            if caching:
-                blocks = blocks[::-1]
-                if got:
-                    got = [(len(blocks) - offset - n, n) for offset, n in reversed(got)]
-            if got:
-                self._pools[group].release_runs(request_id, blocks, got)
-            else:
-                self._pools[group].release_allocated(request_id, blocks)
+            self._pools[group].release_allocated(request_id, blocks[::-1] if caching else blocks)
             self._holders[group].discard(request_id)
         del self._entries[request_id]
 
