@@ -232,17 +232,23 @@ def test_the_proof_is_not_tried_with_many_short_prompts_queued(monkeypatch) -> N
         sizes.append(self.num_not_long)
         return ahead(self, request_ids, now)
 
-    crowded = 0  # the checks met with more than 16 short prompts queued
+    decided = 0  # the checks that only this guard can stop (the others would pass)
     reach = Scheduler._shorts_out_of_reach
 
     def counted(self, first, now):
-        nonlocal crowded
-        crowded += self._queue.num_not_long > 16
+        nonlocal decided
+        cfg = self.config
+        skips = cfg.max_consecutive_skips
+        decided += (
+            len(self._walked) >= skips
+            and first.num_prefill_tokens >= cfg.long_prefill_threshold
+            and self._queue.num_not_long > 4 * skips
+        )
         return reach(self, first, now)
 
     monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", sized)
     monkeypatch.setattr(Scheduler, "_shorts_out_of_reach", counted)
-    _run(trace, spec, 4)
-    # (the keys are read only after 4 ids walked: with this trace, never; they
-    # were read 3 times, all with 16 or fewer queued, before that shortcut)
-    assert crowded > 100 and max(sizes, default=0) <= 16
+    # two skips: enough ids are walked for the proof to be possible (with four
+    # this trace never walks that far, and the guard is never what decides)
+    _run(trace, spec, 2)
+    assert decided > 100 and max(sizes, default=0) <= 8
