@@ -18,7 +18,7 @@ from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
-from tests.sim.same import MIXED_CASES, assert_same_results
+from tests.sim.same import MIXED_CASES, assert_same_results, paper_spec
 from tests.sim.same import mixed_long_short_trace as _mixed_trace
 from tests.sim.same import simulate_with_skips as _run
 
@@ -70,13 +70,7 @@ def test_mixed_simulations_match_the_old_proof(monkeypatch, policy, skips, spp, 
 
 def test_an_overloaded_roofline_run_matches_the_old_proof(monkeypatch) -> None:
     trace = generate(WorkloadSpec(qps=2.0, num_requests=200, long_fraction=0.3, seed=2))
-    spec = RunSpec(
-        policy="lars-mp",
-        cost_model="roofline:model=llama3-8b,gpu=a100",
-        tp=8,
-        spp=2,
-        target_batch_time=0.05,
-    )
+    spec = paper_spec()
     counts = _checked(monkeypatch)
     fast = _run(trace, spec, 16)
     assert counts["short_cut"] > 20  # the old form read the keys there, for False

@@ -23,6 +23,19 @@ def assert_same_results(a: SimResult, b: SimResult) -> None:
     )
 
 
+def paper_spec(**changes) -> RunSpec:
+    """The paper's setting as ``benchmarks/sim_speed.py`` runs it (lars-mp, roofline
+    Llama-3-8B on A100s, TP8 x SPP2, T = 50 ms), with ``changes`` (RunSpec's fields)."""
+    spec = RunSpec(
+        policy="lars-mp",
+        cost_model="roofline:model=llama3-8b,gpu=a100",
+        tp=8,
+        spp=2,
+        target_batch_time=0.05,
+    )
+    return dataclasses.replace(spec, **changes)
+
+
 def simulate(trace, spec: RunSpec, **flags) -> SimResult:
     """``spec``'s simulator (``flags``: :class:`Simulator`'s keywords) run on ``trace``."""
     config, model, cache = spec.build()

@@ -17,17 +17,9 @@ from medha_sched.config import ParallelDegrees
 from medha_sched.cost.roofline import RooflineCostModel
 from medha_sched.sim import TraceRequest
 from medha_sched.sim.engine import Simulator
-from medha_sched.sim.runner import RunSpec
-from tests.sim.same import assert_same_results
+from tests.sim.same import assert_same_results, paper_spec
 
-SPEC = RunSpec(
-    policy="lars-mp",
-    cost_model="roofline:model=llama3-8b,gpu=a100",
-    tp=8,
-    spp=2,
-    target_batch_time=0.05,
-    long_threshold=16_384,
-)
+SPEC = paper_spec(long_threshold=16_384)
 
 
 class _OwnGroupTime(RooflineCostModel):

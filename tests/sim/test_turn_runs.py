@@ -19,7 +19,7 @@ from medha_sched.scheduler import Scheduler
 from medha_sched.sim import TraceRequest
 from medha_sched.sim.runner import RunSpec
 from medha_sched.sim.workload import WorkloadSpec, generate
-from tests.sim.same import assert_same_results, simulate
+from tests.sim.same import assert_same_results, paper_spec, simulate
 
 
 def _count_runs(monkeypatch) -> dict[str, int]:
@@ -64,15 +64,7 @@ def _mixed_trace() -> list[TraceRequest]:
     [("lars-mp", 2, True), ("lars", 4, True), ("edf", 2, False), ("fcfs", 3, True)],
 )
 def test_turn_runs_same_results_as_per_turn(monkeypatch, policy, spp, caching) -> None:
-    spec = RunSpec(
-        policy=policy,
-        cost_model="roofline:model=llama3-8b,gpu=a100",
-        tp=8,
-        spp=spp,
-        target_batch_time=0.05,
-        long_threshold=16_384,
-        prefix_caching=caching,
-    )
+    spec = paper_spec(policy=policy, spp=spp, long_threshold=16_384, prefix_caching=caching)
     trace = _mixed_trace()
     per_batch = simulate(trace, spec, decode_runs=False)
     per_turn = simulate(trace, spec, turn_runs=False)
@@ -91,13 +83,7 @@ def test_turn_runs_same_results_as_per_turn(monkeypatch, policy, spp, caching) -
 @pytest.mark.parametrize("qps", [0.5, 2.0])
 def test_paper_setting_same_results(monkeypatch, qps) -> None:
     trace = generate(WorkloadSpec(qps=qps, num_requests=120, long_fraction=0.08, seed=5))
-    spec = RunSpec(
-        policy="lars-mp",
-        cost_model="roofline:model=llama3-8b,gpu=a100",
-        tp=8,
-        spp=2,
-        target_batch_time=0.05,
-    )
+    spec = paper_spec()
     per_turn = simulate(trace, spec, turn_runs=False)
     counts = _count_runs(monkeypatch)
     runs = simulate(trace, spec)
@@ -139,15 +125,7 @@ def test_a_long_prompt_computed_in_runs_shares_its_prefix(monkeypatch) -> None:
         TraceRequest("long0", 0.5, 100_000, 4, prefix_id="doc", prefix_tokens=90_000),
         TraceRequest("long1", 0.8, 95_000, 4, prefix_id="doc", prefix_tokens=90_000),
     ]
-    spec = RunSpec(
-        policy="lars-mp",
-        cost_model="roofline:model=llama3-8b,gpu=a100",
-        tp=8,
-        spp=4,
-        target_batch_time=0.05,
-        long_threshold=16_384,
-        prefix_caching=True,
-    )
+    spec = paper_spec(spp=4, long_threshold=16_384, prefix_caching=True)
     trace = sorted(shorts + longs, key=lambda r: (r.arrival_s, r.id))
     per_turn = simulate(trace, spec, turn_runs=False)
     counts = _count_runs(monkeypatch)
@@ -167,13 +145,7 @@ def test_a_decode_batch_ending_in_a_run_before_clearing_stage_0_counts_as_cleare
     one short without that, and the members' stage-0 count fell below their
     computed count)."""
     trace = generate(WorkloadSpec(qps=1.0, num_requests=1000, long_fraction=0.05, seed=0))
-    spec = RunSpec(
-        policy="lars-mp",
-        cost_model="roofline:model=llama3-8b,gpu=a100",
-        tp=8,
-        spp=4,
-        target_batch_time=0.05,
-    )
+    spec = paper_spec(spp=4)
     run, seen = Scheduler.turn_run, {"uncleared": 0, "runs": 0}
 
     def checked(self, request, now, horizon, free, ends_before):  # type: ignore[no-untyped-def]
