@@ -308,6 +308,14 @@ def _chunk_price(
 _BY_Q_MAX = 1 << 16
 """Entries kept in a search's memo of the terms that move with the tail tokens alone."""
 
+
+def _active(q: float, c: float, w: float, a: float) -> tuple[float, float]:
+    """A term's value ``max(q * c, w + q * a)`` at ``q`` tokens (``price``'s float)
+    and the slope of its active branch (``c`` or ``a``)."""
+    x, y = q * c, w + q * a
+    return (x, c) if x > y else (y, a)
+
+
 _SURE = 1.0 - 1e-9
 """How much of a convexity bound :func:`_chunk_search` trusts (the floats of a
 price err by some 40 unit roundoffs, about 4.4e-15 of it, all terms positive)."""
@@ -356,25 +364,10 @@ def _chunk_search(
         token of their active branches and the all-reduce (``rise``), at
         ``q`` tail query tokens: price's floats (memoised: a chunk's size
         and a lane's decode count recur)."""
-        x, y = q * c_qkv, w_qkv + q * a_qkv
-        if x > y:
-            x_qkv, slope = x, c_qkv
-        else:
-            x_qkv, slope = y, a_qkv
-        x, y = q * c_o, w_o + q * a_o
-        if x > y:
-            x_o = x
-            slope += c_o
-        else:
-            x_o = y
-            slope += a_o
-        x, y = q * c_m, w_m + q * a_m
-        if x > y:
-            x_m = x
-            slope += c_m
-        else:
-            x_m = y
-            slope += a_m
+        x_qkv, s_qkv = _active(q, c_qkv, w_qkv, a_qkv)
+        x_o, s_o = _active(q, c_o, w_o, a_o)
+        x_m, s_m = _active(q, c_m, w_m, a_m)
+        slope = s_qkv + s_o + s_m
         terms = (x_qkv, x_o, x_m, ar_fixed + q * ar_tok, slope + ar_tok)
         if len(by_q) >= _BY_Q_MAX:
             by_q.clear()
