@@ -62,6 +62,14 @@ class CacheConfig:
         enable_prefix_caching: share the KV blocks of prompt prefixes
             computed before (see :mod:`medha_sched.kv_memory`); off by
             default here, on by default in the runtime.
+        block_ids: name every block (the default), as an executor needs to
+            address the KV and the prefix cache to share it. ``False``: each
+            group's blocks are only counted (:mod:`medha_sched.block_counter`),
+            every block id is ``-1`` and allocating or freeing any number of
+            blocks costs O(1); the scheduler's decisions are the same, since
+            without shared prefixes they depend only on free counts. For a
+            simulator. With prefix caching on, requests that carry prefix
+            content (prompt token ids or a prefix id) are then refused.
     """
 
     block_size: int = 16
@@ -69,6 +77,7 @@ class CacheConfig:
     max_tokens_per_group: int | None = None
     watermark: float = 0.01
     enable_prefix_caching: bool = False
+    block_ids: bool = True
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, minimum=1)
@@ -92,6 +101,8 @@ class CacheConfig:
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
             )
+        if not isinstance(self.block_ids, bool):
+            raise ValueError(f"block_ids must be True or False, got {self.block_ids!r}")
 
     @property
     def group_token_limit(self) -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from medha_sched.block_counter import NO_ID, BlockCounter
 from medha_sched.block_pool import BlockPool
 from medha_sched.config import CacheConfig
 from medha_sched.errors import SchedulerError
@@ -70,7 +71,11 @@ class KVBlockManager:
         self._bs = cache.block_size
         self._reserve = cache.watermark_blocks
         self._caching = cache.enable_prefix_caching
-        self._pools = [BlockPool(g, cache.num_blocks_per_group) for g in range(num_groups)]
+        self._ids = cache.block_ids
+        pool = BlockPool if cache.block_ids else BlockCounter  # counted only: ids are all -1
+        self._pools: list[BlockPool | BlockCounter] = [
+            pool(g, cache.num_blocks_per_group) for g in range(num_groups)
+        ]
         self._holders: list[set[Hashable]] = [set() for _ in range(num_groups)]
         self._entries: dict[Hashable, _Entry] = {}
 
@@ -439,7 +444,7 @@ class KVBlockManager:
         """
         entry = self._entry(request_id)
         pairs = list(zip(entry.groups, entry.blocks, strict=True))
-        caching = self.cache.enable_prefix_caching
+        caching = self._caching and self._ids
         for group, blocks in reversed(pairs) if caching else pairs:
             # (its own blocks: ids the pool handed out)
             self._pools[group].release_allocated(request_id, blocks[::-1] if caching else blocks)
@@ -480,7 +485,7 @@ class KVBlockManager:
         return self._entry(request_id).groups[-1]
 
     def block_table(self, request_id: Hashable) -> tuple[tuple[int, ...], ...]:
-        """Block ids per shard, in shard order."""
+        """Block ids per shard, in shard order (each -1 when blocks are only counted)."""
         return tuple(tuple(b) for b in self._entry(request_id).blocks)
 
     def num_tokens_capacity(self, request_id: Hashable) -> int:
@@ -529,7 +534,13 @@ class KVBlockManager:
 
     def ref_count(self, group: int, block: int) -> int:
         """Requests holding ``block`` of ``group``."""
-        return self._pools[group].ref_count(block)
+        pool = self._pools[group]
+        if not isinstance(pool, BlockPool):
+            raise SchedulerError(
+                "blocks are counted, not named (CacheConfig.block_ids=False): "
+                f"block {block!r} has no reference count"
+            )
+        return pool.ref_count(block)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken."""
@@ -539,6 +550,9 @@ class KVBlockManager:
         holders: list[set[Hashable]] = [set() for _ in self._pools]
         for rid, entry in self._entries.items():
             self._check_entry(rid, entry, refs, holders)
+        if not self._ids:
+            self._check_counts(refs, holders)
+            return
         for group, pool in enumerate(self._pools):
             assert len(refs[group]) == pool.num_used, f"group {group}: held blocks leaked"
             for block, n in refs[group].items():
@@ -563,10 +577,24 @@ class KVBlockManager:
             assert self._blocks_for(tokens) <= len(blocks) <= self._g // self._bs, (
                 f"{rid!r}: shard {shard} has {len(blocks)} blocks for {tokens} tokens"
             )
-            assert len(set(blocks)) == len(blocks), f"{rid!r}: a block twice in shard {shard}"
-            for block in blocks:
-                refs[group][block] = refs[group].get(block, 0) + 1
+            if not self._ids:
+                assert set(blocks) <= {NO_ID}, f"{rid!r}: an id in shard {shard} of a counter"
+                refs[group][NO_ID] = refs[group].get(NO_ID, 0) + len(blocks)
+            else:
+                assert len(set(blocks)) == len(blocks), f"{rid!r}: a block twice in shard {shard}"
+                for block in blocks:
+                    refs[group][block] = refs[group].get(block, 0) + 1
             if blocks:
                 holders[group].add(rid)
         for shard, blocks in enumerate(entry.blocks[:-1]):
             assert len(blocks) * self._bs == self._g, f"{rid!r}: non-tail shard {shard} not full"
+
+    def _check_counts(self, refs: list[dict[int, int]], holders: list[set[Hashable]]) -> None:
+        """check_invariants' end for counted blocks: each group's held count is the
+        sum of its shards' lengths (``_check_entry`` put it under ``refs[g][NO_ID]``)."""
+        for group, pool in enumerate(self._pools):
+            held = refs[group].get(NO_ID, 0)
+            assert held == pool.num_used, (
+                f"group {group}: {pool.num_used} blocks counted held, the shards hold {held}"
+            )
+            assert holders[group] == self._holders[group], f"group {group}: holders out of date"

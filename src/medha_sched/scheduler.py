@@ -429,6 +429,8 @@ class Scheduler:
         if self._feasibility is not self.prefill_times:
             self._feasibility.prefill_time(request.num_prefill_tokens)
         self._check_fits(request)
+        if self._caching and not self.cache.block_ids:
+            self._check_no_prefix(request)
         if self._caching and self.config.cache_aware_slack:
             # only the uncached part is work (the hit is a look: admission may find less)
             cached = self.memory.cached_prefix_tokens(
@@ -445,6 +447,18 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
         self._queue.push(request)
+
+    def _check_no_prefix(self, request: Request) -> None:
+        """SchedulerError if ``request`` carries prefix content to share while
+        blocks are only counted (nothing could be shared without block ids)."""
+        if request.prefix_caching and (
+            request.prompt_token_ids is not None or request.prefix_id is not None
+        ):
+            raise SchedulerError(
+                f"request {request.request_id!r} carries prefix content (token ids or a "
+                "prefix id) for the prefix cache, but blocks are only counted "
+                "(CacheConfig.block_ids=False): use block_ids=True to cache prefixes"
+            )
 
     def _check_fits(self, request: Request) -> None:
         total = request.num_prompt_tokens + request.max_output_tokens

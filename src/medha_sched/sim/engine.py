@@ -33,7 +33,7 @@ import heapq
 import time as _time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import cycle, islice, repeat
 from operator import itemgetter
 
@@ -92,7 +92,9 @@ class Simulator:
     Args:
         config: the scheduler's policy and budget.
         cost_model: predicts each batch's latency; its ``layout`` gives tp/spp/kvp.
-        cache: KV memory per KVP group.
+        cache: KV memory per KVP group. Its blocks are only counted
+            (``block_ids=False``) unless the prefix cache is on and a request
+            of the trace names a prefix: the simulator reads no block id.
         decode_runs: take certain runs of decode-only batches in one step
             (:mod:`medha_sched.decode_run`); same results, fewer calls.
         admission_delay_s: seconds from a request's arrival until the scheduler
@@ -134,7 +136,7 @@ class Simulator:
     ) -> SimResult:
         """Simulate ``trace`` to the end; ``progress(n)`` hears of every n requests done."""
         wall = _time.perf_counter()
-        self.sched = Scheduler(self.config, self.cost_model, cache=self.cache)
+        self.sched = Scheduler(self.config, self.cost_model, cache=_counted(self.cache, trace))
         self.sched.turn_scans = self.turn_scans
         self.pipeline = Pipeline(self.spp)
         self.now = 0.0
@@ -649,6 +651,17 @@ class Simulator:
             rec.preemptions = self._live.pop(rid).num_preemptions
         if finished:
             self._progress(len(finished))
+
+
+def _counted(cache: CacheConfig, trace: Sequence[TraceRequest]) -> CacheConfig:
+    """``cache``, its blocks only counted (``block_ids=False``: O(1) per allocation
+    and release, the same decisions) unless the prefix cache may share some: the
+    simulator reads no block id, only the free counts."""
+    if not cache.block_ids:
+        return cache
+    if cache.enable_prefix_caching and any(t.prefix_id is not None for t in trace):
+        return cache
+    return replace(cache, block_ids=False)
 
 
 def simulate(
