@@ -345,10 +345,30 @@ class DecodeLanes:
                 blocks = grow(g, rids)
                 assert blocks is not None
                 grants.append((g, rids, blocks))
-        key = step + self.block_size
+        self._refile(lane, crossers)
+        return grants
+
+    def grow_moved(self, lane: Lane, crossers: list[Member]) -> bool:
+        """:meth:`grow_all` for a caller that reads no grant (a simulator's turns),
+        ``crossers`` being ``lane.cross_at[lane.issued]``, which it then drops:
+        the same state as ``grow_all`` and that ``del``; False, changing
+        nothing, where ``grow_all`` gives None. With one group no id tuple or
+        grant is built (``KVBlockManager.grow_tails_unspelled``)."""
+        if self.kvp != 1:
+            if self.grow_all(lane, crossers) is None:
+                return False
+        elif self.memory.grow_tails_unspelled(0, map(_REQUEST_ID, crossers), len(crossers)):
+            self._refile(lane, crossers)
+        else:
+            return False
+        del lane.cross_at[lane.issued]
+        return True
+
+    def _refile(self, lane: Lane, crossers: list[Member]) -> None:
+        """The crossers, grown, cross again ``block_size`` steps on."""
+        key = lane.issued + self.block_size
         bucket = lane.cross_at.get(key)
         lane.cross_at[key] = crossers if bucket is None else sorted(bucket + crossers)
-        return grants
 
     def grow_each(self, lane: Lane, crossers: list[Member]) -> list[Request]:
         """Grow the crossers one by one (``ensure_capacity``); those that could not.
@@ -533,18 +553,22 @@ class DecodeLanes:
         """:meth:`issue` for a caller that never reads the batch (a simulator):
         the same state afterwards (the joined members' new blocks are taken),
         no :class:`~medha_sched.output.DecodeBatch` built."""
-        self._retired_parents, self._retired_left = [], []
+        # (these lists and the lane's never leave this class, so an empty one is
+        # kept rather than replaced: no allocation in the common turn)
+        if self._retired_parents or self._retired_left:
+            self._retired_parents, self._retired_left = [], []
         if lane is None:
             return
         if lane.joined:
-            pop = self.memory.pop_new_blocks
+            drop = self.memory.drop_new_blocks
             for rid in lane.joined:
-                pop(rid)
+                drop(rid)
+            lane.joined = {}
         lane.shared = True
         lane.issued += 1
         lane.parents = [batch_id]
-        lane.joined = {}
-        lane.left = []
+        if lane.left:
+            lane.left = []
         self.ready.remove(lane)
 
     def cleared(self, lane: Lane) -> None:

@@ -428,6 +428,23 @@ class KVBlockManager:
             entry.blocks[-1].append(block)
         return blocks
 
+    def grow_tails_unspelled(self, group: int, request_ids: Iterable[Hashable], count: int) -> bool:
+        """:meth:`grow_tails` for a caller that reads no block id (``count``: how many
+        ``request_ids`` there are, which may be an iterator): the same state
+        afterwards; False, changing nothing, when the group has fewer free
+        blocks than requests. Blocks only counted, every id is :data:`NO_ID`:
+        no ids are built, each tail gets the placeholder directly."""
+        if not self._ids:
+            pool = self._pools[group]
+            if pool.num_free < count:
+                return False
+            pool.allocate(None, count)
+            entries = self._entries
+            for rid in request_ids:
+                entries[rid].blocks[-1].append(NO_ID)
+            return True
+        return self.grow_tails(group, tuple(request_ids)) is not None
+
     def _grow_tail(self, rid: Hashable, entry: _Entry, count: int) -> bool:
         """Give the tail shard ``count`` more blocks from its own group, if free."""
         if self._pools[entry.groups[-1]].num_free < count:
@@ -464,6 +481,11 @@ class KVBlockManager:
             out = tuple((g, tuple(pending[g])) for g in groups if g in pending)
         pending.clear()
         return out
+
+    def drop_new_blocks(self, request_id: Hashable) -> None:
+        """:meth:`pop_new_blocks` for a caller that reads no id: the same state
+        afterwards (and the same error for an unknown request), no answer built."""
+        self._entry(request_id).pending.clear()
 
     def _entry(self, request_id: Hashable) -> _Entry:
         entry = self._entries.get(request_id)

@@ -1678,6 +1678,7 @@ class Scheduler:
         spp = len(free)
         lanes = self._lanes
         ready = lanes.ready
+        grow_moved = lanes.grow_moved  # grow_all and the crossers' del, no grants built
         cap = self.config.max_batch_requests
         limit = self.group_limit
         hints = self._sizer._last_chunk
@@ -1691,7 +1692,7 @@ class Scheduler:
         grid, max_chunk, long_min = cfg.token_grid, cfg.max_chunk_tokens, cfg.long_prefill_threshold
         share = cfg.max_space_share if self.policy.space_sharing else None
         memory = self.memory
-        pop_new_blocks = memory.pop_new_blocks
+        drop_new_blocks = memory.drop_new_blocks  # pop_new_blocks, nothing read
         register = self._register if self._caching else None
         remaining = self.prefill_times.remaining_time  # _refresh_work's, inline
         cache_aware = cfg.cache_aware_slack
@@ -1790,9 +1791,8 @@ class Scheduler:
             if base_time >= target:
                 break
             if scan and crossers is not None:  # _pack_decodes grows them before the scan
-                if lanes.grow_all(lane, crossers) is None:  # type: ignore[arg-type]
+                if not grow_moved(lane, crossers):  # type: ignore[arg-type]
                     break  # short of blocks: schedule() decides
-                del lane.cross_at[lane.issued]  # type: ignore[union-attr]
                 crossers = None
             total = r.num_prefill_tokens
             if price is None:
@@ -1869,10 +1869,8 @@ class Scheduler:
                         break
                 if finishes and not scan:
                     break  # the per-turn path takes it
-            if crossers is not None:
-                if lanes.grow_all(lane, crossers) is None:  # type: ignore[arg-type]
-                    break  # short of blocks: schedule() decides
-                del lane.cross_at[lane.issued]  # type: ignore[union-attr]
+            if crossers is not None and not grow_moved(lane, crossers):  # type: ignore[arg-type]
+                break  # short of blocks: schedule() decides
             # the turn goes: prefill_turn's commit (schedule_plain's for the scan's
             # batch, whose chunks the scan sized)
             bid = self._next_batch_id
@@ -1880,7 +1878,7 @@ class Scheduler:
             lanes.issue_unspelled(lane, bid)
             if taken is None:
                 hints[rid] = n
-                pop_new_blocks(rid)
+                drop_new_blocks(rid)
                 r._scheduled = start + n
                 if shared:
                     out[rid] = None
@@ -1890,7 +1888,7 @@ class Scheduler:
             else:
                 tokens = 0
                 for x, st, k, _ in taken:
-                    pop_new_blocks(x.request_id)
+                    drop_new_blocks(x.request_id)
                     x._scheduled = st + k
                     if x.first_scheduled_time is None:  # admitted by the scan (_advance's)
                         x.first_scheduled_time = s

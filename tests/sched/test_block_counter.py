@@ -154,6 +154,42 @@ def test_manager_answers_alike_with_ids_or_counts(groups, blocks, gmax, wm, seed
     assert all(set(ids) == {NO_ID} for r in rids if r in counted for ids in counted.block_table(r))
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.integers(1, 3),
+    blocks=st.integers(8, 40),
+    gmax=st.integers(2, 8),
+    ids=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_grow_tails_unspelled_leaves_what_grow_tails_leaves(groups, blocks, gmax, ids, seed):
+    """Twins (blocks named or counted), one growing tails by ``grow_tails``, the
+    other by ``grow_tails_unspelled`` from an iterator: the same answers, block
+    tables (ids included) and counts after every step."""
+    cache = twins(groups, blocks, gmax, 0.0)[0 if ids else 1].cache
+    old, new = (KVBlockManager(cache, num_groups=groups) for _ in range(2))
+    rng = random.Random(seed)
+    rids = list(range(8))
+    for _ in range(80):
+        op, rid, tokens = rng.choice("aaGGGf"), rng.choice(rids), rng.randint(1, 8 * gmax)
+        if op == "a" and rid not in old:
+            assert old.admit(rid, tokens) == new.admit(rid, tokens)
+        elif op == "G":
+            tails = [r for r in rids if r in old and len(old.block_table(r)[-1]) < gmax]
+            group = old.tail_group(tails[0]) if tails else 0
+            on = [r for r in tails if old.tail_group(r) == group]
+            got = old.grow_tails(group, on)
+            assert new.grow_tails_unspelled(group, iter(on), len(on)) is (got is not None)
+        elif op == "f" and rid in old:
+            old.free(rid)
+            new.free(rid)
+        assert view(old, rids) == view(new, rids)
+        assert [old.block_table(r) for r in rids if r in old] == [
+            new.block_table(r) for r in rids if r in new
+        ]
+        new.check_invariants()
+
+
 def test_counted_blocks_have_no_reference_counts() -> None:
     _, counted = twins(1, 8, 4, 0.0)
     assert counted.admit("a", 5)

@@ -211,7 +211,7 @@ class IterationLog(Sequence[IterationRecord]):
             for col in cols:
                 del col[before:]
             raise
-        if any(len(col) != len(self.batch_id) for col in cols):
+        if len(set(map(len, cols))) != 1:
             for col in cols:
                 del col[before:]
             raise ValueError("IterationLog.extend: the columns have different lengths")
