@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from typing import Any, Generic, TypeVar
 
-__all__ = ["AHEAD_RTOL", "MAX_MAGNITUDE", "AheadMemo", "IndexStats", "KineticIndex"]
+__all__ = ["AHEAD_RTOL", "MAX_MAGNITUDE", "IndexStats", "KineticIndex"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -71,8 +71,6 @@ AHEAD_RTOL = 1e-10
 """The margin of :meth:`KineticIndex.count_ahead`, relative to the largest key magnitude."""
 
 _INF = math.inf
-_SLACK_RTOL = 1e-13
-""":class:`AheadMemo`'s allowance for float error, relative to the keys' magnitude bound."""
 _CHECK_RTOL = 1e-9
 _PAGE = 16
 """Leaves per page: a run of slots that new items of nearby slopes fill (see ``_grow``)."""
@@ -103,35 +101,6 @@ class IndexStats:
     def reset(self) -> None:
         """Set every counter to zero."""
         self.comparisons = self.key_evals = self.events = self.rebuilds = 0
-
-
-@dataclass(slots=True, eq=False)
-class AheadMemo:
-    """What :meth:`KineticIndex.count_ahead_memo` keeps of one list of ids
-    between calls: a bound on the keys of those of them in the index and
-    not seated, valid while the index changes none of their lines, slots
-    or seats (its line version ``lines``)."""
-
-    index: Any = None
-    """The index it was made by (compared by identity)."""
-    ids: Any = None
-    """The list of ids it bounds (compared by identity: the caller does not change it)."""
-    lines: int = -1
-    """The index's line version when made."""
-    members: frozenset = frozenset()
-    """The distinct ids of ``ids`` in the index when made."""
-    fixed: int = 0
-    """How many of ``members`` were not seated."""
-    seated: tuple[int, ...] = ()
-    """The slots of the seated ones (their lines may change: read at each call)."""
-    t0: float = 0.0
-    """The clock when made."""
-    top: float = _INF
-    """The largest key of the unseated members at ``t0``."""
-    rate: float = 0.0
-    """The largest slope among them."""
-    slack: float = _INF
-    """A bound on the float error of ``top`` (see ``count_ahead_memo``)."""
 
 
 def _coordinate(item: object, name: str, value: object) -> float:
@@ -201,9 +170,6 @@ class KineticIndex(Generic[K]):
         # their leaves empty; every query matches them against the root's winner
         self._hot: list[int] = []
         self._seats = _HOT_SEATS  # 0: every item in the tree (the plain path)
-        # changes at every change of an item's line, slot or seat but the renewal
-        # of a seated item in place (AheadMemo's validity)
-        self._lines = 0
         self.stats = IndexStats()
 
     # ----------------------------------------------------------------- queries
@@ -301,11 +267,6 @@ class KineticIndex(Generic[K]):
         now = self._clock
         slot_of, b, m = self._slot, self._b, self._m
         keys = [b[s] + m[s] * now for s in map(slot_of.__getitem__, behind)]
-        return self._count_below(ahead, keys, now)
-
-    def _count_below(self, ahead: Iterable[K], keys: list[float], now: float) -> int:
-        """:meth:`count_ahead` at the clock ``now``, ``keys`` those of ``behind``."""
-        slot_of, b, m = self._slot, self._b, self._m
         if not keys:
             return len({item for item in ahead if item in slot_of})
         low = min(keys)  # (finite lines and clock: a key is a number, maybe infinite)
@@ -319,63 +280,6 @@ class KineticIndex(Generic[K]):
                 if (s := slot_of.get(item)) is not None and b[s] + m[s] * now < low
             }
         )
-
-    def count_ahead_memo(
-        self, memo: AheadMemo, first: K, ids: list[K], behind: Iterable[K], now: float
-    ) -> int:
-        """``count_ahead([first, *ids], behind, now)``, the same answer, cheaper
-        when asked again about the same list ``ids`` (not changed in between):
-        ``memo`` keeps the largest key at its time ``t0`` and the largest slope
-        of the unseated ids in the index, so while no line, slot or seat
-        changed but a seated item's (``_lines``), each of their keys at ``now
-        >= t0`` is at most ``top + rate * (now - t0)`` (a line's key grows by
-        its slope at most that much); with float error bounded (``slack``,
-        over 400 unit roundoffs of the magnitudes), a bound below
-        ``count_ahead``'s threshold means ``count_ahead`` counts each of them.
-        Then only the seated ids and ``first`` have their keys read; else the
-        answer is ``count_ahead``'s and ``memo`` is made again.
-        """
-        if now != self._clock:  # (advance's answer at the clock, without the call)
-            self.advance(now)
-        now = self._clock
-        slot_of, b, m = self._slot, self._b, self._m
-        keys = [b[s] + m[s] * now for s in map(slot_of.__getitem__, behind)]
-        if keys and memo.ids is ids and memo.index is self and memo.lines == self._lines:
-            t0 = memo.t0
-            hi = self._hi_b + self._hi_m * abs(now)
-            low = min(keys) - AHEAD_RTOL * hi
-            if (
-                now >= t0
-                and -_INF < low < _INF
-                and memo.top + memo.rate * (now - t0) + memo.slack + _SLACK_RTOL * hi < low
-            ):
-                count = memo.fixed
-                for s in memo.seated:
-                    if b[s] + m[s] * now < low:
-                        count += 1
-                s = -1 if first in memo.members else slot_of.get(first, -1)
-                if s >= 0 and b[s] + m[s] * now < low:
-                    count += 1
-                return count
-        count = self._count_below([first, *ids], keys, now)
-        self._make_memo(memo, ids)
-        return count
-
-    def _make_memo(self, memo: AheadMemo, ids: list[K]) -> None:
-        """Set ``memo`` to the bound on the keys of ``ids``' unseated items at the clock."""
-        slot_of, b, m, now, hot = self._slot, self._b, self._m, self._clock, self._hot
-        members = frozenset([x for x in ids if x in slot_of])
-        slots = [slot_of[x] for x in members]
-        fixed = [s for s in slots if s not in hot]
-        memo.index, memo.ids, memo.lines, memo.t0 = self, ids, self._lines, now
-        memo.members = members
-        memo.fixed, memo.seated = len(fixed), tuple(s for s in slots if s in hot)
-        if fixed:
-            memo.top = max([b[s] + m[s] * now for s in fixed])
-            memo.rate = max([m[s] for s in fixed])
-            memo.slack = _SLACK_RTOL * (abs(memo.top) + self._hi_b + self._hi_m * abs(now))
-        else:  # nothing to bound: the test passes on the seated items and ``first``
-            memo.top, memo.rate, memo.slack = -_INF, 0.0, 0.0
 
     # --------------------------------------------------------------- mutation
 
@@ -406,7 +310,6 @@ class KineticIndex(Generic[K]):
         self._slot[item] = slot
         self._items[slot], self._b[slot], self._m[slot], self._tb[slot] = item, b, m, tiebreak
         self._win[self._cap + slot] = slot
-        self._lines += 1
         self._repair(slot)
 
     def update(self, item: K, *, intercept: float, slope: float) -> None:
@@ -425,7 +328,6 @@ class KineticIndex(Generic[K]):
         )
         if b == self._b[slot] and m == self._m[slot]:
             return
-        self._lines += 1
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -503,7 +405,6 @@ class KineticIndex(Generic[K]):
                 hot.append(slot)
             self._epoch += 1
             return True
-        self._lines += 1  # (a seat taken, or the tree's leaf changed)
         if not self._seats:
             self._repair(slot)
             return True
@@ -519,7 +420,6 @@ class KineticIndex(Generic[K]):
         pages = self._page_free
         page = slot // self._page
         free = pages[page]
-        self._lines += 1
         # remove_many's
         del self._slot[item]
         self._items[slot], self._tb[slot] = None, ()
@@ -573,7 +473,6 @@ class KineticIndex(Generic[K]):
         """Put every seated item back in its leaf: the tree an index without hot
         seats would hold (the same winners and certificates)."""
         cap, win = self._cap, self._win
-        self._lines += 1
         for slot in self._hot:
             win[cap + slot] = slot
             self._climb((cap + slot) >> 1, slot)
@@ -622,7 +521,6 @@ class KineticIndex(Generic[K]):
         removed = 0
         hot = self._hot
         seated = False
-        self._lines += 1
         try:
             for item in items:
                 slot = self._lookup(item)
@@ -913,7 +811,6 @@ class KineticIndex(Generic[K]):
         self._num_free = cap - n
         self._win, self._ver, self._cert, self._events = win, [0] * cap, [_INF] * cap, []
         self._hot = []  # every item in its new leaf
-        self._lines += 1
         self._cap = cap
         for node in range(cap - 1, 0, -1):
             self._settle(node)

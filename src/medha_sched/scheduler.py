@@ -37,7 +37,6 @@ from medha_sched.policies import get_policy
 from medha_sched.policies.base import Policy
 from medha_sched.prefill_cache import PrefillTimeCache
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
-from medha_sched.priority_index import AheadMemo
 from medha_sched.queue import PrefillQueue, ScanCursor
 from medha_sched.request import Request, RequestStatus
 
@@ -98,7 +97,6 @@ class _PrefillQueue(PrefillQueue):
     def __init__(self, policy: Policy, *, short_below: int, long_min: int) -> None:
         super().__init__(policy, short_below=short_below, long_min=long_min)
         self._out: list[str] = []  # taken (out of the queue), still in the index
-        self._memo = AheadMemo()  # of ahead_of_not_long_memo's latest walked list
 
     def __len__(self) -> int:
         return len(self._where) - len(self._out)
@@ -245,20 +243,6 @@ class _PrefillQueue(PrefillQueue):
         if len(live) != 1:
             return 0
         return live[0].count_ahead(request_ids, self._not_long, now)
-
-    def ahead_of_not_long_memo(self, first: str, walked: list[str], now: float) -> int:
-        """``ahead_of_not_long([first, *walked], now)``, the same answer, by
-        :meth:`KineticIndex.count_ahead_memo`: cheaper when asked again about
-        the same list ``walked`` (which the caller must not change)."""
-        if self._out:
-            self._flush()
-        classes = self._classes
-        if len(classes) == 1:  # the one class (the common case), without the list
-            for index in classes.values():
-                if not len(index):
-                    return 0
-                return index.count_ahead_memo(self._memo, first, walked, self._not_long, now)
-        return self.ahead_of_not_long([first, *walked], now)
 
 
 _END = object()
@@ -1480,9 +1464,7 @@ class Scheduler:
         max_consecutive_skips``) it would cost more than the walk it saves.
         With fewer than ``max_consecutive_skips`` ids walked it cannot hold
         (it counts distinct ids among ``first``'s and theirs), so the keys are
-        not read. The same walked list is asked about turn after turn, so the
-        count goes through :meth:`_PrefillQueue.ahead_of_not_long_memo` (the
-        same answer, most keys bounded instead of read).
+        not read.
         """
         cfg = self.config
         queue, walked = self._queue, self._walked
@@ -1492,7 +1474,7 @@ class Scheduler:
             len(walked) >= max_skips
             and first.num_prefill_tokens >= cfg.long_prefill_threshold
             and queue.num_not_long <= 4 * max_skips
-            and queue.ahead_of_not_long_memo(first.request_id, walked, now) > max_skips
+            and queue.ahead_of_not_long([first.request_id, *walked], now) > max_skips
         )
 
     def prefill_turn(

@@ -90,13 +90,13 @@ def test_the_skip_limit_of_ids_walked_is_enough(monkeypatch) -> None:
     first = s._queue.first(0.02)
     assert first is not None and first.request_id == "long0"
     asked = []
-    ahead = type(s._queue).ahead_of_not_long_memo
+    ahead = type(s._queue).ahead_of_not_long
 
-    def spy(self, first, walked, now):
-        asked.append([first, *walked])
-        return ahead(self, first, walked, now)
+    def spy(self, request_ids, now):
+        asked.append(list(request_ids))
+        return ahead(self, request_ids, now)
 
-    monkeypatch.setattr(type(s._queue), "ahead_of_not_long_memo", spy)
+    monkeypatch.setattr(type(s._queue), "ahead_of_not_long", spy)
     s._walked = ["long1", "long2", "long3"]  # 4 distinct ids ahead of the short one
     assert s._shorts_out_of_reach(first, 0.02) is True
     assert _old_reach(s, first, 0.02) is True

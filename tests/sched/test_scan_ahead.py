@@ -132,12 +132,7 @@ def _counting(monkeypatch, skips: int) -> dict[str, int]:
         return got
 
     monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long", counting)
-    monkeypatch.setattr(_PrefillQueue, "ahead_of_not_long_memo", _through_the_list)
     return counts
-
-
-def _through_the_list(self, first, walked, now) -> int:
-    return self.ahead_of_not_long([first, *walked], now)  # the memo's answer, counted
 
 
 def _never(self, request_ids, now) -> int:
