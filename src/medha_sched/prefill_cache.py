@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.chunking import largest_fitting_chunk
 from medha_sched.cost.base import AggregateCostModel, CostModel
 
 _RECENT_MAX = 1 << 16
+_AT_DONE_MAX = 1 << 20
+"""Done positions whose C(L) :meth:`PrefillTimeCache.remaining_time` keeps in an
+array indexed by position (at most 8 MiB of doubles); past them it asks the memo."""
+_UNKNOWN = array("d", [-1.0])  # a done position not asked yet
 
 
 class PrefillTimeCache:
@@ -82,6 +87,10 @@ class PrefillTimeCache:
         # changes below its end, so they stay exact): a prompt's length is
         # looked up again every time its prefill progresses
         self._recent: dict[int, float] = {}
+        # C(L) of the done positions remaining_time is asked for, at L (-1.0:
+        # not asked yet): one index into a flat array instead of a probe of the
+        # large memo, whose entries a run scatters (prefill_time's floats)
+        self._at_done = array("d")
         self.max_feasible_tokens = math.inf
         self._extend_to(num_tokens)
 
@@ -98,6 +107,8 @@ class PrefillTimeCache:
         self._price = _pricer(self._model)
         if "_fill" not in state:  # pickled before the term was kept
             self._fill = (1.0 - 1.0 / self._spp) * self._target
+        if "_at_done" not in state:  # pickled before the done positions were kept
+            self._at_done = array("d")
 
     def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
         """Rebuild the table if the model's revision changed and the last
@@ -153,15 +164,31 @@ class PrefillTimeCache:
         if total is None:
             total = self.prefill_time(num_tokens)
         if num_done:
-            done = recent.get(num_done)
-            if done is None:
-                done = self.prefill_time(num_done)
+            try:
+                done = self._at_done[num_done]
+            except IndexError:
+                done = -1.0
+            if done < 0.0:  # not kept (or a negative time: asked again, the same float)
+                done = self._done_time(num_done)
             span = total - done
             if not span > 0.0:  # max(0.0, span)
                 span = 0.0
         else:
             span = total if total > 0.0 else 0.0
         return span / self._spp + self._fill
+
+    def _done_time(self, num_done: int) -> float:
+        """``prefill_time(num_done)``, kept at ``_at_done[num_done]`` when
+        ``num_done`` is below ``_AT_DONE_MAX``."""
+        value = self.prefill_time(num_done)
+        if num_done >= _AT_DONE_MAX:
+            return value
+        at = self._at_done
+        if num_done >= len(at):
+            size = min(max(num_done + 1, 2 * len(at)), _AT_DONE_MAX)
+            at.extend(_UNKNOWN * (size - len(at)))
+        at[num_done] = value
+        return value
 
     def _chunk_time(self, start: int, num_tokens: int) -> float:
         model = self._model
