@@ -36,10 +36,10 @@ from medha_sched.chunking import largest_fitting_chunk
 from medha_sched.cost.base import AggregateCostModel, CostModel
 
 _RECENT_MAX = 1 << 16
-_AT_DONE_MAX = 1 << 20
-"""Done positions whose C(L) :meth:`PrefillTimeCache.remaining_time` keeps in an
-array indexed by position (at most 8 MiB of doubles); past them it asks the memo."""
-_UNKNOWN = array("d", [-1.0])  # a done position not asked yet
+_AT_MAX = 1 << 20
+"""Positions whose C(L) :meth:`PrefillTimeCache.remaining_time` keeps in an array
+indexed by position (at most 8 MiB of doubles); past them it asks the memo."""
+_UNKNOWN = array("d", [-1.0])  # a position not asked yet
 
 
 class PrefillTimeCache:
@@ -87,10 +87,11 @@ class PrefillTimeCache:
         # changes below its end, so they stay exact): a prompt's length is
         # looked up again every time its prefill progresses
         self._recent: dict[int, float] = {}
-        # C(L) of the done positions remaining_time is asked for, at L (-1.0:
-        # not asked yet): one index into a flat array instead of a probe of the
-        # large memo, whose entries a run scatters (prefill_time's floats)
-        self._at_done = array("d")
+        # C(L) of the lengths and done positions remaining_time is asked for,
+        # at L (-1.0: not asked yet): one index into a flat array instead of a
+        # probe of the large memo, whose entries a run scatters (prefill_time's
+        # floats, boundaries included, which the memo does not keep)
+        self._at = array("d")
         self.max_feasible_tokens = math.inf
         self._extend_to(num_tokens)
 
@@ -107,8 +108,8 @@ class PrefillTimeCache:
         self._price = _pricer(self._model)
         if "_fill" not in state:  # pickled before the term was kept
             self._fill = (1.0 - 1.0 / self._spp) * self._target
-        if "_at_done" not in state:  # pickled before the done positions were kept
-            self._at_done = array("d")
+        if "_at" not in state:  # pickled before the positions were kept
+            self._at = array("d")
 
     def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
         """Rebuild the table if the model's revision changed and the last
@@ -159,17 +160,20 @@ class PrefillTimeCache:
                 raise ValueError(f"token counts must be >= 0, got {num_tokens!r}, {num_done!r}")
             return 0.0
         # 0 <= num_done < num_tokens; C(0) = 0.0 (the table's first entry)
-        recent = self._recent
-        total = recent.get(num_tokens)
-        if total is None:
-            total = self.prefill_time(num_tokens)
+        at = self._at
+        try:
+            total = at[num_tokens]
+        except IndexError:
+            total = -1.0
+        if total < 0.0:  # not kept (or a negative time: asked again, the same float)
+            total = self._kept_time(num_tokens)
         if num_done:
             try:
-                done = self._at_done[num_done]
+                done = at[num_done]
             except IndexError:
                 done = -1.0
-            if done < 0.0:  # not kept (or a negative time: asked again, the same float)
-                done = self._done_time(num_done)
+            if done < 0.0:
+                done = self._kept_time(num_done)
             span = total - done
             if not span > 0.0:  # max(0.0, span)
                 span = 0.0
@@ -177,17 +181,17 @@ class PrefillTimeCache:
             span = total if total > 0.0 else 0.0
         return span / self._spp + self._fill
 
-    def _done_time(self, num_done: int) -> float:
-        """``prefill_time(num_done)``, kept at ``_at_done[num_done]`` when
-        ``num_done`` is below ``_AT_DONE_MAX``."""
-        value = self.prefill_time(num_done)
-        if num_done >= _AT_DONE_MAX:
+    def _kept_time(self, num_tokens: int) -> float:
+        """``prefill_time(num_tokens)``, kept at ``_at[num_tokens]`` when
+        ``num_tokens`` is below ``_AT_MAX``."""
+        value = self.prefill_time(num_tokens)
+        if num_tokens >= _AT_MAX:
             return value
-        at = self._at_done
-        if num_done >= len(at):
-            size = min(max(num_done + 1, 2 * len(at)), _AT_DONE_MAX)
+        at = self._at
+        if num_tokens >= len(at):
+            size = min(max(num_tokens + 1, 2 * len(at)), _AT_MAX)
             at.extend(_UNKNOWN * (size - len(at)))
-        at[num_done] = value
+        at[num_tokens] = value
         return value
 
     def _chunk_time(self, start: int, num_tokens: int) -> float:
