@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.chunking import largest_fitting_chunk
 from medha_sched.cost.base import AggregateCostModel, CostModel
 
 _RECENT_MAX = 1 << 16
+_AT_MAX = 1 << 20
+"""Positions whose C(L) :meth:`PrefillTimeCache.remaining_time` keeps in an array
+indexed by position (at most 8 MiB of doubles); past them it asks the memo."""
+_UNKNOWN = array("d", [-1.0])  # a position not asked yet
 
 
 class PrefillTimeCache:
@@ -82,6 +87,11 @@ class PrefillTimeCache:
         # changes below its end, so they stay exact): a prompt's length is
         # looked up again every time its prefill progresses
         self._recent: dict[int, float] = {}
+        # C(L) of the lengths and done positions remaining_time is asked for,
+        # at L (-1.0: not asked yet): one index into a flat array instead of a
+        # probe of the large memo, whose entries a run scatters (prefill_time's
+        # floats, boundaries included, which the memo does not keep)
+        self._at = array("d")
         self.max_feasible_tokens = math.inf
         self._extend_to(num_tokens)
 
@@ -98,6 +108,8 @@ class PrefillTimeCache:
         self._price = _pricer(self._model)
         if "_fill" not in state:  # pickled before the term was kept
             self._fill = (1.0 - 1.0 / self._spp) * self._target
+        if "_at" not in state:  # pickled before the positions were kept
+            self._at = array("d")
 
     def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
         """Rebuild the table if the model's revision changed and the last
@@ -148,20 +160,39 @@ class PrefillTimeCache:
                 raise ValueError(f"token counts must be >= 0, got {num_tokens!r}, {num_done!r}")
             return 0.0
         # 0 <= num_done < num_tokens; C(0) = 0.0 (the table's first entry)
-        recent = self._recent
-        total = recent.get(num_tokens)
-        if total is None:
-            total = self.prefill_time(num_tokens)
+        at = self._at
+        try:
+            total = at[num_tokens]
+        except IndexError:
+            total = -1.0
+        if total < 0.0:  # not kept (or a negative time: asked again, the same float)
+            total = self._kept_time(num_tokens)
         if num_done:
-            done = recent.get(num_done)
-            if done is None:
-                done = self.prefill_time(num_done)
+            try:
+                done = at[num_done]
+            except IndexError:
+                done = -1.0
+            if done < 0.0:
+                done = self._kept_time(num_done)
             span = total - done
             if not span > 0.0:  # max(0.0, span)
                 span = 0.0
         else:
             span = total if total > 0.0 else 0.0
         return span / self._spp + self._fill
+
+    def _kept_time(self, num_tokens: int) -> float:
+        """``prefill_time(num_tokens)``, kept at ``_at[num_tokens]`` when
+        ``num_tokens`` is below ``_AT_MAX``."""
+        value = self.prefill_time(num_tokens)
+        if num_tokens >= _AT_MAX:
+            return value
+        at = self._at
+        if num_tokens >= len(at):
+            size = min(max(num_tokens + 1, 2 * len(at)), _AT_MAX)
+            at.extend(_UNKNOWN * (size - len(at)))
+        at[num_tokens] = value
+        return value
 
     def _chunk_time(self, start: int, num_tokens: int) -> float:
         model = self._model

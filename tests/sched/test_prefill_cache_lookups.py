@@ -69,3 +69,38 @@ def test_lookups_match_the_plain_table(spec: str, spp: int, kvp: int) -> None:
             cache.remaining_time(*bad)
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         cache.prefill_time(-1)
+
+
+@pytest.mark.parametrize("at_max", [1, 40, 5000, 1 << 20])
+def test_positions_kept_in_the_array_answer_as_the_table(monkeypatch, at_max: int) -> None:
+    """``remaining_time`` reads a length's and a done position's C(L) from
+    ``_at`` (filled by its first lookup, up to ``_AT_MAX``, beyond it the
+    memo): the same floats as the plain table, repeated or not, and after a
+    pickle."""
+    import pickle
+
+    from medha_sched import prefill_cache
+
+    monkeypatch.setattr(prefill_cache, "_AT_MAX", at_max)
+    model = parse_cost_model_spec(
+        "roofline:model=llama3-8b,gpu=a100", layout=ParallelDegrees(tp=8, spp=2)
+    )
+    cache = PrefillTimeCache(
+        model, target_time=0.05, token_grid=32, max_chunk_tokens=8192, group_token_limit=1 << 20
+    )
+    rng = random.Random(at_max)
+    for i in range(3000):
+        tokens = rng.choice([rng.randrange(1, 200_000), 4096, 70_001])
+        done = rng.choice([32 * rng.randrange(tokens // 32 + 1), rng.randrange(tokens + 1), 39])
+        assert cache.remaining_time(tokens, done) == _plain_remaining(cache, tokens, done)
+        if i == 1500:
+            cache = pickle.loads(pickle.dumps(cache))
+    assert len(cache._at) <= at_max
+    kept = [(n, v) for n, v in enumerate(cache._at) if v >= 0.0]
+    assert kept or at_max == 1
+    assert all(v == _plain_prefill_time(cache, n) for n, v in kept)
+    state = cache.__getstate__()
+    del state["_at"]  # pickled before the array was kept
+    old = PrefillTimeCache.__new__(PrefillTimeCache)
+    old.__setstate__(state)
+    assert old.remaining_time(5000, 64) == _plain_remaining(cache, 5000, 64)
