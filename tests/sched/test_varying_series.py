@@ -5,12 +5,16 @@ it), over lanes of many sizes and the layouts the roofline prices."""
 
 from __future__ import annotations
 
+import math
 import random
+from itertools import accumulate
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from medha_sched.config import ParallelDegrees
-from medha_sched.cost.roofline import RooflineCostModel
+from medha_sched.cost.roofline import RooflineCostModel, _memory_bound_run
 from medha_sched.decode_set import ZERO_TOKENS
 from medha_sched.output import BatchResult
 from medha_sched.request import Request
@@ -94,3 +98,77 @@ def test_series_equals_time_of_on_random_totals() -> None:
                 want.append(time_of(ai + kv * bi + ci, aj + kv * bj + cj))
             got = time_of.series(ai, bi, ci, aj, bj, cj, kv_sum, nt, first, steps, float("inf"))
             assert got == want
+
+
+def _loop(time_of, args) -> list[float]:
+    """``series``' contract step by step: ``time_of`` at each step, stopping at
+    the first running sum reaching the budget (included)."""
+    ai, bi, ci, aj, bj, cj, kv_sum, nt, first, steps, budget = args
+    times, spent = [], 0.0
+    for step in range(first, first + steps):
+        kv = kv_sum + nt * step
+        t = time_of(ai + kv * bi + ci, aj + kv * bj + cj)
+        times.append(t)
+        spent += t
+        if spent >= budget:
+            break
+    return times
+
+
+_LAYOUTS = [(1, 1, 1), (8, 2, 1), (8, 4, 2), (2, 1, 4)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    layout=st.sampled_from(_LAYOUTS),
+    nt=st.integers(1, 300),
+    qa_extra=st.integers(0, 300),
+    qm=st.sampled_from([0, 1, 4_000]),
+    ci=st.sampled_from([0, 1, 10**4, 10**6, 10**8, 10**10]),
+    cj=st.integers(0, 10**5),
+    bi=st.sampled_from([0, 1, 2]),
+    bj=st.sampled_from([0, 1, 2]),
+    kv_sum=st.integers(0, 10**7),
+    first=st.integers(0, 5_000),
+    steps=st.integers(0, 300),
+    cut=st.floats(0.0, 1.2),
+    nudge=st.sampled_from([-1, 0, 1]),
+)
+def test_memory_bound_fast_path_equals_the_loop(
+    layout, nt, qa_extra, qm, ci, cj, bi, bj, kv_sum, first, steps, cut, nudge
+) -> None:
+    """Integer runs (the fast path where the memory branch is proved to win,
+    the general loop where it is not: large attended pairs cross over), with
+    budgets on, just under and just over a running sum, none, and odd ones."""
+    tp, spp, kvp = layout
+    model = RooflineCostModel.from_spec(
+        {"model": "llama3-8b", "gpu": "a100"}, layout=ParallelDegrees(tp=tp, spp=spp, kvp=kvp)
+    )
+    row = [nt, 0, 0, nt + qa_extra, qm, nt]
+    time_of = model.group_time_varying(row, 1, 2)
+    args = [nt, bi, ci, nt, bj, cj, kv_sum, nt, first, steps, float("inf")]
+    whole = _loop(time_of, args)
+    sums = list(accumulate(whole))
+    budgets = [float("inf"), float("nan"), float("-inf"), 0.0, -1.0]
+    if sums:
+        k = min(int(cut * len(sums)), len(sums) - 1)
+        budgets.append(sums[k])
+        budgets.append(math.nextafter(sums[k], math.inf * nudge) if nudge else sums[k] * cut)
+        budgets.append(sums[-1] * 2)
+    for budget in budgets:
+        args[-1] = budget
+        assert time_of.series(*args) == _loop(time_of, args), budget
+
+
+def test_memory_bound_run_is_taken_for_decodes() -> None:
+    """The run the simulator prices (one group, decodes only) takes the fast
+    path, and large attended pairs (the compute branch near) do not."""
+    model = RooflineCostModel.from_spec(
+        {"model": "llama3-8b", "gpu": "a100"}, layout=ParallelDegrees(tp=8, spp=2)
+    )
+    bounds = (model._layer[3], model._layer[4], 20 * model._layer[5])
+    run = _memory_bound_run(20, 1, 0, 20, 1, 0, 60_000, 20, 100, 200, bounds)
+    assert run == range(20 + 60_000 + 2_000, 20 + 60_000 + 2_000 + 200 * 20, 20)
+    assert _memory_bound_run(20, 1, 10**12, 20, 1, 0, 60_000, 20, 100, 200, bounds) is None
+    assert _memory_bound_run(20.0, 1, 0, 20, 1, 0, 60_000, 20, 100, 200, bounds) is None
+    assert _memory_bound_run(20, 1, 0, 20, 0, 0, 60_000, 20, 100, 200, bounds) is None

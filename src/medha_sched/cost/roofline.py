@@ -37,9 +37,11 @@ the model monotone and O(1) per request.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 from typing import ClassVar
 
 from medha_sched.chunking import _GUESSES, largest_chunk_priced
@@ -176,6 +178,10 @@ class RooflineCostModel(AggregateCostModel):
             steps: int,
             budget: float,
         ) -> list[float]:
+            if reduce is not None and head is not None and steps > 0:
+                run = _memory_bound_run(ai, bi, ci, aj, bj, cj, kv_sum, nt, first, steps, bounds)
+                if run is not None:  # the branch below fixed: the tokens as a range of ints
+                    return _memory_series(run, steps, budget, terms)
             times = []
             spent = 0.0
             for step in range(first, first + steps):
@@ -198,6 +204,8 @@ class RooflineCostModel(AggregateCostModel):
                     break
             return times
 
+        bounds = (c_att, b_kv, read_q)
+        terms = (qkv, b_kv, read_q, out, mlp, merged, fixed, reduce, layers, pp_fixed, send, head)
         time_of.series = series  # type: ignore[attr-defined]
         return time_of
 
@@ -221,6 +229,110 @@ class RooflineCostModel(AggregateCostModel):
         check_spec_keys("roofline", params, required=("model", "gpu"))
         shape = get_model_shape(params["model"])
         return cls(model=shape, hardware=get_hardware(params["gpu"]), layout=layout)
+
+
+def _memory_bound_run(
+    ai: float,
+    bi: float,
+    ci: float,
+    aj: float,
+    bj: float,
+    cj: float,
+    kv_sum: int,
+    nt: int,
+    first: int,
+    steps: int,
+    bounds: tuple[float, float, float],
+) -> range | None:
+    """The KV tokens of a decode run's steps as a ``range`` of ints, when the
+    attention's memory branch wins (``not a > b`` in ``series``) at every
+    step, proved; else None.
+
+    With integer arguments the attended pairs and the KV tokens are exact
+    ints, affine in the step, so the compute side ``pairs * c_att`` and the
+    memory side ``tokens * b_kv + read_q`` are affine in reals. Checked at
+    both ends with ``_SURE``'s margin (their floats err by a few unit
+    roundoffs), the compute side stays below the memory side in between too,
+    and so do their floats. Non-negative coefficients and totals only (the
+    roofline's)."""
+    for x in (ai, bi, ci, aj, bj, cj, kv_sum, nt, first):
+        if type(x) is not int:
+            return None
+    c_att, b_kv, read_q = bounds
+    if not (c_att >= 0.0 and b_kv >= 0.0 and read_q >= 0.0):
+        return None
+    ends = []
+    for step in (first, first + steps - 1):
+        kv = kv_sum + nt * step
+        pairs, tokens = ai + kv * bi + ci, aj + kv * bj + cj
+        if pairs < 0 or tokens < 0 or not pairs * c_att < (tokens * b_kv + read_q) * _SURE:
+            return None
+        ends.append(tokens)
+    stride = nt * bj
+    if stride <= 0:
+        return None
+    return range(ends[0], ends[1] + stride, stride)
+
+
+def _memory_series(
+    tokens: range, steps: int, budget: float, terms: tuple[float, ...]
+) -> list[float]:
+    """``series``' list where the memory branch wins at every step (see
+    :func:`_memory_bound_run`): each time is ``time_of``'s floats in its
+    order of additions (the comprehension is a copy of the loop's body,
+    twin-tested in ``tests/sched/test_varying_series.py``), the running sum
+    and its stop rule ``spent >= budget`` the loop's.
+
+    With non-negative terms the times never fall as the tokens grow (every
+    operation is monotone), so the run reaches ``budget`` within about
+    ``budget / first time`` steps: only those are priced, the running sums
+    taken by ``accumulate`` (the same additions in the same order; ``0.0 + t
+    == t``) and the stop found by bisection (the sums never fall); should the
+    bound fall short, the rest goes step by step."""
+    if not all(x >= 0.0 for x in terms):
+        return _memory_loop(tokens, 0.0, budget, [], terms)
+    (qkv, b_kv, read_q, out, mlp, merged, fixed, reduce, layers, pp_fixed, send, head) = terms
+    count = steps
+    if budget < float("inf"):
+        first = _memory_time(tokens[0], terms)
+        bound = budget / (first * _SURE) if first > 0.0 else float("inf")
+        if bound < steps:  # the sum of m times is at least m * first (less roundoff)
+            count = int(bound) + 2 if bound > 0.0 else 1
+    times = [
+        layers * (qkv + (t * b_kv + read_q) + out + mlp + merged + fixed + reduce)
+        + pp_fixed
+        + send
+        + head
+        for t in tokens[:count]
+    ]
+    if not budget < float("inf"):  # never reached (a nan budget is never reached either)
+        return times
+    sums = list(accumulate(times))
+    stop = bisect_left(sums, budget)  # the first sum reaching it
+    if stop < len(sums):
+        return times[: stop + 1]
+    return _memory_loop(tokens[count:], sums[-1] if sums else 0.0, budget, times, terms)
+
+
+def _memory_time(t: int, terms: tuple[float, ...]) -> float:
+    """One step's time at ``t`` KV tokens where the memory branch wins:
+    ``time_of``'s floats, in its order."""
+    (qkv, b_kv, read_q, out, mlp, merged, fixed, reduce, layers, pp_fixed, send, head) = terms
+    layer = qkv + (t * b_kv + read_q) + out + mlp + merged + fixed + reduce
+    return layers * layer + pp_fixed + send + head
+
+
+def _memory_loop(
+    tokens: range, spent: float, budget: float, times: list[float], terms: tuple[float, ...]
+) -> list[float]:
+    """:func:`_memory_series` step by step from ``spent``, appending to ``times``."""
+    for t in tokens:
+        time = _memory_time(t, terms)
+        times.append(time)
+        spent += time
+        if spent >= budget:
+            break
+    return times
 
 
 def _layer_coef(m: ModelShape, hw: HardwareSpec, tp: int) -> tuple[float, ...]:

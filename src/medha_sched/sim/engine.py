@@ -34,7 +34,6 @@ import time as _time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from itertools import cycle, islice, repeat
 from operator import itemgetter
 
 from medha_sched.config import CacheConfig, SchedulerConfig
@@ -55,6 +54,11 @@ _END = itemgetter(2)  # a batch in flight's end: (completes, sampling, end)
 def _zeros(n: int) -> array:
     """``n`` zeros as int64 (a column of a run's records, extended by memcpy)."""
     return array("q", bytes(8 * n))
+
+
+def _cycled(sizes: Sequence[int], n: int) -> array:
+    """The first ``n`` items of ``sizes`` repeated, as int64 (copies of memory)."""
+    return (array("q", sizes) * -(-n // len(sizes)))[:n]
 
 
 class SimulationError(RuntimeError):
@@ -337,7 +341,7 @@ class Simulator:
             ids,
             starts,
             times[:n] if n < len(times) else times,
-            repeat(len(self._live), n),
+            array("q", (len(self._live),)) * n,
             zeros,
             zeros,
             zeros,
@@ -426,7 +430,7 @@ class Simulator:
             range(first, first + n),
             starts,
             predicted,
-            islice(cycle(sizes), n),
+            _cycled(sizes, n),
             zeros,
             zeros,
             zeros,
@@ -490,7 +494,7 @@ class Simulator:
             self._drop_batch_ends(set(done))
         zeros = _zeros(m)
         self.iterations.extend(
-            range(first, first + m), starts, predicted, zeros, repeat(1, m), chunks, zeros
+            range(first, first + m), starts, predicted, zeros, array("q", (1,)) * m, chunks, zeros
         )
         self.pipeline.free = free
         for i in range(ended, m):

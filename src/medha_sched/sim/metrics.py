@@ -203,8 +203,12 @@ class IterationLog(Sequence[IterationRecord]):
                 (batch_ids, starts, predicted, decodes, prefill_chunks, prefill_tokens, preempted),
                 strict=True,
             ):
-                if type(values) is list:
+                kind = type(values)
+                if kind is list:
                     col.fromlist(values)  # what extend does, one allocation for all
+                elif kind is range and col.typecode == "q" and _exact_arange(values):
+                    ids = np.arange(values.start, values.stop, dtype=np.int64)
+                    col.frombytes(ids.tobytes())  # a copy of memory, not an int per id
                 else:
                     col.extend(values)
         except BaseException:  # a value a column refuses: nothing of the call is kept
@@ -253,6 +257,16 @@ class IterationLog(Sequence[IterationRecord]):
 
     def __repr__(self) -> str:
         return f"IterationLog({len(self)} batches)"
+
+
+_EXACT = 1 << 52
+
+
+def _exact_arange(ids: range) -> bool:
+    """True when ``numpy.arange(ids.start, ids.stop)`` holds the ints of ``ids`` (a
+    step of 1, bounds whose difference a double holds exactly: numpy sizes the
+    result in floating point), so they go into an int64 column as one copy."""
+    return ids.step == 1 and ids.start > -_EXACT and ids.stop < _EXACT
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
