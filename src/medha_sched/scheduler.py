@@ -43,6 +43,14 @@ from medha_sched.request import Request, RequestStatus
 _NO_TOKENS = BatchResult()
 
 
+def _round_robin_counts(counts: list[int]) -> list[int]:
+    """Turns worth pricing per lane of a lane cycle that may take ``counts``:
+    the turns go round robin (issue ``i`` of ``lanes[i % k]``) and stop at the
+    first lane out of them, so no lane gets more than one past the fewest."""
+    most = min(counts) + 1
+    return [c if c < most else most for c in counts]
+
+
 @dataclass(frozen=True, slots=True)
 class LaneCycle:
     """Decode-only batches certain to come while decodes are in flight (a plan).
@@ -1140,9 +1148,11 @@ class Scheduler:
         They are when no prompt waits, nothing is being aborted, every batch
         in flight is decode-only and each lane fits in one batch; None
         otherwise (or when some lane cannot take a turn). Each lane gets at
-        most ``max_steps`` times, and no more once they add up to ``budget``
-        seconds (that last one included). Changes no decision (it may merge the ready
-        lanes, as ``schedule`` would). Exact cost models only (see
+        most ``max_steps`` times, at most one more than the lane with fewest
+        (the turns go round robin: a cycle stops at the first lane out of
+        them), and no more once they add up to ``budget`` seconds (that last
+        one included). Changes no decision (it may merge the ready lanes, as
+        ``schedule`` would). Exact cost models only (see
         :mod:`medha_sched.decode_set`).
         """
         flying = self._in_flight
@@ -1182,7 +1192,7 @@ class Scheduler:
             steps //= 2
             if steps == 0:
                 return None
-        counts = [min(c, steps) for c in counts]
+        counts = _round_robin_counts([min(c, steps) for c in counts])
         model = self.cost_model
         times = [
             plan_lane_run(self._lanes, lane, model, c, budget)

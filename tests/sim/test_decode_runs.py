@@ -186,3 +186,38 @@ def test_prefill_turns_beside_decodes_taken_and_same_results(monkeypatch, spp, k
     on = simulate(trace, config, model, cache=cache, decode_runs=True, turn_runs=False)
     assert_same(off, on)
     assert len(turns) > 10 and any(d > 0 for d in turns)  # turns carried decodes too
+
+
+@pytest.mark.parametrize(("spp", "qps"), [(2, 2.0), (3, 3.0)])
+def test_lane_cycles_price_one_turn_past_the_fewest(monkeypatch, spp, qps) -> None:
+    """``plan_lane_cycle`` prices no lane past one turn more than the lane with
+    fewest: every cycle takes the same turns as with each lane's full count
+    (a tighter cap, the fewest alone, would stop cycles early), fewer priced."""
+    from medha_sched import scheduler as sched_mod
+
+    trace = generate(WorkloadSpec(qps=qps, num_requests=80, long_fraction=0.0, seed=7))
+    config, model, cache = RunSpec(policy="lars-mp", tp=8, spp=spp).build()
+    commit, plan = Scheduler.commit_lane_cycle, Scheduler.plan_lane_cycle
+
+    def run(cap):
+        monkeypatch.setattr(sched_mod, "_round_robin_counts", cap)
+        taken, priced = [], [0]
+
+        def counting(self, p, n, last_start):
+            taken.append(n)
+            return commit(self, p, n, last_start)
+
+        def planning(self, *args):
+            p = plan(self, *args)
+            priced[0] += 0 if p is None else sum(map(len, p.times))
+            return p
+
+        monkeypatch.setattr(Scheduler, "commit_lane_cycle", counting)
+        monkeypatch.setattr(Scheduler, "plan_lane_cycle", planning)
+        return simulate(trace, config, model, cache=cache), taken, priced[0]
+
+    capped, taken, priced = run(sched_mod._round_robin_counts)
+    full, taken_full, priced_full = run(list)
+    assert_same(full, capped)
+    assert taken == taken_full and sum(taken) > len(full.iterations) // 10
+    assert priced < priced_full
