@@ -43,6 +43,7 @@ from medha_sched.errors import RequestTooLongError
 from medha_sched.output import BatchResult
 from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler, TurnRun
+from medha_sched.sim.cycles import cycle_turns
 from medha_sched.sim.events import Arrival, BatchEnd, Event, ScheduleWakeup, StageEnd
 from medha_sched.sim.metrics import IterationLog, RequestRecord
 from medha_sched.sim.pipeline import Pipeline, push_times
@@ -371,10 +372,8 @@ class Simulator:
         if it did (then every decode is in flight again, as after issuing the
         last of them one at a time).
 
-        A turn of a lane is issued when its batch has ended and stage 0 is
-        free, as going one batch at a time would; the cycle stops before a
-        turn that would not come strictly before the next other event, or
-        that would find another lane ready too (``schedule`` would merge them).
+        The turns: :func:`~medha_sched.sim.cycles.cycle_turns`, up to the
+        next other event.
         """
         if self.sched.num_queued:
             return False  # a prompt waits: the next batch may carry a chunk
@@ -386,39 +385,10 @@ class Simulator:
             return False
         k = len(plan.lanes)
         ready = [now] + [in_flight[b][2] for b in plan.in_flight]  # when each lane is ready
-        turns = [0] * k
-        times = plan.times
         free = self.pipeline.free  # a copy
-        spp = self.spp
-        starts: list[float] = []
-        predicted: list[float] = []
-        ends: list[float] = []
-        x = 0
-        while True:
-            tx = times[x]
-            j = turns[x]
-            if j == len(tx):
-                break
-            s = ready[x]
-            if free[0] > s:
-                s = free[0]
-            if not s < horizon:
-                break
-            if k == 2:  # the other lane
-                if ready[1 - x] <= s:
-                    break
-            elif any(ready[y] <= s for y in range(k) if y != x):
-                break
-            p = tx[j]
-            _, t = push_times(free, s, p / spp)  # Pipeline.push, on the copy (s >= free[0])
-            ready[x] = t
-            turns[x] = j + 1
-            starts.append(s)
-            predicted.append(p)
-            ends.append(t)
-            x = x + 1 if x + 1 < k else 0
+        starts, predicted, ends, ran_out = cycle_turns(plan.times, ready, free, horizon)
         n = len(starts)
-        self._cycle_len = min(2 * self._cycle_len, 4096) if len(times[x]) == turns[x] else 16
+        self._cycle_len = min(2 * self._cycle_len, 4096) if ran_out else 16
         if n < k:
             return False
         first = self.sched.commit_lane_cycle(plan, n, starts[-1]).start
