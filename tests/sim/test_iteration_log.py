@@ -88,3 +88,38 @@ def test_a_refused_value_leaves_the_log_as_it_was() -> None:
         log.extend([1, 2], [0.5, 0.6], [0.1, 0.1], [1, 1], [0, 0.5], [0, 0], [0, 0])
     assert [len(col) for col in log.columns()] == [1] * 7
     assert list(log) == [IterationRecord(0, 0.0, 0.1, 1, 0, 0, 0)]
+
+
+def test_extend_packs_lists_as_fromlist() -> None:
+    """Lists go in by ``struct`` (the same bytes as ``fromlist``); values it refuses
+    go the ``fromlist`` way: ints in float columns, bools and index-able ints, and
+    the errors of a float in an int column or an int past int64."""
+    one, bulk = IterationLog(), IterationLog()
+    rows = [(7, 1, 2**60, True, 0, 3, False), (8, 0.5, -0.0, 2**63 - 1, -(2**63), 0, 1)]
+    for r in rows:
+        one.append(*r)
+    bulk.extend(*(list(c) for c in zip(*rows, strict=True)))
+    assert bulk == one and bulk.columns() == one.columns()
+    assert bulk[0].start_s == 1.0 and type(bulk[0].start_s) is float
+    before = list(bulk)
+    with pytest.raises(TypeError):
+        bulk.extend([1], [0.0], [0.1], [1.5], [0], [0], [0])
+    with pytest.raises(OverflowError):
+        bulk.extend([1], [0.0], [0.1], [2**63], [0], [0], [0])
+    with pytest.raises(TypeError):
+        bulk.extend([1], ["x"], [0.1], [1], [0], [0], [0])
+    assert bulk == before
+
+
+def test_extend_ids_as_ranges() -> None:
+    """A range of ids goes in as one copy where numpy holds it exactly, else as
+    ``extend`` takes it (steps, bounds past 2**52, past int64: the same error)."""
+    log, want = IterationLog(), []
+    for ids in (range(5, 9), range(0), range(9, 3), range(10, 20, 3), range(2**53, 2**53 + 2)):
+        n = len(ids)
+        log.extend(ids, [0.0] * n, [0.0] * n, [0] * n, [0] * n, [0] * n, [0] * n)
+        want.extend(ids)
+    assert list(log.batch_id) == want
+    with pytest.raises(OverflowError):
+        log.extend(range(2**63, 2**63 + 1), [0.0], [0.0], [0], [0], [0], [0])
+    assert list(log.batch_id) == want
