@@ -92,3 +92,30 @@ def test_one_group_times_with_varying_equals_without(members: int) -> None:
         )
         == plain[:300]
     )
+
+
+def test_varying_functions_are_kept_per_coefficients_and_totals() -> None:
+    """The same fixed totals and coefficients give the same function back; other
+    totals, their types, or another layout's coefficients give their own, each
+    equal to ``group_time``."""
+    models = [
+        RooflineCostModel.from_spec(
+            {"model": "llama3-8b", "gpu": "a100"}, layout=ParallelDegrees(tp=tp, spp=spp)
+        )
+        for tp, spp in ((8, 2), (8, 2), (2, 1))
+    ]
+    row = [20, 0, 0, 20, 0, 20]
+    f = models[0].group_time_varying(row, 1, 2)
+    assert models[1].group_time_varying(list(row), 1, 2) is f  # equal coefficients
+    other_layout = models[2].group_time_varying(row, 1, 2)
+    other_totals = models[0].group_time_varying([21, 0, 0, 21, 0, 21], 1, 2)
+    as_floats = models[0].group_time_varying([20.0, 0, 0, 20, 0, 20], 1, 2)
+    assert len({id(f), id(other_layout), id(other_totals), id(as_floats)}) == 4
+    for model, fn, totals in (
+        (models[0], f, row),
+        (models[2], other_layout, row),
+        (models[0], other_totals, [21, 0, 0, 21, 0, 21]),
+        (models[0], as_floats, [20.0, 0, 0, 20, 0, 20]),
+    ):
+        for pairs, kv in ((70_020, 70_020), (10**11, 5)):
+            assert fn(pairs, kv) == model.group_time([*totals[:1], pairs, kv, *totals[3:]])

@@ -135,79 +135,7 @@ class RooflineCostModel(AggregateCostModel):
         if (i, j) != (1, 2) or type(self).group_time is not RooflineCostModel.group_time:
             return None  # (a subclass that prices otherwise keeps group_time)
         q, _, _, qa, qm, nt = totals
-        (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = self._layer
-        (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = self._outer
-        a, b = q * c_qkv, w_qkv + q * a_qkv
-        qkv = a if a > b else b
-        read_q = qa * b_qo
-        a, b = q * c_o, w_o + q * a_o
-        out = a if a > b else b
-        a, b = q * c_m, w_m + q * a_m
-        mlp = a if a > b else b
-        merged = qm * merge
-        reduce = ar_fixed + q * ar_tok if q > 0 else None
-        send = qa * pp_tok
-        head = None
-        if nt > 0:
-            a, b = nt * c_h, w_h + nt * a_h
-            head = a if a > b else b
-
-        def time_of(pairs: float, kv: float) -> float:
-            a, b = pairs * c_att, kv * b_kv + read_q
-            layer = qkv + (a if a > b else b)
-            layer += out
-            layer += mlp
-            layer = layer + merged + fixed
-            if reduce is not None:
-                layer += reduce
-            time = layers * layer + pp_fixed + send
-            if head is not None:
-                time += head
-            return time
-
-        def series(
-            ai: float,
-            bi: float,
-            ci: float,
-            aj: float,
-            bj: float,
-            cj: float,
-            kv_sum: int,
-            nt: int,
-            first: int,
-            steps: int,
-            budget: float,
-        ) -> list[float]:
-            if reduce is not None and head is not None and steps > 0:
-                run = _memory_bound_run(ai, bi, ci, aj, bj, cj, kv_sum, nt, first, steps, bounds)
-                if run is not None:  # the branch below fixed: the tokens as a range of ints
-                    return _memory_series(run, steps, budget, terms)
-            times = []
-            spent = 0.0
-            for step in range(first, first + steps):
-                kv = kv_sum + nt * step
-                pairs, tokens = ai + kv * bi + ci, aj + kv * bj + cj
-                # time_of(pairs, tokens)
-                a, b = pairs * c_att, tokens * b_kv + read_q
-                layer = qkv + (a if a > b else b)
-                layer += out
-                layer += mlp
-                layer = layer + merged + fixed
-                if reduce is not None:
-                    layer += reduce
-                time = layers * layer + pp_fixed + send
-                if head is not None:
-                    time += head
-                times.append(time)
-                spent += time
-                if spent >= budget:
-                    break
-            return times
-
-        bounds = (c_att, b_kv, read_q)
-        terms = (qkv, b_kv, read_q, out, mlp, merged, fixed, reduce, layers, pp_fixed, send, head)
-        time_of.series = series  # type: ignore[attr-defined]
-        return time_of
+        return _varying(self._layer, self._outer, q, qa, qm, nt)
 
     def chunk_price(self) -> Callable[[Sequence[float] | None, int, int], float] | None:
         """``price(base, start, n)``: :meth:`group_time` of ``base`` (None: nothing)
@@ -229,6 +157,89 @@ class RooflineCostModel(AggregateCostModel):
         check_spec_keys("roofline", params, required=("model", "gpu"))
         shape = get_model_shape(params["model"])
         return cls(model=shape, hardware=get_hardware(params["gpu"]), layout=layout)
+
+
+@lru_cache(maxsize=1024, typed=True)
+def _varying(
+    layer: tuple[float, ...], outer: tuple[float, ...], q: float, qa: float, qm: float, nt: float
+) -> Callable[[float, float], float]:
+    """:meth:`RooflineCostModel.group_time_varying` for these coefficients and
+    fixed totals (kept: a lane's decode count recurs from run to run, some 15
+    distinct sets of totals in 20,959 calls at 0.25 QPS; module level, like
+    :func:`_chunk_price`, so the model stays picklable)."""
+    (c_qkv, w_qkv, a_qkv, c_att, b_kv, b_qo, c_o, w_o, a_o, c_m, w_m, a_m) = layer
+    (merge, fixed, ar_fixed, ar_tok, layers, c_h, w_h, a_h, pp_fixed, pp_tok) = outer
+    a, b = q * c_qkv, w_qkv + q * a_qkv
+    qkv = a if a > b else b
+    read_q = qa * b_qo
+    a, b = q * c_o, w_o + q * a_o
+    out = a if a > b else b
+    a, b = q * c_m, w_m + q * a_m
+    mlp = a if a > b else b
+    merged = qm * merge
+    reduce = ar_fixed + q * ar_tok if q > 0 else None
+    send = qa * pp_tok
+    head = None
+    if nt > 0:
+        a, b = nt * c_h, w_h + nt * a_h
+        head = a if a > b else b
+
+    def time_of(pairs: float, kv: float) -> float:
+        a, b = pairs * c_att, kv * b_kv + read_q
+        layer = qkv + (a if a > b else b)
+        layer += out
+        layer += mlp
+        layer = layer + merged + fixed
+        if reduce is not None:
+            layer += reduce
+        time = layers * layer + pp_fixed + send
+        if head is not None:
+            time += head
+        return time
+
+    def series(
+        ai: float,
+        bi: float,
+        ci: float,
+        aj: float,
+        bj: float,
+        cj: float,
+        kv_sum: int,
+        nt: int,
+        first: int,
+        steps: int,
+        budget: float,
+    ) -> list[float]:
+        if reduce is not None and head is not None and steps > 0:
+            run = _memory_bound_run(ai, bi, ci, aj, bj, cj, kv_sum, nt, first, steps, bounds)
+            if run is not None:  # the branch below fixed: the tokens as a range of ints
+                return _memory_series(run, steps, budget, terms)
+        times = []
+        spent = 0.0
+        for step in range(first, first + steps):
+            kv = kv_sum + nt * step
+            pairs, tokens = ai + kv * bi + ci, aj + kv * bj + cj
+            # time_of(pairs, tokens)
+            a, b = pairs * c_att, tokens * b_kv + read_q
+            layer = qkv + (a if a > b else b)
+            layer += out
+            layer += mlp
+            layer = layer + merged + fixed
+            if reduce is not None:
+                layer += reduce
+            time = layers * layer + pp_fixed + send
+            if head is not None:
+                time += head
+            times.append(time)
+            spent += time
+            if spent >= budget:
+                break
+        return times
+
+    bounds = (c_att, b_kv, read_q)
+    terms = (qkv, b_kv, read_q, out, mlp, merged, fixed, reduce, layers, pp_fixed, send, head)
+    time_of.series = series  # type: ignore[attr-defined]
+    return time_of
 
 
 def _memory_bound_run(
