@@ -245,6 +245,17 @@ class _PrefillQueue(PrefillQueue):
         return live[0].count_ahead(request_ids, self._not_long, now)
 
 
+def _lane_sums(
+    nt: int, kv: int, line_a: list[float], line_b: list[float], const: list[float] | None
+) -> list[float]:
+    """A one-group lane's sums of features (``DecodeLanes.totals``' row): ``nt * a +
+    kv * b`` term by term, plus ``const`` if any (a function, not a comprehension
+    in :meth:`Scheduler.turn_run`, whose ``nt`` and ``kv`` would become cells)."""
+    if const is None:
+        return [nt * x + kv * y for x, y in zip(line_a, line_b, strict=True)]
+    return [nt * x + kv * y + c for x, y, c in zip(line_a, line_b, const, strict=True)]
+
+
 _END = object()
 """The end of a scan's candidates (None is a long prompt passed over)."""
 
@@ -1676,6 +1687,10 @@ class Scheduler:
         shared = request is None
         queue = self._queue
         first_queued = queue.first
+        # _PrefillQueue.renew less its flush of the scan's deferred takes: the run
+        # takes none (its scans pack with take=False), and first_queued flushes
+        # at every turn before any renewal
+        renew = partial(PrefillQueue.renew, queue)
         out_of_reach = self._shorts_out_of_reach
         out = self._turn_out
         running = self._running
@@ -1712,17 +1727,6 @@ class Scheduler:
             times_of.clear()  # a learning model moved its coefficients
             self._decode_times_revision = getattr(agg, "revision", 0)
         target = self._target_time()  # no finish and no prefill end inside the run
-
-        def lane_time(base: list[float], nt: int, const: list[float] | None) -> float:
-            """``group_time(base)`` of a lane's sums (``nt`` tail tokens): where ``base
-            = nt * a + kv * b``, the same float by the decode time function kept
-            for ``nt``."""
-            if times_of is None or const is not None:
-                return group_time(base)
-            time_of = times_of.get(nt)
-            if time_of is None:
-                time_of = times_of[nt] = self._decode_time_of(base)
-            return time_of(base[1], base[2])
 
         # A non-scan turn with a lane prices the lane alone (base_time) only when it
         # must. The roofline's chunk price is group_time of the lane's sums plus the
@@ -1800,7 +1804,7 @@ class Scheduler:
                     nt = lane.n_tail[0]
                     kv = lane.kv_sum[0] + nt * lane.issued
                     const = lane.const[0]
-                    if const is None and six:  # the comprehension below, unrolled
+                    if const is None and six:  # _lane_sums, unrolled
                         base = [
                             nt * a0 + kv * b0,
                             nt * a1 + kv * b1,
@@ -1809,13 +1813,8 @@ class Scheduler:
                             nt * a4 + kv * b4,
                             nt * a5 + kv * b5,
                         ]
-                    elif const is None:
-                        base = [nt * x + kv * y for x, y in zip(line_a, line_b, strict=True)]
                     else:
-                        base = [
-                            nt * x + kv * y + c
-                            for x, y, c in zip(line_a, line_b, const, strict=True)
-                        ]
+                        base = _lane_sums(nt, kv, line_a, line_b, const)
                 else:
                     base = None
                 if base is None:
@@ -1824,7 +1823,7 @@ class Scheduler:
                     base_time = 0.0  # not priced yet: after the search, if it must be
                     unpriced = True
                 else:
-                    base_time = lane_time(base, nt, const)
+                    base_time = self._lane_time(base, nt, const, times_of)
             if base_time >= target:
                 break
             if scan and crossers is not None:  # _pack_decodes grows them before the scan
@@ -1857,7 +1856,7 @@ class Scheduler:
                 # (an unpriced lane's search starts its secant from 0.0 seconds)
                 n, p = search(room, grid, base, start, goal, base_time, hints.get(rid, 0))
                 if unpriced and n and not p < goal:  # p == goal: the lane's may be the goal
-                    base_time = lane_time(base, nt, const)  # type: ignore[arg-type]
+                    base_time = self._lane_time(base, nt, const, times_of)  # type: ignore[arg-type]
                     if base_time >= goal:
                         break
             if n == 0 or start + n >= total:
@@ -1981,14 +1980,14 @@ class Scheduler:
                 r.remaining_work = remaining(r.num_prefill_tokens, done)
                 if shared:  # (out of the queue from the turn to here, as prefill_turn
                     # and clear_turn record it in _turn_out: nothing reads it between)
-                    queue.renew(r)
+                    renew(r)
             else:
                 for x, _, k, _ in taken:
                     x._stage0 += k
                     done = x._scheduled if cache_aware else x._scheduled - x.num_cached_tokens
                     x.remaining_work = remaining(x.num_prefill_tokens, done)
                     if shared:
-                        queue.renew(x)
+                        renew(x)
             s = f
         for lane_s, k in sampled.items():
             tokens = [0] * k
@@ -2023,6 +2022,24 @@ class Scheduler:
             cleared,
             formed,
         )
+
+    def _lane_time(
+        self,
+        base: list[float],
+        nt: int,
+        const: list[float] | None,
+        times_of: dict[int, Callable[[float, float], float]] | None,
+    ) -> float:
+        """``group_time(base)`` of a lane's sums (``nt`` tail tokens) in a
+        :meth:`turn_run`: where ``base = nt * a + kv * b`` (``const`` None and the
+        run's ``times_of`` kept), the same float by the decode time function
+        kept for ``nt``."""
+        if times_of is None or const is not None:
+            return self._one_group.group_time(base)  # type: ignore[union-attr]
+        time_of = times_of.get(nt)
+        if time_of is None:
+            time_of = times_of[nt] = self._decode_time_of(base)
+        return time_of(base[1], base[2])
 
     def _decode_time_of(self, base: list[float]) -> Callable[[float, float], float]:
         """``group_time`` of ``base`` (the one group's totals of a lane of decodes) as
