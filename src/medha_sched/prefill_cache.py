@@ -111,6 +111,11 @@ class PrefillTimeCache:
         if "_at" not in state:  # pickled before the positions were kept
             self._at = array("d")
 
+    def current(self) -> bool:
+        """Whether the table is of the model's current revision: :meth:`refresh`
+        then answers False, whatever the time, until the revision moves."""
+        return getattr(self._model, "revision", 0) == self.revision
+
     def refresh(self, now: float, refresh_interval: float = 10.0) -> bool:
         """Rebuild the table if the model's revision changed and the last
         rebuild is ``refresh_interval`` seconds before ``now``; True if it did.

@@ -79,7 +79,8 @@ class PrefillQueue:
         and among those not long by its prompt."""
         rid = request.request_id
         prompt = request.num_prefill_tokens
-        left = prompt - request.num_scheduled_tokens
+        lane = request._lane  # num_scheduled_tokens, without the property's call:
+        left = prompt - (request._scheduled if lane is None else request._scheduled + lane.issued)
         if left < self._short_below:
             self._short[rid] = left
         else:

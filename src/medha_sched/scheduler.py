@@ -253,6 +253,17 @@ class _PrefillQueue(PrefillQueue):
         return live[0].count_ahead(request_ids, self._not_long, now)
 
 
+def _lane_sums(
+    nt: int, kv: int, line_a: list[float], line_b: list[float], const: list[float] | None
+) -> list[float]:
+    """A one-group lane's sums of features (``DecodeLanes.totals``' row): ``nt * a +
+    kv * b`` term by term, plus ``const`` if any (a function, not a comprehension
+    in :meth:`Scheduler.turn_run`, whose ``nt`` and ``kv`` would become cells)."""
+    if const is None:
+        return [nt * x + kv * y for x, y in zip(line_a, line_b, strict=True)]
+    return [nt * x + kv * y + c for x, y, c in zip(line_a, line_b, const, strict=True)]
+
+
 _END = object()
 """The end of a scan's candidates (None is a long prompt passed over)."""
 
@@ -309,6 +320,10 @@ class Scheduler:
         cost_model: predicts iteration times; its ``layout`` gives tp/spp/kvp.
         cache: KV memory per KVP group.
     """
+
+    _lane_time_late = True
+    """:meth:`turn_run` prices a lane alone in a turn only where it must (see there);
+    False: at every turn, before the chunk (the tests' reference)."""
 
     def __init__(
         self, config: SchedulerConfig, cost_model: CostModel, *, cache: CacheConfig | None = None
@@ -1682,6 +1697,10 @@ class Scheduler:
         shared = request is None
         queue = self._queue
         first_queued = queue.first
+        # _PrefillQueue.renew less its flush of the scan's deferred takes: the run
+        # takes none (its scans pack with take=False), and first_queued flushes
+        # at every turn before any renewal
+        renew = partial(PrefillQueue.renew, queue)
         out_of_reach = self._shorts_out_of_reach
         out = self._turn_out
         running = self._running
@@ -1718,6 +1737,19 @@ class Scheduler:
             times_of.clear()  # a learning model moved its coefficients
             self._decode_times_revision = getattr(agg, "revision", 0)
         target = self._target_time()  # no finish and no prefill end inside the run
+
+        # A non-scan turn with a lane prices the lane alone (base_time) only when it
+        # must. The roofline's chunk price is group_time of the lane's sums plus the
+        # chunk's features, every operation monotone in floats (products by non-
+        # negative coefficients, sums, max; chunk_price), so a chunk's time is at
+        # least the lane's: a chunk found within the goal (p < goal) proves
+        # base_time < goal <= target, and the checks on it cannot stop the turn.
+        # The search's answer does not depend on the time it starts its secant
+        # from (it returns the largest candidate within the goal: chunk_search),
+        # only its probes do. So the time is priced when nothing fits (then the turn
+        # stops either way: no state changes before those stops) or p == goal.
+        roofline = search is not None and getattr(price, "search", None) is search
+        lazy = self._lane_time_late and roofline
         first = self._next_batch_id
         before = len(flying)
         starts: list[float] = []
@@ -1726,7 +1758,11 @@ class Scheduler:
         times: list[float] = []
         decs: list[int] = []
         ends: list[float] = []
-        pack, join, refresh = self._pack_prefills, self._join, self.prefill_times.refresh
+        pack, join = self._pack_prefills, self._join
+        # refresh(s) rebuilds only once the model's revision moved from the
+        # table's; nothing in the run moves it (no call here observes a time),
+        # so with them equal now every turn's refresh answers False
+        refresh = None if self.prefill_times.current() else self.prefill_times.refresh
         new_draft = self._new_draft
         plain: tuple[Draft, Lane | None, list[str]] | None = None
         turn_scans = self.turn_scans
@@ -1735,6 +1771,11 @@ class Scheduler:
         # lane -> its batch ends in the run: each member's tokens (0s), appended
         # after the loop (no member joins or leaves a lane inside the run)
         sampled: dict[Lane, int] = {}
+        # prompts whose turn went here: their groups were checked and their new
+        # blocks dropped (a prefill's blocks are all admitted with its first
+        # chunk, and no call in the run takes any for it after), so neither the
+        # check nor the drop can change anything at their later turns
+        clean: set[str] = set()
         s = now
         cleared = True
         r = request
@@ -1743,7 +1784,7 @@ class Scheduler:
                 break  # schedule() merges the ready lanes: the per-turn path does
             scan = False
             if shared:
-                if refresh(s):  # _pack's first step, before the queue is read
+                if refresh is not None and refresh(s):  # _pack's first step, before the queue
                     self._reprice()
                 r = first_queued(s)  # as prefill_turn(None, s) looks it up
                 if r is None or r.request_id not in running or r._lane is not None:
@@ -1757,9 +1798,11 @@ class Scheduler:
             start = r._scheduled
             if start >= limit:
                 break
-            if shared and not memory.groups_of(rid):  # one KVP group (start < limit)
+            # one KVP group (start < limit); a prompt that passed keeps its groups
+            if shared and rid not in clean and not memory.groups_of(rid):
                 break
             lane = ready[0] if ready else None
+            unpriced = False
             if lane is None:
                 decodes, crossers, base, base_time = 0, None, None, 0.0
             else:
@@ -1771,7 +1814,7 @@ class Scheduler:
                     nt = lane.n_tail[0]
                     kv = lane.kv_sum[0] + nt * lane.issued
                     const = lane.const[0]
-                    if const is None and six:  # the comprehension below, unrolled
+                    if const is None and six:  # _lane_sums, unrolled
                         base = [
                             nt * a0 + kv * b0,
                             nt * a1 + kv * b1,
@@ -1780,24 +1823,17 @@ class Scheduler:
                             nt * a4 + kv * b4,
                             nt * a5 + kv * b5,
                         ]
-                    elif const is None:
-                        base = [nt * x + kv * y for x, y in zip(line_a, line_b, strict=True)]
                     else:
-                        base = [
-                            nt * x + kv * y + c
-                            for x, y, c in zip(line_a, line_b, const, strict=True)
-                        ]
+                        base = _lane_sums(nt, kv, line_a, line_b, const)
                 else:
                     base = None
                 if base is None:
                     base_time = 0.0
-                elif times_of is not None and const is None:  # base = nt * a + kv * b
-                    time_of = times_of.get(nt)
-                    if time_of is None:
-                        time_of = times_of[nt] = self._decode_time_of(base)
-                    base_time = time_of(base[1], base[2])  # group_time(base), the same float
+                elif lazy and not scan:
+                    base_time = 0.0  # not priced yet: after the search, if it must be
+                    unpriced = True
                 else:
-                    base_time = group_time(base)
+                    base_time = self._lane_time(base, nt, const, times_of)
             if base_time >= target:
                 break
             if scan and crossers is not None:  # _pack_decodes grows them before the scan
@@ -1827,7 +1863,12 @@ class Scheduler:
                     room = max_chunk
                 if limit - start % limit < room:
                     room = limit - start % limit
+                # (an unpriced lane's search starts its secant from 0.0 seconds)
                 n, p = search(room, grid, base, start, goal, base_time, hints.get(rid, 0))
+                if unpriced and n and not p < goal:  # p == goal: the lane's may be the goal
+                    base_time = self._lane_time(base, nt, const, times_of)  # type: ignore[arg-type]
+                    if base_time >= goal:
+                        break
             if n == 0 or start + n >= total:
                 break
             if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on
@@ -1888,10 +1929,10 @@ class Scheduler:
             lanes.issue_unspelled(lane, bid)
             if taken is None:
                 hints[rid] = n
-                drop_new_blocks(rid)
+                if rid not in clean:
+                    drop_new_blocks(rid)
+                    clean.add(rid)
                 r._scheduled = start + n
-                if shared:
-                    out[rid] = None
                 chunks.append(n)
                 prefills.append(1)
                 flying.append((t, lane, [(r, start, n, False)], bid))
@@ -1903,8 +1944,6 @@ class Scheduler:
                     if x.first_scheduled_time is None:  # admitted by the scan (_advance's)
                         x.first_scheduled_time = s
                     tokens += k
-                    if shared:
-                        out[x.request_id] = None
                 chunks.append(tokens)
                 prefills.append(len(taken))
                 flying.append((t, lane, taken, bid))
@@ -1918,6 +1957,12 @@ class Scheduler:
                 # its stage-0 end is an event (a scan's turn whose stage-0 time
                 # holds a batch end finishing a decode goes on the events too)
                 cleared = False
+                if shared:  # its prompts left the queue at the turn (clear_turn puts them back)
+                    if taken is None:
+                        out[rid] = None
+                    else:
+                        for x, _, _, _ in taken:
+                            out[x.request_id] = None
                 break
             # the batch ends due by f, in issue order (on_batch_end's work)
             while head < len(flying) and flying[head][0] <= f:
@@ -1943,17 +1988,16 @@ class Scheduler:
                 r._stage0 += n
                 done = r._scheduled if cache_aware else r._scheduled - r.num_cached_tokens
                 r.remaining_work = remaining(r.num_prefill_tokens, done)
-                if shared:
-                    del out[rid]
-                    queue.renew(r)
+                if shared:  # (out of the queue from the turn to here, as prefill_turn
+                    # and clear_turn record it in _turn_out: nothing reads it between)
+                    renew(r)
             else:
                 for x, _, k, _ in taken:
                     x._stage0 += k
                     done = x._scheduled if cache_aware else x._scheduled - x.num_cached_tokens
                     x.remaining_work = remaining(x.num_prefill_tokens, done)
                     if shared:
-                        del out[x.request_id]
-                        queue.renew(x)
+                        renew(x)
             s = f
         for lane_s, k in sampled.items():
             tokens = [0] * k
@@ -1988,6 +2032,24 @@ class Scheduler:
             cleared,
             formed,
         )
+
+    def _lane_time(
+        self,
+        base: list[float],
+        nt: int,
+        const: list[float] | None,
+        times_of: dict[int, Callable[[float, float], float]] | None,
+    ) -> float:
+        """``group_time(base)`` of a lane's sums (``nt`` tail tokens) in a
+        :meth:`turn_run`: where ``base = nt * a + kv * b`` (``const`` None and the
+        run's ``times_of`` kept), the same float by the decode time function
+        kept for ``nt``."""
+        if times_of is None or const is not None:
+            return self._one_group.group_time(base)  # type: ignore[union-attr]
+        time_of = times_of.get(nt)
+        if time_of is None:
+            time_of = times_of[nt] = self._decode_time_of(base)
+        return time_of(base[1], base[2])
 
     def _decode_time_of(self, base: list[float]) -> Callable[[float, float], float]:
         """``group_time`` of ``base`` (the one group's totals of a lane of decodes) as
