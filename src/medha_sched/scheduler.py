@@ -380,6 +380,7 @@ class Scheduler:
         # drafts price one-group tail probes in one call when the model can (the
         # same floats; a model's chunk_price is fixed for its life)
         self._draft_price = None if self._one_group is None else self._one_group.chunk_price()
+        self._empty_cost = self._cost_template()  # _new_draft's batches: its empty() copies
         # turn_run's decode-lane times by number of decodes (see _decode_time_of),
         # for the model's revision they were made at
         self._decode_times: dict[int, Callable[[float, float], float]] = {}
@@ -392,7 +393,7 @@ class Scheduler:
         """Pickled without the drafts' chunk pricer (a closure); :meth:`__setstate__`
         asks the model for it again (the same floats)."""
         state = self.__dict__.copy()
-        state["_draft_price"] = None
+        state["_draft_price"] = state["_empty_cost"] = None
         state["_decode_times"] = {}
         return state
 
@@ -400,6 +401,7 @@ class Scheduler:
         self.__dict__.update(state)
         agg = self._one_group
         self._draft_price = None if agg is None else agg.chunk_price()
+        self._empty_cost = self._cost_template()
         self._decode_times = {}  # (made again on demand; pickled before it was kept)
         self._decode_times_revision = getattr(self.cost_model, "revision", 0)
 
@@ -581,11 +583,45 @@ class Scheduler:
             r.first_scheduled_time = now
         return start, start + n == r.num_prompt_tokens + len(r.output_token_ids)
 
+    def _cost_template(self) -> BatchCost:
+        """An empty batch as drafts start: priced by the cost model, on every KVP
+        group, one-group probes by ``_draft_price``."""
+        return BatchCost(self.cost_model, self.layout.kvp, price=self._draft_price)
+
     def _new_draft(self) -> Draft:
         """An empty batch priced by the cost model, with this step's time budget."""
+        return Draft(self._empty_cost.empty(), self._target_time())
+
+    def _joined_draft(
+        self,
+        request: Request,
+        groups: tuple[int, ...],
+        n: int,
+        time: float,
+        base: list[float] | None,
+        decodes: int,
+        is_long: bool,
+    ) -> Draft:
+        """The draft :meth:`turn_run`'s scan turn starts from, built at once: a
+        lane of ``decodes`` whose one-group totals are ``base`` (None: no lane),
+        then ``n`` tokens of ``request`` (its first shard's tail, on ``groups``)
+        joined, ``time`` their batch's price (the model's ``chunk_price``, as
+        its search found it). The state that :meth:`_new_draft`, the seed of
+        the lane (``seed_priced``, ``set_decodes``), ``note_tail`` of the chunk
+        at ``time`` and :meth:`_join` leave."""
+        start = request.num_scheduled_tokens
+        assert start < self.group_limit, "the first shard's tail"
+        cost = self._empty_cost.empty()  # (one group: turn_run's runs need it)
+        cost.seed_tail(base, (groups[0], n, start, True), time)
         return Draft(
-            BatchCost(self.cost_model, self.layout.kvp, price=self._draft_price),
+            cost,
             self._target_time(),
+            entries=[(request, n)],
+            num_decodes=decodes,
+            long_groups={groups[0]} if is_long else set(),
+            groups={request.request_id: groups},
+            num_tokens=decodes + n,
+            num_prefills=1,
         )
 
     def _target_time(self) -> float:
@@ -1884,14 +1920,15 @@ class Scheduler:
                 break
             if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on
                 hints[rid] = n  # as ChunkSizer.adaptive leaves it
-                draft = new_draft()
-                if lane is not None:  # _price_lane's seed, of the sums and time found above
-                    draft.cost.seed_priced(base, base_time)
-                    draft.set_decodes(decodes)
                 groups = memory.groups_of(rid)
-                if price is not None:  # the search priced the chunk: add() reuses its time
-                    draft.cost.note_tail(groups[0], n, start, p)
-                join(draft, r, groups, n, total >= long_min)
+                if price is not None:  # the search priced the chunk: the draft at once
+                    draft = self._joined_draft(r, groups, n, p, base, decodes, total >= long_min)
+                else:
+                    draft = new_draft()
+                    if lane is not None:  # _price_lane's seed, of the sums and time found above
+                        draft.cost.seed_priced(base, base_time)
+                        draft.set_decodes(decodes)
+                    join(draft, r, groups, n, total >= long_min)
                 chosen = pack(draft, s, take=False, joined=r)
                 taken = [(x, x._scheduled, k, False) for x, k in draft.entries]
                 for x, st, k, _ in taken:
