@@ -62,22 +62,43 @@ class BatchCost:
     ) -> None:
         """``price``: ``model.chunk_price()`` (the same floats as ``group_time`` of
         the sums, in one call), for one-group tail probes; None: summed here."""
+        agg = model if isinstance(model, AggregateCostModel) else None
+        price = price if agg is not None and num_groups == 1 else None
+        # the price's own search (the roofline's; see chunking.chunk_search), if any
+        self._start(model, num_groups, agg, price, getattr(price, "search", None))
+
+    def _start(
+        self,
+        model: CostModel,
+        num_groups: int,
+        agg: AggregateCostModel | None,
+        price: Callable[[Sequence[float] | None, int, int], float] | None,
+        search: Callable | None,
+    ) -> None:
+        """An empty batch: ``__init__``'s state, its checks made."""
         self._model = model
         self._num_groups = num_groups
-        self._agg = model if isinstance(model, AggregateCostModel) else None
+        self._agg = agg
         self._totals: list[list[float] | None] = [None] * num_groups
         self._group_times = [0.0] * num_groups
         # the works themselves, kept only for models priced on the whole batch
         self._items: list[list[RequestWork]] = (
-            [] if self._agg is not None else [[] for _ in range(num_groups)]
+            [] if agg is not None else [[] for _ in range(num_groups)]
         )
         self.time = 0.0
         # work -> (totals, time) of the one-work probes since the batch last changed
         # (totals None: not summed yet, a ``price`` probe; add() sums them)
         self._probes: dict[Work, tuple[list[float] | None, float]] = {}
-        self._price = price if self._agg is not None and num_groups == 1 else None
-        # the price's own search (the roofline's; see chunking.chunk_search), if any
-        self._search = getattr(self._price, "search", None)
+        self._price = price
+        self._search = search
+
+    def empty(self) -> BatchCost:
+        """A new empty batch priced as this one is (its model, groups and price):
+        ``BatchCost(model, num_groups, price=price)`` without the checks (a
+        draft a step, from one kept by the scheduler)."""
+        new = object.__new__(BatchCost)
+        new._start(self._model, self._num_groups, self._agg, self._price, self._search)
+        return new
 
     def seed(self, totals: Sequence[list[int] | None]) -> None:
         """Start an empty batch from summed features per group (None: an idle group).
@@ -103,6 +124,19 @@ class BatchCost:
             self._totals[0] = totals
             self.time = self._group_times[0] = time  # max(self._group_times), of one
         self._probes = {}  # probed against the empty batch
+
+    def seed_tail(self, totals: list[float] | None, work: Work, time: float) -> None:
+        """``seed_priced(totals, ...)`` (``totals`` None: nothing seeded), then
+        ``note_tail`` of ``work`` (one chunk in its tail shard on group 0) at
+        ``time`` and ``add([work])``, in one step: the state those calls leave
+        (the totals summed as ``add`` sums them, ``time`` the batch's). The
+        batch is empty, one group, priced by the model's ``chunk_price``."""
+        assert self._num_groups == 1 and self.time == 0.0, "seed an empty one-group batch"
+        assert self._price is not None and work[0] == 0 and work[3], "a priced tail chunk"
+        self._totals[0] = totals
+        self._totals[0] = self._totals_with(work)
+        self.time = self._group_times[0] = time
+        self._probes = {}
 
     def note_tail(self, group: int, q_tokens: int, kv_tokens: int, time: float) -> None:
         """Note ``time`` as ``time_with_tail(group, q_tokens, kv_tokens)``, which the

@@ -233,6 +233,12 @@ class ScanCursor:
                 return place - at, True
         return self._size - at, False
 
+    def met_first(self) -> None:
+        """The caller met the first place itself; the walk has yielded nothing
+        (it is walked from there on :meth:`resolve`)."""
+        assert self._at == 0 and self._walked == 0, "the cursor has moved"
+        self._at = 1
+
     def pass_over(self, k: int) -> None:
         """Pass over the next ``k`` places (long prompts, by :meth:`longs_ahead`)."""
         self._at += k

@@ -268,6 +268,12 @@ _END = object()
 """The end of a scan's candidates (None is a long prompt passed over)."""
 
 
+def _walk(queue: PrefillQueue, now: float) -> Iterator[Request]:
+    """``queue.iter_sorted(now)``, called at the first step (a joined scan may
+    end, or pass over the long prompts, without walking)."""
+    yield from queue.iter_sorted(now)
+
+
 @dataclass(slots=True)
 class TurnRun:
     """Prefill turns taken at once by :meth:`Scheduler.turn_run` (one per stage-0
@@ -397,6 +403,7 @@ class Scheduler:
         # drafts price one-group tail probes in one call when the model can (the
         # same floats; a model's chunk_price is fixed for its life)
         self._draft_price = None if self._one_group is None else self._one_group.chunk_price()
+        self._empty_cost = self._cost_template()  # _new_draft's batches: its empty() copies
         # turn_run's decode-lane times by number of decodes (see _decode_time_of),
         # for the model's revision they were made at
         self._decode_times: dict[int, Callable[[float, float], float]] = {}
@@ -409,7 +416,7 @@ class Scheduler:
         """Pickled without the drafts' chunk pricer (a closure); :meth:`__setstate__`
         asks the model for it again (the same floats)."""
         state = self.__dict__.copy()
-        state["_draft_price"] = None
+        state["_draft_price"] = state["_empty_cost"] = None
         state["_decode_times"] = {}
         return state
 
@@ -417,6 +424,7 @@ class Scheduler:
         self.__dict__.update(state)
         agg = self._one_group
         self._draft_price = None if agg is None else agg.chunk_price()
+        self._empty_cost = self._cost_template()
         self._decode_times = {}  # (made again on demand; pickled before it was kept)
         self._decode_times_revision = getattr(self.cost_model, "revision", 0)
 
@@ -598,11 +606,45 @@ class Scheduler:
             r.first_scheduled_time = now
         return start, start + n == r.num_prompt_tokens + len(r.output_token_ids)
 
+    def _cost_template(self) -> BatchCost:
+        """An empty batch as drafts start: priced by the cost model, on every KVP
+        group, one-group probes by ``_draft_price``."""
+        return BatchCost(self.cost_model, self.layout.kvp, price=self._draft_price)
+
     def _new_draft(self) -> Draft:
         """An empty batch priced by the cost model, with this step's time budget."""
+        return Draft(self._empty_cost.empty(), self._target_time())
+
+    def _joined_draft(
+        self,
+        request: Request,
+        groups: tuple[int, ...],
+        n: int,
+        time: float,
+        base: list[float] | None,
+        decodes: int,
+        is_long: bool,
+    ) -> Draft:
+        """The draft :meth:`turn_run`'s scan turn starts from, built at once: a
+        lane of ``decodes`` whose one-group totals are ``base`` (None: no lane),
+        then ``n`` tokens of ``request`` (its first shard's tail, on ``groups``)
+        joined, ``time`` their batch's price (the model's ``chunk_price``, as
+        its search found it). The state that :meth:`_new_draft`, the seed of
+        the lane (``seed_priced``, ``set_decodes``), ``note_tail`` of the chunk
+        at ``time`` and :meth:`_join` leave."""
+        start = request.num_scheduled_tokens
+        assert start < self.group_limit, "the first shard's tail"
+        cost = self._empty_cost.empty()  # (one group: turn_run's runs need it)
+        cost.seed_tail(base, (groups[0], n, start, True), time)
         return Draft(
-            BatchCost(self.cost_model, self.layout.kvp, price=self._draft_price),
+            cost,
             self._target_time(),
+            entries=[(request, n)],
+            num_decodes=decodes,
+            long_groups={groups[0]} if is_long else set(),
+            groups={request.request_id: groups},
+            num_tokens=decodes + n,
+            num_prefills=1,
         )
 
     def _target_time(self) -> float:
@@ -818,22 +860,35 @@ class Scheduler:
         queue, checked = self._queue, None
         seen = 0  # candidates met that are not long prefills
         visited: list[str] = []
-        candidates = walk = queue.iter_sorted(now)
         cursor: ScanCursor | None = None  # the walk, once long prompts are passed over
-        if joined is not None:  # the first candidate's steps, its chunk joined
-            r = next(walk)
-            assert r is joined, "the joined prompt is not the queue's first"
+        if joined is None:
+            candidates = walk = queue.iter_sorted(now)
+        else:  # the first candidate's steps, its chunk joined
+            # (the walk starts at its first step: the scan may not walk at all)
+            candidates = walk = _walk(queue, now)
+            r = joined
             visited.append(r.request_id)
             first = False
             if long_min is not None and r.num_prefill_tokens < long_min:
                 seen += 1
             chosen.append(r)
-            if (
-                long_min is not None
-                and len(long_groups) >= kvp
-                and (seen == queue.num_not_long or self._shorts_out_of_reach(r, now))
-            ):
-                candidates = iter(())  # the stops below, after a first chunk
+            if long_min is None or len(long_groups) < kvp:
+                next(walk)  # (r: the walk goes on from the second candidate)
+            elif seen == queue.num_not_long:
+                # the stops below, after a first chunk (the caller found
+                # _shorts_out_of_reach(r, now) False: the other one is not taken)
+                candidates = iter(())
+            else:
+                # the second visit's first steps, whatever its candidate: the cap, the budget
+                spent = self._budget_spent(draft) if len(entries) < max_entries else True
+                cursor, skips = self._second_visit(draft, walk, now, spent, max_skips)
+                if skips < 0:
+                    candidates = iter(())
+                    skips = 0
+                elif cursor is not None and cursor.passed:
+                    candidates = cursor
+                else:
+                    next(walk)  # (r: the walk visits the second candidate)
         while (r := next(candidates, _END)) is not _END:
             if r is None:  # a long prompt passed over to here, blocked (see below)
                 assert cursor is not None
@@ -927,6 +982,49 @@ class Scheduler:
         if self._adaptive and not entries and not draft.num_decodes and not self._in_flight:
             self._force_progress(draft, now)
         return []
+
+    def _second_visit(
+        self, draft: Draft, walk: Iterator[Request], now: float, spent: bool, max_skips: int
+    ) -> tuple[ScanCursor | None, int]:
+        """A joined scan's second candidate's visit, told without the walk
+        where the keys tell it: ``(cursor, skips)``, skips -1 when the visit
+        ends the scan. The first candidate, the queue's first prompt at
+        ``now`` (``walk``'s first place, not yet walked), is long, its chunk
+        joined, and every KVP group holds a long prefill, so each other long
+        prompt is blocked; a short prompt is queued. ``spent``: True where
+        the draft is at its cap, else :meth:`_budget_spent` (the visit's
+        first steps, after its cap check, whatever the candidate).
+
+        - ``spent``: the visit ends the scan, noting the two ids walked (a
+          long second) or none (a short one) as ``_walked``. With more than
+          two skips allowed either makes :meth:`_shorts_out_of_reach` answer
+          False, as ``[]`` does: ``_walked`` is set to ``[]``, no walk.
+        - Where a grid chunk fits somewhere (the floor cannot fall) and the
+          places of the short prompts are told
+          (:meth:`ScanCursor.longs_ahead`), with ``k < max_skips`` long
+          prompts before the first of them: the visit of each only counts a
+          skip. At the second candidate's, :meth:`_pass_blocked` passes over
+          the others (``k - 1`` of them; with ``k`` 1 the walk meets the
+          short prompt next, with ``k`` 0 it is the second). So: a cursor
+          past them, ``passed`` (the scan iterates it, the walk not taken),
+          and ``k`` skips.
+        - Otherwise the walk visits the second candidate (skips 0): the
+          cursor whose places were asked, if any, not passed.
+        """
+        if max_skips < 3:
+            return None, 0
+        if spent:
+            self._walked = []
+            return None, -1
+        if draft.fits_somewhere < self.config.token_grid:
+            return None, 0
+        cursor = self._queue.scan_cursor(walk, now)
+        cursor.met_first()
+        k, short = cursor.longs_ahead()
+        if not short or k >= max_skips:
+            return cursor, 0
+        cursor.pass_over(k)
+        return cursor, k
 
     def _pass_blocked(self, cursor: ScanCursor, skips: int, seen: int) -> int:
         """The scan's skip count after passing over the long prompts next in
@@ -1873,14 +1971,15 @@ class Scheduler:
                 break
             if scan:  # the first prompt's chunk joins as in _try_prefill; the scan goes on
                 hints[rid] = n  # as ChunkSizer.adaptive leaves it
-                draft = new_draft()
-                if lane is not None:  # _price_lane's seed, of the sums and time found above
-                    draft.cost.seed_priced(base, base_time)
-                    draft.set_decodes(decodes)
                 groups = memory.groups_of(rid)
-                if price is not None:  # the search priced the chunk: add() reuses its time
-                    draft.cost.note_tail(groups[0], n, start, p)
-                join(draft, r, groups, n, total >= long_min)
+                if price is not None:  # the search priced the chunk: the draft at once
+                    draft = self._joined_draft(r, groups, n, p, base, decodes, total >= long_min)
+                else:
+                    draft = new_draft()
+                    if lane is not None:  # _price_lane's seed, of the sums and time found above
+                        draft.cost.seed_priced(base, base_time)
+                        draft.set_decodes(decodes)
+                    join(draft, r, groups, n, total >= long_min)
                 chosen = pack(draft, s, take=False, joined=r)
                 taken = [(x, x._scheduled, k, False) for x, k in draft.entries]
                 for x, st, k, _ in taken:

@@ -126,20 +126,39 @@ def test_the_cursor_passes_nothing_when_places_are_not_told() -> None:
 
 
 def _counting(monkeypatch) -> dict[str, int]:
+    """Passes made by ``_pass_blocked`` and by a joined scan's second visit
+    (``_second_visit``: a cursor past the long prompts before the first short
+    one), counted."""
     counts = {"passed": 0, "places": 0}
-    passing = Scheduler._pass_blocked
+    passing, second = Scheduler._pass_blocked, Scheduler._second_visit
 
     def counted(self, cursor, skips, seen):
         out = passing(self, cursor, skips, seen)
         counts["passed"] += out != skips
         return out
 
+    def counted_second(self, draft, walk, now, spent, max_skips):
+        cursor, skips = second(self, draft, walk, now, spent, max_skips)
+        counts["passed"] += cursor is not None and cursor.passed
+        return cursor, skips
+
     monkeypatch.setattr(Scheduler, "_pass_blocked", counted)
+    monkeypatch.setattr(Scheduler, "_second_visit", counted_second)
     return counts
 
 
 def _never(self, cursor, skips, seen) -> int:
     return skips  # the scan never passes over: the plain walk
+
+
+def _walks(self, draft, walk, now, spent, max_skips):
+    return None, 0  # a joined scan's second candidate is walked to: the plain walk
+
+
+def _plain_walk(monkeypatch) -> None:
+    """The scan walks to every candidate it visits (no pass over long prompts)."""
+    monkeypatch.setattr(Scheduler, "_pass_blocked", _never)
+    monkeypatch.setattr(Scheduler, "_second_visit", _walks)
 
 
 @pytest.mark.parametrize(("policy", "skips", "spp", "seed"), [*MIXED_CASES, ("fcfs", 5, 1, 4)])
@@ -150,7 +169,7 @@ def test_simulations_match_the_walk(monkeypatch, policy, skips, spp, seed) -> No
     fast = _run(trace, spec, skips)
     assert all(r.finish_s is not None for r in fast.records)
     assert counts["passed"] > 5
-    monkeypatch.setattr(Scheduler, "_pass_blocked", _never)
+    _plain_walk(monkeypatch)
     assert_same_results(fast, _run(trace, spec, skips))
 
 
@@ -167,7 +186,7 @@ def test_an_overloaded_roofline_run_matches_the_walk(monkeypatch, spp, flags) ->
     counts = _counting(monkeypatch)
     fast = _run(trace, spec, 16, **flags)
     assert counts["passed"] > 100
-    monkeypatch.setattr(Scheduler, "_pass_blocked", _never)
+    _plain_walk(monkeypatch)
     assert_same_results(fast, _run(trace, spec, 16, **flags))
 
 
@@ -187,7 +206,7 @@ def test_kvp_and_small_pools_match_the_walk(monkeypatch, kvp, kv_tokens, longs, 
     )
     trace = _mixed_trace(seed, longs=longs, shorts=90)
     fast = _run(trace, spec, 8)
-    monkeypatch.setattr(Scheduler, "_pass_blocked", _never)
+    _plain_walk(monkeypatch)
     assert_same_results(fast, _run(trace, spec, 8))
 
 
@@ -196,14 +215,19 @@ def test_kvp_and_small_pools_match_the_walk(monkeypatch, kvp, kv_tokens, longs, 
 
 def _scan_state(sched: Scheduler, draft) -> tuple:
     """What one scan leaves behind: the draft's entries, floor, room and time, and
-    the scheduler's walked ids and queue (what a later scan or turn reads)."""
+    the scheduler's walked ids and queue (what a later scan or turn reads). The
+    walked ids as ``_shorts_out_of_reach`` reads them: fewer than
+    ``max_consecutive_skips`` make it answer False at once, as none do."""
+    walked = list(sched._walked)
+    if len(walked) < sched.config.max_consecutive_skips:
+        walked = []
     return (
         [(r.request_id, n) for r, n in draft.entries],
         draft.floor,
         draft.fits_somewhere,
         draft.cost.time,
         draft.num_tokens,
-        list(sched._walked),
+        walked,
         len(sched._queue),
         sorted(sched._queue._not_long),
     )
@@ -244,7 +268,7 @@ def test_each_scan_leaves_what_the_walk_leaves(monkeypatch, seed: int) -> None:
     simulations do not show (``_walked`` feeds only an early stop that changes no
     decision). These runs do not reach the guard on meeting a short prompt:
     breaking it still passes here."""
-    scan = Scheduler._pack_prefills
+    scan, second = Scheduler._pack_prefills, Scheduler._second_visit
     counts = {"scans": 0, "passes": 0}
 
     def walk(self, cursor, skips, seen):
@@ -261,8 +285,10 @@ def test_each_scan_leaves_what_the_walk_leaves(monkeypatch, seed: int) -> None:
         other, other_draft = copy.deepcopy((self, draft))
         other_joined = None if joined is None else other._requests[joined.request_id]
         monkeypatch.setattr(Scheduler, "_pass_blocked", walk)
+        monkeypatch.setattr(Scheduler, "_second_visit", _walks)
         want = scan(other, other_draft, now, take=take, joined=other_joined)
         monkeypatch.setattr(Scheduler, "_pass_blocked", counted)
+        monkeypatch.setattr(Scheduler, "_second_visit", second)
         got = scan(self, draft, now, take=take, joined=joined)
         assert got == want
         assert _scan_state(self, draft) == _scan_state(other, other_draft)
