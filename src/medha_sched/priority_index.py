@@ -195,7 +195,7 @@ class KineticIndex(Generic[K]):
         clock = self._clock
         if type(now) is float and clock < now < _INF:
             # advance(now) past its checks, written out (every prefill turn peeks at
-            # a later time; twin-tested in tests/sched/test_queue_renew_first.py)
+            # a later time; twin-tested in tests/sched/test_turn_queue_calls.py)
             events = self._events
             if events and events[0][0] <= now:
                 self._fail_until(now)
@@ -203,7 +203,7 @@ class KineticIndex(Generic[K]):
             self._epoch += 1
             if len(self._events) > 2 * self._cap + 32:
                 self._compact_events()
-        elif now != clock:
+        elif type(now) is not float or now != clock:
             self.advance(now)  # (its errors, and times that are no float)
         slot = self._win[1]
         if self._hot:

@@ -1011,6 +1011,9 @@ class Scheduler:
         - Otherwise the walk visits the second candidate (skips 0): the
           cursor whose places were asked, if any, not passed.
         """
+        # the cursor reads the index's places: no take may be pending (turn_run's
+        # queue.first applies them at each turn, and a run takes none)
+        assert not self._queue._out, "a joined scan with takes pending"
         if max_skips < 3:
             return None, 0
         if spent:

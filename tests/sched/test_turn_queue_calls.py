@@ -163,3 +163,14 @@ def test_current_tells_when_refresh_cannot_rebuild() -> None:
         static, target_time=0.05, token_grid=32, max_chunk_tokens=8192, group_token_limit=1 << 20
     )
     assert plain.current() and not plain.refresh(1e9)
+
+
+@pytest.mark.parametrize("bad", [False, True, "0", 0j])
+def test_peek_refuses_a_time_that_is_no_float_even_at_the_clock(bad: object) -> None:
+    """peek's inline advance takes floats only; any other time goes through
+    advance's checks, also when it equals the clock (0.0 == False)."""
+    index: KineticIndex[int] = KineticIndex()
+    index.add(1, intercept=0.0, slope=1.0, tiebreak=(1,))
+    assert index.peek(0.0) == 1
+    with pytest.raises((TypeError, ValueError)):
+        index.peek(bad)  # type: ignore[arg-type]

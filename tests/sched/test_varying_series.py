@@ -172,3 +172,16 @@ def test_memory_bound_run_is_taken_for_decodes() -> None:
     assert _memory_bound_run(20, 1, 10**12, 20, 1, 0, 60_000, 20, 100, 200, bounds) is None
     assert _memory_bound_run(20.0, 1, 0, 20, 1, 0, 60_000, 20, 100, 200, bounds) is None
     assert _memory_bound_run(20, 1, 0, 20, 0, 0, 60_000, 20, 100, 200, bounds) is None
+
+
+def test_memory_series_with_an_infinite_term_goes_step_by_step() -> None:
+    """0 layers times an infinite term makes every time NaN: the running sums
+    are then unsorted, so the bisection must not be used (the loop prices every
+    step, as series' loop does when ``spent >= budget`` never holds)."""
+    from medha_sched.cost.roofline import _memory_series
+
+    inf = float("inf")
+    #        qkv  b_kv read_q out  mlp merged fixed reduce layers pp_fixed send head
+    terms = (1.0, 1e-6, 0.0, 1.0, 1.0, 0.0, inf, 1.0, 0.0, 1.0, 0.0, 1.0)
+    times = _memory_series(range(100, 110), 10, 5.0, terms)
+    assert len(times) == 10 and all(math.isnan(t) for t in times)

@@ -56,6 +56,7 @@ KERNELS_PER_LAYER = 8
 
 _ACT_BYTES = 2  # bf16 activations and KV
 _LSE_BYTES = 4  # fp32 log-sum-exp
+_INF = float("inf")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,7 +301,7 @@ def _memory_series(
     taken by ``accumulate`` (the same additions in the same order; ``0.0 + t
     == t``) and the stop found by bisection (the sums never fall); should the
     bound fall short, the rest goes step by step."""
-    if not all(x >= 0.0 for x in terms):
+    if not all(0.0 <= x < _INF for x in terms):  # (inf * 0 layers: NaN sums, unsorted)
         return _memory_loop(tokens, 0.0, budget, [], terms)
     (qkv, b_kv, read_q, out, mlp, merged, fixed, reduce, layers, pp_fixed, send, head) = terms
     count = steps
