@@ -305,9 +305,9 @@ def _memory_series(
         return _memory_loop(tokens, 0.0, budget, [], terms)
     (qkv, b_kv, read_q, out, mlp, merged, fixed, reduce, layers, pp_fixed, send, head) = terms
     count = steps
-    if budget < float("inf"):
+    if budget < _INF:
         first = _memory_time(tokens[0], terms)
-        bound = budget / (first * _SURE) if first > 0.0 else float("inf")
+        bound = budget / (first * _SURE) if first > 0.0 else _INF
         if bound < steps:  # the sum of m times is at least m * first (less roundoff)
             count = int(bound) + 2 if bound > 0.0 else 1
     times = [
@@ -317,7 +317,7 @@ def _memory_series(
         + head
         for t in tokens[:count]
     ]
-    if not budget < float("inf"):  # never reached (a nan budget is never reached either)
+    if not budget < _INF:  # never reached (a nan budget is never reached either)
         return times
     sums = list(accumulate(times))
     stop = bisect_left(sums, budget)  # the first sum reaching it
