@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from itertools import chain
 
 from medha_sched.policies.base import Policy
@@ -128,12 +128,15 @@ class PrefillQueue:
         for priority, ids in by_class.items():
             self._classes[priority].remove_many(ids)
 
-    def has_remaining_below(self, tokens: int) -> bool:
+    def has_remaining_below(self, tokens: int, met: Collection[str] = ()) -> bool:
         """Whether a queued request had fewer than ``tokens`` prompt tokens left
-        when it was pushed (``tokens`` at most ``short_below``)."""
+        when it was pushed (``tokens`` at most ``short_below``), the ids in
+        ``met`` left out (a scan's candidates so far: it meets none again)."""
         assert tokens <= self._short_below, "only short requests are counted"
         short = self._short
-        return bool(short) and min(short.values()) < tokens
+        if not short or min(short.values()) >= tokens:
+            return False
+        return not met or any(left < tokens and rid not in met for rid, left in short.items())
 
     def first(self, now: float) -> Request | None:
         """The first request of :meth:`iter_sorted` at ``now`` (None: empty), without

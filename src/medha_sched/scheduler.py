@@ -14,7 +14,7 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -198,10 +198,10 @@ class _PrefillQueue(PrefillQueue):
             self._flush()
         return PrefillQueue.only(self)
 
-    def has_remaining_below(self, tokens: int) -> bool:
+    def has_remaining_below(self, tokens: int, met: Collection[str] = ()) -> bool:
         if self._out:
             self._flush()
-        return PrefillQueue.has_remaining_below(self, tokens)
+        return PrefillQueue.has_remaining_below(self, tokens, met)
 
     def first(self, now: float) -> Request | None:
         if self._out:
@@ -954,8 +954,12 @@ class Scheduler:
                 # Every candidate left with at least ``floor`` tokens to go is
                 # passed over (the floor only falls until a chunk joins, and
                 # none can): if no queued request has fewer, the scan is done.
+                # The walk meets no candidate twice, so those visited do not
+                # count (a chosen one is listed until its take); left out only
+                # where the walk on would set ``_walked`` to [] all the same.
                 checked = floor
-                if not queue.has_remaining_below(floor):
+                met = visited if seen and len(visited) > 1 else ()
+                if not queue.has_remaining_below(floor, met):
                     break
             if (
                 long_min is not None
