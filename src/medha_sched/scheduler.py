@@ -925,6 +925,7 @@ class Scheduler:
             smallest = grid if grid < remaining else remaining
             floor = draft.floor
             if floor is None or smallest < floor:
+                checked = None  # visited: the stop below is checked again
                 blocked = (
                     long_min is not None
                     and r.num_prefill_tokens >= long_min
