@@ -6,7 +6,9 @@ short ones until the take that follows the scan choosing it: before, a scan
 that chose it first and then filled the budget (floor set at one grid chunk)
 found it still listed and walked on to ``max_consecutive_skips`` candidates,
 none of which could join. The walk meets no candidate twice, so the visited
-ones do not count. These tests check the queue's count with ``met``, that such
+ones do not count; and the stop is checked again after a candidate is
+examined under the floor (a tail chosen after the floor was first set, the
+floor then set again at the same value). These tests check the queue's count with ``met``, that such
 a scan now stops at once (and forms the reference scheduler's batches), and
 whole simulations with the stop against the same ones without it (every
 record, batch and float the same, and the new stop taken).
