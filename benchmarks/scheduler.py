@@ -43,8 +43,14 @@ without it the configurations run before (their schedulers and requests)
 were collected by a generation-2 pass inside some later timed call (tens of ms
 at 10,000 waiting), which moved the mean of whichever ran later.
 
+``--repeats R`` runs every configuration R times, in rounds (each run a
+fresh interpreter), and prints each column's median over the runs and the
+range of the p99s: on a shared machine one 300-step run's p99 (its 4th
+slowest step) moves by a third from run to run.
+
     python benchmarks/scheduler.py --waiting 1000 10000 --policies lars lars-mp
     python benchmarks/scheduler.py --decodes 256 1024 --waiting 1000 --policies lars
+    python benchmarks/scheduler.py --iters 300 --cpu-time --impls new --repeats 5
 """
 
 from __future__ import annotations
@@ -207,6 +213,28 @@ def stats(samples: list[float], ends: list[float]) -> dict:
     }
 
 
+def print_rows(config: tuple, runs: list[dict], impls: tuple[str, ...]) -> None:
+    """One line per implementation: the run's numbers, or with several runs each
+    column's median over them and the range of the p99s."""
+    policy, decodes, waiting = config
+
+    def med(impl: str, key: str) -> float:
+        return statistics.median(r[impl][key] for r in runs)
+
+    base = med("new", "p50_us")
+    for impl in impls:
+        plus = f"{med(impl, 'plus_chunks_p50_us'):8.0f}" if impl == "new" else f"{'':8}"
+        line = (
+            f"{policy:8} {decodes:>7} {waiting:>7} {impl:10} {med(impl, 'p50_us'):>8.0f} "
+            f"{med(impl, 'p99_us'):>8.0f} {med(impl, 'mean_us'):>8.0f} {plus} "
+            f"{med(impl, 'end_us'):>7.0f} {med(impl, 'p50_us') / base:>9.2f}"
+        )
+        if len(runs) > 1:
+            p99s = [r[impl]["p99_us"] for r in runs]
+            line += f" {f'{min(p99s):.0f}-{max(p99s):.0f}':>13}"
+        print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waiting", type=int, nargs="+", default=[1000, 10000])
@@ -226,30 +254,38 @@ def main() -> None:
         action="store_true",
         help="run every configuration in this process (default: a fresh one each)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every configuration, in rounds (each in a fresh process unless "
+        "--in-process); with more than one, each column is the median over the runs",
+    )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     args.impls = tuple(["new"] + [i for i in args.impls if i != "new"])
     head = (
         f"{'policy':8} {'decodes':>7} {'waiting':>7} {'impl':10} {'p50 us':>8} {'p99 us':>8} "
         f"{'mean us':>8} {'+chunks':>8} {'end us':>7} {'p50 x new':>9}"
     )
+    if args.repeats > 1:
+        head += f" {'p99 range us':>13}"
     print(head)
-    for policy in args.policies:
-        for decodes in args.decodes:
-            for waiting in args.waiting:
-                if args.in_process:
-                    rows = measure(policy, waiting, decodes, args)
-                else:
-                    rows = measure_fresh(policy, waiting, decodes, args)
-                base = rows["new"]["p50_us"]
-                for impl in args.impls:
-                    r = rows[impl]
-                    plus = f"{r['plus_chunks_p50_us']:8.0f}" if impl == "new" else f"{'':8}"
-                    print(
-                        f"{policy:8} {decodes:>7} {waiting:>7} {impl:10} {r['p50_us']:>8.0f} "
-                        f"{r['p99_us']:>8.0f} {r['mean_us']:>8.0f} {plus} {r['end_us']:>7.0f} "
-                        f"{r['p50_us'] / base:>9.2f}",
-                        flush=True,
-                    )
+    configs = [
+        (policy, decodes, waiting)
+        for policy in args.policies
+        for decodes in args.decodes
+        for waiting in args.waiting
+    ]
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for repeat in range(args.repeats):  # rounds: every configuration once per round
+        for config in configs:
+            policy, decodes, waiting = config
+            run = measure if args.in_process else measure_fresh
+            runs[config].append(run(policy, waiting, decodes, args))
+            if repeat == args.repeats - 1:
+                print_rows(config, runs[config], args.impls)
     if len(args.impls) > 1:
         names = ", ".join(args.impls)
         checked = min(args.check, args.warmup + args.iters)
