@@ -42,6 +42,7 @@ class BatchCost:
 
     __slots__ = (
         "_agg",
+        "_fits",
         "_group_times",
         "_items",
         "_model",
@@ -91,6 +92,8 @@ class BatchCost:
         self._probes: dict[Work, tuple[list[float] | None, float]] = {}
         self._price = price
         self._search = search
+        # the price's growth bound (the roofline's; see fits_tail), if any
+        self._fits = getattr(price, "fits_after", None)
 
     def empty(self) -> BatchCost:
         """A new empty batch priced as this one is (its model, groups and price):
@@ -159,6 +162,19 @@ class BatchCost:
             self._probes[work] = (totals, time)  # add() of the same work reuses it
             return time
         return max(self._priced(works).values(), default=0.0) if works else self.time
+
+    def fits_tail(self, q_tokens: int, target: float) -> bool:
+        """True when ``time_with_tail(0, q_tokens, 0) <= target`` is told
+        without pricing the chunk, by the price's bound on how much a chunk at
+        KV 0 adds to a batch of non-negative totals (the roofline's
+        ``fits_after``); False: not told (price it). One group, a batch with
+        something in it. Notes no probe (an :meth:`add` of that chunk prices
+        it, the same float)."""
+        fits = self._fits
+        if fits is None:
+            return False
+        totals = self._totals[0]
+        return totals is not None and min(totals) >= 0 and fits(self.time, q_tokens, target)
 
     def time_with_tail(self, group: int, q_tokens: int, kv_tokens: int) -> float:
         """``time_with([(group, q_tokens, kv_tokens, True)])``: one chunk in one tail shard

@@ -1083,7 +1083,11 @@ class Scheduler:
             return
         if tokens <= draft.fits_somewhere:
             return  # a chunk at least this big fits on some group
-        time_with_tail, target, kvp = draft.cost.time_with_tail, draft.target, self.layout.kvp
+        cost, target, kvp = draft.cost, draft.target, self.layout.kvp
+        if kvp == 1 and cost.fits_tail(tokens, target):  # told by a bound, unpriced
+            draft.fits_somewhere = tokens
+            return
+        time_with_tail = cost.time_with_tail
         if (
             time_with_tail(0, tokens, 0) > target
             if kvp == 1

@@ -426,6 +426,7 @@ def _chunk_price(
         return time
 
     price.search = _chunk_search(price, layer, outer)  # type: ignore[attr-defined]
+    price.fits_after = _fits_after(layer, outer)  # type: ignore[attr-defined]
     return price
 
 
@@ -443,6 +444,48 @@ def _active(q: float, c: float, w: float, a: float) -> tuple[float, float]:
 _SURE = 1.0 - 1e-9
 """How much of a convexity bound :func:`_chunk_search` trusts (the floats of a
 price err by some 40 unit roundoffs, about 4.4e-15 of it, all terms positive)."""
+
+_LOOSE = 1.0 + 1e-9
+"""The margin :func:`_fits_after` keeps over a growth bound (the floats of the
+two prices it relates err by some 40 unit roundoffs each)."""
+
+
+def _fits_after(
+    layer: tuple[float, ...], outer: tuple[float, ...]
+) -> Callable[[float, int, float], bool]:
+    """``fits_after(time, n, target)``: True when ``price(base, 0, n)`` (an
+    ``n``-token tail chunk at KV 0 added to a base of non-negative totals) is
+    surely at most ``target``, where ``time`` is the base's own price
+    (``group_time(base)``), told without pricing the chunk; False: not told.
+
+    Each term of ``group_time`` is a ``max`` of lines in a total (or of a line
+    and the attended pairs) with non-negative coefficients, and ``max(a + x,
+    b + y) <= max(a, b) + max(x, y)``: the chunk adds ``n`` query, KV and tail
+    query tokens, ``n (n + 1) / 2`` attended pairs and one tail, so a term
+    grows by at most ``n`` times its larger slope (the attention by the larger
+    of its two branches' growth; the head, whose tail count goes from ``nt`` to
+    ``nt + 1``, by at most ``max(c_h, w_h + a_h)``; the all-reduce by its fixed
+    part too, in case the base had no query token). So the chunk's price is at
+    most ``time`` plus that growth ``u``, in reals; in floats each price errs
+    by some 40 unit roundoffs (all terms non-negative), far inside the ``1e-9``
+    kept (``_LOOSE``). The growth is kept by ``n`` (grid chunks recur)."""
+    (c_qkv, _, a_qkv, c_att, b_kv, b_qo, c_o, _, a_o, c_m, _, a_m) = layer
+    (_, _, ar_fixed, ar_tok, layers, c_h, w_h, a_h, _, pp_tok) = outer  # (fixed terms stay)
+    rise = max(c_qkv, a_qkv) + max(c_o, a_o) + max(c_m, a_m) + ar_tok  # a query token's
+    head = max(c_h, w_h + a_h)  # one more tail
+    grown: dict[int, float] = {}
+
+    def fits_after(time: float, n: int, target: float) -> bool:
+        u = grown.get(n)
+        if u is None:
+            att = max(n * (n + 1) // 2 * c_att, n * (b_kv + b_qo))
+            u = layers * (n * rise + att + ar_fixed) + n * pp_tok + head
+            if len(grown) >= 256:
+                grown.clear()
+            grown[n] = u
+        return (time + u) * _LOOSE <= target
+
+    return fits_after
 
 
 def _chunk_search(
