@@ -65,8 +65,10 @@ class BatchCost:
         the sums, in one call), for one-group tail probes; None: summed here."""
         agg = model if isinstance(model, AggregateCostModel) else None
         price = price if agg is not None and num_groups == 1 else None
-        # the price's own search (the roofline's; see chunking.chunk_search), if any
-        self._start(model, num_groups, agg, price, getattr(price, "search", None))
+        # the price's own search (the roofline's; see chunking.chunk_search) and
+        # growth bound (see fits_tail), if any
+        search, fits = getattr(price, "search", None), getattr(price, "fits_after", None)
+        self._start(model, num_groups, agg, price, search, fits)
 
     def _start(
         self,
@@ -75,6 +77,7 @@ class BatchCost:
         agg: AggregateCostModel | None,
         price: Callable[[Sequence[float] | None, int, int], float] | None,
         search: Callable | None,
+        fits: Callable[[float, int, float], bool] | None,
     ) -> None:
         """An empty batch: ``__init__``'s state, its checks made."""
         self._model = model
@@ -92,15 +95,14 @@ class BatchCost:
         self._probes: dict[Work, tuple[list[float] | None, float]] = {}
         self._price = price
         self._search = search
-        # the price's growth bound (the roofline's; see fits_tail), if any
-        self._fits = getattr(price, "fits_after", None)
+        self._fits = fits
 
     def empty(self) -> BatchCost:
         """A new empty batch priced as this one is (its model, groups and price):
         ``BatchCost(model, num_groups, price=price)`` without the checks (a
         draft a step, from one kept by the scheduler)."""
         new = object.__new__(BatchCost)
-        new._start(self._model, self._num_groups, self._agg, self._price, self._search)
+        new._start(self._model, self._num_groups, self._agg, self._price, self._search, self._fits)
         return new
 
     def seed(self, totals: Sequence[list[int] | None]) -> None:
