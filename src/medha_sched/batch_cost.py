@@ -105,6 +105,27 @@ class BatchCost:
         new._start(self._model, self._num_groups, self._agg, self._price, self._search, self._fits)
         return new
 
+    def tail_batch(self, totals: list[float] | None, work: Work, time: float) -> BatchCost:
+        """``empty()`` then ``seed_tail(totals, work, time)`` of it, in one step
+        (a scan turn's draft, see ``Scheduler._joined_draft``): ``_start``'s
+        fields and ``_totals_with``'s sum written out (twin-tested against the
+        steps in ``tests/sched/test_joined_draft.py``). One group, priced by
+        the model's ``chunk_price``; ``work`` one chunk in its tail shard."""
+        agg = self._agg
+        assert agg is not None and self._num_groups == 1 and self._price is not None
+        _, q, kv, tail = work
+        assert work[0] == 0 and tail, "a priced tail chunk on group 0"
+        feats = agg.features(q, kv, tail)
+        new = object.__new__(BatchCost)
+        new._model, new._num_groups, new._agg = self._model, 1, agg
+        new._totals = [list(feats) if totals is None else list(map(_add, totals, feats))]
+        new._group_times = [time]
+        new._items = []
+        new.time = time
+        new._probes = {}
+        new._price, new._search, new._fits = self._price, self._search, self._fits
+        return new
+
     def seed(self, totals: Sequence[list[int] | None]) -> None:
         """Start an empty batch from summed features per group (None: an idle group).
 

@@ -634,8 +634,8 @@ class Scheduler:
         at ``time`` and :meth:`_join` leave."""
         start = request.num_scheduled_tokens
         assert start < self.group_limit, "the first shard's tail"
-        cost = self._empty_cost.empty()  # (one group: turn_run's runs need it)
-        cost.seed_tail(base, (groups[0], n, start, True), time)
+        # (one group: turn_run's runs need it) empty() and seed_tail, in one step
+        cost = self._empty_cost.tail_batch(base, (groups[0], n, start, True), time)
         return Draft(
             cost,
             self._target_time(),
