@@ -77,7 +77,7 @@ class BatchCost:
         agg: AggregateCostModel | None,
         price: Callable[[Sequence[float] | None, int, int], float] | None,
         search: Callable | None,
-        fits: Callable[[float, int, float], bool] | None,
+        fits: Callable[[float, int, float], bool | None] | None,
     ) -> None:
         """An empty batch: ``__init__``'s state, its checks made."""
         self._model = model
@@ -186,18 +186,20 @@ class BatchCost:
             return time
         return max(self._priced(works).values(), default=0.0) if works else self.time
 
-    def fits_tail(self, q_tokens: int, target: float) -> bool:
-        """True when ``time_with_tail(0, q_tokens, 0) <= target`` is told
-        without pricing the chunk, by the price's bound on how much a chunk at
-        KV 0 adds to a batch of non-negative totals (the roofline's
-        ``fits_after``); False: not told (price it). One group, a batch with
+    def fits_tail(self, q_tokens: int, target: float) -> bool | None:
+        """``time_with_tail(0, q_tokens, 0) <= target`` told without pricing the
+        chunk, by the price's bounds on how much a chunk at KV 0 adds to a
+        batch of non-negative totals (the roofline's ``fits_after``): True or
+        False, or None where not told (price it). One group, a batch with
         something in it. Notes no probe (an :meth:`add` of that chunk prices
         it, the same float)."""
         fits = self._fits
         if fits is None:
-            return False
+            return None
         totals = self._totals[0]
-        return totals is not None and min(totals) >= 0 and fits(self.time, q_tokens, target)
+        if totals is None or not min(totals) >= 0:
+            return None
+        return fits(self.time, q_tokens, target)
 
     def time_with_tail(self, group: int, q_tokens: int, kv_tokens: int) -> float:
         """``time_with([(group, q_tokens, kv_tokens, True)])``: one chunk in one tail shard

@@ -1084,9 +1084,14 @@ class Scheduler:
         if tokens <= draft.fits_somewhere:
             return  # a chunk at least this big fits on some group
         cost, target, kvp = draft.cost, draft.target, self.layout.kvp
-        if kvp == 1 and cost.fits_tail(tokens, target):  # told by a bound, unpriced
-            draft.fits_somewhere = tokens
-            return
+        if kvp == 1:  # told by the price's bounds, unpriced, where they tell
+            fits = cost.fits_tail(tokens, target)
+            if fits is not None:
+                if fits:
+                    draft.fits_somewhere = tokens
+                else:
+                    draft.floor = tokens
+                return
         time_with_tail = cost.time_with_tail
         if (
             time_with_tail(0, tokens, 0) > target

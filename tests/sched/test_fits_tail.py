@@ -64,11 +64,14 @@ def test_fits_after_never_claims_a_chunk_over_the_target(which, base, n, pick) -
     real = price(totals, 0, n)
     # targets at and around the chunk's own price, and others
     targets = [real, math.nextafter(real, 0.0), math.nextafter(real, math.inf), real * 1.5]
-    targets += [time, time * 1.001, 0.05, 0.2]
+    targets += [time, time * 1.001, 0.05, real * 0.999]
     target = targets[pick] if pick < 4 else targets[4 + pick % 4]
     for t in [target, math.nextafter(target, 0.0), math.nextafter(target, math.inf)]:
-        if fits_after(time, n, t):
+        told = fits_after(time, n, t)
+        if told is True:
             assert real <= t, (totals, n, t)
+        elif told is False:
+            assert real > t, (totals, n, t)
 
 
 def test_fits_after_is_told_for_most_chunks_well_inside_the_target() -> None:
@@ -85,22 +88,24 @@ def test_fits_after_is_told_for_most_chunks_well_inside_the_target() -> None:
     # at the chunk's own price, or with an infinite or NaN time, nothing is told
     totals = _totals(model, [1000], [])
     time = model.group_time(totals)
-    assert not price.fits_after(time, 32, price(totals, 0, 32))
-    assert not price.fits_after(math.inf, 32, 1.0)
-    assert not price.fits_after(math.nan, 32, 1.0)
+    assert price.fits_after(time, 32, price(totals, 0, 32)) is None
+    assert price.fits_after(math.inf, 32, 1.0) is False  # (an infinite time is over)
+    assert price.fits_after(math.nan, 32, 1.0) is None
+    # and told over where the target is under the base's time
+    assert price.fits_after(time, 32, time * 0.999) is False
 
 
 def test_batch_cost_fits_tail_needs_a_bound_and_totals() -> None:
     model = MODELS[0]
     cost = BatchCost(model, 1, price=model.chunk_price())
-    assert not cost.fits_tail(32, 1.0)  # empty: nothing to add to
+    assert cost.fits_tail(32, 1.0) is None  # empty: nothing to add to
     cost.add([(0, 512, 0, True)])
-    assert cost.fits_tail(32, 1.0)
-    assert not cost.fits_tail(32, cost.time)
-    assert cost.empty().fits_tail(32, 1.0) is False
+    assert cost.fits_tail(32, 1.0) is True
+    assert cost.fits_tail(32, cost.time) is False
+    assert cost.empty().fits_tail(32, 1.0) is None
     plain = BatchCost(model, 1)  # no price: nothing told
     plain.add([(0, 512, 0, True)])
-    assert not plain.fits_tail(32, 1.0)
+    assert plain.fits_tail(32, 1.0) is None
 
 
 def _lower_floor_calls(monkeypatch, told: bool) -> dict[str, int]:
@@ -110,8 +115,8 @@ def _lower_floor_calls(monkeypatch, told: bool) -> dict[str, int]:
     priced = BatchCost.time_with_tail
 
     def fits_tail(self, q_tokens, target):  # type: ignore[no-untyped-def]
-        ok = told and fits(self, q_tokens, target)
-        counts["told"] += ok
+        ok = fits(self, q_tokens, target) if told else None
+        counts["told"] += ok is not None
         return ok
 
     def time_with_tail(self, group, q_tokens, kv_tokens):  # type: ignore[no-untyped-def]
