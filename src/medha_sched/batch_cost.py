@@ -42,6 +42,7 @@ class BatchCost:
 
     __slots__ = (
         "_agg",
+        "_fits",
         "_group_times",
         "_items",
         "_model",
@@ -64,8 +65,10 @@ class BatchCost:
         the sums, in one call), for one-group tail probes; None: summed here."""
         agg = model if isinstance(model, AggregateCostModel) else None
         price = price if agg is not None and num_groups == 1 else None
-        # the price's own search (the roofline's; see chunking.chunk_search), if any
-        self._start(model, num_groups, agg, price, getattr(price, "search", None))
+        # the price's own search (the roofline's; see chunking.chunk_search) and
+        # growth bound (see fits_tail), if any
+        search, fits = getattr(price, "search", None), getattr(price, "fits_after", None)
+        self._start(model, num_groups, agg, price, search, fits)
 
     def _start(
         self,
@@ -74,6 +77,7 @@ class BatchCost:
         agg: AggregateCostModel | None,
         price: Callable[[Sequence[float] | None, int, int], float] | None,
         search: Callable | None,
+        fits: Callable[[float, int, float], bool | None] | None,
     ) -> None:
         """An empty batch: ``__init__``'s state, its checks made."""
         self._model = model
@@ -91,13 +95,35 @@ class BatchCost:
         self._probes: dict[Work, tuple[list[float] | None, float]] = {}
         self._price = price
         self._search = search
+        self._fits = fits
 
     def empty(self) -> BatchCost:
         """A new empty batch priced as this one is (its model, groups and price):
         ``BatchCost(model, num_groups, price=price)`` without the checks (a
         draft a step, from one kept by the scheduler)."""
         new = object.__new__(BatchCost)
-        new._start(self._model, self._num_groups, self._agg, self._price, self._search)
+        new._start(self._model, self._num_groups, self._agg, self._price, self._search, self._fits)
+        return new
+
+    def tail_batch(self, totals: list[float] | None, work: Work, time: float) -> BatchCost:
+        """``empty()`` then ``seed_tail(totals, work, time)`` of it, in one step
+        (a scan turn's draft, see ``Scheduler._joined_draft``): ``_start``'s
+        fields and ``_totals_with``'s sum written out (twin-tested against the
+        steps in ``tests/sched/test_joined_draft.py``). One group, priced by
+        the model's ``chunk_price``; ``work`` one chunk in its tail shard."""
+        agg = self._agg
+        assert agg is not None and self._num_groups == 1 and self._price is not None
+        _, q, kv, tail = work
+        assert work[0] == 0 and tail, "a priced tail chunk on group 0"
+        feats = agg.features(q, kv, tail)
+        new = object.__new__(BatchCost)
+        new._model, new._num_groups, new._agg = self._model, 1, agg
+        new._totals = [list(feats) if totals is None else list(map(_add, totals, feats))]
+        new._group_times = [time]
+        new._items = []
+        new.time = time
+        new._probes = {}
+        new._price, new._search, new._fits = self._price, self._search, self._fits
         return new
 
     def seed(self, totals: Sequence[list[int] | None]) -> None:
@@ -159,6 +185,21 @@ class BatchCost:
             self._probes[work] = (totals, time)  # add() of the same work reuses it
             return time
         return max(self._priced(works).values(), default=0.0) if works else self.time
+
+    def fits_tail(self, q_tokens: int, target: float) -> bool | None:
+        """``time_with_tail(0, q_tokens, 0) <= target`` told without pricing the
+        chunk, by the price's bounds on how much a chunk at KV 0 adds to a
+        batch of non-negative totals (the roofline's ``fits_after``): True or
+        False, or None where not told (price it). One group, a batch with
+        something in it. Notes no probe (an :meth:`add` of that chunk prices
+        it, the same float)."""
+        fits = self._fits
+        if fits is None:
+            return None
+        totals = self._totals[0]
+        if totals is None or not min(totals) >= 0:
+            return None
+        return fits(self.time, q_tokens, target)
 
     def time_with_tail(self, group: int, q_tokens: int, kv_tokens: int) -> float:
         """``time_with([(group, q_tokens, kv_tokens, True)])``: one chunk in one tail shard

@@ -634,8 +634,8 @@ class Scheduler:
         at ``time`` and :meth:`_join` leave."""
         start = request.num_scheduled_tokens
         assert start < self.group_limit, "the first shard's tail"
-        cost = self._empty_cost.empty()  # (one group: turn_run's runs need it)
-        cost.seed_tail(base, (groups[0], n, start, True), time)
+        # (one group: turn_run's runs need it) empty() and seed_tail, in one step
+        cost = self._empty_cost.tail_batch(base, (groups[0], n, start, True), time)
         return Draft(
             cost,
             self._target_time(),
@@ -1088,7 +1088,16 @@ class Scheduler:
             return
         if tokens <= draft.fits_somewhere:
             return  # a chunk at least this big fits on some group
-        time_with_tail, target, kvp = draft.cost.time_with_tail, draft.target, self.layout.kvp
+        cost, target, kvp = draft.cost, draft.target, self.layout.kvp
+        if kvp == 1:  # told by the price's bounds, unpriced, where they tell
+            fits = cost.fits_tail(tokens, target)
+            if fits is not None:
+                if fits:
+                    draft.fits_somewhere = tokens
+                else:
+                    draft.floor = tokens
+                return
+        time_with_tail = cost.time_with_tail
         if (
             time_with_tail(0, tokens, 0) > target
             if kvp == 1

@@ -210,10 +210,19 @@ def test_simulations_match_drafts_without_price(monkeypatch, qps, spp, caching) 
         priced_calls[0] += self._search is not None
         return largest(self, *args)
 
+    fits_tail = BatchCost.fits_tail
+
+    def counting_bounds(self, q_tokens, target):
+        told = fits_tail(self, q_tokens, target)
+        priced_calls[0] += told is not None  # a floor probe the price's bounds told
+        return told
+
     monkeypatch.setattr(BatchCost, "tail_price", counting)
     monkeypatch.setattr(BatchCost, "largest_tail_chunk", counting_searches)
+    monkeypatch.setattr(BatchCost, "fits_tail", counting_bounds)
     priced = simulate(trace, spec)
-    assert priced_calls[0] > 1_000  # the drafts did probe with the price (or its search)
+    # the drafts did probe with the price (or its search, or its bound)
+    assert priced_calls[0] > 1_000
     monkeypatch.setattr(Scheduler, "_new_draft", _unpriced_draft)
     assert_same_results(priced, simulate(trace, spec))
 

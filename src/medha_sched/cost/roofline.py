@@ -426,6 +426,7 @@ def _chunk_price(
         return time
 
     price.search = _chunk_search(price, layer, outer)  # type: ignore[attr-defined]
+    price.fits_after = _fits_after(layer, outer)  # type: ignore[attr-defined]
     return price
 
 
@@ -443,6 +444,59 @@ def _active(q: float, c: float, w: float, a: float) -> tuple[float, float]:
 _SURE = 1.0 - 1e-9
 """How much of a convexity bound :func:`_chunk_search` trusts (the floats of a
 price err by some 40 unit roundoffs, about 4.4e-15 of it, all terms positive)."""
+
+_LOOSE = 1.0 + 1e-9
+"""The margin :func:`_fits_after` keeps over a growth bound (the floats of the
+two prices it relates err by some 40 unit roundoffs each)."""
+
+
+def _fits_after(
+    layer: tuple[float, ...], outer: tuple[float, ...]
+) -> Callable[[float, int, float], bool | None]:
+    """``fits_after(time, n, target)``: whether ``price(base, 0, n)`` (an
+    ``n``-token tail chunk at KV 0 added to a base of non-negative totals) is
+    at most ``target``, where ``time`` is the base's own price
+    (``group_time(base)``), told without pricing the chunk: True surely
+    within, False surely over, None not told.
+
+    Each term of ``group_time`` is a ``max`` of lines in a total (or of a line
+    and the attended pairs) with non-negative coefficients, and ``max(a, b) +
+    min(x, y) <= max(a + x, b + y) <= max(a, b) + max(x, y)``: the chunk adds
+    ``n`` query, KV and tail query tokens, ``n (n + 1) / 2`` attended pairs
+    and one tail, so a term grows by at most ``n`` times its larger slope and
+    at least ``n`` times its smaller one (the attention by the larger or the
+    smaller of its two branches' growth; the head, whose tail count goes from
+    ``nt`` to ``nt + 1``, by at most ``max(c_h, w_h + a_h)`` and at least 0;
+    the all-reduce by ``n`` times its slope, and at most its fixed part more,
+    in case the base had no query token). So the chunk's price is within
+    ``time`` plus those bounds on the growth, ``[lo, hi]``, in reals; in
+    floats each price errs by some 40 unit roundoffs (all terms
+    non-negative), far inside the ``1e-9`` kept (``_LOOSE``, ``_SURE``). The
+    bounds are kept by ``n`` (grid chunks recur)."""
+    (c_qkv, _, a_qkv, c_att, b_kv, b_qo, c_o, _, a_o, c_m, _, a_m) = layer
+    (_, _, ar_fixed, ar_tok, layers, c_h, w_h, a_h, _, pp_tok) = outer  # (fixed terms stay)
+    rise = max(c_qkv, a_qkv) + max(c_o, a_o) + max(c_m, a_m) + ar_tok  # a query token's
+    least = min(c_qkv, a_qkv) + min(c_o, a_o) + min(c_m, a_m) + ar_tok
+    head = max(c_h, w_h + a_h)  # one more tail
+    grown: dict[int, tuple[float, float]] = {}
+
+    def fits_after(time: float, n: int, target: float) -> bool | None:
+        bounds = grown.get(n)
+        if bounds is None:
+            pairs, read = n * (n + 1) // 2 * c_att, n * (b_kv + b_qo)
+            lo = layers * (n * least + min(pairs, read)) + n * pp_tok
+            hi = layers * (n * rise + max(pairs, read) + ar_fixed) + n * pp_tok + head
+            if len(grown) >= 256:
+                grown.clear()
+            bounds = grown[n] = (lo, hi)
+        lo, hi = bounds
+        if (time + hi) * _LOOSE <= target:
+            return True
+        if (time + lo) * _SURE > target:
+            return False
+        return None
+
+    return fits_after
 
 
 def _chunk_search(
