@@ -19,11 +19,21 @@ sums, so the ``[M, 2 I]`` product is never written out and read back.
 
 See ``docs/benchmarks.md`` ("Native linear at 16-64 rows") for the
 measurements behind the row limits (``benchmarks/cpu_linear.py``).
+
+Prefill-sized fp32 products (at least :data:`ONEDNN_MIN_M` rows, at most
+:data:`ONEDNN_MAX_K` input features, no bias, no autograd) on CPUs where torch
+reports AVX-512 go to oneDNN (``torch.ops.mkldnn._linear_pointwise``, torch's
+own op) instead of ``F.linear``'s BLAS: 5-14% faster at 128-2,048 rows on
+SmolLM2's shapes here (``docs/benchmarks.md``, "helper 91"). Its fp32
+accumulation error grows faster with ``K`` than BLAS's: within twice
+``F.linear``'s at ``K`` = 576, not at 1,536, hence the ``K`` limit.
+``MEDHA_ONEDNN_LINEAR=0`` (read once, at the first call) turns it off.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +47,10 @@ SMALL_M_MAX = 64
 SMALL_M_MAX_AVX2 = 16
 _ROW_LIMITS = {"avx512": SMALL_M_MAX, "avx2": SMALL_M_MAX_AVX2}
 _F32 = torch.float32
+#: fewest rows sent to oneDNN (below, BLAS or the native kernels)
+ONEDNN_MIN_M = 128
+#: most input features sent to oneDNN (its error stays within twice BLAS's there)
+ONEDNN_MAX_K = 1024
 
 
 @functools.cache
@@ -87,6 +101,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         module, limit = _native()
         if 0 < x.shape[0] <= limit and x.shape[1] > 0:  # K = 0: torch's zeros
             return module.linear_small_m(x.contiguous(), weight, bias)
+        if bias is None and _onednn_fits(x):
+            return _onednn(x, weight)
     return F.linear(x, weight, bias)
 
 
@@ -120,7 +136,8 @@ def linear_silu_mul(
         module, limit = _native()
         if 0 < x.shape[0] <= limit and x.shape[1] > 0:  # K = 0: torch's zeros
             return module.linear_silu_mul(x.contiguous(), weight)
-        y = F.linear(x, weight)  # what linear() would pick here (its checks just passed)
+        # what linear() would pick here (its checks just passed)
+        y = _onednn(x, weight) if _onednn_fits(x) else F.linear(x, weight)
     else:
         y = linear(x, weight, bias)
     gate, up = y.chunk(2, dim=-1)
@@ -213,3 +230,26 @@ def _native():
     """``(module, row limit)``; ``(None, 0)`` where nothing runs natively."""
     module = _module()
     return module, (0 if module is None else _ROW_LIMITS.get(module.linear_small_m_isa, 0))
+
+
+def _onednn_fits(x: torch.Tensor) -> bool:
+    """Whether an fp32 CPU product of ``x [M, K]`` (checks already passed) goes to oneDNN."""
+    return x.shape[0] >= ONEDNN_MIN_M and 0 < x.shape[1] <= ONEDNN_MAX_K and _onednn_enabled()
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` through oneDNN (fp32, contiguous ``[M, K]`` and ``[N, K]``)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+
+
+@functools.cache
+def _onednn_enabled() -> bool:
+    """oneDNN's linear is here, the CPU has AVX-512 (where it was measured faster) and
+    ``MEDHA_ONEDNN_LINEAR`` is not ``0`` (read at the first call)."""
+    if os.environ.get("MEDHA_ONEDNN_LINEAR", "1") == "0":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise")
