@@ -101,7 +101,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         module, limit = _native()
         if 0 < x.shape[0] <= limit and x.shape[1] > 0:  # K = 0: torch's zeros
             return module.linear_small_m(x.contiguous(), weight, bias)
-        if bias is None and _onednn_fits(x):
+        if bias is None and _onednn_fits(x, weight):
             return _onednn(x, weight)
     return F.linear(x, weight, bias)
 
@@ -137,7 +137,7 @@ def linear_silu_mul(
         if 0 < x.shape[0] <= limit and x.shape[1] > 0:  # K = 0: torch's zeros
             return module.linear_silu_mul(x.contiguous(), weight)
         # what linear() would pick here (its checks just passed)
-        y = _onednn(x, weight) if _onednn_fits(x) else F.linear(x, weight)
+        y = _onednn(x, weight) if _onednn_fits(x, weight) else F.linear(x, weight)
     else:
         y = linear(x, weight, bias)
     gate, up = y.chunk(2, dim=-1)
@@ -232,9 +232,17 @@ def _native():
     return module, (0 if module is None else _ROW_LIMITS.get(module.linear_small_m_isa, 0))
 
 
-def _onednn_fits(x: torch.Tensor) -> bool:
-    """Whether an fp32 CPU product of ``x [M, K]`` (checks already passed) goes to oneDNN."""
-    return x.shape[0] >= ONEDNN_MIN_M and 0 < x.shape[1] <= ONEDNN_MAX_K and _onednn_enabled()
+def _onednn_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an fp32 CPU product of ``x [M, K]`` and ``weight [N, K]`` (checks already
+    passed) goes to oneDNN. Mismatched shapes stay on ``F.linear``, whose error names them."""
+    k = x.shape[1]
+    return (
+        x.shape[0] >= ONEDNN_MIN_M
+        and 0 < k <= ONEDNN_MAX_K
+        and weight.dim() == 2
+        and weight.shape[1] == k
+        and _onednn_enabled()
+    )
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

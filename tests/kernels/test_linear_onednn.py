@@ -87,6 +87,17 @@ def test_other_cases_stay_on_torch() -> None:
     assert xg.grad is not None
 
 
+def test_mismatched_shapes_get_torchs_error() -> None:
+    # oneDNN's own message ("could not create a primitive descriptor") names nothing
+    x = torch.randn(ONEDNN_MIN_M, 64)
+    for call in (
+        lambda: linear(x, torch.randn(32, 63)),
+        lambda: linear_silu_mul(x, torch.randn(32, 63)),
+    ):
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            call()
+
+
 def test_env_turns_it_off() -> None:
     code = (
         "import torch, torch.nn.functional as F\n"
