@@ -106,24 +106,18 @@ class BatchCost:
         return new
 
     def tail_batch(self, totals: list[float] | None, work: Work, time: float) -> BatchCost:
-        """``empty()`` then ``seed_tail(totals, work, time)`` of it, in one step
-        (a scan turn's draft, see ``Scheduler._joined_draft``): ``_start``'s
-        fields and ``_totals_with``'s sum written out (twin-tested against the
-        steps in ``tests/sched/test_joined_draft.py``). One group, priced by
-        the model's ``chunk_price``; ``work`` one chunk in its tail shard."""
-        agg = self._agg
-        assert agg is not None and self._num_groups == 1 and self._price is not None
-        _, q, kv, tail = work
-        assert work[0] == 0 and tail, "a priced tail chunk on group 0"
-        feats = agg.features(q, kv, tail)
-        new = object.__new__(BatchCost)
-        new._model, new._num_groups, new._agg = self._model, 1, agg
-        new._totals = [list(feats) if totals is None else list(map(_add, totals, feats))]
-        new._group_times = [time]
-        new._items = []
-        new.time = time
-        new._probes = {}
-        new._price, new._search, new._fits = self._price, self._search, self._fits
+        """A new batch (:meth:`empty`) seeded with ``totals`` (None: nothing), then
+        ``note_tail`` of ``work`` at ``time`` and ``add([work])``, in one step: the
+        state those calls leave (the totals summed as ``add`` sums them, ``time``
+        the batch's; a scan turn's draft, see ``Scheduler._joined_draft``). One
+        group, priced by the model's ``chunk_price``; ``work`` one chunk in its
+        tail shard on group 0."""
+        assert self._num_groups == 1 and self._price is not None, "a priced one-group batch"
+        assert work[0] == 0 and work[3], "a tail chunk on group 0"
+        new = self.empty()
+        new._totals[0] = totals
+        new._totals[0] = new._totals_with(work)
+        new.time = new._group_times[0] = time
         return new
 
     def seed(self, totals: Sequence[list[int] | None]) -> None:
@@ -150,19 +144,6 @@ class BatchCost:
             self._totals[0] = totals
             self.time = self._group_times[0] = time  # max(self._group_times), of one
         self._probes = {}  # probed against the empty batch
-
-    def seed_tail(self, totals: list[float] | None, work: Work, time: float) -> None:
-        """``seed_priced(totals, ...)`` (``totals`` None: nothing seeded), then
-        ``note_tail`` of ``work`` (one chunk in its tail shard on group 0) at
-        ``time`` and ``add([work])``, in one step: the state those calls leave
-        (the totals summed as ``add`` sums them, ``time`` the batch's). The
-        batch is empty, one group, priced by the model's ``chunk_price``."""
-        assert self._num_groups == 1 and self.time == 0.0, "seed an empty one-group batch"
-        assert self._price is not None and work[0] == 0 and work[3], "a priced tail chunk"
-        self._totals[0] = totals
-        self._totals[0] = self._totals_with(work)
-        self.time = self._group_times[0] = time
-        self._probes = {}
 
     def note_tail(self, group: int, q_tokens: int, kv_tokens: int, time: float) -> None:
         """Note ``time`` as ``time_with_tail(group, q_tokens, kv_tokens)``, which the

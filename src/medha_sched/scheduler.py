@@ -634,7 +634,7 @@ class Scheduler:
         at ``time`` and :meth:`_join` leave."""
         start = request.num_scheduled_tokens
         assert start < self.group_limit, "the first shard's tail"
-        # (one group: turn_run's runs need it) empty() and seed_tail, in one step
+        # (one group: turn_run's runs need it) the lane and the chunk seeded at once
         cost = self._empty_cost.tail_batch(base, (groups[0], n, start, True), time)
         return Draft(
             cost,

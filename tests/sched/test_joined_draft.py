@@ -2,7 +2,7 @@
 
 Where the model prices a chunk in one call, a scan turn's draft (the ready
 lane's decodes, then the first queued prompt's chunk, whose price the chunk
-search found) is built by ``Scheduler._joined_draft`` (``BatchCost.seed_tail``)
+search found) is built by ``Scheduler._joined_draft`` (``BatchCost.tail_batch``)
 instead of ``_new_draft``, ``seed_priced``, ``set_decodes``, ``note_tail`` and
 ``_join``. Every such draft in whole simulations is checked against the one
 those steps build: every field, and the cost's totals, times and probes.
@@ -85,13 +85,13 @@ def test_joined_drafts_are_the_steps_drafts(monkeypatch, qps, spp, seed) -> None
     assert checked["drafts"] > 100 and checked["lanes"] > 50 and checked["long"] > 50, checked
 
 
-def test_seed_tail_without_a_lane_sums_the_chunk_alone() -> None:
+def test_tail_batch_without_a_lane_sums_the_chunk_alone() -> None:
     spec = RunSpec(policy="lars-mp", cost_model="roofline:model=llama3-8b,gpu=a100", tp=8)
     _, model, _ = spec.build()
     price = model.chunk_price()
-    one, two = BatchCost(model, 1, price=price), BatchCost(model, 1, price=price)
+    kept, two = BatchCost(model, 1, price=price), BatchCost(model, 1, price=price)
     time = price(None, 100, 64)
-    one.seed_tail(None, (0, 64, 100, True), time)
+    one = kept.tail_batch(None, (0, 64, 100, True), time)
     two.note_tail(0, 64, 100, time)
     two.add([(0, 64, 100, True)])
     assert (one.time, one._totals, one._group_times, one._probes) == (
