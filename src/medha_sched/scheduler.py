@@ -1812,6 +1812,7 @@ class Scheduler:
         shared = request is None
         queue = self._queue
         first_queued = queue.first
+        not_long = queue._not_long  # the ids of the queued prompts that are not long
         # _PrefillQueue.renew less its flush of the scan's deferred takes: the run
         # takes none (its scans pack with take=False), and first_queued flushes
         # at every turn before any renewal
@@ -1905,7 +1906,8 @@ class Scheduler:
                 if r is None or r.request_id not in running or r._lane is not None:
                     break
                 # a short prompt may be within the scan's reach: the scan decides
-                scan = bool(queue.num_not_long) and not out_of_reach(r, s)
+                # (queue.num_not_long: first_queued flushed the deferred takes)
+                scan = bool(not_long) and not out_of_reach(r, s)
                 if scan and not turn_scans:
                     break  # schedule() forms it
             assert r is not None
@@ -2095,7 +2097,17 @@ class Scheduler:
                     ready.append(lane_e)
                 for r_e, _, n_e, _ in entries:
                     r_e._computed += n_e  # num_computed_tokens += n_e: the lane's part cancels
-                    if register is not None and r_e.request_id in running:
+                    if (
+                        register is not None
+                        # _register's own first test, inline: most prompts have no
+                        # block it could hash, and then it returns at once
+                        and (
+                            r_e.block_hashes
+                            or r_e.prompt_token_ids is not None
+                            or r_e.prefix_id is not None
+                        )
+                        and r_e.request_id in running
+                    ):
                         register(r_e)
             # the turn clears stage 0 (clear_turn's work)
             if lane is not None:
