@@ -1816,7 +1816,9 @@ class Scheduler:
         # _PrefillQueue.renew less its flush of the scan's deferred takes: the run
         # takes none (its scans pack with take=False), and first_queued flushes
         # at every turn before any renewal
-        renew = partial(PrefillQueue.renew, queue)
+        # (called as renew(queue, r): a plain function's call, which the interpreter
+        # makes inline; a partial's goes through C into a new evaluation loop)
+        renew = PrefillQueue.renew
         out_of_reach = self._shorts_out_of_reach
         out = self._turn_out
         running = self._running
@@ -2118,14 +2120,14 @@ class Scheduler:
                 r.remaining_work = remaining(r.num_prefill_tokens, done)
                 if shared:  # (out of the queue from the turn to here, as prefill_turn
                     # and clear_turn record it in _turn_out: nothing reads it between)
-                    renew(r)
+                    renew(queue, r)
             else:
                 for x, _, k, _ in taken:
                     x._stage0 += k
                     done = x._scheduled if cache_aware else x._scheduled - x.num_cached_tokens
                     x.remaining_work = remaining(x.num_prefill_tokens, done)
                     if shared:
-                        renew(x)
+                        renew(queue, x)
             s = f
         for lane_s, k in sampled.items():
             tokens = [0] * k
