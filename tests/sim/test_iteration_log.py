@@ -166,7 +166,8 @@ def test_rows_gathered_are_the_log(block: int) -> None:
 
 def test_rows_refuse_as_the_log() -> None:
     """A length mismatch raises at ``extend`` and gathers nothing; a value a
-    column refuses raises at the flush that moves it, the log unchanged."""
+    column refuses raises at the flush that moves it, the log unchanged (or
+    at an append that goes straight in)."""
     log = IterationLog()
     gathered = IterationRows(log, 100)
     gathered.extend([1, 2], [0.0, 1.0], [0.1, 0.2], [1, 1], [0, 0], [0, 0], [0, 0])
@@ -177,3 +178,9 @@ def test_rows_refuse_as_the_log() -> None:
     with pytest.raises(TypeError):
         gathered.flush()
     assert len(log) == 0 and len(gathered) == 3
+    empty = IterationRows(log, 100)  # nothing gathered: an append goes straight in
+    with pytest.raises(TypeError):
+        empty.append(3, 2.0, 0.3, 1.5, 0, 0, 0)
+    assert len(log) == 0 and len(empty) == 0
+    empty.append(3, 2.0, 0.3, 1, 0, 0, 0)
+    assert len(log) == 1 and len(empty) == 0

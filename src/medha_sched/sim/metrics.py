@@ -271,7 +271,8 @@ class IterationRows:
 
     Call :meth:`flush` before the log is read or written otherwise. A value
     a column refuses raises at the flush that moves it (the log keeps what
-    it had, this buffer its rows).
+    it had, this buffer its rows), or at :meth:`append` when it goes
+    straight into the log.
 
     Args:
         log: where the rows go.
@@ -299,8 +300,15 @@ class IterationRows:
         prefill_tokens: int,
         preempted: int,
     ) -> None:
-        """:meth:`IterationLog.append`, gathered."""
+        """:meth:`IterationLog.append`, gathered; straight into the log when
+        nothing is gathered (the same order: a batch issued alone between
+        decode runs costs no block of its own)."""
         b, s, p, d, c, t, x = self._cols
+        if not b:
+            self._log.append(
+                batch_id, start_s, predicted_s, decodes, prefill_chunks, prefill_tokens, preempted
+            )
+            return
         b.append(batch_id)
         s.append(start_s)
         p.append(predicted_s)
