@@ -1840,7 +1840,7 @@ class Scheduler:
         share = cfg.max_space_share if self.policy.space_sharing else None
         memory = self.memory
         drop_new_blocks = memory.drop_new_blocks  # pop_new_blocks, nothing read
-        register = self._register if self._caching else None
+        register = self._offer_blocks if self._caching else None  # (_register's test inline below)
         remaining = self.prefill_times.remaining_time  # _refresh_work's, inline
         cache_aware = cfg.cache_aware_slack
         line_a, line_b = lanes._a, lanes._b  # DecodeLanes.totals' rows, inline (one group)
@@ -2428,6 +2428,10 @@ class Scheduler:
             and request.prefix_id is None
         ):
             return  # no block of it can be hashed: register_blocks would offer none
+        self._offer_blocks(request)
+
+    def _offer_blocks(self, request: Request) -> None:
+        """:meth:`_register` past its first test (the request has a block to hash)."""
         done = request.num_computed_tokens
         self.memory.register_blocks(request.request_id, self._hashes(request, done), done)
 
