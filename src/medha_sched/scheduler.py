@@ -1812,10 +1812,13 @@ class Scheduler:
         shared = request is None
         queue = self._queue
         first_queued = queue.first
+        not_long = queue._not_long  # the ids of the queued prompts that are not long
         # _PrefillQueue.renew less its flush of the scan's deferred takes: the run
         # takes none (its scans pack with take=False), and first_queued flushes
         # at every turn before any renewal
-        renew = partial(PrefillQueue.renew, queue)
+        # (called as renew(queue, r): a plain function's call, which the interpreter
+        # makes inline; a partial's goes through C into a new evaluation loop)
+        renew = PrefillQueue.renew
         out_of_reach = self._shorts_out_of_reach
         out = self._turn_out
         running = self._running
@@ -1837,7 +1840,7 @@ class Scheduler:
         share = cfg.max_space_share if self.policy.space_sharing else None
         memory = self.memory
         drop_new_blocks = memory.drop_new_blocks  # pop_new_blocks, nothing read
-        register = self._register if self._caching else None
+        register = self._offer_blocks if self._caching else None  # (_register's test inline below)
         remaining = self.prefill_times.remaining_time  # _refresh_work's, inline
         cache_aware = cfg.cache_aware_slack
         line_a, line_b = lanes._a, lanes._b  # DecodeLanes.totals' rows, inline (one group)
@@ -1905,7 +1908,8 @@ class Scheduler:
                 if r is None or r.request_id not in running or r._lane is not None:
                     break
                 # a short prompt may be within the scan's reach: the scan decides
-                scan = bool(queue.num_not_long) and not out_of_reach(r, s)
+                # (queue.num_not_long: first_queued flushed the deferred takes)
+                scan = bool(not_long) and not out_of_reach(r, s)
                 if scan and not turn_scans:
                     break  # schedule() forms it
             assert r is not None
@@ -2095,7 +2099,17 @@ class Scheduler:
                     ready.append(lane_e)
                 for r_e, _, n_e, _ in entries:
                     r_e._computed += n_e  # num_computed_tokens += n_e: the lane's part cancels
-                    if register is not None and r_e.request_id in running:
+                    if (
+                        register is not None
+                        # _register's own first test, inline: most prompts have no
+                        # block it could hash, and then it returns at once
+                        and (
+                            r_e.block_hashes
+                            or r_e.prompt_token_ids is not None
+                            or r_e.prefix_id is not None
+                        )
+                        and r_e.request_id in running
+                    ):
                         register(r_e)
             # the turn clears stage 0 (clear_turn's work)
             if lane is not None:
@@ -2106,14 +2120,14 @@ class Scheduler:
                 r.remaining_work = remaining(r.num_prefill_tokens, done)
                 if shared:  # (out of the queue from the turn to here, as prefill_turn
                     # and clear_turn record it in _turn_out: nothing reads it between)
-                    renew(r)
+                    renew(queue, r)
             else:
                 for x, _, k, _ in taken:
                     x._stage0 += k
                     done = x._scheduled if cache_aware else x._scheduled - x.num_cached_tokens
                     x.remaining_work = remaining(x.num_prefill_tokens, done)
                     if shared:
-                        renew(x)
+                        renew(queue, x)
             s = f
         for lane_s, k in sampled.items():
             tokens = [0] * k
@@ -2414,6 +2428,10 @@ class Scheduler:
             and request.prefix_id is None
         ):
             return  # no block of it can be hashed: register_blocks would offer none
+        self._offer_blocks(request)
+
+    def _offer_blocks(self, request: Request) -> None:
+        """:meth:`_register` past its first test (the request has a block to hash)."""
         done = request.num_computed_tokens
         self.memory.register_blocks(request.request_id, self._hashes(request, done), done)
 

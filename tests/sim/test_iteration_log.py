@@ -8,7 +8,13 @@ import random
 import pytest
 
 from medha_sched.sim import TraceRequest, simulate
-from medha_sched.sim.metrics import IterationLog, IterationRecord, summarize, write_iterations
+from medha_sched.sim.metrics import (
+    IterationLog,
+    IterationRecord,
+    IterationRows,
+    summarize,
+    write_iterations,
+)
 from medha_sched.sim.runner import RunSpec
 
 
@@ -123,3 +129,58 @@ def test_extend_ids_as_ranges() -> None:
     with pytest.raises(OverflowError):
         log.extend(range(2**63, 2**63 + 1), [0.0], [0.0], [0], [0], [0], [0])
     assert list(log.batch_id) == want
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 10_000])
+def test_rows_gathered_are_the_log(block: int) -> None:
+    """IterationRows: appends and extends (lists, ranges, arrays) gathered and
+    moved in blocks give the log direct calls give, in the same order; rows
+    move on their own once ``block`` are gathered, the rest at ``flush``."""
+    rows = _records(400, seed=2)
+    direct, log = IterationLog(), IterationLog()
+    gathered = IterationRows(log, block)
+    i = 0
+    rng = random.Random(block)
+    while i < len(rows):
+        k = rng.randrange(1, 20)
+        part = rows[i : i + k]
+        cols = [list(c) for c in zip(*part, strict=True)]
+        if k == 1:
+            direct.append(*part[0])
+            gathered.append(*part[0])
+        else:
+            if rng.random() < 0.5:  # the ids as a range where they are one
+                cols[0] = range(part[0][0], part[0][0] + len(part))
+                part = [r._replace(batch_id=cols[0][j]) for j, r in enumerate(part)]
+                rows[i : i + k] = part
+            direct.extend(*cols)
+            gathered.extend(*cols)
+        assert len(log) + len(gathered) == len(direct)
+        assert len(gathered) < block
+        i += k
+    gathered.flush()
+    assert len(gathered) == 0
+    assert log == direct == rows
+    assert log.columns() == direct.columns()  # the same bytes, column by column
+
+
+def test_rows_refuse_as_the_log() -> None:
+    """A length mismatch raises at ``extend`` and gathers nothing; a value a
+    column refuses raises at the flush that moves it, the log unchanged (or
+    at an append that goes straight in)."""
+    log = IterationLog()
+    gathered = IterationRows(log, 100)
+    gathered.extend([1, 2], [0.0, 1.0], [0.1, 0.2], [1, 1], [0, 0], [0, 0], [0, 0])
+    with pytest.raises(ValueError, match="different lengths"):
+        gathered.extend([3, 4], [0.0, 1.0], [0.1, 0.2], [1, 1], [0, 0], [0, 0], [0])
+    assert len(gathered) == 2
+    gathered.append(3, 2.0, 0.3, 1.5, 0, 0, 0)  # a float where an int goes
+    with pytest.raises(TypeError):
+        gathered.flush()
+    assert len(log) == 0 and len(gathered) == 3
+    empty = IterationRows(log, 100)  # nothing gathered: an append goes straight in
+    with pytest.raises(TypeError):
+        empty.append(3, 2.0, 0.3, 1.5, 0, 0, 0)
+    assert len(log) == 0 and len(empty) == 0
+    empty.append(3, 2.0, 0.3, 1, 0, 0, 0)
+    assert len(log) == 1 and len(empty) == 0

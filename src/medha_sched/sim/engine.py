@@ -45,7 +45,7 @@ from medha_sched.request import Request
 from medha_sched.scheduler import Scheduler, TurnRun
 from medha_sched.sim.cycles import cycle_turns
 from medha_sched.sim.events import Arrival, BatchEnd, Event, ScheduleWakeup, StageEnd
-from medha_sched.sim.metrics import IterationLog, RequestRecord
+from medha_sched.sim.metrics import IterationLog, IterationRows, RequestRecord
 from medha_sched.sim.pipeline import Pipeline, push_times
 from medha_sched.sim.trace import TraceRequest
 
@@ -154,6 +154,9 @@ class Simulator:
         self._in_flight: dict[int, tuple[list[str], int, float]] = {}
         self._awaiting = 0  # live requests waiting for a token from a batch in flight
         self.iterations = IterationLog()
+        # the batches' records, gathered and moved into the log in blocks
+        # (flushed before the log is written otherwise, and at the end)
+        self._rows = IterationRows(self.iterations)
         self._progress = progress or (lambda n: None)
         self._heap: list[tuple[float, int, int, Event]] = []
         self._seq = 0
@@ -172,6 +175,7 @@ class Simulator:
         finally:
             if collecting:
                 gc.enable()
+        self._rows.flush()
         if self.sched.has_unfinished_requests():
             stuck = sorted(self._live)[:5]
             raise SimulationError(
@@ -275,7 +279,7 @@ class Simulator:
             prefill_tokens += n
             if samples:
                 completes.append(rid)
-        self.iterations.append(bid, now, predicted, n_decode, n_prefill, prefill_tokens, preempted)
+        self._rows.append(bid, now, predicted, n_decode, n_prefill, prefill_tokens, preempted)
         sampling = n_decode + len(completes)  # every decode samples
         self._awaiting += sampling
         stage0_end, end = self.pipeline.push(now, predicted / self.spp)
@@ -338,6 +342,7 @@ class Simulator:
         self.pipeline.free = free
         ids = self.sched.commit_decode_run(starts)  # n ids
         zeros = _zeros(n)
+        self._rows.flush()  # (a long run's arrays go in as they are)
         self.iterations.extend(
             ids,
             starts,
@@ -396,6 +401,7 @@ class Simulator:
             self._awaiting -= in_flight.pop(b)[1]
         self._drop_batch_ends(set(plan.in_flight))
         sizes, zeros = plan.sizes, _zeros(n)
+        self._rows.flush()  # (a long cycle's arrays go in as they are)
         self.iterations.extend(
             range(first, first + n),
             starts,
@@ -462,10 +468,8 @@ class Simulator:
             for b in done:
                 del in_flight[b]
             self._drop_batch_ends(set(done))
-        zeros = _zeros(m)
-        self.iterations.extend(
-            range(first, first + m), starts, predicted, zeros, array("q", (1,)) * m, chunks, zeros
-        )
+        zeros = [0] * m
+        self._rows.extend(range(first, first + m), starts, predicted, zeros, [1] * m, chunks, zeros)
         self.pipeline.free = free
         for i in range(ended, m):
             in_flight[first + i] = ([], 0, ends[i])
@@ -500,7 +504,7 @@ class Simulator:
         sched = self.sched
         free = self.pipeline.free
         spp = self.spp
-        append = self.iterations.append
+        append = self._rows.append
         issued: list[int] = []
         gone: set[int] = set()
         s = now
@@ -588,9 +592,8 @@ class Simulator:
         first, m = run.ids.start, len(starts)
         if not m:
             return run.next_start  # only a batch that is no turn (run.plain)
-        zeros = _zeros(m)
-        self.iterations.extend(
-            range(first, first + m), starts, run.times, decodes, run.prefills, run.chunks, zeros
+        self._rows.extend(
+            range(first, first + m), starts, run.times, decodes, run.prefills, run.chunks, [0] * m
         )
         for i in range(run.ended_turns, len(starts)):
             in_flight[first + i] = ([], decodes[i], ends[i])
