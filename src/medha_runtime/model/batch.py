@@ -123,6 +123,16 @@ class ForwardBatch:
             raise ValueError(f"slots: {top} is past the cache's {capacity} slots")
         self._kv_write = _write_rows(slots)
 
+    def write_index(self) -> torch.Tensor | None:
+        """The int64 slots every row's K/V goes to, where the write is prepared
+        (:meth:`prepare_kv_write`, :meth:`set_kv_write_index`) and writes every row: a
+        layer may then write them itself (``medha_kernels.linear.rms_norm_qkv_rotary``)
+        instead of calling :meth:`write_kv`. None otherwise (:meth:`write_kv` does it)."""
+        prepared = self._kv_write
+        if prepared is None or prepared[1] is not None or not self.writes_kv:
+            return None
+        return prepared[0]
+
     def set_kv_write_index(self, index: torch.Tensor) -> None:
         """Write every row's K/V at ``index`` (``[num_tokens]`` int64 slots, each valid
         for the cache, on its device): what :meth:`prepare_kv_write` would keep, with

@@ -27,7 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from medha_kernels import rms_norm
-from medha_kernels.linear import linear_add_rms_norm_swiglu, linear_silu_mul
+from medha_kernels.linear import (
+    linear_add_rms_norm_swiglu,
+    linear_silu_mul,
+    rms_norm_qkv_rotary,
+)
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
@@ -197,6 +201,16 @@ class LlamaAttention(nn.Module):
         """The hook: ``q [N, Hq_local, D]`` over the cache → ``[N, Hq_local, D]``."""
         return self.attn_fn(q, k_cache, v_cache, batch, layer_id=self.layer_id)
 
+    def write_kv(
+        self, qkv: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        """Write the K/V heads of ``qkv`` (``[N, q_size + 2 kv_size]``, k already rotated)
+        through :meth:`ForwardBatch.write_kv`."""
+        n, hkv, d = qkv.shape[0], self.num_kv_heads, self.head_dim
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, hkv, d)
+        batch.write_kv(k, v, k_cache, v_cache)
+
     def attention(
         self,
         x: torch.Tensor,
@@ -301,12 +315,35 @@ class LlamaDecoderLayer(nn.Module):
             output is their sum, ``x + attn(norm(x)) + mlp(norm(...))`` in
             transformers' order of additions.
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm.forward(x)
-        else:
-            residual, h = self.input_layernorm.forward_add(x, residual)
         attn = self.self_attn
-        o = attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
+        front = None
+        if self._fused_tail:
+            # the same condition (TP 1, no q/k/v bias): from the input norm to the query in
+            # one native call, the K/V write in it where the step prepared every row's slot
+            norm, index = self.input_layernorm, batch.write_index()
+            front = rms_norm_qkv_rotary(
+                x,
+                residual,
+                norm.weight,
+                norm.eps,
+                attn.qkv_proj.weight,
+                attn.num_q_heads,
+                attn.num_kv_heads,
+                cos2,
+                sin2,
+                *((k_cache, v_cache, index) if index is not None else ()),
+            )
+        if front is not None:
+            residual, q, qkv = front
+            if index is None and batch.writes_kv:  # rows that write nothing (KVP)
+                attn.write_kv(qkv, batch, k_cache, v_cache)
+            o = attn.attend(q, k_cache, v_cache, batch).view(q.shape[0], attn.q_size)
+        else:
+            if residual is None:
+                residual, h = x, self.input_layernorm.forward(x)
+            else:
+                residual, h = self.input_layernorm.forward_add(x, residual)
+            o = attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
         if self._fused_tail:
             # one call where it runs natively (a decode step: fewer calls after the
             # attention, each run cold)

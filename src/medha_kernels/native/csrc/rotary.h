@@ -16,4 +16,17 @@ void rotary_cpu(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& s
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& index);
 
+// rotary_cpu on raw fp32 memory: x row t, head h at x + t * xs0 + h * xs1 (head_dim 2 * half,
+// contiguous); cos2 as cos + t * cs0 + j * cs3, sin2[t, 0, 1, j] as sin + t * ss0 + ss2 +
+// j * ss3 (strides in elements). The same loop, hence the same bits.
+void rotary_rows(float* x, int64_t n, int64_t heads, int64_t half, int64_t xs0, int64_t xs1,
+                 const float* cos, int64_t cs0, int64_t cs3, const float* sin, int64_t ss0,
+                 int64_t ss2, int64_t ss3);
+
+// write_kv_cpu for fp32 rows: row i's head h of k at k + i * ks0 + h * ks1 (d contiguous
+// floats; v likewise) to slot index[i] of contiguous caches of `slots` slots x heads x d.
+void write_kv_rows(const float* k, int64_t ks0, int64_t ks1, const float* v, int64_t vs0,
+                   int64_t vs1, float* k_cache, float* v_cache, int64_t slots, int64_t n,
+                   int64_t heads, int64_t d, const int64_t* index);
+
 }  // namespace medha
