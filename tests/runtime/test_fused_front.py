@@ -117,3 +117,30 @@ def test_greedy_tokens_unchanged(separate_tokens, kvp: int) -> None:
         if kvp == 2:
             assert llm.engine.stats.sharded_chunks > 0
     assert got == separate_tokens
+
+
+def test_forward_and_logits_run_without_autograd(monkeypatch) -> None:
+    """``LlamaModel.forward`` and ``compute_logits`` run under ``no_grad`` whether or not
+    the caller is (the runner is: the decorator's work is skipped there)."""
+    model, _ = build_tiny()
+    kv = model.allocate_kv_cache(8, 8)
+    seen = []
+    layer = next(iter(model.layers.values()))
+    forward = layer.forward
+
+    def recording(*args):
+        seen.append(torch.is_grad_enabled())
+        return forward(*args)
+
+    monkeypatch.setattr(layer, "forward", recording)
+    batch = ForwardBatch.build([[1, 2, 3]], [0], [[0]], block_size=8)
+    with torch.enable_grad():
+        out = model(batch, kv)
+        assert torch.is_grad_enabled()
+        hidden = torch.randn(2, model.config.hidden_size, requires_grad=True)
+        logits = model.compute_logits(hidden)
+        assert torch.is_grad_enabled()
+    with torch.no_grad():
+        again = model(ForwardBatch.build([[1, 2, 3]], [0], [[0]], block_size=8), kv)
+    assert seen == [False, False]
+    assert not out.requires_grad and not logits.requires_grad and torch.equal(out, again)

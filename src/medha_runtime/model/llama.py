@@ -69,7 +69,8 @@ class PagedAttention:
     """The default :class:`AttentionFn`: causal paged attention over the local cache.
 
     The first layer of a step plans the step's attention
-    (:meth:`ForwardBatch.attention_plan`); every layer runs that plan.
+    (:meth:`ForwardBatch.attention_plan`); every layer runs that plan, the later
+    ones without its checks (:meth:`ForwardBatch.attention`).
 
     Args:
         backend: passed to :func:`medha_kernels.plan_paged_attention` (``"auto"``:
@@ -91,8 +92,7 @@ class PagedAttention:
         *,
         layer_id: int,
     ) -> torch.Tensor:
-        out, _ = batch.attention_plan_for(q, k_cache, self.backend).run(q, k_cache, v_cache)
-        return out
+        return batch.attention(q, k_cache, v_cache, self.backend)[0]
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +160,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return torch.embedding(self.weight, ids)  # F.embedding's op, without its checks
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
@@ -470,7 +470,6 @@ class LlamaModel(nn.Module):
             device=self.device,
         )
 
-    @torch.no_grad()
     def forward(
         self,
         batch: ForwardBatch,
@@ -493,7 +492,18 @@ class LlamaModel(nn.Module):
             ``[num_tokens, hidden_size]`` hidden states (in the model dtype) if
             this is not the last stage or ``logits`` is False, else fp32 logits
             ``[len(batch.sample_rows), vocab_size]``.
+
+        Runs without autograd (as under ``torch.no_grad``; a caller already there, as
+        ``ModelRunner.execute``, skips the decorator's work).
         """
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._forward(batch, kv, hidden, logits)
+        return self._forward(batch, kv, hidden, logits)
+
+    def _forward(
+        self, batch: ForwardBatch, kv: KVCache, hidden: torch.Tensor | None, logits: bool
+    ) -> torch.Tensor:
         if kv.num_layers != len(self.layers):
             raise ValueError(f"kv has {kv.num_layers} layers, this stage {len(self.layers)}")
         if self.is_first:
@@ -515,10 +525,16 @@ class LlamaModel(nn.Module):
             return x
         return self.compute_logits(x[batch.sample_rows])
 
-    @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's head: ``[S, hidden_size]`` hidden states (model dtype) of
-        the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head)."""
+        the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head), without
+        autograd."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._logits(hidden)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.forward(self.norm.forward(hidden))
         if logits.shape[1] != self.config.vocab_size:  # TP padding rows of the vocabulary
             logits = logits[:, : self.config.vocab_size]
