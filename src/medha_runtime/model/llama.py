@@ -35,7 +35,7 @@ from medha_kernels.linear import (
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
-from medha_runtime.model.rope import RotaryEmbedding, apply_rotary_, rotary_tables
+from medha_runtime.model.rope import RotaryEmbedding, apply_rotary_
 
 Device = torch.device | str
 
@@ -515,8 +515,8 @@ class LlamaModel(nn.Module):
             )
         else:
             x = hidden
-        # once per step, shared by every layer (see rotary_tables)
-        cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
+        # once per step, shared by every layer (see rope.rotary_tables)
+        cos2, sin2 = self.rotary.tables(batch.positions, self.dtype)
         residual = None
         for i, layer in enumerate(self.layers.values()):
             x, residual = layer.forward(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)

@@ -420,6 +420,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Rotate x [N, H, D] in place (rotate-half) with rotary_tables' cos2 and sin2, fp32.",
       py::arg("x"), py::arg("cos2"), py::arg("sin2"), nogil);
   m.def(
+      "rotary_tables",
+      [](const at::Tensor& positions, const at::Tensor& inv_freq,
+         double scale) -> std::optional<std::tuple<at::Tensor, at::Tensor>> {
+        if (!(positions.is_cpu() && positions.scalar_type() == at::kLong &&
+              positions.dim() == 1 && inv_freq.is_cpu() &&
+              inv_freq.scalar_type() == at::kFloat && inv_freq.dim() == 1 &&
+              inv_freq.is_contiguous())) {
+          return std::nullopt;
+        }
+        return medha::rotary_tables_cpu(positions, inv_freq, scale);
+      },
+      "(cos2, sin2) [N, 1, 2, D/2] fp32 for rotary_ from int64 CPU positions [N] and fp32\n"
+      "inv_freq [D/2] (cos and sin of positions x inv_freq, times scale unless 1); None\n"
+      "where the tensors do not fit.",
+      py::arg("positions"), py::arg("inv_freq"), py::arg("scale"), nogil);
+  m.def(
       "write_kv",
       [](const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& index) {

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
+
 namespace medha {
 
 // Rotate x [N, H, D] (fp32, last dim contiguous, any other strides) in place, rotate-half
@@ -15,6 +17,14 @@ void rotary_cpu(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& s
 // v_cache ([num_blocks, block_size, H, D], contiguous, k's dtype); index int64 [N].
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& index);
+
+// The step's tables for rotary_cpu from int64 positions [N] and fp32 inv_freq [D/2] (CPU), as
+// medha_runtime.model.rope computes them: freqs = positions.float()[:, None] * inv_freq, cos and
+// sin (each times scale unless it is 1), then cos2 [N, 1, 2, D/2] (cos for both halves, a
+// broadcast view) and sin2 [N, 1, 2, D/2] ((-sin, sin)), fp32. The same torch ops (hence bits)
+// from C++, the last two as a view and a copy.
+std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& positions,
+                                                     const at::Tensor& inv_freq, double scale);
 
 // rotary_cpu on raw fp32 memory: x row t, head h at x + t * xs0 + h * xs1 (head_dim 2 * half,
 // contiguous); cos2 as cos + t * cs0 + j * cs3, sin2[t, 0, 1, j] as sin + t * ss0 + ss2 +

@@ -67,6 +67,27 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
   }
 }
 
+std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& positions,
+                                                     const at::Tensor& inv_freq, double scale) {
+  const at::Tensor freqs = at::mul(positions.to(at::kFloat).unsqueeze(-1), inv_freq);
+  at::Tensor cos = at::cos(freqs), sin = at::sin(freqs);
+  if (scale != 1.0) {
+    cos = at::mul(cos, scale);
+    sin = at::mul(sin, scale);
+  }
+  const int64_t n = cos.size(0), half = cos.size(1);
+  at::Tensor sin2 = at::empty({n, 1, 2, half}, cos.options());
+  const float* sp = sin.const_data_ptr<float>();
+  float* dst = sin2.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < half; ++j) {
+      dst[t * 2 * half + j] = -sp[t * half + j];
+      dst[t * 2 * half + half + j] = sp[t * half + j];
+    }
+  }
+  return {cos.view({n, 1, 1, half}).expand({n, 1, 2, half}), sin2};
+}
+
 void write_kv_rows(const float* k, int64_t ks0, int64_t ks1, const float* v, int64_t vs0,
                    int64_t vs1, float* k_cache, float* v_cache, int64_t slots, int64_t n,
                    int64_t heads, int64_t d, const int64_t* index) {
