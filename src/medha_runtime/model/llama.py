@@ -337,7 +337,8 @@ class LlamaDecoderLayer(nn.Module):
             residual, q, qkv = front
             if index is None and batch.writes_kv:  # rows that write nothing (KVP)
                 attn.write_kv(qkv, batch, k_cache, v_cache)
-            o = attn.attend(q, k_cache, v_cache, batch).view(q.shape[0], attn.q_size)
+            o = attn.attn_fn(q, k_cache, v_cache, batch, layer_id=attn.layer_id)  # attend()
+            o = o.view(q.shape[0], attn.q_size)
         else:
             if residual is None:
                 residual, h = x, self.input_layernorm.forward(x)
