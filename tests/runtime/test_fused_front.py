@@ -144,3 +144,19 @@ def test_forward_and_logits_run_without_autograd(monkeypatch) -> None:
         again = model(ForwardBatch.build([[1, 2, 3]], [0], [[0]], block_size=8), kv)
     assert seen == [False, False]
     assert not out.requires_grad and not logits.requires_grad and torch.equal(out, again)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_logits_are_the_hidden_rows_through_the_head(rows: int) -> None:
+    """A one-row batch adds the last residual in the final norm's call (no gather): its
+    logits, as a batch of several rows', are those of the hidden states' sampled rows
+    through ``compute_logits``, bit for bit."""
+    model, _ = build_tiny()
+    tokens = [[3, 4, 5, 6][:rows]] if rows > 1 else [[9]]
+    logits = model(
+        ForwardBatch.build(tokens, [2], [[0]], block_size=8), model.allocate_kv_cache(4, 8)
+    )
+    batch = ForwardBatch.build(tokens, [2], [[0]], block_size=8)
+    hidden = model(batch, model.allocate_kv_cache(4, 8), logits=False)
+    assert logits.shape == (1, model.config.vocab_size)
+    assert torch.equal(logits, model.compute_logits(hidden[batch.sample_rows]))

@@ -521,22 +521,31 @@ class LlamaModel(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers.values()):
             x, residual = layer.forward(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
+        if logits and self.is_last and x.shape[0] == 1 and batch.sample_rows.shape[0] == 1:
+            # one row, sampled (a batch-1 decode): the final residual add in the norm's
+            # call, no gather (the same bits as the add, the row and the norm)
+            return self.compute_logits(x, residual)
         x = x + residual
         if not self.is_last or not logits:
             return x
         return self.compute_logits(x[batch.sample_rows])
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The last stage's head: ``[S, hidden_size]`` hidden states (model dtype) of
         the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head), without
-        autograd."""
+        autograd. ``residual`` (``hidden``'s shape): the hidden states are
+        ``hidden + residual``, added in the norm's call."""
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self._logits(hidden)
-        return self._logits(hidden)
+                return self._logits(hidden, residual)
+        return self._logits(hidden, residual)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.forward(self.norm.forward(hidden))
+    def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        norm = self.norm
+        normed = norm.forward(hidden) if residual is None else norm.forward_add(hidden, residual)[1]
+        logits = self.lm_head.forward(normed)
         if logits.shape[1] != self.config.vocab_size:  # TP padding rows of the vocabulary
             logits = logits[:, : self.config.vocab_size]
         return logits if logits.dtype == torch.float32 else logits.float()
