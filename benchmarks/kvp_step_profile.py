@@ -63,7 +63,7 @@ def _profile(
     from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
     from medha_runtime import runner as runner_mod
     from medha_runtime.model import batch as batch_mod
-    from medha_runtime.model import llama
+    from medha_runtime.model import llama, rope
     from medha_runtime.plan import PlannedChunk, StepPlan
     from medha_runtime.runner import ModelRunner, RunnerSpec
     from medha_runtime.sampling_params import SampleSpec
@@ -94,7 +94,11 @@ def _profile(
         (runner_mod, "build_group_batch", "batch build"),
         (batch_mod.ForwardBatch, "prepare_kv_write", "prepare_kv_write"),
         (llama.VocabParallelEmbedding, "forward", "embedding"),
-        (llama, "rotary_tables", "rotary tables"),
+        *(
+            [(rope.RotaryEmbedding, "tables", "rotary tables")]
+            if hasattr(rope.RotaryEmbedding, "tables")
+            else [(llama, "rotary_tables", "rotary tables")]
+        ),
         (llama.RMSNorm, "forward", "rmsnorm"),
         *(
             [(llama.RMSNorm, "forward_add", "rmsnorm")]

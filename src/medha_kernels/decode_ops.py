@@ -62,6 +62,29 @@ def rotary_(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> bool:
     return False
 
 
+def rotary_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A step's rotary tables natively if it can, as ``medha_runtime.model.rope`` makes
+    them in fp32: ``rotary_tables(*RotaryEmbedding.cos_sin(positions))``, the same torch
+    ops from C++ (the same bits) in one call instead of a dozen.
+
+    Args:
+        positions: ``[N]`` int64 on the CPU.
+        inv_freq: ``[D / 2]`` fp32 on the CPU, contiguous.
+        scale: multiplies cos and sin (unless it is 1).
+
+    Returns:
+        ``(cos2, sin2)``, each ``[N, 1, 2, D / 2]`` fp32 (``cos2`` a broadcast view), or
+        None (nothing done) for other tensors or where the native ops do not run.
+    """
+    if positions.is_cpu and positions.dtype is _I64 and inv_freq.dtype is _F32:
+        module = _module()
+        if module is not None:
+            return module.rotary_tables(positions, inv_freq, scale)
+    return None
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -216,6 +216,73 @@ def linear_add_rms_norm_swiglu(
     return h, linear(linear_silu_mul(normed, gate_up), down)
 
 
+def rms_norm_qkv_rotary(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    cos2: torch.Tensor,
+    sin2: torch.Tensor,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A decode layer from its input norm to its attention's query, in one native call
+    (TP 1, no q/k/v bias): ``(h, n) = rms_norm(x, norm_weight, eps, residual)``,
+    ``qkv = linear(n, weight)``, its q and k heads rotated in place (as
+    :func:`medha_kernels.decode_ops.rotary_`), and with ``index`` its k and v heads
+    written at those slots (as :func:`medha_kernels.decode_ops.write_kv`).
+
+    Args:
+        x, residual, norm_weight, eps: as :func:`medha_kernels.rms_norm` (``[M, K]``).
+        weight: ``[(Hq + 2 Hkv) D, K]``, the fused q/k/v projection.
+        num_q_heads, num_kv_heads: ``Hq`` and ``Hkv``.
+        cos2, sin2: ``[M, 1, 2, D / 2]`` from ``medha_runtime.model.rope.rotary_tables``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous; written at
+            ``index`` (``[M]`` int64 slots, each checked against the cache). All three
+            or none (nothing written).
+
+    Returns:
+        ``(h, q, qkv)``: ``q [M, Hq, D]`` contiguous (rotated), ``qkv [M, (Hq + 2 Hkv) D]``
+        (q and k rotated), the same bits as those calls; None (nothing done) unless
+        everything is fp32 on the CPU, ``M`` at most :func:`native_row_limit`, the
+        weights contiguous, no autograd, and the native norm, linear and decode ops
+        all run here (``MEDHA_NATIVE_LINEAR`` and ``MEDHA_NATIVE_DECODE_OPS`` not 0).
+    """
+    fused, limit = _front() if x.device.type == "cpu" else (None, 0)
+    if fused is None:
+        return None
+    return fused.rms_norm_qkv_rotary(
+        x,
+        residual,
+        norm_weight,
+        eps,
+        weight,
+        num_q_heads,
+        num_kv_heads,
+        cos2,
+        sin2,
+        k_cache,
+        v_cache,
+        index,
+        limit,
+    )
+
+
+@functools.cache
+def _front():
+    """:func:`_fused`, where the native decode ops (rotary, K/V write) run too."""
+    from medha_kernels.decode_ops import _module as _decode_module
+
+    fused, limit = _fused()
+    if fused is None or _decode_module() is None:
+        return None, 0
+    return fused, limit
+
+
 @functools.cache
 def _fused():
     """``(native module, row limit)`` where both :func:`linear` and

@@ -791,7 +791,9 @@ class ModelRunner:
         if self.pipeline is None:
             # logits only where they are sampled: a KVP group other than 0 would compute
             # them and drop them (with TP, every TP rank takes part in the LM head's gather)
-            out = self.model(batch, self.kv, logits=self.sampler is not None or spec.tp > 1)
+            out = self.model.forward(  # (no module hooks: nn.Module.__call__'s checks skipped)
+                batch, self.kv, logits=self.sampler is not None or spec.tp > 1
+            )
         else:
             out = self.pipeline.run(plan, batch)  # non-last stages: sent on, not awaited
             if not self.pipeline.is_last:

@@ -93,3 +93,64 @@ def test_write_kv_is_index_copy(dtype: torch.dtype, rows: int) -> None:
     strided = torch.stack([index, index], dim=1)[:, 0]  # a valid int64 index, strided
     assert ops.write_kv(k, v, k_cache, v_cache, strided) is (rows == 1)  # 1 row: contiguous
     assert not ops.write_kv(k, v, k_cache, v_cache[:, :, :1].contiguous(), index)  # other shape
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 16, 33, 200])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        RopeConfig(rope_type="default", theta=10000.0),
+        RopeConfig(rope_type="default", theta=500000.0),
+        RopeConfig(
+            rope_type="yarn",
+            theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=2048,
+            beta_fast=32.0,
+            beta_slow=1.0,
+        ),
+    ],
+)
+@pytest.mark.parametrize("head_dim", [2, 16, 64, 10])
+def test_rotary_tables_are_torch_bit_for_bit(tokens: int, rope: RopeConfig, head_dim: int) -> None:
+    """The step's tables in one native call: the same bits as ``rotary_tables(*cos_sin())``
+    (cos and sin of positions x inverse frequencies, the yarn scale, -sin and sin), at
+    positions up to a million (large arguments of cos and sin)."""
+    emb = RotaryEmbedding(rope, head_dim=head_dim, max_position_embeddings=4096)
+    g = torch.Generator().manual_seed(tokens * 7 + head_dim)
+    positions = torch.randint(0, 1 << 20, (tokens,), generator=g)
+    positions[0] = 0
+    got = ops.rotary_tables(positions, emb.inv_freq, emb.scale)
+    assert got is not None
+    want = rotary_tables(*emb.cos_sin(positions))
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape == (tokens, 1, 2, head_dim // 2) and a.dtype == torch.float32
+        assert torch.equal(a, b)
+    assert got[0].stride() == want[0].stride()  # cos2: the same broadcast view
+    # what RotaryEmbedding.tables gives a layer, fp32 on the CPU: the native call's bits
+    for a, b in zip(emb.tables(positions), want, strict=True):
+        assert torch.equal(a, b)
+    # other dtypes: cos_sin and rotary_tables (bf16 rounds cos and sin first)
+    for a, b in zip(
+        emb.tables(positions, torch.bfloat16),
+        rotary_tables(*emb.cos_sin(positions, torch.bfloat16)),
+        strict=True,
+    ):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_rotary_tables_decline_what_they_cannot_run(monkeypatch) -> None:
+    inv = torch.rand(8)
+    assert ops.rotary_tables(torch.arange(3, dtype=torch.int32), inv) is None
+    assert ops.rotary_tables(torch.arange(3), inv.double()) is None
+    module = ops._module()
+    assert module.rotary_tables(torch.arange(3), inv[::2], 1.0) is None  # non-contiguous
+    assert module.rotary_tables(torch.arange(6).view(2, 3), inv, 1.0) is None
+    monkeypatch.setattr(ops, "_module", lambda: None)
+    assert ops.rotary_tables(torch.arange(3), inv) is None
+    emb = RotaryEmbedding(
+        RopeConfig(rope_type="default", theta=1e4), head_dim=16, max_position_embeddings=64
+    )
+    positions = torch.arange(5)
+    for a, b in zip(emb.tables(positions), rotary_tables(*emb.cos_sin(positions)), strict=True):
+        assert torch.equal(a, b)

@@ -216,3 +216,38 @@ def test_group_batch_tensors_are_the_lists_as_forward_batch_builds_them() -> Non
         StepPlan(0, quiet), tables, group=0, kvp=1, group_tokens=64, block_size=4, device="cpu"
     )
     assert none.sample_rows.dtype == torch.int64 and none.sample_rows.shape == (0,)
+
+
+def test_batch_attention_checks_the_first_call_and_runs_the_later_ones_unchecked(
+    monkeypatch,
+) -> None:
+    """``ForwardBatch.attention``: the step's first layer runs the plan checked (a wrong
+    shape raises), the later ones the same plan unchecked, with the same results as the
+    checked run; another backend is planned and checked afresh."""
+    from medha_kernels import KernelInputError, PagedAttentionPlan
+
+    batch = ForwardBatch.build([[1, 2, 3], [4]], [0, 6], [[0, 1], [3, 2]], block_size=4)
+    kc, vc = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8)
+    qs = [torch.randn(4, 4, 8) for _ in range(3)]
+    with pytest.raises(KernelInputError):  # the first call checks
+        batch.attention(qs[0], kc, torch.randn(4, 4, 2, 4))
+    checked = []
+    run = PagedAttentionPlan.run
+
+    def counting(self, *args):
+        checked.append(self.backend)
+        return run(self, *args)
+
+    monkeypatch.setattr(PagedAttentionPlan, "run", counting)
+    got = [batch.attention(q, kc, vc) for q in qs]
+    assert len(checked) == 1  # the first layer only
+    plan = batch.attention_plan_for(qs[0], kc)
+    for q, (o, lse) in zip(qs, got, strict=True):
+        want_o, want_lse = run(plan, q, kc, vc)
+        assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    batch.attention(qs[0], kc, vc, backend="torch")
+    assert checked[1:] == ["torch"]
+    with pytest.raises(KernelInputError):  # and checks the first call of that backend
+        ForwardBatch.build([[4]], [6], [[3, 2]], block_size=4).attention(
+            torch.randn(1, 4, 8), kc, torch.randn(4, 4, 2, 4), backend="torch"
+        )

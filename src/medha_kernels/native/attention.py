@@ -41,9 +41,9 @@ def plan_paged_attention(meta: PagedMeta):
     flash = {b for b, (n, kv) in enumerate(zip(counts, meta.lens, strict=True)) if use_flash(n, kv)}
     group = meta.num_qo_heads // meta.num_kv_heads
     if not flash:  # every sequence: its chunk starts at kv - n (from the host lists)
-        q_start = torch.tensor(
-            [kv - n for n, kv in zip(counts, meta.lens, strict=True)], dtype=_I32
-        )
+        from medha_kernels.plan import host_tensor  # (plan imports the backends)
+
+        q_start = host_tensor([kv - n for n, kv in zip(counts, meta.lens, strict=True)], _I32)
         return _native_run(meta.cu_seqlens_q, meta.kv_lens, meta.block_table, meta, group, q_start)
     rest = [b for b in range(meta.batch) if b not in flash]
     rows = torch.tensor(

@@ -15,6 +15,7 @@ import torch
 
 from medha_kernels import PagedAttentionPlan, PagedHost, append_paged_kv, plan_paged_attention
 from medha_kernels.decode_ops import write_kv as native_write_kv
+from medha_kernels.plan import RunFn
 from medha_runtime import huge_pages
 
 
@@ -57,6 +58,10 @@ class ForwardBatch:
     )
     #: (int64 slots of the written rows, those rows or None for all), after the first write
     _kv_write: tuple[torch.Tensor, torch.Tensor | None] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    #: (backend, the plan's unchecked run) after the step's first checked :meth:`attention`
+    _attention_run: tuple[str, RunFn] | None = field(
         default=None, init=False, repr=False, compare=False
     )
 
@@ -123,6 +128,16 @@ class ForwardBatch:
             raise ValueError(f"slots: {top} is past the cache's {capacity} slots")
         self._kv_write = _write_rows(slots)
 
+    def write_index(self) -> torch.Tensor | None:
+        """The int64 slots every row's K/V goes to, where the write is prepared
+        (:meth:`prepare_kv_write`, :meth:`set_kv_write_index`) and writes every row: a
+        layer may then write them itself (``medha_kernels.linear.rms_norm_qkv_rotary``)
+        instead of calling :meth:`write_kv`. None otherwise (:meth:`write_kv` does it)."""
+        prepared = self._kv_write
+        if prepared is None or prepared[1] is not None or not self.writes_kv:
+            return None
+        return prepared[0]
+
     def set_kv_write_index(self, index: torch.Tensor) -> None:
         """Write every row's K/V at ``index`` (``[num_tokens]`` int64 slots, each valid
         for the cache, on its device): what :meth:`prepare_kv_write` would keep, with
@@ -179,6 +194,26 @@ class ForwardBatch:
             dtype=q.dtype,
             backend=backend,
         )
+
+    def attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "auto"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's causal attention through the step's plan (:meth:`attention_plan_for`):
+        ``(o, lse)`` of :meth:`PagedAttentionPlan.run`.
+
+        The step's first call runs the plan checked; later calls with the same
+        ``backend`` run it unchecked (:meth:`PagedAttentionPlan.unchecked_run`): every
+        layer of a step has the first one's query shape and dtype and a cache like its
+        own, and the checks would only run again, cold, after the previous layer's
+        attention streamed its KV through the caches.
+        """
+        done = self._attention_run
+        if done is not None and done[0] == backend:
+            return done[1](q, k_cache, v_cache)
+        plan = self.attention_plan_for(q, k_cache, backend)
+        out = plan.run(q, k_cache, v_cache)
+        self._attention_run = (backend, plan.unchecked_run())
+        return out
 
     @property
     def num_tokens(self) -> int:

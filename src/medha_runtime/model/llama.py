@@ -27,11 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from medha_kernels import rms_norm
-from medha_kernels.linear import linear_add_rms_norm_swiglu, linear_silu_mul
+from medha_kernels.linear import (
+    linear_add_rms_norm_swiglu,
+    linear_silu_mul,
+    rms_norm_qkv_rotary,
+)
 from medha_parallel import ColumnParallelLinear, RowParallelLinear, TPCommunicator
 from medha_runtime.model.batch import ForwardBatch, KVCache
 from medha_runtime.model.config import ModelConfig, resolve_dtype
-from medha_runtime.model.rope import RotaryEmbedding, apply_rotary_, rotary_tables
+from medha_runtime.model.rope import RotaryEmbedding, apply_rotary_
 
 Device = torch.device | str
 
@@ -65,7 +69,8 @@ class PagedAttention:
     """The default :class:`AttentionFn`: causal paged attention over the local cache.
 
     The first layer of a step plans the step's attention
-    (:meth:`ForwardBatch.attention_plan`); every layer runs that plan.
+    (:meth:`ForwardBatch.attention_plan`); every layer runs that plan, the later
+    ones without its checks (:meth:`ForwardBatch.attention`).
 
     Args:
         backend: passed to :func:`medha_kernels.plan_paged_attention` (``"auto"``:
@@ -87,8 +92,7 @@ class PagedAttention:
         *,
         layer_id: int,
     ) -> torch.Tensor:
-        out, _ = batch.attention_plan_for(q, k_cache, self.backend).run(q, k_cache, v_cache)
-        return out
+        return batch.attention(q, k_cache, v_cache, self.backend)[0]
 
 
 class RMSNorm(nn.Module):
@@ -156,7 +160,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return torch.embedding(self.weight, ids)  # F.embedding's op, without its checks
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
@@ -196,6 +200,16 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """The hook: ``q [N, Hq_local, D]`` over the cache → ``[N, Hq_local, D]``."""
         return self.attn_fn(q, k_cache, v_cache, batch, layer_id=self.layer_id)
+
+    def write_kv(
+        self, qkv: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        """Write the K/V heads of ``qkv`` (``[N, q_size + 2 kv_size]``, k already rotated)
+        through :meth:`ForwardBatch.write_kv`."""
+        n, hkv, d = qkv.shape[0], self.num_kv_heads, self.head_dim
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, hkv, d)
+        batch.write_kv(k, v, k_cache, v_cache)
 
     def attention(
         self,
@@ -301,12 +315,36 @@ class LlamaDecoderLayer(nn.Module):
             output is their sum, ``x + attn(norm(x)) + mlp(norm(...))`` in
             transformers' order of additions.
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm.forward(x)
-        else:
-            residual, h = self.input_layernorm.forward_add(x, residual)
         attn = self.self_attn
-        o = attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
+        front = None
+        if self._fused_tail:
+            # the same condition (TP 1, no q/k/v bias): from the input norm to the query in
+            # one native call, the K/V write in it where the step prepared every row's slot
+            norm, index = self.input_layernorm, batch.write_index()
+            front = rms_norm_qkv_rotary(
+                x,
+                residual,
+                norm.weight,
+                norm.eps,
+                attn.qkv_proj.weight,
+                attn.num_q_heads,
+                attn.num_kv_heads,
+                cos2,
+                sin2,
+                *((k_cache, v_cache, index) if index is not None else ()),
+            )
+        if front is not None:
+            residual, q, qkv = front
+            if index is None and batch.writes_kv:  # rows that write nothing (KVP)
+                attn.write_kv(qkv, batch, k_cache, v_cache)
+            o = attn.attn_fn(q, k_cache, v_cache, batch, layer_id=attn.layer_id)  # attend()
+            o = o.view(q.shape[0], attn.q_size)
+        else:
+            if residual is None:
+                residual, h = x, self.input_layernorm.forward(x)
+            else:
+                residual, h = self.input_layernorm.forward_add(x, residual)
+            o = attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
         if self._fused_tail:
             # one call where it runs natively (a decode step: fewer calls after the
             # attention, each run cold)
@@ -433,7 +471,6 @@ class LlamaModel(nn.Module):
             device=self.device,
         )
 
-    @torch.no_grad()
     def forward(
         self,
         batch: ForwardBatch,
@@ -456,7 +493,18 @@ class LlamaModel(nn.Module):
             ``[num_tokens, hidden_size]`` hidden states (in the model dtype) if
             this is not the last stage or ``logits`` is False, else fp32 logits
             ``[len(batch.sample_rows), vocab_size]``.
+
+        Runs without autograd (as under ``torch.no_grad``; a caller already there, as
+        ``ModelRunner.execute``, skips the decorator's work).
         """
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._forward(batch, kv, hidden, logits)
+        return self._forward(batch, kv, hidden, logits)
+
+    def _forward(
+        self, batch: ForwardBatch, kv: KVCache, hidden: torch.Tensor | None, logits: bool
+    ) -> torch.Tensor:
         if kv.num_layers != len(self.layers):
             raise ValueError(f"kv has {kv.num_layers} layers, this stage {len(self.layers)}")
         if self.is_first:
@@ -468,21 +516,36 @@ class LlamaModel(nn.Module):
             )
         else:
             x = hidden
-        # once per step, shared by every layer (see rotary_tables)
-        cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
+        # once per step, shared by every layer (see rope.rotary_tables)
+        cos2, sin2 = self.rotary.tables(batch.positions, self.dtype)
         residual = None
         for i, layer in enumerate(self.layers.values()):
             x, residual = layer.forward(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
+        if logits and self.is_last and x.shape[0] == 1 and batch.sample_rows.shape[0] == 1:
+            # one row, sampled (a batch-1 decode): the final residual add in the norm's
+            # call, no gather (the same bits as the add, the row and the norm)
+            return self.compute_logits(x, residual)
         x = x + residual
         if not self.is_last or not logits:
             return x
         return self.compute_logits(x[batch.sample_rows])
 
-    @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The last stage's head: ``[S, hidden_size]`` hidden states (model dtype) of
-        the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head)."""
-        logits = self.lm_head.forward(self.norm.forward(hidden))
+        the sampled rows → fp32 logits ``[S, vocab_size]`` (final norm, LM head), without
+        autograd. ``residual`` (``hidden``'s shape): the hidden states are
+        ``hidden + residual``, added in the norm's call."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._logits(hidden, residual)
+        return self._logits(hidden, residual)
+
+    def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        norm = self.norm
+        normed = norm.forward(hidden) if residual is None else norm.forward_add(hidden, residual)[1]
+        logits = self.lm_head.forward(normed)
         if logits.shape[1] != self.config.vocab_size:  # TP padding rows of the vocabulary
             logits = logits[:, : self.config.vocab_size]
         return logits if logits.dtype == torch.float32 else logits.float()

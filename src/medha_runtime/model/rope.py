@@ -19,6 +19,7 @@ import math
 import torch
 
 from medha_kernels.decode_ops import rotary_ as native_rotary_
+from medha_kernels.decode_ops import rotary_tables as native_rotary_tables
 from medha_runtime.model.config import RopeConfig
 
 
@@ -209,6 +210,21 @@ class RotaryEmbedding:
         if cos.dtype == dtype:  # no cast to make (each .to would still be a dispatched op)
             return cos, sin
         return cos.to(dtype), sin.to(dtype)
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's ``(cos2, sin2)`` for :func:`apply_rotary_`: ``rotary_tables(*cos_sin(
+        positions, dtype))``, for fp32 on the CPU in one native call with the same bits
+        (:func:`medha_kernels.decode_ops.rotary_tables`)."""
+        if dtype is torch.float32:
+            inv = self._on_device.get(positions.device)
+            if inv is None:
+                inv = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+            made = native_rotary_tables(positions, inv, self.scale)
+            if made is not None:
+                return made
+        return rotary_tables(*self.cos_sin(positions, dtype))
 
     def cos_sin_cache(
         self, num_positions: int, *, device: torch.device | str = "cpu"

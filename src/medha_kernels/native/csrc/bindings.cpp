@@ -306,6 +306,69 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("norm_weight"), py::arg("eps"),
       py::arg("gate_up"), py::arg("down"), py::arg("max_rows"), nogil);
   m.def(
+      "rms_norm_qkv_rotary",
+      [](const at::Tensor& x, const std::optional<at::Tensor>& residual,
+         const at::Tensor& norm_weight, double eps, const at::Tensor& w_qkv,
+         int64_t num_q_heads, int64_t num_kv_heads, const at::Tensor& cos2,
+         const at::Tensor& sin2, const std::optional<at::Tensor>& k_cache,
+         const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& index,
+         int64_t max_rows) -> std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> {
+        const auto f = at::kFloat;
+        const int64_t m = x.dim() == 2 ? x.size(0) : 0, heads = num_q_heads + 2 * num_kv_heads;
+        if (!(num_q_heads > 0 && num_kv_heads > 0 && x.is_cpu() && x.scalar_type() == f &&
+              x.dim() == 2 && m > 0 && m <= max_rows && x.size(1) > 0 && x.is_contiguous() &&
+              norm_weight.is_cpu() && norm_weight.scalar_type() == f && norm_weight.dim() == 1 &&
+              norm_weight.size(0) == x.size(1) && norm_weight.is_contiguous() && w_qkv.is_cpu() &&
+              w_qkv.scalar_type() == f && w_qkv.dim() == 2 && w_qkv.size(1) == x.size(1) &&
+              w_qkv.size(0) % heads == 0 && (w_qkv.size(0) / heads) % 2 == 0 &&
+              w_qkv.size(0) > 0 && w_qkv.is_contiguous())) {
+          return std::nullopt;
+        }
+        if (residual.has_value() &&
+            !(residual->is_cpu() && residual->scalar_type() == f &&
+              residual->sizes() == x.sizes() && residual->is_contiguous())) {
+          return std::nullopt;
+        }
+        const int64_t d = w_qkv.size(0) / heads;
+        for (const auto* t : {&cos2, &sin2}) {
+          if (!(t->is_cpu() && t->scalar_type() == f && t->dim() == 4 && t->size(0) == m &&
+                t->size(1) == 1 && t->size(2) == 2 && t->size(3) == d / 2)) {
+            return std::nullopt;
+          }
+        }
+        if (k_cache.has_value() != index.has_value() || v_cache.has_value() != index.has_value()) {
+          return std::nullopt;
+        }
+        if (index.has_value()) {
+          for (const auto* c : {&*k_cache, &*v_cache}) {
+            if (!(c->is_cpu() && c->scalar_type() == f && c->dim() == 4 && c->is_contiguous() &&
+                  c->size(2) == num_kv_heads && c->size(3) == d &&
+                  c->sizes() == k_cache->sizes())) {
+              return std::nullopt;
+            }
+          }
+          if (!(index->is_cpu() && index->scalar_type() == at::kLong && index->dim() == 1 &&
+                index->size(0) == m && index->is_contiguous())) {
+            return std::nullopt;
+          }
+        }
+        if (at::GradMode::is_enabled() &&
+            (x.requires_grad() || norm_weight.requires_grad() || w_qkv.requires_grad() ||
+             (residual.has_value() && residual->requires_grad()))) {
+          return std::nullopt;
+        }
+        return medha::rms_norm_qkv_rotary_cpu(x, residual, norm_weight, eps, w_qkv, num_q_heads,
+                                              num_kv_heads, cos2, sin2, k_cache, v_cache, index);
+      },
+      "A decode layer before its attention (TP 1): (h, n) = rms_norm(x, norm_weight, eps,\n"
+      "residual), qkv = n @ w_qkv^T, q and k rotated (rotary_), k and v written at index\n"
+      "(write_kv) when given; returns (h, q [M, Hq, D], qkv), fp32 on the CPU, one call;\n"
+      "None where the tensors do not fit.",
+      py::arg("x"), py::arg("residual"), py::arg("norm_weight"), py::arg("eps"),
+      py::arg("w_qkv"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("cos2"),
+      py::arg("sin2"), py::arg("k_cache"), py::arg("v_cache"), py::arg("index"),
+      py::arg("max_rows"), nogil);
+  m.def(
       "row_argmax",
       [](const at::Tensor& x) -> std::optional<at::Tensor> {
         TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat,
@@ -356,6 +419,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Rotate x [N, H, D] in place (rotate-half) with rotary_tables' cos2 and sin2, fp32.",
       py::arg("x"), py::arg("cos2"), py::arg("sin2"), nogil);
+  m.def(
+      "rotary_tables",
+      [](const at::Tensor& positions, const at::Tensor& inv_freq,
+         double scale) -> std::optional<std::tuple<at::Tensor, at::Tensor>> {
+        if (!(positions.is_cpu() && positions.scalar_type() == at::kLong &&
+              positions.dim() == 1 && inv_freq.is_cpu() &&
+              inv_freq.scalar_type() == at::kFloat && inv_freq.dim() == 1 &&
+              inv_freq.is_contiguous())) {
+          return std::nullopt;
+        }
+        return medha::rotary_tables_cpu(positions, inv_freq, scale);
+      },
+      "(cos2, sin2) [N, 1, 2, D/2] fp32 for rotary_ from int64 CPU positions [N] and fp32\n"
+      "inv_freq [D/2] (cos and sin of positions x inv_freq, times scale unless 1); None\n"
+      "where the tensors do not fit.",
+      py::arg("positions"), py::arg("inv_freq"), py::arg("scale"), nogil);
   m.def(
       "write_kv",
       [](const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,

@@ -38,6 +38,19 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_swiglu_cpu(
     const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up,
     const at::Tensor& down);
 
+// A decode layer's attention up to the attention call (TP 1, no q/k/v bias), one call:
+// (h, n) = rms_norm_cpu(x, norm_weight, eps, residual), qkv = n @ w_qkv^T (linear_small_m_cpu),
+// the q and k heads of qkv rotated in place (rotary_rows: rotary_cpu's loop), and with an
+// index the k and v heads written to slots index [M] of k_cache and v_cache (write_kv_rows).
+// Returns (h, q [M, Hq, D] contiguous, qkv [M, (Hq + 2 Hkv) D]): the same bits as those calls.
+// Arguments already validated by the bindings (cos2, sin2 as rotary_cpu's).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_qkv_rotary_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const at::Tensor& norm_weight, double eps, const at::Tensor& w_qkv, int64_t num_q_heads,
+    int64_t num_kv_heads, const at::Tensor& cos2, const at::Tensor& sin2,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& index);
+
 // Whether this build has the AVX2/FMA kernel (else linear_small_m_cpu calls at::linear).
 bool linear_small_m_vectorized();
 

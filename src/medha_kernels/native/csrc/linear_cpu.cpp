@@ -51,6 +51,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -63,6 +64,7 @@
 
 #include "linear.h"
 #include "norm.h"
+#include "rotary.h"
 
 namespace medha {
 
@@ -610,6 +612,34 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm_swiglu_cpu(
     const at::Tensor& down) {
   auto [h, normed] = linear_add_rms_norm_cpu(x, w, residual, norm_weight, eps);
   return {h, linear_small_m_cpu(linear_silu_mul_cpu(normed, gate_up), down, std::nullopt)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_qkv_rotary_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const at::Tensor& norm_weight, double eps, const at::Tensor& w_qkv, int64_t num_q_heads,
+    int64_t num_kv_heads, const at::Tensor& cos2, const at::Tensor& sin2,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& index) {
+  auto [h, normed] = rms_norm_cpu(x, norm_weight, eps, residual);
+  at::Tensor qkv = linear_small_m_cpu(normed, w_qkv, std::nullopt);
+  const int64_t m = qkv.size(0), width = qkv.size(1);
+  const int64_t hq = num_q_heads, hkv = num_kv_heads, d = width / (hq + 2 * hkv);
+  float* p = qkv.data_ptr<float>();
+  // q's and k's heads at once, in the projection's output (rows `width` apart, heads d)
+  rotary_rows(p, m, hq + hkv, d / 2, width, d, cos2.const_data_ptr<float>(), cos2.stride(0),
+              cos2.stride(3), sin2.const_data_ptr<float>(), sin2.stride(0), sin2.stride(2),
+              sin2.stride(3));
+  if (index.has_value()) {
+    write_kv_rows(p + hq * d, width, d, p + (hq + hkv) * d, width, d, k_cache->data_ptr<float>(),
+                  v_cache->data_ptr<float>(), k_cache->size(0) * k_cache->size(1), m, hkv, d,
+                  index->const_data_ptr<int64_t>());
+  }
+  at::Tensor q = at::empty({m, hq, d}, qkv.options());
+  float* qp = q.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    std::memcpy(qp + i * hq * d, p + i * width, hq * d * sizeof(float));
+  }
+  return {h, q, qkv};
 }
 
 const char* linear_small_m_isa() {

@@ -15,15 +15,9 @@
 
 namespace medha {
 
-void rotary_cpu(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& sin2) {
-  const int64_t n = x.size(0), heads = x.size(1), half = x.size(2) / 2;
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos2.const_data_ptr<float>();
-  const float* sp = sin2.const_data_ptr<float>();
-  const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
-  // cos2[t, 0, 0, j] and sin2[t, 0, 1, j] (= sin); strides in elements
-  const int64_t cs0 = cos2.stride(0), cs3 = cos2.stride(3);
-  const int64_t ss0 = sin2.stride(0), ss2 = sin2.stride(2), ss3 = sin2.stride(3);
+void rotary_rows(float* xp, int64_t n, int64_t heads, int64_t half, int64_t xs0, int64_t xs1,
+                 const float* cp, int64_t cs0, int64_t cs3, const float* sp, int64_t ss0,
+                 int64_t ss2, int64_t ss3) {
   for (int64_t t = 0; t < n; ++t) {
     const float* c = cp + t * cs0;
     const float* s = sp + t * ss0 + ss2;
@@ -40,6 +34,13 @@ void rotary_cpu(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& s
       }
     }
   }
+}
+
+void rotary_cpu(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& sin2) {
+  // cos2[t, 0, 0, j] and sin2[t, 0, 1, j] (= sin); strides in elements
+  rotary_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.size(2) / 2, x.stride(0), x.stride(1),
+              cos2.const_data_ptr<float>(), cos2.stride(0), cos2.stride(3),
+              sin2.const_data_ptr<float>(), sin2.stride(0), sin2.stride(2), sin2.stride(3));
 }
 
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -62,6 +63,43 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
                   kp + (i * k.stride(0) + h * k.stride(1)) * item, row_bytes);
       std::memcpy(vc + slot * slot_bytes + h * row_bytes,
                   vp + (i * v.stride(0) + h * v.stride(1)) * item, row_bytes);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& positions,
+                                                     const at::Tensor& inv_freq, double scale) {
+  const at::Tensor freqs = at::mul(positions.to(at::kFloat).unsqueeze(-1), inv_freq);
+  at::Tensor cos = at::cos(freqs), sin = at::sin(freqs);
+  if (scale != 1.0) {
+    cos = at::mul(cos, scale);
+    sin = at::mul(sin, scale);
+  }
+  const int64_t n = cos.size(0), half = cos.size(1);
+  at::Tensor sin2 = at::empty({n, 1, 2, half}, cos.options());
+  const float* sp = sin.const_data_ptr<float>();
+  float* dst = sin2.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < half; ++j) {
+      dst[t * 2 * half + j] = -sp[t * half + j];
+      dst[t * 2 * half + half + j] = sp[t * half + j];
+    }
+  }
+  return {cos.view({n, 1, 1, half}).expand({n, 1, 2, half}), sin2};
+}
+
+void write_kv_rows(const float* k, int64_t ks0, int64_t ks1, const float* v, int64_t vs0,
+                   int64_t vs1, float* k_cache, float* v_cache, int64_t slots, int64_t n,
+                   int64_t heads, int64_t d, const int64_t* index) {
+  const size_t row_bytes = d * sizeof(float);
+  const int64_t slot_floats = heads * d;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = index[i];
+    TORCH_CHECK(slot >= 0 && slot < slots, "write_kv: slot ", slot, " is outside the cache's ",
+                slots, " slots");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(k_cache + slot * slot_floats + h * d, k + i * ks0 + h * ks1, row_bytes);
+      std::memcpy(v_cache + slot * slot_floats + h * d, v + i * vs0 + h * vs1, row_bytes);
     }
   }
 }
