@@ -324,6 +324,24 @@ class LlamaDecoderLayer(nn.Module):
         residual, h = self.post_attention_layernorm.forward_add(attn.o_proj.forward(o), residual)
         return self.mlp.forward(h), residual
 
+    def forward_kv_only(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos2: torch.Tensor,
+        sin2: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> None:
+        """:meth:`forward` up to its attention, for a layer whose output nobody reads: the
+        norm, the K/V write and the attention hook (a KVP merge's part), nothing after."""
+        if residual is None:
+            h = self.input_layernorm.forward(x)
+        else:
+            _, h = self.input_layernorm.forward_add(x, residual)
+        self.self_attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
+
 
 class LlamaModel(nn.Module):
     """One stage of one TP rank of a Llama model.
@@ -441,7 +459,8 @@ class LlamaModel(nn.Module):
         hidden: torch.Tensor | None = None,
         *,
         logits: bool = True,
-    ) -> torch.Tensor:
+        output: bool = True,
+    ) -> torch.Tensor | None:
         """Run this stage's layers on a batch; writes the new tokens' K/V into ``kv``.
 
         Args:
@@ -451,6 +470,10 @@ class LlamaModel(nn.Module):
                 required unless this stage is the first.
             logits: False: the last stage also returns its hidden states (for
                 :meth:`compute_logits` later; a CUDA graph captures the layers only).
+            output: False: nobody reads the result (a KVP group other than the
+                sampler's, one stage): the last layer stops after its attention
+                (:meth:`LlamaDecoderLayer.forward_kv_only`: its K/V written, its
+                attention hook called) and None is returned.
 
         Returns:
             ``[num_tokens, hidden_size]`` hidden states (in the model dtype) if
@@ -471,7 +494,11 @@ class LlamaModel(nn.Module):
         # once per step, shared by every layer (see rotary_tables)
         cos2, sin2 = rotary_tables(*self.rotary.cos_sin(batch.positions, self.dtype))
         residual = None
+        last = -1 if output else len(self.layers) - 1
         for i, layer in enumerate(self.layers.values()):
+            if i == last:
+                layer.forward_kv_only(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
+                return None
             x, residual = layer.forward(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
         x = x + residual
         if not self.is_last or not logits:
