@@ -110,6 +110,41 @@ def _fast_merge(
     return merge
 
 
+def _publisher(
+    shared: shm.ShmAllGather,
+    views: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    index: int,
+    out_bytes: int,
+    lse_bytes: int,
+    op: str,
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """This rank's half of a repeat of an fp32 shared-memory ``ag_all`` merge whose result
+    it does not read, as one closure: its state into its slots of the next exchange's
+    buffer, then :meth:`~medha_parallel.shm.ShmAllGather.publish` (no wait for the
+    peers). ``views``: per exchange buffer, the ``[num_q, size, num_heads, head_dim]``
+    outputs and ``[num_q, size, num_heads]`` LSEs over it. Contiguous states go into
+    contiguous slots (a decode's) with ``memmove``, others with ``copy_``."""
+    both = []
+    for vb, sb in views:
+        v_mine, s_mine = vb[:, index], sb[:, index]
+        one = v_mine.is_contiguous() and s_mine.is_contiguous()
+        addrs = (v_mine.data_ptr(), s_mine.data_ptr()) if one else (0, 0)
+        both.append((v_mine, s_mine, *addrs))
+    next_parity, publish, memmove = shared.next_parity, shared.publish, _memmove
+
+    def contribute(out: torch.Tensor, lse: torch.Tensor) -> None:
+        v_mine, s_mine, v_addr, s_addr = both[next_parity()]
+        if v_addr and out.is_contiguous() and lse.is_contiguous():
+            memmove(v_addr, out.data_ptr(), out_bytes)
+            memmove(s_addr, lse.data_ptr(), lse_bytes)
+        else:
+            v_mine.copy_(out.detach())
+            s_mine.copy_(lse.detach())
+        publish(op)
+
+    return contribute
+
+
 class KVPCommunicator:
     """Query replication and partial-attention merging over a KVP group prefix.
 
@@ -144,6 +179,8 @@ class KVPCommunicator:
         # the merge of such states with everything resolved (_fast_merge); the next such
         # call goes straight to it (a decode step makes one per layer, every step the same)
         self._fast: dict[tuple, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+        # and this rank's half of such a merge where it drops the result (contributor)
+        self._publish: dict[tuple, Callable[[torch.Tensor, torch.Tensor], None]] = {}
 
     def __repr__(self) -> str:
         return f"KVPCommunicator(index={self.index}, size={self.size})"
@@ -251,6 +288,7 @@ class KVPCommunicator:
             if key is not None and out.dtype == torch.float32 and lse.dtype == torch.float32:
                 if len(self._fast) >= 64:
                     self._fast.clear()
+                    self._publish.clear()
                 direct = _direct(merge_fn)
                 publish = (
                     getattr(native.get_module("cpu"), "publish_merge_states", None)
@@ -258,6 +296,8 @@ class KVPCommunicator:
                     else None
                 )
                 views = tuple(self._state_views_of(shared.buffer(b), out.shape) for b in (0, 1))
+                sizes = (out.numel() * 4, lse.numel() * 4)
+                self._publish[key] = _publisher(shared, views, self.index, *sizes, op)
                 if publish is not None:  # the native op: one call copies, exchanges, merges
                     self._fast[key] = shared.merger(views, publish, direct, op)
                 else:
@@ -268,7 +308,6 @@ class KVPCommunicator:
                         one = mine[0].is_contiguous() and mine[1].is_contiguous()
                         addrs = (mine[0].data_ptr(), mine[1].data_ptr()) if one else (0, 0)
                         both.append((vb, sb, *mine, *addrs))
-                    sizes = (out.numel() * 4, lse.numel() * 4)
                     self._fast[key] = _fast_merge(shared, tuple(both), *sizes, direct)
             v[:, self.index].copy_(out.detach())  # tokens first: merged in place, no copy
             s[:, self.index].copy_(lse.detach())
@@ -310,6 +349,30 @@ class KVPCommunicator:
         """
         key = (out.shape, lse.shape, out.dtype, lse.dtype, out.device, active, strategy)
         return self._fast.get(key)
+
+    def contributor(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        active: int,
+        strategy: MergeStrategy = "auto",
+    ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """This rank's part of a :meth:`merge` whose result it does not need, where
+        :meth:`merger` would find one for these arguments (an earlier :meth:`merge` took
+        the shared-memory fp32 path): a callable that takes ``(out, lse)`` of exactly
+        those shapes and dtypes (not checked), hands them to the other groups' merge and
+        returns without waiting for their states; else None (then call :meth:`merge`
+        and drop its result).
+
+        Every group still makes the same merges in the same order: the others call
+        :meth:`merge` (or their merger) for this one as usual and get the merged state.
+        This rank's next merge first waits for the others to reach this one
+        (:meth:`~medha_parallel.shm.ShmAllGather.publish`). For a group whose output
+        nobody reads: a KVP group other than the sampler's after its stage's last layer.
+        """
+        key = (out.shape, lse.shape, out.dtype, lse.dtype, out.device, active, strategy)
+        return self._publish.get(key)
 
     def _merge_fn(self, v: torch.Tensor, s: torch.Tensor) -> Callable:
         """medha_kernels' ``merge_states`` for ``v``'s device, resolved once (shapes are ours)."""

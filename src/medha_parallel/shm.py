@@ -27,7 +27,10 @@ flag is seen after the stores to the data before it):
   wake can be missed when both happen at once: a sleeper then wakes at the
   end of its futex slice (:data:`_GATHER_SLICE_S`, 1 ms), rechecks, and goes on;
 - two buffers suffice: a rank writes buffer ``s % 2`` again at ``s + 2``,
-  after every peer stored ``s + 1``, which each does only after reading ``s``.
+  after every peer stored ``s + 1``, which each does only after reading ``s``;
+- a rank that drops exchange ``s``'s result may only publish its part
+  (:meth:`ShmAllGather.publish`): its next write (``s + 1``) then first waits
+  for every peer to store ``s`` (so each read ``s - 1``, whose buffer it rewrites).
 
 A wait longer than the group's timeout raises
 :class:`~medha_parallel.errors.CommunicationError`.
@@ -111,6 +114,9 @@ class ShmAllGather:
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._own_flag = ctypes.c_void_p(self._base + index * _FLAG_STRIDE)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: the last exchange :meth:`publish` made without waiting for the peers (0: none):
+        #: the next write waits for them to reach it (:meth:`_settle`); and its op's name
+        self._owed, self._owed_op = 0, ""
 
     def __repr__(self) -> str:
         return f"ShmAllGather(index={self.index}, size={self.size}, slot_bytes={self.slot_bytes})"
@@ -148,6 +154,8 @@ class ShmAllGather:
         Returns:
             A ``shape`` tensor of ``dtype`` over the shared buffer.
         """
+        if self._owed:
+            self._settle()
         return self._views(tuple(shape), dtype, self._seq + 1)[self.index]
 
     def next_buffer(self) -> torch.Tensor:
@@ -157,10 +165,15 @@ class ShmAllGather:
         only bytes no other rank writes, then calls :meth:`exchange`; every
         rank then reads every rank's bytes until the next-but-one exchange.
         """
+        if self._owed:
+            self._settle()
         return self._flat[(self._seq + 1) % 2]
 
     def next_parity(self) -> int:
-        """Which of the two buffers (:meth:`buffer`) the next exchange uses."""
+        """Which of the two buffers (:meth:`buffer`) the next exchange uses (to write
+        this rank's bytes to it: after a :meth:`publish`, once the peers reached it)."""
+        if self._owed:
+            self._settle()
         return (self._seq + 1) % 2
 
     def buffer(self, parity: int) -> torch.Tensor:
@@ -182,6 +195,36 @@ class ShmAllGather:
         for r in self._peers:
             if not _reached(flags[r].value, seq):
                 self._wait(r, seq, op)
+
+    def publish(self, op: str) -> None:
+        """Publish what this rank wrote to the next exchange's buffer, as :meth:`exchange`
+        does, without waiting for the others: for an exchange whose result this rank does
+        not read (a KVP merge whose output this rank drops). The peers' :meth:`exchange`
+        of it completes as usual; this rank's next write (:meth:`slot`,
+        :meth:`next_buffer`, :meth:`next_parity`, a :meth:`merger` call) first waits for
+        every peer to reach it (:meth:`_settle`), so that no buffer is written while a
+        peer may still read it."""
+        if self._owed:
+            self._settle()
+        self._seq += 1
+        seq = self._seq
+        self._flags[self.index].value = seq
+        sleeping = self._sleeping
+        for r in self._peers:
+            if sleeping[r].value:
+                self._libc.syscall(_SYS_FUTEX, self._own_flag, _FUTEX_WAKE, self.size, None)
+                break
+        self._owed, self._owed_op = seq, op
+
+    def _settle(self) -> None:
+        """Wait for every peer to reach the exchange :meth:`publish` did not wait for:
+        a peer there has read the buffer the next exchange writes (it read exchange
+        ``s - 1`` before it published ``s``)."""
+        seq, self._owed = self._owed, 0
+        flags = self._flags
+        for r in self._peers:
+            if not _reached(flags[r].value, seq):
+                self._wait(r, seq, self._owed_op)
 
     def merger(
         self,
@@ -219,6 +262,8 @@ class ShmAllGather:
         def exchange_merge(
             out: torch.Tensor, lse: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._owed:
+                self._settle()
             seq = self._seq + 1
             v, s = views[seq % 2]
             merged = publish_merge(out, lse, v, s, index, base, _FLAG_STRIDE, seq, spin)

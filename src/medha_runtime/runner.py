@@ -27,7 +27,11 @@ worker process (:mod:`medha_runtime.worker`).
   :class:`ShardedAttention` runs that plan and merges the partial states
   across the whole KVP group (:func:`~medha_parallel.kvp.kvp_paged_attention`,
   one collective per layer with two groups). Every group takes part in every
-  merge, so collectives always line up.
+  merge, so collectives always line up. With one stage, a group other than the
+  sampler's stops its last layer after the attention (nobody reads its output):
+  it writes the K/V and only publishes its state to that layer's merge, without
+  waiting for the others' (``KVPCommunicator.contributor``; no o-projection, MLP
+  or final norm).
 - **Sampling** happens on one rank: the last stage's TP rank 0 of KVP group 0
   (every last-stage rank has the same logits); the others return None. With
   async scheduling (``RunnerSpec.pending_tokens``, spp = 1) every rank keeps
@@ -193,12 +197,19 @@ class ShardedAttention:
         #: the step's merge for its later layers: the communicator's resolved one
         #: (``KVPCommunicator.merger``) where the first layer's merge found it, else None
         self._merge: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        #: the layer whose merged output the step does not read (:meth:`prepare`), or None
+        self._drop_layer: int | None = None
 
     def __repr__(self) -> str:
         return f"ShardedAttention({self.comm}, backend={self.backend!r})"
 
-    def prepare(self, shards: GroupShards) -> None:
+    def prepare(self, shards: GroupShards, *, drop_layer: int | None = None) -> None:
+        """The step's shards; ``drop_layer``: a layer whose merged output nobody reads
+        (the stage's last, on a KVP group that does not sample): that layer only hands
+        its partial state to the others' merge where it can without waiting for theirs
+        (``KVPCommunicator.contributor``) and returns its partial output."""
         self.shards, self.plan, self._partial, self._merge = shards, None, None, None
+        self._drop_layer = drop_layer
 
     def _batch_plan(
         self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch
@@ -244,10 +255,15 @@ class ShardedAttention:
             # the caches); every layer's states have the first one's shapes
             out, lse = partial(q, k_cache, v_cache)
             merge = self._merge
-            if merge is not None:
+            if merge is not None and layer_id != self._drop_layer:
                 return merge(out, lse)[0]
-        # what kvp_paged_attention does: one merge over the whole KVP group
         comm, strategy = self.comm, self.strategy
+        if layer_id == self._drop_layer:
+            contribute = comm.contributor(out, lse, active=comm.size, strategy=strategy)  # type: ignore[arg-type]
+            if contribute is not None:
+                contribute(out, lse)
+                return out  # not read
+        # what kvp_paged_attention does: one merge over the whole KVP group
         merged, _ = comm.merge(out, lse, active=comm.size, strategy=strategy)  # type: ignore[arg-type]
         if partial is None:
             self._merge = comm.merger(out, lse, active=comm.size, strategy=strategy)  # type: ignore[arg-type]
@@ -484,6 +500,10 @@ class ModelRunner:
                 capture=self.device.type == "cuda",
             )
         is_sampler = stage == spec.spp - 1 and tp == 0 and group == 0
+        #: one stage, a KVP group that does not sample: nothing reads the model's output,
+        #: so the last layer stops after its attention, whose merge it only feeds
+        #: (LlamaModel.forward's ``output``, ShardedAttention.prepare's ``drop_layer``)
+        self._drop_layer = layers.stop - 1 if spec.kvp > 1 and spec.spp == 1 and group else None
         self.sampler: Sampler | None = Sampler() if is_sampler else None
         self.tables = BlockTables()
         #: each request's last sampled token, for a decode issued ahead (its
@@ -783,7 +803,7 @@ class ModelRunner:
             # while it waits for the previous stage's activations
             batch.prepare_kv_write(self.kv.k[0])
         if self.attention is not None:
-            self.attention.prepare(shards)
+            self.attention.prepare(shards, drop_layer=self._drop_layer)
         else:
             batch.attention_plan(**self._plan_key)
         if fill is not None:
@@ -792,7 +812,10 @@ class ModelRunner:
             # logits only where they are sampled: a KVP group other than 0 would compute
             # them and drop them (with TP, every TP rank takes part in the LM head's gather)
             out = self.model.forward(  # (no module hooks: nn.Module.__call__'s checks skipped)
-                batch, self.kv, logits=self.sampler is not None or spec.tp > 1
+                batch,
+                self.kv,
+                logits=self.sampler is not None or spec.tp > 1,
+                output=self._drop_layer is None,
             )
         else:
             out = self.pipeline.run(plan, batch)  # non-last stages: sent on, not awaited

@@ -56,6 +56,7 @@ def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
             if name == "checked":  # every layer's merge and attention checked
                 comm.merger = lambda *args, **kwargs: None
                 comm._fast = _NeverKept()  # merge itself never takes the closure either
+                comm._publish = _NeverKept()  # nor the last layer of rank 1 its contributor
                 PagedAttentionPlan.unchecked_run = lambda plan: plan.run
             seen.clear()
             per_step = []

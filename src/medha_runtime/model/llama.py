@@ -362,6 +362,24 @@ class LlamaDecoderLayer(nn.Module):
         residual, h = self.post_attention_layernorm.forward_add(attn.o_proj.forward(o), residual)
         return self.mlp.forward(h), residual
 
+    def forward_kv_only(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos2: torch.Tensor,
+        sin2: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> None:
+        """:meth:`forward` up to its attention, for a layer whose output nobody reads: the
+        norm, the K/V write and the attention hook (a KVP merge's part), nothing after."""
+        if residual is None:
+            h = self.input_layernorm.forward(x)
+        else:
+            _, h = self.input_layernorm.forward_add(x, residual)
+        self.self_attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
+
 
 class LlamaModel(nn.Module):
     """One stage of one TP rank of a Llama model.
@@ -478,7 +496,8 @@ class LlamaModel(nn.Module):
         hidden: torch.Tensor | None = None,
         *,
         logits: bool = True,
-    ) -> torch.Tensor:
+        output: bool = True,
+    ) -> torch.Tensor | None:
         """Run this stage's layers on a batch; writes the new tokens' K/V into ``kv``.
 
         Args:
@@ -488,6 +507,10 @@ class LlamaModel(nn.Module):
                 required unless this stage is the first.
             logits: False: the last stage also returns its hidden states (for
                 :meth:`compute_logits` later; a CUDA graph captures the layers only).
+            output: False: nobody reads the result (a KVP group other than the
+                sampler's, one stage): the last layer stops after its attention
+                (:meth:`LlamaDecoderLayer.forward_kv_only`: its K/V written, its
+                attention hook called) and None is returned.
 
         Returns:
             ``[num_tokens, hidden_size]`` hidden states (in the model dtype) if
@@ -499,12 +522,17 @@ class LlamaModel(nn.Module):
         """
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self._forward(batch, kv, hidden, logits)
-        return self._forward(batch, kv, hidden, logits)
+                return self._forward(batch, kv, hidden, logits, output)
+        return self._forward(batch, kv, hidden, logits, output)
 
     def _forward(
-        self, batch: ForwardBatch, kv: KVCache, hidden: torch.Tensor | None, logits: bool
-    ) -> torch.Tensor:
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        hidden: torch.Tensor | None,
+        logits: bool,
+        output: bool,
+    ) -> torch.Tensor | None:
         if kv.num_layers != len(self.layers):
             raise ValueError(f"kv has {kv.num_layers} layers, this stage {len(self.layers)}")
         if self.is_first:
@@ -519,7 +547,11 @@ class LlamaModel(nn.Module):
         # once per step, shared by every layer (see rope.rotary_tables)
         cos2, sin2 = self.rotary.tables(batch.positions, self.dtype)
         residual = None
+        last = -1 if output else len(self.layers) - 1
         for i, layer in enumerate(self.layers.values()):
+            if i == last:
+                layer.forward_kv_only(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
+                return None
             x, residual = layer.forward(x, residual, cos2, sin2, kv.k[i], kv.v[i], batch)
         if logits and self.is_last and x.shape[0] == 1 and batch.sample_rows.shape[0] == 1:
             # one row, sampled (a batch-1 decode): the final residual add in the norm's
