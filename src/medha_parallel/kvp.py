@@ -110,6 +110,17 @@ def _fast_merge(
     return merge
 
 
+def _my_slots(vb: torch.Tensor, sb: torch.Tensor, index: int) -> tuple:
+    """One exchange buffer's ``[num_q, size, num_heads, head_dim]`` outputs ``vb`` and
+    ``[num_q, size, num_heads]`` LSEs ``sb``, rank ``index``'s slots of each, and their
+    addresses: ``(vb, sb, v_mine, s_mine, v_addr, s_addr)``, the addresses 0 where the
+    slots are not contiguous (a decode's, one query, are: copied by address)."""
+    v_mine, s_mine = vb[:, index], sb[:, index]
+    one = v_mine.is_contiguous() and s_mine.is_contiguous()
+    addrs = (v_mine.data_ptr(), s_mine.data_ptr()) if one else (0, 0)
+    return (vb, sb, v_mine, s_mine, *addrs)
+
+
 def _publisher(
     shared: shm.ShmAllGather,
     views: tuple[tuple[torch.Tensor, torch.Tensor], ...],
@@ -124,15 +135,11 @@ def _publisher(
     peers). ``views``: per exchange buffer, the ``[num_q, size, num_heads, head_dim]``
     outputs and ``[num_q, size, num_heads]`` LSEs over it. Contiguous states go into
     contiguous slots (a decode's) with ``memmove``, others with ``copy_``."""
-    both = []
-    for vb, sb in views:
-        v_mine, s_mine = vb[:, index], sb[:, index]
-        one = v_mine.is_contiguous() and s_mine.is_contiguous()
-        addrs = (v_mine.data_ptr(), s_mine.data_ptr()) if one else (0, 0)
-        both.append((v_mine, s_mine, *addrs))
+    both = [_my_slots(vb, sb, index)[2:] for vb, sb in views]
     next_parity, publish, memmove = shared.next_parity, shared.publish, _memmove
 
     def contribute(out: torch.Tensor, lse: torch.Tensor) -> None:
+        # (_fast_merge's copy into this rank's slots, inline: each frame here runs cold)
         v_mine, s_mine, v_addr, s_addr = both[next_parity()]
         if v_addr and out.is_contiguous() and lse.is_contiguous():
             memmove(v_addr, out.data_ptr(), out_bytes)
@@ -301,14 +308,8 @@ class KVPCommunicator:
                 if publish is not None:  # the native op: one call copies, exchanges, merges
                     self._fast[key] = shared.merger(views, publish, direct, op)
                 else:
-                    both = []
-                    for vb, sb in views:  # each buffer's states, this rank's slots, addresses
-                        mine = (vb[:, self.index], sb[:, self.index])
-                        # a decode's slots (one query) are contiguous: copied by address
-                        one = mine[0].is_contiguous() and mine[1].is_contiguous()
-                        addrs = (mine[0].data_ptr(), mine[1].data_ptr()) if one else (0, 0)
-                        both.append((vb, sb, *mine, *addrs))
-                    self._fast[key] = _fast_merge(shared, tuple(both), *sizes, direct)
+                    both = tuple(_my_slots(vb, sb, self.index) for vb, sb in views)
+                    self._fast[key] = _fast_merge(shared, both, *sizes, direct)
             v[:, self.index].copy_(out.detach())  # tokens first: merged in place, no copy
             s[:, self.index].copy_(lse.detach())
             with named_comm("kvp", op):

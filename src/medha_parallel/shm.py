@@ -183,14 +183,7 @@ class ShmAllGather:
 
     def exchange(self, op: str) -> None:
         """Publish what this rank wrote to :meth:`next_buffer` and wait for every rank."""
-        self._seq += 1
-        seq = self._seq
-        self._flags[self.index].value = seq
-        sleeping = self._sleeping
-        for r in self._peers:
-            if sleeping[r].value:
-                self._libc.syscall(_SYS_FUTEX, self._own_flag, _FUTEX_WAKE, self.size, None)
-                break
+        seq = self._post()
         flags = self._flags
         for r in self._peers:
             if not _reached(flags[r].value, seq):
@@ -206,6 +199,11 @@ class ShmAllGather:
         peer may still read it."""
         if self._owed:
             self._settle()
+        self._owed, self._owed_op = self._post(), op
+
+    def _post(self) -> int:
+        """Store this rank's next exchange number in its flag and wake any peer that
+        sleeps waiting for it; returns that number."""
         self._seq += 1
         seq = self._seq
         self._flags[self.index].value = seq
@@ -214,7 +212,7 @@ class ShmAllGather:
             if sleeping[r].value:
                 self._libc.syscall(_SYS_FUTEX, self._own_flag, _FUTEX_WAKE, self.size, None)
                 break
-        self._owed, self._owed_op = seq, op
+        return seq
 
     def _settle(self) -> None:
         """Wait for every peer to reach the exchange :meth:`publish` did not wait for:
