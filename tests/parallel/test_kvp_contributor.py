@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 
-from medha_parallel import ParallelLayout, ParallelState, shm
-from medha_parallel.kvp import KVPCommunicator
+from medha_parallel import shm
 from medha_parallel.merge import merge_partials
 
 from .dist import launch
+from .merge_checks import decode_states, shm_kvp
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs the shared-memory exchange")
 
@@ -29,17 +29,9 @@ pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs the shared-me
 ROUNDS = [(True, None), (False, 1), (True, 0), (True, 1), (False, None), (True, None)] * 2
 
 
-def _states(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 1, 4, 16, generator=gen), 3 * torch.randn(2, 1, 4, generator=gen)
-
-
 def _worker(rank: int, world: int, init: str) -> dict[str, object]:
-    state = ParallelState.initialize(
-        ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world, device="cpu"
-    )
-    comm = KVPCommunicator(state, shared_memory=True)
-    outs, lses = _states(0)
+    comm = shm_kvp(rank, world, init)
+    outs, lses = decode_states(0)
     assert comm.contributor(outs[rank], lses[rank], active=2) is None  # nothing resolved yet
     comm.merge(outs[rank], lses[rank], active=2)
     merger = comm.merger(outs[rank], lses[rank], active=2)
@@ -48,7 +40,7 @@ def _worker(rank: int, world: int, init: str) -> dict[str, object]:
     shared = comm._shm
     got, peer_seen = [], []
     for i, (drop, late) in enumerate(ROUNDS, start=1):
-        outs, lses = _states(i)
+        outs, lses = decode_states(i)
         if late == rank:
             time.sleep(0.02)
         if rank == 1 and drop:
@@ -75,7 +67,7 @@ def test_every_merge_of_the_peer_gets_the_contributed_state(ranks) -> None:
     r0, r1 = ranks
     assert r0["seq"] == r1["seq"] == len(ROUNDS) + 1  # the same exchanges, in order
     for i, (drop, _) in enumerate(ROUNDS, start=1):
-        outs, lses = _states(i)
+        outs, lses = decode_states(i)
         want = merge_partials(outs, lses)
         mine = r0["got"][i - 1]
         torch.testing.assert_close(mine[0], want[0], rtol=1e-6, atol=1e-6)

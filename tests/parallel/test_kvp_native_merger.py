@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from medha_kernels import native
-from medha_parallel import ParallelLayout, ParallelState, shm
-from medha_parallel.kvp import KVPCommunicator
+from medha_parallel import shm
 
 from .dist import launch
-from .merge_checks import assert_merged_like_merge
+from .merge_checks import assert_merged_like_merge, decode_states, shm_kvp
 
 pytestmark = pytest.mark.skipif(
     not (shm.supported() and native.supports_device(torch.device("cpu"))),
@@ -30,17 +29,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _states(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 1, 4, 16, generator=gen), 3 * torch.randn(2, 1, 4, generator=gen)
-
-
 def _worker(rank: int, world: int, init: str) -> dict[str, object]:
-    state = ParallelState.initialize(
-        ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world, device="cpu"
-    )
-    comm = KVPCommunicator(state, shared_memory=True)
-    outs, lses = _states(0)
+    comm = shm_kvp(rank, world, init)
+    outs, lses = decode_states(0)
     comm.merge(outs[rank], lses[rank], active=2)
     merger = comm.merger(outs[rank], lses[rank], active=2)
     assert merger is not None
@@ -53,7 +44,7 @@ def _worker(rank: int, world: int, init: str) -> dict[str, object]:
     unchanged = comm._shm._seq == before
     got, seqs = [], []
     for i in range(1, 7):
-        outs, lses = _states(i)
+        outs, lses = decode_states(i)
         if i == 3 and rank == 1:
             time.sleep(0.03)  # past the native spin: rank 0 sleeps, rank 1 wakes it
         fast = tuple(t.clone() for t in merger(outs[rank], lses[rank]))

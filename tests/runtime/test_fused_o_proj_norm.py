@@ -17,22 +17,11 @@ import torch
 import medha_runtime.model.llama as llama
 from medha_kernels import linear, native, rms_norm
 from medha_kernels.linear import linear_silu_mul, native_row_limit
-from medha_runtime import LLM, SamplingParams
 from medha_runtime.model import ForwardBatch
 from medha_runtime.model.tiny import build_tiny, tiny_tokenizer
-from medha_sched import AffineCostModel
+from tests.runtime.fused_tokens import PROMPTS, greedy_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-PROMPTS = ["Medha shards the KV cache of long prompts", "Hi", "The sky over the port was"]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-COMMON = {
-    "cost_model": AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9),
-    "policy": "fcfs",
-    "chunk_size": 16,
-    "kv_cache_tokens": 1024,
-    "device": "cpu",
-}
 
 
 def _separate(x, weight, residual, norm_weight, eps, gate_up, down):
@@ -85,20 +74,9 @@ def test_every_layer_fuses_and_the_logits_are_the_same_bits(monkeypatch) -> None
 
 @pytest.fixture(scope="module")
 def separate_tokens() -> list[list[int]]:
-    mp = pytest.MonkeyPatch()
-    mp.setattr(llama, "linear_add_rms_norm_swiglu", _separate)
-    try:
-        with LLM("tiny", max_model_len=64, **COMMON) as llm:
-            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    finally:
-        mp.undo()
+    return greedy_tokens(replace=("linear_add_rms_norm_swiglu", _separate))
 
 
 @pytest.mark.parametrize("kvp", [1, 2])
 def test_greedy_tokens_unchanged(separate_tokens, kvp: int) -> None:
-    kw = {"kvp": 2, "kvp_group_tokens": 32} if kvp == 2 else {}
-    with LLM("tiny", max_model_len=64, **COMMON, **kw) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-        if kvp == 2:
-            assert llm.engine.stats.sharded_chunks > 0
-    assert got == separate_tokens
+    assert greedy_tokens(kvp) == separate_tokens
