@@ -33,10 +33,11 @@ void rotary_rows(float* x, int64_t n, int64_t heads, int64_t half, int64_t xs0, 
                  const float* cos, int64_t cs0, int64_t cs3, const float* sin, int64_t ss0,
                  int64_t ss2, int64_t ss3);
 
-// write_kv_cpu for fp32 rows: row i's head h of k at k + i * ks0 + h * ks1 (d contiguous
-// floats; v likewise) to slot index[i] of contiguous caches of `slots` slots x heads x d.
-void write_kv_rows(const float* k, int64_t ks0, int64_t ks1, const float* v, int64_t vs0,
-                   int64_t vs1, float* k_cache, float* v_cache, int64_t slots, int64_t n,
-                   int64_t heads, int64_t d, const int64_t* index);
+// write_kv_cpu on raw memory: row i's head h of k at k + (i * ks0 + h * ks1) * item bytes
+// (d contiguous elements of `item` bytes; v likewise) to slot index[i] of contiguous caches
+// of `slots` slots x heads x d. The one loop write_kv_cpu and the fused layer front share.
+void write_kv_rows(const void* k, int64_t ks0, int64_t ks1, const void* v, int64_t vs0,
+                   int64_t vs1, void* k_cache, void* v_cache, int64_t slots, int64_t n,
+                   int64_t heads, int64_t d, const int64_t* index, int64_t item = sizeof(float));
 
 }  // namespace medha

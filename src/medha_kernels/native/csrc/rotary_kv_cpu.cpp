@@ -45,26 +45,10 @@ void rotary_cpu(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& s
 
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& index) {
-  const int64_t n = k.size(0), heads = k.size(1), d = k.size(2);
-  const int64_t item = k.element_size();
-  const int64_t slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t* idx = index.const_data_ptr<int64_t>();
-  const auto* kp = static_cast<const char*>(k.const_data_ptr());
-  const auto* vp = static_cast<const char*>(v.const_data_ptr());
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t row_bytes = d * item, slot_bytes = heads * d * item;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = idx[i];
-    TORCH_CHECK(slot >= 0 && slot < slots, "write_kv: slot ", slot, " is outside the cache's ",
-                slots, " slots");
-    for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + slot * slot_bytes + h * row_bytes,
-                  kp + (i * k.stride(0) + h * k.stride(1)) * item, row_bytes);
-      std::memcpy(vc + slot * slot_bytes + h * row_bytes,
-                  vp + (i * v.stride(0) + h * v.stride(1)) * item, row_bytes);
-    }
-  }
+  write_kv_rows(k.const_data_ptr(), k.stride(0), k.stride(1), v.const_data_ptr(), v.stride(0),
+                v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                k_cache.size(0) * k_cache.size(1), k.size(0), k.size(1), k.size(2),
+                index.const_data_ptr<int64_t>(), k.element_size());
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& positions,
@@ -88,18 +72,23 @@ std::tuple<at::Tensor, at::Tensor> rotary_tables_cpu(const at::Tensor& positions
   return {cos.view({n, 1, 1, half}).expand({n, 1, 2, half}), sin2};
 }
 
-void write_kv_rows(const float* k, int64_t ks0, int64_t ks1, const float* v, int64_t vs0,
-                   int64_t vs1, float* k_cache, float* v_cache, int64_t slots, int64_t n,
-                   int64_t heads, int64_t d, const int64_t* index) {
-  const size_t row_bytes = d * sizeof(float);
-  const int64_t slot_floats = heads * d;
+void write_kv_rows(const void* k, int64_t ks0, int64_t ks1, const void* v, int64_t vs0,
+                   int64_t vs1, void* k_cache, void* v_cache, int64_t slots, int64_t n,
+                   int64_t heads, int64_t d, const int64_t* index, int64_t item) {
+  const auto* kp = static_cast<const char*>(k);
+  const auto* vp = static_cast<const char*>(v);
+  auto* kc = static_cast<char*>(k_cache);
+  auto* vc = static_cast<char*>(v_cache);
+  const int64_t row_bytes = d * item, slot_bytes = heads * row_bytes;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t slot = index[i];
     TORCH_CHECK(slot >= 0 && slot < slots, "write_kv: slot ", slot, " is outside the cache's ",
                 slots, " slots");
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(k_cache + slot * slot_floats + h * d, k + i * ks0 + h * ks1, row_bytes);
-      std::memcpy(v_cache + slot * slot_floats + h * d, v + i * vs0 + h * vs1, row_bytes);
+      std::memcpy(kc + slot * slot_bytes + h * row_bytes, kp + (i * ks0 + h * ks1) * item,
+                  row_bytes);
+      std::memcpy(vc + slot * slot_bytes + h * row_bytes, vp + (i * vs0 + h * vs1) * item,
+                  row_bytes);
     }
   }
 }
