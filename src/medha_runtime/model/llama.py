@@ -315,36 +315,8 @@ class LlamaDecoderLayer(nn.Module):
             output is their sum, ``x + attn(norm(x)) + mlp(norm(...))`` in
             transformers' order of additions.
         """
+        residual, o = self._attend(x, residual, cos2, sin2, k_cache, v_cache, batch)
         attn = self.self_attn
-        front = None
-        if self._fused_tail:
-            # the same condition (TP 1, no q/k/v bias): from the input norm to the query in
-            # one native call, the K/V write in it where the step prepared every row's slot
-            norm, index = self.input_layernorm, batch.write_index()
-            front = rms_norm_qkv_rotary(
-                x,
-                residual,
-                norm.weight,
-                norm.eps,
-                attn.qkv_proj.weight,
-                attn.num_q_heads,
-                attn.num_kv_heads,
-                cos2,
-                sin2,
-                *((k_cache, v_cache, index) if index is not None else ()),
-            )
-        if front is not None:
-            residual, q, qkv = front
-            if index is None and batch.writes_kv:  # rows that write nothing (KVP)
-                attn.write_kv(qkv, batch, k_cache, v_cache)
-            o = attn.attn_fn(q, k_cache, v_cache, batch, layer_id=attn.layer_id)  # attend()
-            o = o.view(q.shape[0], attn.q_size)
-        else:
-            if residual is None:
-                residual, h = x, self.input_layernorm.forward(x)
-            else:
-                residual, h = self.input_layernorm.forward_add(x, residual)
-            o = attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
         if self._fused_tail:
             # one call where it runs natively (a decode step: fewer calls after the
             # attention, each run cold)
@@ -374,11 +346,50 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         """:meth:`forward` up to its attention, for a layer whose output nobody reads: the
         norm, the K/V write and the attention hook (a KVP merge's part), nothing after."""
+        self._attend(x, residual, cos2, sin2, k_cache, v_cache, batch)
+
+    def _attend(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos2: torch.Tensor,
+        sin2: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its attention (arguments as :meth:`forward`): the input norm,
+        q/k/v, rotary, the K/V write and the attention hook; returns ``(residual, o)``,
+        the residual stream and the attention output ``[N, q_size]`` before o_proj."""
+        attn = self.self_attn
+        front = None
+        if self._fused_tail:
+            # the same condition (TP 1, no q/k/v bias): from the input norm to the query in
+            # one native call, the K/V write in it where the step prepared every row's slot
+            norm, index = self.input_layernorm, batch.write_index()
+            front = rms_norm_qkv_rotary(
+                x,
+                residual,
+                norm.weight,
+                norm.eps,
+                attn.qkv_proj.weight,
+                attn.num_q_heads,
+                attn.num_kv_heads,
+                cos2,
+                sin2,
+                *((k_cache, v_cache, index) if index is not None else ()),
+            )
+        if front is not None:
+            residual, q, qkv = front
+            if index is None and batch.writes_kv:  # rows that write nothing (KVP)
+                attn.write_kv(qkv, batch, k_cache, v_cache)
+            o = attn.attn_fn(q, k_cache, v_cache, batch, layer_id=attn.layer_id)  # attend()
+            return residual, o.view(q.shape[0], attn.q_size)
         if residual is None:
-            h = self.input_layernorm.forward(x)
+            residual, h = x, self.input_layernorm.forward(x)
         else:
-            _, h = self.input_layernorm.forward_add(x, residual)
-        self.self_attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
+            residual, h = self.input_layernorm.forward_add(x, residual)
+        return residual, attn.attention(h, cos2, sin2, k_cache, v_cache, batch)
 
 
 class LlamaModel(nn.Module):
