@@ -2,10 +2,13 @@
 the layer writes its K/V and hands its partial state to the sampler's merge
 (``KVPCommunicator.contributor``, no wait for the other state), then the step ends
 (``LlamaModel.forward(output=False)``). The sampler's logits are bit for bit those of
-ranks whose every layer runs whole, and the non-sampling rank's KV cache the same."""
+ranks whose every layer runs whole, and the non-sampling rank's KV cache the same; with
+tp = 2 both tensor-parallel ranks of the non-sampling group stop (their last layer's
+all-reduces skipped together), and every rank's KV cache is the same."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from medha_runtime import runner as runner_mod
@@ -15,7 +18,7 @@ from tests.parallel.dist import launch
 from tests.runtime.test_prepare_next import _decode_plans, _spec
 
 
-def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
+def _ranks(rank: int, world: int, init: str, tp: int = 1) -> dict[str, object]:
     """The same steps on runners as built and on runners whose last layer runs whole
     (``_drop_layer`` None): the sampled logits (rank 0), the KV cache, and per step the
     layers run whole, run to their attention only and contributions made."""
@@ -23,9 +26,13 @@ def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
 
     torch.set_num_threads(1)
     state = ParallelState.initialize(
-        ParallelLayout(kvp=world), init_method=init, rank=rank, world_size=world, device="cpu"
+        ParallelLayout(tp=tp, kvp=world // tp),
+        init_method=init,
+        rank=rank,
+        world_size=world,
+        device="cpu",
     )
-    spec = _spec(num_blocks=8, kvp=2, group_tokens=16)
+    spec = _spec(num_blocks=8, tp=tp, kvp=2, group_tokens=16)
     plans = _decode_plans("a", 21, 8, kvp=2, group_tokens=16)  # prefill of 21, decodes 21..27
     seen: list[torch.Tensor] = []
     calls: list[str] = []
@@ -68,31 +75,41 @@ def _ranks(rank: int, world: int, init: str) -> dict[str, object]:
                 runner.execute(p)
                 per_step.append(tuple(calls.count(c) for c in ("whole", "kv only", "contribute")))
             kv = [t.clone() for t in (*runner.kv.k, *runner.kv.v)]
-            out[name] = (list(seen), per_step, kv, runner._drop_layer)
+            out[name] = (list(seen), per_step, kv, runner._drop_layer, runner.sampler is not None)
     finally:
         runner_mod.sample_step = sample_step
         Layer.forward, Layer.forward_kv_only = forward, kv_only
     return out
 
 
-def test_the_non_sampling_group_stops_after_its_last_attention() -> None:
-    r0, r1 = launch(_ranks, 2)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_non_sampling_group_stops_after_its_last_attention(tp: int) -> None:
+    results = launch(_ranks, 2 * tp, tp)
     layers, steps = 4, 9  # tiny; the prefill's two chunks and 7 decodes
-    assert r0["drop"][3] is None and r1["drop"][3] == layers - 1
-    assert r0["drop"][1] == [(layers, 0, 0)] * steps  # the sampler runs every layer whole
-    # rank 1: the last layer to its attention only; it contributes from the second step
-    # (the first one's merge resolves the shared-memory path for those shapes; the
-    # prefill's second chunk has other shapes than the decodes' first one)
-    got = r1["drop"][1]
-    assert all(whole == layers - 1 and only == 1 for whole, only, _ in got), got
-    assert [c for *_, c in got][2:] == [1] * (steps - 2), got
-    assert r1["whole"][1] == [(layers, 0, 0)] * steps
-    # the sampler's logits bit for bit; rank 1's KV cache (its last layer's K/V written)
-    fast, whole = r0["drop"][0], r0["whole"][0]
+    samplers = [r for r in results if r["drop"][4]]
+    assert len(samplers) == 1
+    dropping = [r for r in results if r["drop"][3] is not None]
+    assert len(dropping) == tp  # the non-sampling group's ranks, every one of them
+    assert all(r["drop"][3] == layers - 1 for r in dropping)
+    for r in results:
+        assert r["whole"][1] == [(layers, 0, 0)] * steps
+        if r["drop"][3] is None:  # the sampling group runs every layer whole
+            assert r["drop"][1] == [(layers, 0, 0)] * steps
+            continue
+        # the last layer to its attention only; it contributes from the second step
+        # (the first one's merge resolves the shared-memory path for those shapes; the
+        # prefill's second chunk has other shapes than the decodes' first one)
+        got = r["drop"][1]
+        assert all(whole == layers - 1 and only == 1 for whole, only, _ in got), got
+        assert [c for *_, c in got][2:] == [1] * (steps - 2), got
+    # the sampler's logits bit for bit; every rank's KV cache (the last layer's K/V written)
+    (sampler,) = samplers
+    fast, whole = sampler["drop"][0], sampler["whole"][0]
     assert len(fast) == len(whole) == steps
     for a, b in zip(fast, whole, strict=True):
         assert torch.equal(a, b)
-    for res in (r0, r1):
-        for a, b in zip(res["drop"][2], res["whole"][2], strict=True):
+    for r in results:
+        for a, b in zip(r["drop"][2], r["whole"][2], strict=True):
             assert torch.equal(a, b)
-    assert r1["drop"][0] == [] and r1["whole"][0] == []
+        if r is not sampler:
+            assert r["drop"][0] == [] and r["whole"][0] == []
