@@ -341,9 +341,7 @@ class MultiprocExecutor:
         self.failed: str | None = None
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self._events: deque[StepEvent] = deque()
-        # built by the first wait (see _make_selectors)
-        self._selector: selectors.BaseSelector | None = None
-        self._sampler_selector: selectors.BaseSelector | None = None
+        self._selector: selectors.BaseSelector | None = None  # built by the first wait
         #: the sampling rank's compute time in the last step it finished (seconds)
         self.last_compute_s = 0.0
         #: set to a list to collect ``(step_id, rank, compute_s, cpu_s)`` per reply
@@ -417,28 +415,18 @@ class MultiprocExecutor:
         oldest = next(iter(self._pending))
         deadline = time.monotonic() + self.step_timeout_s
         if self._selector is None:
-            self._selector, self._sampler_selector = self._make_selectors()
+            self._selector = self._make_selector()
         select = self._selector.select
-        sampler, narrow = self.sampler_rank, self._sampler_selector
-        pend = self._pending[oldest]
         while not self._events:
             left = deadline - time.monotonic()
             if left <= 0:
-                waiting = sorted(pend.waiting)
+                waiting = sorted(self._pending[oldest].waiting)
                 self._fail(
                     f"step {oldest} timed out after {self.step_timeout_s:.0f}s waiting for "
                     f"ranks {waiting}"
                 )
-            if narrow is not None and sampler in pend.waiting:
-                # one stage: the step ends with the sampling rank's reply, the others'
-                # come before it (as a rule); sleep until that one (or a death), then
-                # take every reply that is there, without waking for each
-                woke = narrow.select(min(self.poll_s, left))
-                ready = select(0)
-                exited = not woke
-            else:
-                ready = select(min(self.poll_s, left))
-                exited = not ready  # a quiet poll_s: check every worker anyway
+            ready = select(min(self.poll_s, left))
+            exited = not ready  # a quiet poll_s: check every worker anyway
             for key, _ in ready:
                 rank, is_reply = key.data
                 if is_reply:
@@ -451,34 +439,15 @@ class MultiprocExecutor:
                 self._check_alive(f"step {oldest}")
         return self._events.popleft()
 
-    def _make_selectors(self) -> tuple[selectors.BaseSelector, selectors.BaseSelector | None]:
-        """The selectors every wait uses.
-
-        The first watches each worker's pipe (data ``(rank, True)``) and process
-        sentinel (``(rank, False)``, readable once the process ended), so a wait
-        notices a reply or a death at once, without polling every process.
-
-        The second (None with pipeline stages, whose stage-0 replies clear a batch
-        early, or with one rank) watches only the sampling rank's pipe and every
-        sentinel: with one stage a step ends when every rank replied, and the other
-        ranks reply before the sampling one as a rule (it computes the logits and
-        samples after their last collective), so a wait for the sampling rank
-        spares the driver a wake-up per other rank and step. A reply there, a
-        death or a quiet ``poll_s`` is then read off the first selector without
-        waiting, so a failure another rank reports is still read, at the latest
-        when its process ends or after ``poll_s``.
-        """
+    def _make_selector(self) -> selectors.BaseSelector:
+        """One selector for every wait: each worker's pipe (data ``(rank, True)``) and
+        process sentinel (``(rank, False)``, readable once the process ended), so a
+        wait notices a reply or a death at once, without polling every process."""
         selector = selectors.DefaultSelector()
         for rank, (conn, p) in enumerate(zip(self.conns, self.processes, strict=True)):
             selector.register(conn, selectors.EVENT_READ, (rank, True))
             selector.register(p.sentinel, selectors.EVENT_READ, (rank, False))
-        if self._num_stages > 1 or len(self.conns) == 1:
-            return selector, None
-        narrow = selectors.DefaultSelector()
-        narrow.register(self.conns[self.sampler_rank], selectors.EVENT_READ, None)
-        for p in self.processes:
-            narrow.register(p.sentinel, selectors.EVENT_READ, None)
-        return selector, narrow
+        return selector
 
     def execute(self, plan: StepPlan) -> list[Sampled]:
         """Run one step with nothing else in flight; the sampled rows in plan order."""
@@ -605,11 +574,10 @@ class MultiprocExecutor:
 
     def _close(self) -> None:
         self.closed = True
-        for selector in (self._selector, self._sampler_selector):
-            if selector is not None:
-                with contextlib.suppress(Exception):
-                    selector.close()
-        self._selector = self._sampler_selector = None
+        if self._selector is not None:
+            with contextlib.suppress(Exception):
+                self._selector.close()
+            self._selector = None
         for conn in self.conns:
             with contextlib.suppress(Exception):
                 conn.close()
