@@ -62,6 +62,7 @@ from medha_runtime.messages import Done, Failed, Ready, Shutdown, Step
 from medha_runtime.plan import StepPlan
 from medha_runtime.runner import ModelRunner, RunnerSpec
 from medha_runtime.sampling import Sampled
+from medha_runtime.transport import read_message, write_message
 
 #: how long a rank's failure waits for another rank's death to show (see
 #: ``MultiprocExecutor._fail_after_peer``)
@@ -393,7 +394,7 @@ class MultiprocExecutor:
         message = pickle.dumps(Step(plan), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send_bytes(message)
+                write_message(conn, message)
             except (BrokenPipeError, EOFError, OSError) as exc:
                 if not self.processes[rank].is_alive():
                     code = self._exitcode(rank)
@@ -461,7 +462,7 @@ class MultiprocExecutor:
 
     def _recv(self, rank: int, what: str) -> Any:
         try:
-            return self.conns[rank].recv()
+            return pickle.loads(read_message(self.conns[rank]))
         except (EOFError, OSError):
             code = self._exitcode(rank)
             self._fail(f"worker rank {rank} died during {what} (exit code {code})")

@@ -33,6 +33,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 # Tokens of context kept before the new ones when decoding incrementally
 # (as vLLM does), so a token's leading space or byte-fallback pieces decode in context.
 _CONTEXT_TOKENS = 5
+#: single-token texts a :class:`Tokenizer` remembers, per ``skip_special_tokens`` setting
+_TOKEN_TEXTS = 1 << 17
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -94,6 +96,8 @@ class Tokenizer:
         stops = [*generation_eos_ids, *([] if self.eos_token_id is None else [self.eos_token_id])]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
         self._template: Any = None
+        # decode_token's texts: [skip_special_tokens=False, =True]
+        self._token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def __repr__(self) -> str:
         return (
@@ -145,6 +149,17 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, remembered (a pure function of the id: the
+        streaming decoder asks it for every generated token's window)."""
+        texts = self._token_texts[bool(skip_special_tokens)]
+        text = texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+            if len(texts) < _TOKEN_TEXTS:
+                texts[token_id] = text
+        return text
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
@@ -221,6 +236,9 @@ class DetokenizeState:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        # the window of the previous add's new text is one token as a rule: remembered
+        if len(ids) == 1:
+            return self.tokenizer.decode_token(ids[0], self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: Iterable[int]) -> str:

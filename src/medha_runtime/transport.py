@@ -22,7 +22,9 @@ driver message, :meth:`~WorkerTransport.send` posts a reply. Both raise
 
 from __future__ import annotations
 
+import os
 import pickle
+import struct
 import sys
 from collections import deque
 from multiprocessing.connection import Connection
@@ -45,6 +47,50 @@ class WorkerTransport(Protocol):
         ...
 
 
+_LENGTH = struct.Struct("!i")
+_LONG_LENGTH = struct.Struct("!Q")
+
+
+def read_message(conn: Connection) -> bytes:
+    """The next message on ``conn``, in ``Connection.send_bytes``' framing (a 4-byte
+    big-endian length; -1 and 8 more bytes past 2 GiB), read with ``os.read`` on its
+    descriptor: the bytes ``Connection.recv_bytes`` returns, without its buffer
+    objects and per-call checks (a decode step reads one reply and one plan this
+    way, each after a wake-up, with cold caches). Raises EOFError at the end of
+    the pipe, OSError once ``conn`` is closed."""
+    fd = conn.fileno()
+    (size,) = _LENGTH.unpack(_read(fd, 4))
+    if size == -1:
+        (size,) = _LONG_LENGTH.unpack(_read(fd, 8))
+    return _read(fd, size)
+
+
+def _read(fd: int, n: int) -> bytes:
+    data = os.read(fd, n)
+    if len(data) == n:
+        return data
+    chunks = []
+    while True:
+        if not data:
+            raise EOFError
+        chunks.append(data)
+        n -= len(data)
+        if not n:
+            return b"".join(chunks)
+        data = os.read(fd, n)
+
+
+def write_message(conn: Connection, data: bytes) -> None:
+    """Write ``data`` as one message :func:`read_message` and ``Connection.recv_bytes``
+    read (``Connection.send_bytes``' framing), with ``os.write`` on ``conn``'s descriptor."""
+    fd = conn.fileno()
+    n = len(data)
+    head = _LENGTH.pack(n) if n <= 0x7FFFFFFF else _LENGTH.pack(-1) + _LONG_LENGTH.pack(n)
+    view = memoryview(head + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 class PipeTransport:
     """The worker end of a duplex ``multiprocessing`` pipe (pickled messages)."""
 
@@ -52,20 +98,21 @@ class PipeTransport:
         self.conn = conn
 
     def recv(self) -> ToWorker:
+        """The next message (:func:`read_message`, unpickled as ``Connection.recv`` does)."""
         try:
-            return self.conn.recv()
+            return pickle.loads(read_message(self.conn))
         except (EOFError, OSError) as exc:
             raise TransportClosed(f"the driver's pipe closed ({exc!r})") from None
 
     def send(self, msg: FromWorker) -> None:
         """Post ``msg`` (plain data): pickled with :func:`pickle.dumps` and written as one
-        message, which the driver's ``Connection.recv`` unpickles as it would
+        message (:func:`write_message`), which the driver unpickles as it would
         ``Connection.send``'s. ``send`` pickles through ``ForkingPickler`` (a pickler
         with multiprocessing's reducers for file descriptors and shared tensors, which
         no worker message holds), about twice the time for a decode's :class:`Done`,
         and every decode step's reply waits for it."""
         try:
-            self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            write_message(self.conn, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise TransportClosed(f"the driver's pipe closed ({exc!r})") from None
 

@@ -73,6 +73,60 @@ def test_incremental_decode_keeps_spaces_of_a_bpe_tokenizer() -> None:
     assert "".join(_stream(tok, ids)) == tok.decode(ids) == text
 
 
+class _CountingDecode:
+    """Wraps a ``tokenizers.Tokenizer``: counts its ``decode`` calls."""
+
+    def __init__(self, inner: tokenizers.Tokenizer) -> None:
+        self.inner, self.calls = inner, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_single_token_texts_are_remembered_and_equal_a_fresh_decode() -> None:
+    tok = tiny_tokenizer()
+    for skip in (True, False):
+        for i in range(tok.vocab_size):
+            assert tok.decode_token(i, skip) == tok.decode([i], skip_special_tokens=skip)
+            assert tok.decode_token(i, skip) == tok.decode([i], skip_special_tokens=skip)
+    assert tok.decode_token(EOS_ID) == "" and tok.decode_token(EOS_ID, False) == "</s>"
+    # a stream decodes each generated token's window once (the other window is remembered)
+    counted = _CountingDecode(tok.tokenizer)
+    tok.tokenizer = counted
+    text = "plain ascii text, then: naïve café 🎉 end"
+    ids = tok.encode(text, add_special_tokens=False)
+    state = tok.detokenizer(tok.encode("prompt"))
+    counted.calls = 0
+    pieces = [state.add([i]) for i in ids]
+    assert "".join(pieces) + state.flush() == text
+    held = sum(1 for p in pieces if p == "")  # a held-back byte widens the next windows
+    assert counted.calls <= len(ids) + 2 * held + 2
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_stream_with_remembered_texts_equals_one_without(skip: bool) -> None:
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    corpus = ["the cat sat on the mat", "the dog ate the café food", "über naïve"] * 20
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, show_progress=False)
+    bpe.add_special_tokens(["<eos>"])
+    tok = Tokenizer(bpe._tokenizer)
+    eos = tok.token_to_id("<eos>")
+    ids = [*tok.encode(" the cat ate the café über food"), eos, *tok.encode(" the mat")]
+
+    def stream(remember: bool) -> list[str]:
+        state = tok.detokenizer(tok.encode("über"), skip_special_tokens=skip)
+        if not remember:  # every window decoded afresh
+            state._decode = lambda w: tok.decode(w, skip_special_tokens=skip)
+        return [*(state.add([i]) for i in ids), state.flush()]
+
+    assert stream(True) == stream(False)
+    assert "".join(stream(True)) == tok.decode(ids, skip_special_tokens=skip)
+
+
 def _write_tokenizer_dir(path: Path, *, template_in_config=None, jinja=None, generation=None):
     path.mkdir(parents=True, exist_ok=True)
     tiny_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
