@@ -29,6 +29,10 @@ a new item takes a free leaf in the page laid out for its slope (else a page
 near it, else any): low nodes then hold nearly parallel lines, which cross
 late. 4,000 such lines failed 665 certificates in their first 1.5 s in order
 of arrival and 93 laid out by slope (``tests/sched/test_priority_index.py``).
+Inside a page, though, the items added since the layout sit in order of
+arrival; so once those adds reach a quarter of the items the layout placed
+(256 or more: a queue filled at once), the items are laid out again at the
+same capacity (the adds pay for it, as for a doubling).
 
 Robustness. A match between lines ``s`` and ``t`` with different slopes is
 decided by their crossing time ``tau = (b_t - b_s) / (m_s - m_t)``, computed by
@@ -78,6 +82,12 @@ _NEAR_PAGES = 4
 """Pages either side of a full page searched for a free slot before any page will do."""
 _HOT_SEATS = 3
 """Items last renewed in place kept out of the tree (see :meth:`KineticIndex.renew`)."""
+_RELAY_MIN = 256
+"""Fewest items a layout must have placed for adds to lay them out again at the
+same capacity (see :meth:`KineticIndex.add`): a small index is left alone."""
+_RELAY_SHARE = 4
+"""Adds since the latest layout that lay the items out again, as a share of the
+items that layout placed: one in ``_RELAY_SHARE``."""
 
 
 @dataclass(slots=True)
@@ -92,6 +102,8 @@ class IndexStats:
     """Certificate failures processed by ``advance``."""
     rebuilds: int = 0
     """Capacity doublings (each replays every match)."""
+    relayouts: int = 0
+    """Layouts at the same capacity, after many adds (each replays every match)."""
 
     @property
     def evaluations(self) -> int:
@@ -170,6 +182,8 @@ class KineticIndex(Generic[K]):
         # their leaves empty; every query matches them against the root's winner
         self._hot: list[int] = []
         self._seats = _HOT_SEATS  # 0: every item in the tree (the plain path)
+        # adds left before the items are laid out again at this capacity (see add)
+        self._relay_in = _INF
         self.stats = IndexStats()
 
     # ----------------------------------------------------------------- queries
@@ -296,7 +310,14 @@ class KineticIndex(Generic[K]):
     # --------------------------------------------------------------- mutation
 
     def add(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> None:
-        """Insert ``item`` with key line ``intercept + slope * t``."""
+        """Insert ``item`` with key line ``intercept + slope * t``.
+
+        Before the slot is taken, a full index doubles (:meth:`_grow`), and one
+        whose adds since the latest layout reached one in ``_RELAY_SHARE`` of
+        the ``_RELAY_MIN`` or more items that layout placed lays its items out
+        again at its capacity (:meth:`_lay_out`): in a queue filled at once,
+        the items added after a layout (in order of arrival inside each page)
+        made the certificates fail about twice as often."""
         if item in self._slot:
             raise ValueError(f"item {item!r} is already in the index")
         # _coordinate's answer for a float in range, without the call (the hot path)
@@ -314,6 +335,10 @@ class KineticIndex(Generic[K]):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
         if not self._num_free:
             self._grow()
+        elif self._relay_in <= 0:
+            self._lay_out(self._cap)
+            self.stats.relayouts += 1
+        self._relay_in -= 1
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -377,7 +402,9 @@ class KineticIndex(Generic[K]):
         keys are as after the pair; the tree with the seated items put back
         in their leaves is as after it (every node's match at the clock), and
         every answer the same but between keys within rounding error of each
-        other, as with any other layout (see the module docstring).
+        other, as with any other layout (see the module docstring). Where the
+        pair's add lays the items out again (:meth:`add`), that is done: the
+        pair itself (refused with ``move`` False).
         """
         slot = self._slot.get(item)  # _lookup's, without the call (every prefill turn)
         if slot is None:
@@ -395,6 +422,13 @@ class KineticIndex(Generic[K]):
         )
         if not isinstance(tiebreak, tuple):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
+        relay = self._relay_in
+        if relay <= 0:  # the pair's add lays the items out again: the pair itself
+            if not move:
+                return False
+            self.remove(item)
+            self.add(item, intercept=b, slope=m, tiebreak=tiebreak)
+            return True
         pages = self._page_free
         if len(pages) > 1:
             page = slot // self._page
@@ -403,8 +437,10 @@ class KineticIndex(Generic[K]):
             if not pages[page] or (p if p > 0 else 0) != page:
                 if not move:
                     return False
+                self._relay_in = relay - 1  # (the pair's add counts, see add)
                 self._move(item, slot, b, m, tiebreak)
                 return True
+        self._relay_in = relay - 1
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -772,10 +808,19 @@ class KineticIndex(Generic[K]):
         return free.pop()
 
     def _grow(self) -> None:
-        """Double the capacity, lay the items out again and replay every match.
+        """Double the capacity, lay the items out again and replay every match
+        (:meth:`_lay_out`). Amortised O(log n) per add."""
+        self._lay_out(2 * self._cap)
+        self.stats.rebuilds += 1
 
-        Amortised O(log n) per add. The items are placed in order of slope
-        (then intercept), half filling pages of ``_PAGE`` slots, and a later
+    def _lay_out(self, cap: int) -> None:
+        """Lay the items out in ``cap`` slots (at least as many) and replay every match.
+
+        Amortised O(log n) per add (at a doubling, and again once the adds
+        since reach one in ``_RELAY_SHARE`` of the items placed here, when at
+        least ``_RELAY_MIN``: see :meth:`add`). The items are placed in order of slope
+        (then intercept), spread evenly over pages of ``_PAGE`` slots (half
+        filling them at a doubling), and a later
         item goes into the page laid out for its slope (:meth:`_take`): the
         leaves under a low node then hold lines of nearly equal slope, which
         cross seldom, so far fewer certificates fail than with leaves in order
@@ -784,7 +829,6 @@ class KineticIndex(Generic[K]):
         every low node holds such a pair). Where the leaves lie changes no
         winner but between keys within rounding error of each other.
         """
-        cap = 2 * self._cap
         b, m, items, tb = self._b, self._m, self._items, self._tb
         order = sorted(self._slot.values(), key=lambda s: (m[s], b[s], s))
         page = min(_PAGE, cap)
@@ -827,7 +871,7 @@ class KineticIndex(Generic[K]):
         for node in range(cap - 1, 0, -1):
             self._settle(node)
         self._refresh_bounds()
-        self.stats.rebuilds += 1
+        self._relay_in = n // _RELAY_SHARE if n >= _RELAY_MIN else _INF
         self._epoch += 1
 
     def _compact_events(self) -> None:

@@ -1,0 +1,145 @@
+"""KineticIndex lays its items out again at the same capacity after many adds.
+
+A queue filled at once (the scheduler benchmark's 1,000 waiting prompts) was
+laid out by slope at its last doubling (512 items); the 488 added after sat
+in order of arrival inside their pages and made the certificates fail about
+twice as often in the first steps. Since 2026-11-27 the adds since a layout
+lay the items out again once they reach one in ``_RELAY_SHARE`` of the items
+it placed (``_RELAY_MIN`` or more). The layout changes where the leaves lie,
+not the answers: these tests compare every answer with an index that never
+lays out again (the constants patched) and with brute force.
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import islice
+
+import pytest
+
+from medha_sched import priority_index
+from medha_sched.priority_index import KineticIndex
+
+
+def _lars_lines(n: int, seed: int) -> list[tuple[float, float, tuple]]:
+    """Lines of a queue filled at once: arrivals within 1 s, the same
+    relative slack, work 5 ms to 10 s (test_priority_index's)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        work = rng.uniform(2.0, 10.0) if rng.random() < 0.05 else rng.uniform(0.005, 0.4)
+        arrival = -rng.random()
+        out.append(((arrival + 2.0 * work) / work, -1.0 / work, (arrival, i)))
+    return out
+
+
+def _filled(lines: list[tuple[float, float, tuple]]) -> KineticIndex[int]:
+    index: KineticIndex[int] = KineticIndex()
+    for i, (b, m, tb) in enumerate(lines):
+        index.add(i, intercept=b, slope=m, tiebreak=tb)
+    return index
+
+
+@pytest.fixture
+def no_relayout(monkeypatch: pytest.MonkeyPatch):
+    """Build an index that never lays out again at its capacity (the old path)."""
+
+    def build(lines: list[tuple[float, float, tuple]]) -> KineticIndex[int]:
+        with monkeypatch.context() as m:
+            m.setattr(priority_index, "_RELAY_MIN", float("inf"))
+            return _filled(lines)
+
+    return build
+
+
+def test_a_queue_filled_at_once_is_laid_out_again(no_relayout) -> None:
+    """1,000 lines: layouts at 320, 400 and 500 items (after the doubling at
+    256), 640 and 800 (after the doubling at 512); the same order as without
+    them at every step, and fewer failures."""
+    lines = _lars_lines(1000, seed=3)
+    new, old = _filled(lines), no_relayout(lines)
+    assert (new.stats.rebuilds, new.stats.relayouts) == (10, 5)
+    assert (old.stats.rebuilds, old.stats.relayouts) == (10, 0)
+    assert new._relay_in == 0  # 800 // 4 adds since the latest: the next add lays out
+    fails = {"new": 0, "old": 0}
+    for step in range(1, 31):
+        t = 0.05 * step
+        for name, index in (("new", new), ("old", old)):
+            before = index.stats.events
+            index.advance(t)
+            fails[name] += index.stats.events - before
+        assert list(islice(new.iter_sorted(t), 50)) == list(islice(old.iter_sorted(t), 50))
+        assert new.peek(t) == old.peek(t)
+    new.check()
+    assert list(new.iter_sorted(1.5)) == list(old.iter_sorted(1.5))
+    assert fails["new"] < fails["old"], fails  # 51 against 62 (2026-11-27)
+
+
+def test_a_small_index_only_doubles() -> None:
+    """Under ``_RELAY_MIN`` items at the latest layout, adds only double: 256
+    items (the latest doubling placed 128) are never laid out again; the
+    doubling at the 257th places 256, and the 321st add lays out again."""
+    index = _filled(_lars_lines(321, seed=5))
+    assert (index.stats.rebuilds, index.stats.relayouts) == (9, 1)
+    index = _filled(_lars_lines(320, seed=5))
+    assert (index.stats.rebuilds, index.stats.relayouts) == (9, 0)
+    index = _filled(_lars_lines(256, seed=5))
+    for i in range(256, 256 + 3 * 256):  # churn: removals and adds, no doubling
+        index.remove(i - 256)
+        index.add(i, intercept=float(i), slope=-1.0, tiebreak=(i,))
+    assert (index.stats.rebuilds, index.stats.relayouts) == (8, 0)
+
+
+def test_random_operations_match_an_index_that_never_lays_out_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Adds, removals, renewals (hot seats), updates and clock moves on two
+    indexes, one laying out again once the adds reach a quarter of the 8 or
+    more items its latest layout placed: the same
+    answers throughout, and ``check()`` holds."""
+    rng = random.Random(17)
+    monkeypatch.setattr(priority_index, "_RELAY_MIN", 8)
+    monkeypatch.setattr(priority_index, "_RELAY_SHARE", 4)
+    new: KineticIndex[int] = KineticIndex()
+    monkeypatch.setattr(priority_index, "_RELAY_MIN", float("inf"))
+    old: KineticIndex[int] = KineticIndex()
+    both = (new, old)
+    live: list[int] = []
+    t, nxt = 0.0, 0
+
+    def relay(on: bool) -> None:
+        monkeypatch.setattr(priority_index, "_RELAY_MIN", 8 if on else float("inf"))
+
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.45 or len(live) < 4:
+            b, m = rng.uniform(-5.0, 5.0), -1.0 / rng.uniform(0.01, 10.0)
+            for index in both:
+                relay(index is new)
+                index.add(nxt, intercept=b, slope=m, tiebreak=(nxt,))
+            live.append(nxt)
+            nxt += 1
+        elif op < 0.65:
+            gone = live.pop(rng.randrange(len(live)))
+            for index in both:
+                index.remove(gone)
+        elif op < 0.8:
+            item = rng.choice(live)
+            b, m = rng.uniform(-5.0, 5.0), -1.0 / rng.uniform(0.01, 10.0)
+            for index in both:
+                index.renew(item, intercept=b, slope=m, tiebreak=(nxt,))
+            nxt += 1
+        elif op < 0.9:
+            item = rng.choice(live)
+            b, m = rng.uniform(-5.0, 5.0), -1.0 / rng.uniform(0.01, 10.0)
+            for index in both:
+                index.update(item, intercept=b, slope=m)
+        else:
+            t += rng.uniform(0.0, 0.3)
+            assert new.peek(t) == old.peek(t)
+            assert list(new.iter_sorted(t)) == list(old.iter_sorted(t))
+    relay(True)
+    assert new.stats.relayouts > 10 and old.stats.relayouts == 0
+    new.check()
+    old.check()
+    assert list(new.iter_sorted(t + 1.0)) == list(old.iter_sorted(t + 1.0))
