@@ -868,11 +868,49 @@ class KineticIndex(Generic[K]):
         self._win, self._ver, self._cert, self._events = win, [0] * cap, [_INF] * cap, []
         self._hot = []  # every item in its new leaf
         self._cap = cap
-        for node in range(cap - 1, 0, -1):
-            self._settle(node)
+        self._settle_all()
         self._refresh_bounds()
         self._relay_in = n // _RELAY_SHARE if n >= _RELAY_MIN else _INF
         self._epoch += 1
+
+    def _settle_all(self) -> None:
+        """:meth:`_settle` of every node, the deepest first, on a tree whose
+        versions are all 0 and whose heap is empty (a fresh layout's).
+
+        :meth:`_settle` and :meth:`_match` written out (a layout replays every
+        match: the call per node was half its time); they must agree
+        (twin-tested in ``tests/sched/test_index_relayout.py``): the same
+        winners, certificates, versions, heap and comparison count."""
+        win, ver, certs, events = self._win, self._ver, self._cert, self._events
+        b, m, tb, now = self._b, self._m, self._tb, self._clock
+        played = 0
+        for node in range(self._cap - 1, 0, -1):
+            a, c = win[2 * node], win[2 * node + 1]
+            ver[node] = 1  # (0 + 1)
+            if a < 0 or c < 0:
+                win[node] = c if a < 0 else a  # (its certificate stays _INF)
+                continue
+            played += 1
+            ma, mc = m[a], m[c]
+            if ma < mc:  # a is below c from tau on
+                tau = (b[c] - b[a]) / (ma - mc)
+                if now >= tau:
+                    win[node] = a
+                    continue
+                win[node] = c
+            elif ma > mc:  # c is below a from tau on
+                tau = (b[a] - b[c]) / (mc - ma)
+                if now >= tau:
+                    win[node] = c
+                    continue
+                win[node] = a
+            else:
+                win[node] = a if (b[a], tb[a], a) < (b[c], tb[c], c) else c
+                continue
+            if tau < _INF:  # (a crossing past the float range never comes)
+                certs[node] = tau
+                heappush(events, (tau, node, 1))
+        self.stats.comparisons += played
 
     def _compact_events(self) -> None:
         """Drop stale heap entries once they outnumber the nodes (and refresh

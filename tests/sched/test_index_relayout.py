@@ -143,3 +143,45 @@ def test_random_operations_match_an_index_that_never_lays_out_again(
     new.check()
     old.check()
     assert list(new.iter_sorted(t + 1.0)) == list(old.iter_sorted(t + 1.0))
+
+
+def _settled_by_calls(index: KineticIndex[int]) -> tuple:
+    """The tree ``_settle`` called for every node, the deepest first, builds on
+    ``index``'s leaves (versions 0, heap empty, as a layout starts)."""
+    cap = index._cap
+    index._win[1:cap] = [-1] * (cap - 1)
+    index._ver, index._cert, index._events = [0] * cap, [float("inf")] * cap, []
+    before = index.stats.comparisons
+    for node in range(cap - 1, 0, -1):
+        index._settle(node)
+    return (index._win, index._ver, index._cert, index._events, index.stats.comparisons - before)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_settle_all_is_settle_of_every_node(seed: int) -> None:
+    """The layout's written-out loop against ``_settle`` per node: lines of
+    equal and different slopes, crossings before and after the clock, empty
+    leaves, and a crossing past the float range."""
+    rng = random.Random(seed)
+    index: KineticIndex[int] = KineticIndex(start=rng.uniform(0.0, 2.0))
+    for i in range(300):
+        slope = rng.choice([0.0, -1.0, -1e-300, rng.uniform(-3.0, 0.0)])
+        intercept = rng.choice([1e300, rng.uniform(-5.0, 5.0), 0.5])
+        index.add(i, intercept=intercept, slope=slope, tiebreak=(rng.randrange(5), i))
+    for i in rng.sample(range(300), 60):  # empty leaves
+        index.remove(i)
+    index._unseat()
+    index._lay_out(index._cap)  # the written-out loop
+    before = index.stats.comparisons
+    index._lay_out(index._cap)  # once more: the same leaves, the counts of one layout
+    got = (
+        list(index._win),
+        list(index._ver),
+        list(index._cert),
+        list(index._events),
+        index.stats.comparisons - before,
+    )
+    assert any(c == float("inf") for c in index._cert[1 : index._cap])
+    assert index._events  # some certificates pending
+    assert got == _settled_by_calls(index)
+    index.check()
