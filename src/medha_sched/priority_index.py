@@ -30,9 +30,10 @@ near it, else any): low nodes then hold nearly parallel lines, which cross
 late. 4,000 such lines failed 665 certificates in their first 1.5 s in order
 of arrival and 93 laid out by slope (``tests/sched/test_priority_index.py``).
 Inside a page, though, the items added since the layout sit in order of
-arrival; so once those adds reach a quarter of the items the layout placed
-(256 or more: a queue filled at once), the items are laid out again at the
-same capacity (the adds pay for it, as for a doubling).
+arrival; so once a burst of adds (no clock move between them: a queue filled
+at once) reaches a quarter of the items the layout placed (256 or more), the
+items are laid out again at the same capacity (the adds pay for it, as for a
+doubling).
 
 Robustness. A match between lines ``s`` and ``t`` with different slopes is
 decided by their crossing time ``tau = (b_t - b_s) / (m_s - m_t)``, computed by
@@ -83,11 +84,12 @@ _NEAR_PAGES = 4
 _HOT_SEATS = 3
 """Items last renewed in place kept out of the tree (see :meth:`KineticIndex.renew`)."""
 _RELAY_MIN = 256
-"""Fewest items a layout must have placed for adds to lay them out again at the
-same capacity (see :meth:`KineticIndex.add`): a small index is left alone."""
+"""Fewest items a layout must have placed for a burst of adds to lay them out
+again at the same capacity (see :meth:`KineticIndex.add`): a small index is
+left alone."""
 _RELAY_SHARE = 4
-"""Adds since the latest layout that lay the items out again, as a share of the
-items that layout placed: one in ``_RELAY_SHARE``."""
+"""Adds in one burst (no clock move between them) that lay the items out again,
+as a share of the items the latest layout placed: one in ``_RELAY_SHARE``."""
 
 
 @dataclass(slots=True)
@@ -182,8 +184,11 @@ class KineticIndex(Generic[K]):
         # their leaves empty; every query matches them against the root's winner
         self._hot: list[int] = []
         self._seats = _HOT_SEATS  # 0: every item in the tree (the plain path)
-        # adds left before the items are laid out again at this capacity (see add)
-        self._relay_in = _INF
+        # a burst of adds lays the items out again at this capacity (see add):
+        # how many adds, the adds of the burst at the clock _burst still to come
+        self._relay_every: float = _INF
+        self._relay_in: float = _INF
+        self._burst = math.nan  # (no burst yet)
         self.stats = IndexStats()
 
     # ----------------------------------------------------------------- queries
@@ -312,12 +317,14 @@ class KineticIndex(Generic[K]):
     def add(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> None:
         """Insert ``item`` with key line ``intercept + slope * t``.
 
-        Before the slot is taken, a full index doubles (:meth:`_grow`), and one
-        whose adds since the latest layout reached one in ``_RELAY_SHARE`` of
-        the ``_RELAY_MIN`` or more items that layout placed lays its items out
-        again at its capacity (:meth:`_lay_out`): in a queue filled at once,
-        the items added after a layout (in order of arrival inside each page)
-        made the certificates fail about twice as often."""
+        Before the slot is taken, a full index doubles (:meth:`_grow`). After
+        the insertion, an add that makes a burst of adds (at one clock, no
+        advance between them) reach one in ``_RELAY_SHARE`` of the
+        ``_RELAY_MIN`` or more items the latest layout placed lays the items
+        out again at this capacity (:meth:`_lay_out`): in a queue filled at
+        once, the items added after a layout (in order of arrival inside each
+        page) made the certificates fail about twice as often. Adds spread
+        over time (a few between queries) never do."""
         if item in self._slot:
             raise ValueError(f"item {item!r} is already in the index")
         # _coordinate's answer for a float in range, without the call (the hot path)
@@ -335,10 +342,6 @@ class KineticIndex(Generic[K]):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
         if not self._num_free:
             self._grow()
-        elif self._relay_in <= 0:
-            self._lay_out(self._cap)
-            self.stats.relayouts += 1
-        self._relay_in -= 1
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -348,6 +351,20 @@ class KineticIndex(Generic[K]):
         self._items[slot], self._b[slot], self._m[slot], self._tb[slot] = item, b, m, tiebreak
         self._win[self._cap + slot] = slot
         self._repair(slot)
+        relay = self._relay_left()
+        if relay > 0:
+            self._relay_in = relay
+        else:
+            self._lay_out(self._cap)
+            self.stats.relayouts += 1
+
+    def _relay_left(self) -> float:
+        """The adds of the burst still to come before a layout, this add counted
+        (a burst starts at an add whose clock differs from the previous add's)."""
+        if self._clock != self._burst:
+            self._burst = self._clock
+            return self._relay_every - 1
+        return self._relay_in - 1
 
     def update(self, item: K, *, intercept: float, slope: float) -> None:
         """Replace the key line of ``item`` (its tiebreak is kept)."""
@@ -422,8 +439,8 @@ class KineticIndex(Generic[K]):
         )
         if not isinstance(tiebreak, tuple):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
-        relay = self._relay_in
-        if relay <= 0:  # the pair's add lays the items out again: the pair itself
+        relay = self._relay_every if self._clock != self._burst else self._relay_in
+        if relay <= 1:  # the pair's add lays the items out again: the pair itself
             if not move:
                 return False
             self.remove(item)
@@ -437,10 +454,10 @@ class KineticIndex(Generic[K]):
             if not pages[page] or (p if p > 0 else 0) != page:
                 if not move:
                     return False
-                self._relay_in = relay - 1  # (the pair's add counts, see add)
+                self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's)
                 self._move(item, slot, b, m, tiebreak)
                 return True
-        self._relay_in = relay - 1
+        self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's, see add)
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -816,8 +833,8 @@ class KineticIndex(Generic[K]):
     def _lay_out(self, cap: int) -> None:
         """Lay the items out in ``cap`` slots (at least as many) and replay every match.
 
-        Amortised O(log n) per add (at a doubling, and again once the adds
-        since reach one in ``_RELAY_SHARE`` of the items placed here, when at
+        Amortised O(log n) per add (at a doubling, and again once a burst of
+        adds reaches one in ``_RELAY_SHARE`` of the items placed here, when at
         least ``_RELAY_MIN``: see :meth:`add`). The items are placed in order of slope
         (then intercept), spread evenly over pages of ``_PAGE`` slots (half
         filling them at a doubling), and a later
@@ -870,7 +887,7 @@ class KineticIndex(Generic[K]):
         self._cap = cap
         self._settle_all()
         self._refresh_bounds()
-        self._relay_in = n // _RELAY_SHARE if n >= _RELAY_MIN else _INF
+        self._relay_every = self._relay_in = n // _RELAY_SHARE if n >= _RELAY_MIN else _INF
         self._epoch += 1
 
     def _settle_all(self) -> None:

@@ -3,9 +3,10 @@
 A queue filled at once (the scheduler benchmark's 1,000 waiting prompts) was
 laid out by slope at its last doubling (512 items); the 488 added after sat
 in order of arrival inside their pages and made the certificates fail about
-twice as often in the first steps. Since 2026-11-27 the adds since a layout
-lay the items out again once they reach one in ``_RELAY_SHARE`` of the items
-it placed (``_RELAY_MIN`` or more). The layout changes where the leaves lie,
+twice as often in the first steps. Since 2026-11-27 a burst of adds (no
+clock move between them) lays the items out again once it reaches one in
+``_RELAY_SHARE`` of the items the latest layout placed (``_RELAY_MIN`` or
+more). The layout changes where the leaves lie,
 not the answers: these tests compare every answer with an index that never
 lays out again (the constants patched) and with brute force.
 """
@@ -13,6 +14,7 @@ lays out again (the constants patched) and with brute force.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from itertools import islice
 
 import pytest
@@ -53,14 +55,14 @@ def no_relayout(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_a_queue_filled_at_once_is_laid_out_again(no_relayout) -> None:
-    """1,000 lines: layouts at 320, 400 and 500 items (after the doubling at
-    256), 640 and 800 (after the doubling at 512); the same order as without
-    them at every step, and fewer failures."""
+    """1,000 lines added at once: layouts at 320, 400 and 500 items (after the
+    doubling at 256), 640, 800 and 1,000 (after the doubling at 512); the
+    same order as without them at every step, and fewer failures."""
     lines = _lars_lines(1000, seed=3)
     new, old = _filled(lines), no_relayout(lines)
-    assert (new.stats.rebuilds, new.stats.relayouts) == (10, 5)
+    assert (new.stats.rebuilds, new.stats.relayouts) == (10, 6)
     assert (old.stats.rebuilds, old.stats.relayouts) == (10, 0)
-    assert new._relay_in == 0  # 800 // 4 adds since the latest: the next add lays out
+    assert new._relay_in == 250  # 1,000 // 4 more adds in this burst lay out again
     fails = {"new": 0, "old": 0}
     for step in range(1, 31):
         t = 0.05 * step
@@ -78,10 +80,10 @@ def test_a_queue_filled_at_once_is_laid_out_again(no_relayout) -> None:
 def test_a_small_index_only_doubles() -> None:
     """Under ``_RELAY_MIN`` items at the latest layout, adds only double: 256
     items (the latest doubling placed 128) are never laid out again; the
-    doubling at the 257th places 256, and the 321st add lays out again."""
-    index = _filled(_lars_lines(321, seed=5))
-    assert (index.stats.rebuilds, index.stats.relayouts) == (9, 1)
+    doubling at the 257th places 256, and the 320th add lays out again."""
     index = _filled(_lars_lines(320, seed=5))
+    assert (index.stats.rebuilds, index.stats.relayouts) == (9, 1)
+    index = _filled(_lars_lines(319, seed=5))
     assert (index.stats.rebuilds, index.stats.relayouts) == (9, 0)
     index = _filled(_lars_lines(256, seed=5))
     for i in range(256, 256 + 3 * 256):  # churn: removals and adds, no doubling
@@ -94,55 +96,57 @@ def test_random_operations_match_an_index_that_never_lays_out_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Adds, removals, renewals (hot seats), updates and clock moves on two
-    indexes, one laying out again once the adds reach a quarter of the 8 or
-    more items its latest layout placed: the same
-    answers throughout, and ``check()`` holds."""
+    indexes, one laying out again once a burst of adds reaches one in 64 of
+    the 8 or more items its latest layout placed (every add of a burst under
+    64 items): the same answers throughout, and ``check()`` holds."""
     rng = random.Random(17)
-    monkeypatch.setattr(priority_index, "_RELAY_MIN", 8)
-    monkeypatch.setattr(priority_index, "_RELAY_SHARE", 4)
+    monkeypatch.setattr(priority_index, "_RELAY_SHARE", 64)
     new: KineticIndex[int] = KineticIndex()
-    monkeypatch.setattr(priority_index, "_RELAY_MIN", float("inf"))
     old: KineticIndex[int] = KineticIndex()
-    both = (new, old)
     live: list[int] = []
     t, nxt = 0.0, 0
 
-    def relay(on: bool) -> None:
-        monkeypatch.setattr(priority_index, "_RELAY_MIN", 8 if on else float("inf"))
+    def each() -> Iterator[KineticIndex[int]]:
+        """Both indexes, the constant set for each just before its call (a
+        layout reads it): the old one never lays out again at its capacity."""
+        for index in (new, old):
+            monkeypatch.setattr(priority_index, "_RELAY_MIN", 8 if index is new else _NEVER)
+            yield index
 
     for _ in range(3000):
         op = rng.random()
         if op < 0.45 or len(live) < 4:
             b, m = rng.uniform(-5.0, 5.0), -1.0 / rng.uniform(0.01, 10.0)
-            for index in both:
-                relay(index is new)
+            for index in each():
                 index.add(nxt, intercept=b, slope=m, tiebreak=(nxt,))
             live.append(nxt)
             nxt += 1
         elif op < 0.65:
             gone = live.pop(rng.randrange(len(live)))
-            for index in both:
+            for index in each():
                 index.remove(gone)
         elif op < 0.8:
             item = rng.choice(live)
             b, m = rng.uniform(-5.0, 5.0), -1.0 / rng.uniform(0.01, 10.0)
-            for index in both:
+            for index in each():
                 index.renew(item, intercept=b, slope=m, tiebreak=(nxt,))
             nxt += 1
-        elif op < 0.9:
+        elif op < 0.97:
             item = rng.choice(live)
             b, m = rng.uniform(-5.0, 5.0), -1.0 / rng.uniform(0.01, 10.0)
-            for index in both:
+            for index in each():
                 index.update(item, intercept=b, slope=m)
-        else:
+        else:  # the clock moves: a new burst
             t += rng.uniform(0.0, 0.3)
             assert new.peek(t) == old.peek(t)
             assert list(new.iter_sorted(t)) == list(old.iter_sorted(t))
-    relay(True)
     assert new.stats.relayouts > 10 and old.stats.relayouts == 0
     new.check()
     old.check()
     assert list(new.iter_sorted(t + 1.0)) == list(old.iter_sorted(t + 1.0))
+
+
+_NEVER = float("inf")
 
 
 def _settled_by_calls(index: KineticIndex[int]) -> tuple:
@@ -185,3 +189,48 @@ def test_settle_all_is_settle_of_every_node(seed: int) -> None:
     assert index._events  # some certificates pending
     assert got == _settled_by_calls(index)
     index.check()
+
+
+def test_renew_is_the_pair_across_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``renew`` against ``remove`` then ``add`` with layouts in the bursts
+    (one in 64 of the 8 or more items laid out): the same slots, tree and
+    free lists after every call, where the pair's add lays out too."""
+    from tests.sched.test_index_renew import _state
+
+    monkeypatch.setattr(priority_index, "_RELAY_MIN", 8)
+    monkeypatch.setattr(priority_index, "_RELAY_SHARE", 64)
+    rng = random.Random(5)
+    pair: KineticIndex[int] = KineticIndex()
+    fused: KineticIndex[int] = KineticIndex()
+    live: list[int] = []
+    t, pairs = 0.0, 0
+    for nxt in range(1500):
+        op = rng.random()
+        b, m = rng.uniform(-5.0, 5.0), -1.0 / rng.uniform(0.01, 10.0)
+        if op < 0.4 or len(live) < 4:
+            for index in (pair, fused):
+                index.add(nxt, intercept=b, slope=m, tiebreak=(nxt,))
+            live.append(nxt)
+        elif op < 0.5:
+            gone = live.pop(rng.randrange(len(live)))
+            for index in (pair, fused):
+                index.remove(gone)
+        elif op < 0.97:
+            item = rng.choice(live)
+            if rng.random() < 0.7:  # mostly the slope it had
+                m = pair._m[pair._slot[item]]
+            laid = fused.stats.relayouts
+            if fused.renew(item, intercept=b, slope=m, tiebreak=(nxt,), move=rng.random() < 0.8):
+                pair.remove(item)
+                pair.add(item, intercept=b, slope=m, tiebreak=(nxt,))
+                pairs += fused.stats.relayouts > laid
+            else:
+                for index in (pair, fused):
+                    index.remove(item)
+                    index.add(item, intercept=b, slope=m, tiebreak=(nxt,))
+        else:
+            t += rng.uniform(0.0, 0.3)
+            assert pair.peek(t) == fused.peek(t)
+        assert _state(pair) == _state(fused)
+    assert pairs > 5 and fused.stats.relayouts == pair.stats.relayouts
+    fused.check()
