@@ -185,9 +185,10 @@ class KineticIndex(Generic[K]):
         self._hot: list[int] = []
         self._seats = _HOT_SEATS  # 0: every item in the tree (the plain path)
         # a burst of adds lays the items out again at this capacity (see add):
-        # how many adds, the adds of the burst at the clock _burst still to come
-        self._relay_every: float = _INF
-        self._relay_in: float = _INF
+        # how many adds (0: never, a small index: nothing is counted), and the
+        # adds of the burst at the clock _burst still to come
+        self._relay_every = 0
+        self._relay_in = 0
         self._burst = math.nan  # (no burst yet)
         self.stats = IndexStats()
 
@@ -351,20 +352,15 @@ class KineticIndex(Generic[K]):
         self._items[slot], self._b[slot], self._m[slot], self._tb[slot] = item, b, m, tiebreak
         self._win[self._cap + slot] = slot
         self._repair(slot)
-        relay = self._relay_left()
-        if relay > 0:
-            self._relay_in = relay
-        else:
-            self._lay_out(self._cap)
-            self.stats.relayouts += 1
-
-    def _relay_left(self) -> float:
-        """The adds of the burst still to come before a layout, this add counted
-        (a burst starts at an add whose clock differs from the previous add's)."""
-        if self._clock != self._burst:
+        every = self._relay_every
+        if every:  # this add counted in its burst (one starts where the clock moved)
+            relay = (every if self._clock != self._burst else self._relay_in) - 1
             self._burst = self._clock
-            return self._relay_every - 1
-        return self._relay_in - 1
+            if relay > 0:
+                self._relay_in = relay
+            else:
+                self._lay_out(self._cap)
+                self.stats.relayouts += 1
 
     def update(self, item: K, *, intercept: float, slope: float) -> None:
         """Replace the key line of ``item`` (its tiebreak is kept)."""
@@ -439,13 +435,16 @@ class KineticIndex(Generic[K]):
         )
         if not isinstance(tiebreak, tuple):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
-        relay = self._relay_every if self._clock != self._burst else self._relay_in
-        if relay <= 1:  # the pair's add lays the items out again: the pair itself
-            if not move:
-                return False
-            self.remove(item)
-            self.add(item, intercept=b, slope=m, tiebreak=tiebreak)
-            return True
+        every = self._relay_every
+        relay = 0
+        if every:  # the pair's add is counted (see add)
+            relay = every if self._clock != self._burst else self._relay_in
+            if relay <= 1:  # and it lays the items out again: the pair itself
+                if not move:
+                    return False
+                self.remove(item)
+                self.add(item, intercept=b, slope=m, tiebreak=tiebreak)
+                return True
         pages = self._page_free
         if len(pages) > 1:
             page = slot // self._page
@@ -454,10 +453,12 @@ class KineticIndex(Generic[K]):
             if not pages[page] or (p if p > 0 else 0) != page:
                 if not move:
                     return False
-                self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's)
+                if every:
+                    self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's)
                 self._move(item, slot, b, m, tiebreak)
                 return True
-        self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's, see add)
+        if every:
+            self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's, see add)
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -887,7 +888,7 @@ class KineticIndex(Generic[K]):
         self._cap = cap
         self._settle_all()
         self._refresh_bounds()
-        self._relay_every = self._relay_in = n // _RELAY_SHARE if n >= _RELAY_MIN else _INF
+        self._relay_every = self._relay_in = max(1, n // _RELAY_SHARE) if n >= _RELAY_MIN else 0
         self._epoch += 1
 
     def _settle_all(self) -> None:
