@@ -29,6 +29,11 @@ a new item takes a free leaf in the page laid out for its slope (else a page
 near it, else any): low nodes then hold nearly parallel lines, which cross
 late. 4,000 such lines failed 665 certificates in their first 1.5 s in order
 of arrival and 93 laid out by slope (``tests/sched/test_priority_index.py``).
+Inside a page, though, the items added since the layout sit in order of
+arrival; so once a burst of adds (no clock move between them: a queue filled
+at once) reaches a quarter of the items the layout placed (256 or more), the
+items are laid out again at the same capacity (the adds pay for it, as for a
+doubling).
 
 Robustness. A match between lines ``s`` and ``t`` with different slopes is
 decided by their crossing time ``tau = (b_t - b_s) / (m_s - m_t)``, computed by
@@ -78,6 +83,13 @@ _NEAR_PAGES = 4
 """Pages either side of a full page searched for a free slot before any page will do."""
 _HOT_SEATS = 3
 """Items last renewed in place kept out of the tree (see :meth:`KineticIndex.renew`)."""
+_RELAY_MIN = 256
+"""Fewest items a layout must have placed for a burst of adds to lay them out
+again at the same capacity (see :meth:`KineticIndex.add`): a small index is
+left alone."""
+_RELAY_SHARE = 4
+"""Adds in one burst (no clock move between them) that lay the items out again,
+as a share of the items the latest layout placed: one in ``_RELAY_SHARE``."""
 
 
 @dataclass(slots=True)
@@ -92,6 +104,8 @@ class IndexStats:
     """Certificate failures processed by ``advance``."""
     rebuilds: int = 0
     """Capacity doublings (each replays every match)."""
+    relayouts: int = 0
+    """Layouts at the same capacity, after many adds (each replays every match)."""
 
     @property
     def evaluations(self) -> int:
@@ -170,6 +184,12 @@ class KineticIndex(Generic[K]):
         # their leaves empty; every query matches them against the root's winner
         self._hot: list[int] = []
         self._seats = _HOT_SEATS  # 0: every item in the tree (the plain path)
+        # a burst of adds lays the items out again at this capacity (see add):
+        # how many adds (0: never, a small index: nothing is counted), and the
+        # adds of the burst at the clock _burst still to come
+        self._relay_every = 0
+        self._relay_in = 0
+        self._burst = math.nan  # (no burst yet)
         self.stats = IndexStats()
 
     # ----------------------------------------------------------------- queries
@@ -296,7 +316,16 @@ class KineticIndex(Generic[K]):
     # --------------------------------------------------------------- mutation
 
     def add(self, item: K, *, intercept: float, slope: float, tiebreak: tuple[Any, ...]) -> None:
-        """Insert ``item`` with key line ``intercept + slope * t``."""
+        """Insert ``item`` with key line ``intercept + slope * t``.
+
+        Before the slot is taken, a full index doubles (:meth:`_grow`). After
+        the insertion, an add that makes a burst of adds (at one clock, no
+        advance between them) reach one in ``_RELAY_SHARE`` of the
+        ``_RELAY_MIN`` or more items the latest layout placed lays the items
+        out again at this capacity (:meth:`_lay_out`): in a queue filled at
+        once, the items added after a layout (in order of arrival inside each
+        page) made the certificates fail about twice as often. Adds spread
+        over time (a few between queries) never do."""
         if item in self._slot:
             raise ValueError(f"item {item!r} is already in the index")
         # _coordinate's answer for a float in range, without the call (the hot path)
@@ -323,6 +352,15 @@ class KineticIndex(Generic[K]):
         self._items[slot], self._b[slot], self._m[slot], self._tb[slot] = item, b, m, tiebreak
         self._win[self._cap + slot] = slot
         self._repair(slot)
+        every = self._relay_every
+        if every:  # this add counted in its burst (one starts where the clock moved)
+            relay = (every if self._clock != self._burst else self._relay_in) - 1
+            self._burst = self._clock
+            if relay > 0:
+                self._relay_in = relay
+            else:
+                self._lay_out(self._cap)
+                self.stats.relayouts += 1
 
     def update(self, item: K, *, intercept: float, slope: float) -> None:
         """Replace the key line of ``item`` (its tiebreak is kept)."""
@@ -377,7 +415,9 @@ class KineticIndex(Generic[K]):
         keys are as after the pair; the tree with the seated items put back
         in their leaves is as after it (every node's match at the clock), and
         every answer the same but between keys within rounding error of each
-        other, as with any other layout (see the module docstring).
+        other, as with any other layout (see the module docstring). Where the
+        pair's add lays the items out again (:meth:`add`), that is done: the
+        pair itself (refused with ``move`` False).
         """
         slot = self._slot.get(item)  # _lookup's, without the call (every prefill turn)
         if slot is None:
@@ -395,6 +435,16 @@ class KineticIndex(Generic[K]):
         )
         if not isinstance(tiebreak, tuple):
             raise TypeError(f"tiebreak of item {item!r} must be a tuple, got {tiebreak!r}")
+        every = self._relay_every
+        relay = 0
+        if every:  # the pair's add is counted (see add)
+            relay = every if self._clock != self._burst else self._relay_in
+            if relay <= 1:  # and it lays the items out again: the pair itself
+                if not move:
+                    return False
+                self.remove(item)
+                self.add(item, intercept=b, slope=m, tiebreak=tiebreak)
+                return True
         pages = self._page_free
         if len(pages) > 1:
             page = slot // self._page
@@ -403,8 +453,12 @@ class KineticIndex(Generic[K]):
             if not pages[page] or (p if p > 0 else 0) != page:
                 if not move:
                     return False
+                if every:
+                    self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's)
                 self._move(item, slot, b, m, tiebreak)
                 return True
+        if every:
+            self._relay_in, self._burst = relay - 1, self._clock  # (the pair's add's, see add)
         if not -self._hi_b <= b <= self._hi_b:
             self._hi_b = abs(b)
         if not -self._hi_m <= m <= self._hi_m:
@@ -772,10 +826,19 @@ class KineticIndex(Generic[K]):
         return free.pop()
 
     def _grow(self) -> None:
-        """Double the capacity, lay the items out again and replay every match.
+        """Double the capacity, lay the items out again and replay every match
+        (:meth:`_lay_out`). Amortised O(log n) per add."""
+        self._lay_out(2 * self._cap)
+        self.stats.rebuilds += 1
 
-        Amortised O(log n) per add. The items are placed in order of slope
-        (then intercept), half filling pages of ``_PAGE`` slots, and a later
+    def _lay_out(self, cap: int) -> None:
+        """Lay the items out in ``cap`` slots (at least as many) and replay every match.
+
+        Amortised O(log n) per add (at a doubling, and again once a burst of
+        adds reaches one in ``_RELAY_SHARE`` of the items placed here, when at
+        least ``_RELAY_MIN``: see :meth:`add`). The items are placed in order of slope
+        (then intercept), spread evenly over pages of ``_PAGE`` slots (half
+        filling them at a doubling), and a later
         item goes into the page laid out for its slope (:meth:`_take`): the
         leaves under a low node then hold lines of nearly equal slope, which
         cross seldom, so far fewer certificates fail than with leaves in order
@@ -784,7 +847,6 @@ class KineticIndex(Generic[K]):
         every low node holds such a pair). Where the leaves lie changes no
         winner but between keys within rounding error of each other.
         """
-        cap = 2 * self._cap
         b, m, items, tb = self._b, self._m, self._items, self._tb
         order = sorted(self._slot.values(), key=lambda s: (m[s], b[s], s))
         page = min(_PAGE, cap)
@@ -824,11 +886,49 @@ class KineticIndex(Generic[K]):
         self._win, self._ver, self._cert, self._events = win, [0] * cap, [_INF] * cap, []
         self._hot = []  # every item in its new leaf
         self._cap = cap
-        for node in range(cap - 1, 0, -1):
-            self._settle(node)
+        self._settle_all()
         self._refresh_bounds()
-        self.stats.rebuilds += 1
+        self._relay_every = self._relay_in = max(1, n // _RELAY_SHARE) if n >= _RELAY_MIN else 0
         self._epoch += 1
+
+    def _settle_all(self) -> None:
+        """:meth:`_settle` of every node, the deepest first, on a tree whose
+        versions are all 0 and whose heap is empty (a fresh layout's).
+
+        :meth:`_settle` and :meth:`_match` written out (a layout replays every
+        match: the call per node was half its time); they must agree
+        (twin-tested in ``tests/sched/test_index_relayout.py``): the same
+        winners, certificates, versions, heap and comparison count."""
+        win, ver, certs, events = self._win, self._ver, self._cert, self._events
+        b, m, tb, now = self._b, self._m, self._tb, self._clock
+        played = 0
+        for node in range(self._cap - 1, 0, -1):
+            a, c = win[2 * node], win[2 * node + 1]
+            ver[node] = 1  # (0 + 1)
+            if a < 0 or c < 0:
+                win[node] = c if a < 0 else a  # (its certificate stays _INF)
+                continue
+            played += 1
+            ma, mc = m[a], m[c]
+            if ma < mc:  # a is below c from tau on
+                tau = (b[c] - b[a]) / (ma - mc)
+                if now >= tau:
+                    win[node] = a
+                    continue
+                win[node] = c
+            elif ma > mc:  # c is below a from tau on
+                tau = (b[a] - b[c]) / (mc - ma)
+                if now >= tau:
+                    win[node] = c
+                    continue
+                win[node] = a
+            else:
+                win[node] = a if (b[a], tb[a], a) < (b[c], tb[c], c) else c
+                continue
+            if tau < _INF:  # (a crossing past the float range never comes)
+                certs[node] = tau
+                heappush(events, (tau, node, 1))
+        self.stats.comparisons += played
 
     def _compact_events(self) -> None:
         """Drop stale heap entries once they outnumber the nodes (and refresh
