@@ -183,11 +183,7 @@ class ShmAllGather:
 
     def exchange(self, op: str) -> None:
         """Publish what this rank wrote to :meth:`next_buffer` and wait for every rank."""
-        seq = self._post()
-        flags = self._flags
-        for r in self._peers:
-            if not _reached(flags[r].value, seq):
-                self._wait(r, seq, op)
+        self._wait_peers(self._post(), op)
 
     def publish(self, op: str) -> None:
         """Publish what this rank wrote to the next exchange's buffer, as :meth:`exchange`
@@ -219,10 +215,14 @@ class ShmAllGather:
         a peer there has read the buffer the next exchange writes (it read exchange
         ``s - 1`` before it published ``s``)."""
         seq, self._owed = self._owed, 0
+        self._wait_peers(seq, self._owed_op)
+
+    def _wait_peers(self, seq: int, op: str) -> None:
+        """Wait for every peer to reach exchange ``seq`` (``op`` names it in a timeout)."""
         flags = self._flags
         for r in self._peers:
             if not _reached(flags[r].value, seq):
-                self._wait(r, seq, self._owed_op)
+                self._wait(r, seq, op)
 
     def merger(
         self,
