@@ -348,6 +348,29 @@ def test_few_decodes_on_threads_keep_a_task_per_kv_head() -> None:
     assert sorted(one[:, :2].tolist()) == [[0, -1], [1, -1]]
 
 
+def test_batch_decode_at_short_context_is_shared_out_over_threads() -> None:
+    """A batch-32 decode step at SmolLM2's heads and 72 keys (20,736 row-keys, ~0.4 ms on
+    one core) is shared out over two threads (the plan's serial flag off); one decode of 8
+    keys (72 row-keys) stays on the calling thread."""
+    from medha_kernels.native.jit import get_module
+
+    ext = get_module("cpu")
+
+    def serial_flag(batch: int, keys: int) -> int:
+        cu = torch.arange(batch + 1, dtype=torch.int32)
+        lens = torch.full((batch,), keys, dtype=torch.int32)
+        return int(ext.plan_paged_attention(cu, lens, lens - 1, 3, 3, True)[0, 4])
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert serial_flag(32, 72) == 0
+        assert serial_flag(4, 72) == 0
+        assert serial_flag(1, 8) == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize(("plan_threads", "run_threads"), [(1, 2), (2, 1), (2, 2)])
 def test_decode_tasks_shared_out_over_threads_vs_float64(plan_threads, run_threads):
     """Decodes long enough for the parallel path (the plan's serial flag off), planned on

@@ -50,7 +50,13 @@ constexpr float kLog2e = 1.44269504088896340736f;
 constexpr float kLn2 = 0.69314718055994530942f;
 constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
 constexpr int64_t kRowsPerTask = 64;  // query rows (tokens x group heads) per task, about
-constexpr int64_t kSerialWork = int64_t{1} << 16;  // below this many row-keys, one thread
+// Below this many row-keys (query rows x the keys they see) a plan runs on the calling
+// thread. A row-key costs ~15-19 ns on one core with the KV coming from memory (SmolLM2's
+// heads), so 1,024 of them are ~17 us, several times a parallel_for hand-off. It was 65,536
+// (~1.2 ms): a batch-32 decode at 72 keys (20,736) then ran on one of two threads, 0.40
+// against 0.24 ms a layer on two (docs/benchmarks.md, "Batch decode attention on two
+// threads").
+constexpr int64_t kSerialWork = int64_t{1} << 10;
 // A sequence whose chunk has fewer rows than this per KV head (tokens x group
 // heads: decode) is a decode task: one task for all its KV heads, so that each
 // cache row (all heads) is read once, in address order, kDecodeTile keys at a
