@@ -14,8 +14,15 @@ greedy, EOS ignored. For each batch size:
 Then the prefill of one ``--prefill``-token prompt (``max_tokens=1``).
 
 The checkpoint defaults to a random one of SmolLM2-135M's shape written by
-``transformers`` (``save_pretrained``) into a temporary directory; pass
-``--model DIR`` for a real Hugging Face directory.
+``transformers`` (``save_pretrained``) into a temporary directory. ``--model``
+takes what ``LLM`` takes: a Hugging Face directory, a ``.gguf`` file, or
+``smollm2`` (SmolLM2-135M-Instruct itself, fetched once). A GGUF is read by
+both sides and dequantized to ``--dtype`` (``transformers`` through
+``from_pretrained(dir, gguf_file=...)``), so both run the same weights.
+
+``--repeats N`` times each side N times, alternating (transformers, then each
+engine mode), and reports the medians with the range of the ratios: on a
+shared machine one timing of each is a coin toss at the margins.
 
 ``--modes sync async graphs async-graphs`` times one engine per mode (async
 scheduling, CUDA graphs for decode steps, both) on the same checkpoint, beside the one
@@ -25,6 +32,7 @@ scheduling, CUDA graphs for decode steps, both) on the same checkpoint, beside t
     python benchmarks/engine_vs_transformers.py                       # batches 1, 8, 32
     python benchmarks/engine_vs_transformers.py --batches 8 --new 16  # quicker
     python benchmarks/engine_vs_transformers.py --threads 1 --cpu-time  # on a busy machine
+    python benchmarks/engine_vs_transformers.py --model smollm2 --repeats 3  # the real model
     python benchmarks/engine_vs_transformers.py --device cuda --dtype bfloat16 --modes sync async
 """
 
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -113,14 +122,9 @@ def _cuda_rates(dtype: torch.dtype) -> tuple[float, float]:
     return bw, mm  # the 2 GiB of buffers go back to torch's cache on return
 
 
-def step_bound(
-    model_dir: Path, batch: int, context: int, bw: float, mm: float, elem: int = 4
-) -> float:
+def step_bound(c: dict, batch: int, context: int, bw: float, mm: float, elem: int = 4) -> float:
     """Seconds one decode step of ``batch`` needs at least on this machine, with
-    ``elem``-byte weights and KV."""
-    import json
-
-    c = json.loads((model_dir / "config.json").read_text())
+    ``elem``-byte weights and KV (``c``: the model's Hugging Face config as a dict)."""
     h, ffn, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
@@ -167,7 +171,15 @@ def time_llm(llm, prompts: list[list[int]], new: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="a Hugging Face directory")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face directory, a .gguf file or smollm2 (default: a random checkpoint "
+        "of SmolLM2-135M's shape)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timings of each side, alternating; medians"
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=32, help="new tokens per request")
@@ -201,24 +213,26 @@ def main() -> None:
             parser.error("--cpu-time needs --threads 1 on the CPU (CPU time adds up every thread)")
         global CLOCK
         CLOCK = time.process_time
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
-    from transformers import LlamaForCausalLM
-
     from medha_runtime import LLM
 
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or write_checkpoint(Path(tmp) / "ckpt")
+        model = args.model or str(write_checkpoint(Path(tmp) / "ckpt"))
         torch.set_num_threads(args.threads)
-        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+        model, hf = load_peer(model, dtype)
+        hf = hf.to(args.device).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
+        config = hf.config.to_dict()
         most = max(args.batches) * (args.prompt + args.new)
         engines = {
             mode: LLM(
-                str(model_dir),
+                model,
                 dtype=args.dtype,
                 device=args.device,
                 max_model_len=max(args.prefill, args.prompt + args.new) + 16,
@@ -232,40 +246,105 @@ def main() -> None:
         }
         bw, mm = machine_rates(args.threads, args.device, dtype)
         print(
-            f"device {args.device} ({_device_name(args.device)}), {args.dtype}, "
+            f"{model}: device {args.device} ({_device_name(args.device)}), {args.dtype}, "
             f"load average {os.getloadavg()[0]:.1f}, chunk size {args.chunk_size}, "
             f"threads {torch.get_num_threads()}, read {bw / 1e9:.1f} GB/s, "
-            f"matmul {mm / 1e9:.0f} GFLOP/s"
+            f"matmul {mm / 1e9:.0f} GFLOP/s, {args.repeats} repeat(s)"
         )
         rng = random.Random(0)
         vocab = hf.config.vocab_size
         for batch in args.batches:
             prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(batch)]
             time_hf(hf, prompts, 2)  # warm-up
-            peer = time_hf(hf, prompts, args.new) - time_hf(hf, prompts, 1)
-            steps = args.new - 1
-            bound = step_bound(model_dir, batch, args.prompt + args.new // 2, bw, mm, elem)
-            for mode, llm in engines.items():
+            for llm in engines.values():
                 time_llm(llm, prompts, args.new)  # warm-up: every CUDA graph it needs captured
-                ours = time_llm(llm, prompts, args.new) - time_llm(llm, prompts, 1)
+            times = _alternate(
+                args.repeats,
+                _decode_timer(hf, prompts, args.new, time_hf),
+                {m: _decode_timer(llm, prompts, args.new, time_llm) for m, llm in engines.items()},
+            )
+            steps = args.new - 1
+            bound = step_bound(config, batch, args.prompt + args.new // 2, bw, mm, elem)
+            peer = statistics.median(times["transformers"])
+            for mode in engines:
+                ours = statistics.median(times[mode])
                 print(
                     f"decode batch {batch:3d} [{mode:12s}]: medha {batch * steps / ours:8.1f} "
                     f"tok/s ({ours / steps * 1e3:6.2f} ms/step), transformers "
                     f"{batch * steps / peer:8.1f} tok/s ({peer / steps * 1e3:6.2f} ms/step), "
-                    f"ratio {peer / ours:.2f}x; bound {bound * 1e3:.2f} ms/step "
-                    f"(medha at {bound / (ours / steps):.0%})",
+                    f"ratio {peer / ours:.2f}x{_spread(times, mode)}; bound "
+                    f"{bound * 1e3:.2f} ms/step (medha at {bound / (ours / steps):.0%})",
                     flush=True,
                 )
-        prompt = [[rng.randrange(3, vocab) for _ in range(args.prefill)]]
-        peer = time_hf(hf, prompt, 1)
-        for mode, llm in engines.items():
-            ours = time_llm(llm, prompt, 1)
+        # a fresh prompt for each repeat (the same for every side): a repeated one would
+        # hit the engine's prefix cache
+        fresh = iter(
+            [[rng.randrange(3, vocab) for _ in range(args.prefill)]] for _ in range(args.repeats)
+        )
+        times = _alternate(
+            args.repeats,
+            lambda prompt: time_hf(hf, prompt, 1),
+            {m: _prefill_timer(llm) for m, llm in engines.items()},
+            fresh,
+        )
+        peer = statistics.median(times["transformers"])
+        for mode in engines:
+            ours = statistics.median(times[mode])
             print(
                 f"prefill {args.prefill} [{mode}]: medha {ours:.3f} s, transformers {peer:.3f} s, "
-                f"ratio {peer / ours:.2f}x; load average {os.getloadavg()[0]:.1f}"
+                f"ratio {peer / ours:.2f}x{_spread(times, mode)}; load average "
+                f"{os.getloadavg()[0]:.1f}"
             )
         for llm in engines.values():
             llm.shutdown()
+
+
+def load_peer(model: str, dtype: torch.dtype):
+    """(the path ``LLM`` gets, ``transformers``' model of it in ``dtype``): a Hugging Face
+    directory as is, a GGUF (or ``smollm2``) through ``gguf_file``, dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    from medha_runtime.model.names import resolve_model
+
+    resolved = resolve_model(model)
+    if resolved.kind == "hf":
+        return resolved.path, AutoModelForCausalLM.from_pretrained(resolved.path, dtype=dtype)
+    if resolved.kind == "gguf":
+        file = Path(resolved.path)
+        hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype)
+        return resolved.path, hf
+    raise SystemExit(f"--model {model}: transformers cannot load a {resolved.kind} model")
+
+
+def _decode_timer(model, prompts: list[list[int]], new: int, time_fn):
+    """Seconds of ``new - 1`` decode steps: ``new`` tokens' time minus one token's."""
+    return lambda: time_fn(model, prompts, new) - time_fn(model, prompts, 1)
+
+
+def _prefill_timer(llm):
+    return lambda prompt: time_llm(llm, prompt, 1)
+
+
+def _alternate(repeats: int, peer, ours: dict, args=None) -> dict[str, list[float]]:
+    """Each timer ``repeats`` times, in turn: ``{"transformers": [s...], mode: [s...]}``.
+
+    With ``args`` (an iterator), each round takes its next item and passes it to every timer.
+    """
+    times: dict[str, list[float]] = {"transformers": [], **{m: [] for m in ours}}
+    for _ in range(repeats):
+        given = () if args is None else (next(args),)
+        times["transformers"].append(peer(*given))
+        for mode, timer in ours.items():
+            times[mode].append(timer(*given))
+    return times
+
+
+def _spread(times: dict[str, list[float]], mode: str) -> str:
+    """`` (ratios lo-hi)`` of each repeat's transformers / medha time, or nothing for one."""
+    ratios = [p / o for p, o in zip(times["transformers"], times[mode], strict=True)]
+    if len(ratios) < 2:
+        return ""
+    return f" (repeats {min(ratios):.2f}-{max(ratios):.2f}x)"
 
 
 def _device_name(device: str) -> str:
