@@ -50,6 +50,29 @@ def test_small_m_matches_float64(m: int, n: int, k: int, with_bias: bool) -> Non
     assert_twice_torch(out, truth, F.linear(x, w, b), what=f"linear m={m} n={n} k={k}")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(1, 7), (13, 577), (50, 1536), (7, 4099), (100, 300)])
+def test_one_and_two_rows_give_the_bits_of_the_three_row_tasks(threads, n, k) -> None:
+    """One or two x rows read w one row at a time (one stream); from three rows on, w is read
+    three rows side by side. Each output is the same sum either way: the rows of a 1- or
+    2-row product equal, bit for bit, the same rows of a 3- or 8-row product."""
+    ext = native.get_module("cpu")
+    x = torch.randn(8, k)
+    w = torch.randn(n, k) / k**0.5
+    b = torch.randn(n)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for bias in (None, b):
+            eight = ext.linear_small_m(x, w, bias)
+            three = ext.linear_small_m(x[5:8], w, bias)
+            assert torch.equal(three, eight[5:8])
+            for lo, hi in ((0, 1), (3, 5), (7, 8), (5, 7)):
+                assert torch.equal(ext.linear_small_m(x[lo:hi], w, bias), eight[lo:hi])
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_offset_inputs_and_large_values() -> None:
     # x a non-contiguous view, w a row slice of a larger matrix (contiguous, offset storage)
     base = torch.randn(40, 300) * 1e3

@@ -10,7 +10,9 @@
 //   every row of `x` against them in register blocks of 3 w-rows x 4 x-rows
 //   (12 AVX2 accumulators: 8 lanes of K each, reduced horizontally at the end);
 // - the first pass over a task's w-rows also prefetches the next task's rows,
-//   so the memory stream overlaps the later passes' FMAs.
+//   so the memory stream overlaps the later passes' FMAs;
+// - at one or two x rows, w is instead read one row at a time in address order
+//   (stream_rows): the same sums, about twice the read rate.
 //
 // Column kernel (AVX-512 builds, 9 <= M): x is transposed once into
 // xt [K, MP] (MP = M rounded up to 16, zero-padded), so a 16-lane vector of
@@ -551,6 +553,28 @@ at::Tensor linear_columns(const at::Tensor& x, const at::Tensor& w,
 
 namespace {
 
+#ifdef MEDHA_LINEAR_AVX2
+// Up to this many x rows, w is read one row at a time in address order (stream_rows):
+// one ascending stream, which the hardware prefetcher follows on its own. Three rows
+// side by side with the next task's rows software-prefetched (task<NB>) read 11-12 GB/s
+// from memory on one core of the AMD EPYC VM; one stream 20-25 GB/s at one and two x
+// rows, but 8-9 GB/s at three and four (each w row then waits on more FMAs a load):
+// docs/benchmarks.md, "Decode products at one or two rows: one ascending stream".
+constexpr int64_t kStreamRows = 2;
+
+// Every x row (M <= kStreamRows) against w rows lo .. hi - 1, one w row at a time. Each
+// output is the same sum as in task<NB> (one 8-lane accumulator over k in order, then
+// the tail), so the same bits.
+void stream_rows(const float* x, const float* w, float* out, const float* bias, int64_t M,
+                 int64_t K, int64_t N, int64_t lo, int64_t hi) {
+  static_assert(kStreamRows <= 2, "stream_rows has blocks for one and two x rows");
+  for (int64_t n = lo; n < hi; ++n) {
+    if (M == 1) block<1, 1, false>(x, w, out, bias, K, N, n, 0);
+    else block<1, 2, false>(x, w, out, bias, K, N, n, 0);
+  }
+}
+#endif
+
 // The row kernel (every x row dotted with w rows; AVX2, or BLAS without it).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias) {
@@ -561,6 +585,12 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
   const float* wp = w.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  if (M <= kStreamRows) {
+    at::parallel_for(0, N, 48, [&](int64_t lo, int64_t hi) {
+      stream_rows(xp, wp, op, bp, M, K, N, lo, hi);
+    });
+    return out;
+  }
   const int64_t tasks = (N + NB - 1) / NB;
   at::parallel_for(0, tasks, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
