@@ -62,8 +62,8 @@ constexpr int64_t kRowsPerTask = 64;  // query rows (tokens x group heads) per t
 constexpr int64_t kSerialWork = int64_t{1} << 10;
 // A sequence whose chunk has fewer rows than this per KV head (tokens x group
 // heads: decode) is a decode task: one task for all its KV heads, so that each
-// cache row (all heads) is read once, in address order, kDecodeTile keys at a
-// time, with the next tile prefetched (see run_decode_task).
+// cache row (all heads) is read once, in address order, in tiles of equal size of at
+// most kDecodeTile keys, with the next tile prefetched (see run_decode_task).
 constexpr int64_t kDecodeRows = 12;
 constexpr int64_t kDecodeTile = 32;
 // The next tile's rows are prefetched (decode_tile) as this many interleaved sub-streams
@@ -745,7 +745,7 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
 
 // A decode task (task[1] == -1): the query rows of all heads of tokens
 // [t_lo, t_hi) of one sequence (token-major, then heads in q's order), over
-// its keys kDecodeTile at a time. Each key's cache row (all KV heads) is read
+// its keys in equal tiles of at most kDecodeTile. Each key's cache row (all KV heads) is read
 // once per tile, in address order; the next tile's rows (at the last tile,
 // ``next``'s first tile, when given) are prefetched a few at a time between
 // the 4-key steps of this one (decode_tile), so they stream from memory while
@@ -804,10 +804,14 @@ void run_decode_task(const int32_t* task, const int32_t* next, const scalar_t* q
       }
     }
   };
-  for (int64_t j0 = 0; j0 < num_keys; j0 += kDecodeTile) {
-    const int64_t nk = std::min(kDecodeTile, num_keys - j0);
-    if (j0 + kDecodeTile < num_keys) {
-      next_rows(blocks, j0 + kDecodeTile, std::min(num_keys, j0 + 2 * kDecodeTile));
+  // tiles of equal size (at most kDecodeTile): 72 keys as 24 + 24 + 24, not 32 + 32 + 8,
+  // so that every tile's compute has a full next tile's prefetch to hide
+  const int64_t tiles = std::max<int64_t>(1, (num_keys + kDecodeTile - 1) / kDecodeTile);
+  const int64_t tile = (num_keys + tiles - 1) / tiles;
+  for (int64_t j0 = 0; j0 < num_keys; j0 += tile) {
+    const int64_t nk = std::min(tile, num_keys - j0);
+    if (j0 + tile < num_keys) {
+      next_rows(blocks, j0 + tile, std::min(num_keys, j0 + 2 * tile));
     } else if (next != nullptr && next[1] < 0) {
       next_rows(block_table + next[0] * sh.max_blocks, 0,
                 std::min<int64_t>(kv_lens[next[0]], kDecodeTile));
