@@ -286,7 +286,19 @@ def test_large_scores_do_not_overflow() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("block_size", "hq", "hkv", "d"),
-    [(16, 9, 3, 64), (7, 8, 4, 24), (3, 6, 2, 33), (1, 5, 5, 8), (5, 4, 1, 40)],
+    [
+        (16, 9, 3, 64),
+        (7, 8, 4, 24),
+        (3, 6, 2, 33),
+        (1, 5, 5, 8),
+        (5, 4, 1, 40),
+        # the AVX-512 kernels' other chunkings: one whole 16 (tiny's heads), a masked last
+        # of 4 (57), a 64-wide pass then a rest (80, 128), GQA group 5
+        (16, 4, 2, 16),
+        (2, 10, 2, 57),
+        (16, 3, 3, 80),
+        (9, 5, 1, 128),
+    ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("causal", [True, False])
