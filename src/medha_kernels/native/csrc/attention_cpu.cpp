@@ -227,6 +227,23 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   }
 }
 
+// A sequence's cache slots for its keys in order from ``key``: one division at the start,
+// then a step within the block or on to the next block of the table.
+struct SlotCursor {
+  const int32_t* table;  // the sequence's block-table row
+  int64_t block_size, blk, in_blk;
+  SlotCursor(const int32_t* row, int64_t bs, int64_t key)
+      : table(row), block_size(bs), blk(key / bs), in_blk(key % bs) {}
+  // The next key's slot (block id * block_size + its place in the block).
+  int64_t next() {
+    if (in_blk == block_size) {
+      ++blk;
+      in_blk = 0;
+    }
+    return int64_t{table[blk]} * block_size + in_blk++;
+  }
+};
+
 struct Shape {
   int64_t num_q_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   bool causal;
@@ -695,13 +712,9 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
   for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, num_keys - j0);
     // the tile's keys block by block: one division per tile, not two per key
-    int64_t blk = j0 / sh.block_size, in_blk = j0 % sh.block_size;
-    for (int64_t j = 0; j < nk; ++j, ++in_blk) {
-      if (in_blk == sh.block_size) {
-        ++blk;
-        in_blk = 0;
-      }
-      const int64_t slot = int64_t{blocks[blk]} * sh.block_size + in_blk;
+    SlotCursor slots(blocks, sh.block_size, j0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t slot = slots.next();
       const int64_t off = (slot * Hkv + kvh) * D;
       if constexpr (kFloat) {
         w.krow[j] = k_cache + off;
@@ -815,13 +828,9 @@ void run_decode_task(const int32_t* task, const int32_t* next, const scalar_t* q
     for (int64_t sub = 0; sub < S; ++sub) {
       // keys a + sub * part + t, block by block: one division per sub-stream, not two per key
       const int64_t first = a + sub * part;
-      int64_t blk = first / sh.block_size, in_blk = first % sh.block_size;
-      for (int64_t t = 0; t < part; ++t, ++in_blk) {
-        if (in_blk == sh.block_size) {
-          ++blk;
-          in_blk = 0;
-        }
-        const int64_t off = (int64_t{tb[blk]} * sh.block_size + in_blk) * row;
+      SlotCursor slots(tb, sh.block_size, first);
+      for (int64_t t = 0; t < part; ++t) {
+        const int64_t off = slots.next() * row;
         w.pfk[sub + t * S] = reinterpret_cast<const char*>(k_cache + off);
         w.pfv[sub + t * S] = reinterpret_cast<const char*>(v_cache + off);
       }
@@ -841,13 +850,9 @@ void run_decode_task(const int32_t* task, const int32_t* next, const scalar_t* q
     } else {
       w.pf_n = 0;
     }
-    int64_t blk = j0 / sh.block_size, in_blk = j0 % sh.block_size;
-    for (int64_t j = 0; j < nk; ++j, ++in_blk) {
-      if (in_blk == sh.block_size) {
-        ++blk;
-        in_blk = 0;
-      }
-      const int64_t off = (int64_t{blocks[blk]} * sh.block_size + in_blk) * row;
+    SlotCursor slots(blocks, sh.block_size, j0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t off = slots.next() * row;
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t i = h * kKeyTile + j;
         if constexpr (kFloat) {
