@@ -235,7 +235,9 @@ def main() -> None:
                 model,
                 dtype=args.dtype,
                 device=args.device,
-                max_model_len=max(args.prefill, args.prompt + args.new) + 16,
+                # at least 2,064 whatever --prefill: the automatic budget follows
+                # max_model_len, and a short one (96 with --prefill 64) changed the steps
+                max_model_len=max(args.prefill, args.prompt + args.new, 2048) + 16,
                 kv_cache_tokens=max(most, args.prefill) + 1024,
                 num_threads=args.threads,
                 async_scheduling=mode.startswith("async"),
