@@ -44,6 +44,7 @@ import random
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -230,15 +231,16 @@ def main() -> None:
         hf.generation_config.pad_token_id = 0
         config = hf.config.to_dict()
         most = max(args.batches) * (args.prompt + args.new)
+        # at least 2,064 whatever --prefill: the automatic budget follows max_model_len,
+        # and a short one (96 with --prefill 64) changed the steps
+        max_len = max(args.prefill, args.prompt + args.new, 2048) + 16
         engines = {
             mode: LLM(
                 model,
                 dtype=args.dtype,
                 device=args.device,
-                # at least 2,064 whatever --prefill: the automatic budget follows
-                # max_model_len, and a short one (96 with --prefill 64) changed the steps
-                max_model_len=max(args.prefill, args.prompt + args.new, 2048) + 16,
-                kv_cache_tokens=max(most, args.prefill) + 1024,
+                max_model_len=max_len,
+                kv_cache_tokens=max(most, max_len) + 1024,
                 num_threads=args.threads,
                 async_scheduling=mode.startswith("async"),
                 cuda_graphs=mode.endswith("graphs"),
@@ -260,11 +262,10 @@ def main() -> None:
             time_hf(hf, prompts, 2)  # warm-up
             for llm in engines.values():
                 time_llm(llm, prompts, args.new)  # warm-up: every CUDA graph it needs captured
-            times = _alternate(
-                args.repeats,
-                _decode_timer(hf, prompts, args.new, time_hf),
-                {m: _decode_timer(llm, prompts, args.new, time_llm) for m, llm in engines.items()},
-            )
+            timers = {"transformers": partial(_decode_time, time_hf, hf, prompts, args.new)}
+            for mode, llm in engines.items():
+                timers[mode] = partial(_decode_time, time_llm, llm, prompts, args.new)
+            times = _alternate(args.repeats, timers)
             steps = args.new - 1
             bound = step_bound(config, batch, args.prompt + args.new // 2, bw, mm, elem)
             peer = statistics.median(times["transformers"])
@@ -280,15 +281,13 @@ def main() -> None:
                 )
         # a fresh prompt for each repeat (the same for every side): a repeated one would
         # hit the engine's prefix cache
-        fresh = iter(
+        fresh = [
             [[rng.randrange(3, vocab) for _ in range(args.prefill)]] for _ in range(args.repeats)
-        )
-        times = _alternate(
-            args.repeats,
-            lambda prompt: time_hf(hf, prompt, 1),
-            {m: _prefill_timer(llm) for m, llm in engines.items()},
-            fresh,
-        )
+        ]
+        timers = {"transformers": partial(_prefill_time, time_hf, hf, fresh)}
+        for mode, llm in engines.items():
+            timers[mode] = partial(_prefill_time, time_llm, llm, fresh)
+        times = _alternate(args.repeats, timers)
         peer = statistics.median(times["transformers"])
         for mode in engines:
             ours = statistics.median(times[mode])
@@ -318,31 +317,29 @@ def load_peer(model: str, dtype: torch.dtype):
     raise SystemExit(f"--model {model}: transformers cannot load a {resolved.kind} model")
 
 
-def _decode_timer(model, prompts: list[list[int]], new: int, time_fn):
+def _decode_time(time_fn, model, prompts: list[list[int]], new: int, round_: int) -> float:
     """Seconds of ``new - 1`` decode steps: ``new`` tokens' time minus one token's."""
-    return lambda: time_fn(model, prompts, new) - time_fn(model, prompts, 1)
+    return time_fn(model, prompts, new) - time_fn(model, prompts, 1)
 
 
-def _prefill_timer(llm):
-    return lambda prompt: time_llm(llm, prompt, 1)
+def _prefill_time(time_fn, model, prompts: list[list[list[int]]], round_: int) -> float:
+    """Seconds to prefill round ``round_``'s prompt and sample one token."""
+    return time_fn(model, prompts[round_], 1)
 
 
-def _alternate(repeats: int, peer, ours: dict, args=None) -> dict[str, list[float]]:
-    """Each timer ``repeats`` times, in turn: ``{"transformers": [s...], mode: [s...]}``.
-
-    With ``args`` (an iterator), each round takes its next item and passes it to every timer.
-    """
-    times: dict[str, list[float]] = {"transformers": [], **{m: [] for m in ours}}
-    for _ in range(repeats):
-        given = () if args is None else (next(args),)
-        times["transformers"].append(peer(*given))
-        for mode, timer in ours.items():
-            times[mode].append(timer(*given))
+def _alternate(repeats: int, timers: dict) -> dict[str, list[float]]:
+    """Each timer (``timer(round)`` -> seconds) once a round, in turn, ``repeats`` rounds:
+    ``{name: [s...]}``."""
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for round_ in range(repeats):
+        for name, timer in timers.items():
+            times[name].append(timer(round_))
     return times
 
 
 def _spread(times: dict[str, list[float]], mode: str) -> str:
-    """`` (ratios lo-hi)`` of each repeat's transformers / medha time, or nothing for one."""
+    """`` (repeats lo-hix)``: the range of each repeat's transformers / medha time, or
+    nothing for one repeat."""
     ratios = [p / o for p, o in zip(times["transformers"], times[mode], strict=True)]
     if len(ratios) < 2:
         return ""
