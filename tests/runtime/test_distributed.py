@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from medha_runtime import LLM, SamplingParams
-from medha_runtime.executor import MultiprocExecutor, StageCleared, WorkerError
+from medha_runtime.executor import MultiprocExecutor, StageCleared, StepDone, WorkerError
 from medha_runtime.plan import BlockTables, PlannedChunk, StepPlan
 from medha_runtime.runner import build_group_batch, stage_layers
 from medha_sched import AffineCostModel
@@ -119,6 +120,36 @@ def test_a_worker_killed_mid_step_is_a_clear_error() -> None:
         executor.next_event()
     assert not _alive(pids)
     llm.shutdown()
+
+
+def test_with_spp2_the_driver_waits_for_stage_0_before_the_oldest_batchs_end() -> None:
+    """While stage 0 owes the newest batch, the oldest batch's end is read only once
+    the newest cleared stage 0, even when the last stage's reply is already in its
+    pipe (read at once, it would put the driver beside stage 0's forward pass)."""
+    llm = LLM("tiny", spp=2, max_model_len=64, timeout_s=20, **COMMON)
+    executor = llm.engine.executor
+    assert isinstance(executor, MultiprocExecutor)
+    pids = executor.pids
+    try:
+        executor.submit(StepPlan(1, (PlannedChunk("x", 0, (1, 2, 3, 4), (0,), ((0, (0,)),)),)))
+        assert isinstance(executor.next_event(), StageCleared)
+        assert executor.conns[1].poll(20.0)  # stage 1 replied: step 1's end waits in its pipe
+        os.kill(pids[0], signal.SIGSTOP)  # stage 0 cannot clear step 2 until resumed
+        executor.submit(StepPlan(2, (PlannedChunk("x", 4, (5, 6), (0,), ()),)))
+        timer = threading.Timer(0.3, os.kill, (pids[0], signal.SIGCONT))
+        timer.start()
+        t0 = time.monotonic()
+        first = executor.next_event()
+        waited = time.monotonic() - t0
+        assert (type(first), first.step_id) == (StageCleared, 2)
+        assert waited > 0.2  # it waited for stage 0, not for the reply already there
+        second = executor.next_event()
+        assert (type(second), second.step_id) == (StepDone, 1)
+        third = executor.next_event()
+        assert (type(third), third.step_id) == (StepDone, 2)
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+        llm.shutdown()
 
 
 def test_a_killed_worker_is_a_clear_error() -> None:
