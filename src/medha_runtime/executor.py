@@ -450,10 +450,11 @@ class MultiprocExecutor:
         alone (and every process's sentinel), so the oldest batch's end (its last
         stage's reply) is read once the newest clears stage 0. Read at once, that
         reply wakes the driver while stage 0 runs the newest batch, and where every
-        core runs a rank the kernel puts the driver on stage 0's core: its ~0.1 ms
-        of work (the oldest batch's outputs) then delays stage 0's forward pass, the
-        pipeline's critical path (a decode's stage-0 forward on tiny at 8K context:
-        0.45 ms alone, 0.6 ms with the driver beside it). Nothing is issued later:
+        core runs a rank the kernel often puts the driver on stage 0's core (the
+        core it last ran on; 134 of 215 decode steps in one measured run): its
+        ~0.1 ms of work (the oldest batch's outputs) then delays stage 0's forward
+        pass, the pipeline's critical path (a decode's stage-0 forward on tiny at 8K
+        context: 0.45 ms alone, 0.6 ms with the driver beside it). Nothing is issued later:
         a batch after the newest waits for the newest to clear stage 0 anyway; only
         the oldest batch's outputs come later, by at most stage 0's share of the
         newest.

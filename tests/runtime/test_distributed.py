@@ -130,13 +130,13 @@ def test_with_spp2_the_driver_waits_for_stage_0_before_the_oldest_batchs_end() -
     executor = llm.engine.executor
     assert isinstance(executor, MultiprocExecutor)
     pids = executor.pids
+    timer = threading.Timer(0.3, os.kill, (pids[0], signal.SIGCONT))
     try:
         executor.submit(StepPlan(1, (PlannedChunk("x", 0, (1, 2, 3, 4), (0,), ((0, (0,)),)),)))
         assert isinstance(executor.next_event(), StageCleared)
         assert executor.conns[1].poll(20.0)  # stage 1 replied: step 1's end waits in its pipe
         os.kill(pids[0], signal.SIGSTOP)  # stage 0 cannot clear step 2 until resumed
         executor.submit(StepPlan(2, (PlannedChunk("x", 4, (5, 6), (0,), ()),)))
-        timer = threading.Timer(0.3, os.kill, (pids[0], signal.SIGCONT))
         timer.start()
         t0 = time.monotonic()
         first = executor.next_event()
@@ -148,6 +148,7 @@ def test_with_spp2_the_driver_waits_for_stage_0_before_the_oldest_batchs_end() -
         third = executor.next_event()
         assert (type(third), third.step_id) == (StepDone, 2)
     finally:
+        timer.cancel()
         os.kill(pids[0], signal.SIGCONT)
         llm.shutdown()
 
