@@ -44,6 +44,7 @@ for one batch when nothing else is in flight.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import queue
@@ -322,6 +323,9 @@ class MultiprocExecutor:
         step_timeout_s: bound on a wait in which no rank replies.
         join_timeout_s: how long shutdown waits before killing workers.
         poll_s: the longest single wait; a quiet one checks every worker is alive.
+        stage0_first_s: with spp > 1 on the CPU, the longest the driver waits for
+            stage 0's replies alone before it reads the later stages' too
+            (:meth:`_wait_selector`); 0 reads every reply at once.
     """
 
     def __init__(
@@ -332,10 +336,15 @@ class MultiprocExecutor:
         step_timeout_s: float = 600.0,
         join_timeout_s: float = 10.0,
         poll_s: float = 0.2,
+        stage0_first_s: float = 2e-3,
     ) -> None:
         import torch.multiprocessing as mp
 
         self.spec = spec
+        self.stage0_first_s = stage0_first_s
+        #: (newest step id, monotonic time) when the driver began waiting for stage 0
+        #: alone on that step (:meth:`_wait_selector`)
+        self._stage0_since: tuple[int, float] | None = None
         self.step_timeout_s = step_timeout_s
         self.join_timeout_s = join_timeout_s
         self.poll_s = poll_s
@@ -421,15 +430,15 @@ class MultiprocExecutor:
         oldest = next(iter(self._pending))
         deadline = time.monotonic() + self.step_timeout_s
         while not self._events:
-            selector, step_id, waiting = self._wait_selector()
+            selector, step_id, waiting, bound = self._wait_selector()
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail(
                     f"step {step_id} timed out after {self.step_timeout_s:.0f}s waiting for "
                     f"ranks {sorted(waiting)}"
                 )
-            ready = selector.select(min(self.poll_s, left))
-            exited = not ready  # a quiet poll_s: check every worker anyway
+            ready = selector.select(min(self.poll_s, left, bound))
+            exited = not ready and bound >= self.poll_s  # a quiet poll_s: check every worker
             for key, _ in ready:
                 rank, is_reply = key.data
                 if is_reply:
@@ -442,34 +451,45 @@ class MultiprocExecutor:
                 self._check_alive(f"step {oldest}")
         return self._events.popleft()
 
-    def _wait_selector(self) -> tuple[selectors.BaseSelector, int, set[int]]:
-        """What the next wait watches: ``(selector, step id, ranks it waits for)``.
+    def _wait_selector(self) -> tuple[selectors.BaseSelector, int, set[int], float]:
+        """What the next wait watches: ``(selector, step id, ranks it waits for, the
+        longest it may last in seconds)``.
 
         Every rank's pipe, but for spp > 1 on the CPU while the oldest batch in
         flight has cleared stage 0 and the newest has not: then stage 0's pipes
-        alone (and every process's sentinel), so the oldest batch's end (its last
-        stage's reply) is read once the newest clears stage 0. Read at once, that
-        reply wakes the driver while stage 0 runs the newest batch, and where every
-        core runs a rank the kernel often puts the driver on stage 0's core (the
-        core it last ran on; 134 of 215 decode steps in one measured run): its
-        ~0.1 ms of work (the oldest batch's outputs) then delays stage 0's forward
-        pass, the pipeline's critical path (a decode's stage-0 forward on tiny at 8K
-        context: 0.45 ms alone, 0.6 ms with the driver beside it). Nothing is issued later:
-        a batch after the newest waits for the newest to clear stage 0 anyway; only
-        the oldest batch's outputs come later, by at most stage 0's share of the
-        newest.
+        alone (and every process's sentinel), for up to :attr:`stage0_first_s`
+        from the first such wait on the newest batch. So the oldest batch's end
+        (its last stage's reply) is read once the newest clears stage 0, if that
+        comes soon: a decode's stage here takes ~0.5 ms, while a long prefill
+        chunk's stage takes tens of ms, beside which the driver's work weighs little.
+
+        Read at once, that reply wakes the driver while stage 0 runs the newest
+        batch, and where every core runs a rank the kernel often puts the driver on
+        stage 0's core (the core it last ran on; 134 of 215 decode steps in one
+        measured run): its ~0.1 ms of work (the oldest batch's outputs) then delays
+        stage 0's forward pass, the pipeline's critical path (a decode's stage-0
+        forward on tiny at 8K context: 0.45 ms alone, 0.6 ms with the driver beside
+        it). Nothing is issued later: a batch after the newest waits for the newest
+        to clear stage 0 anyway; only the oldest batch's outputs come later, by at
+        most :attr:`stage0_first_s`.
         """
         pending = self._pending
         oldest = next(iter(pending))
         if self._stage0_first and len(pending) > 1:
             newest_id, newest = next(reversed(pending.items()))
             if pending[oldest].cleared and not newest.cleared:
-                if self._stage0_selector is None:
-                    self._stage0_selector = self._make_selector(self.stage0)
-                return self._stage0_selector, newest_id, newest.stage0
+                now = time.monotonic()
+                since = self._stage0_since
+                if since is None or since[0] != newest_id:
+                    since = self._stage0_since = (newest_id, now)
+                bound = since[1] + self.stage0_first_s - now
+                if bound > 0:
+                    if self._stage0_selector is None:
+                        self._stage0_selector = self._make_selector(self.stage0)
+                    return self._stage0_selector, newest_id, newest.stage0, bound
         if self._selector is None:
             self._selector = self._make_selector(range(len(self.conns)))
-        return self._selector, oldest, pending[oldest].waiting
+        return self._selector, oldest, pending[oldest].waiting, math.inf
 
     def _make_selector(self, ranks: Iterable[int]) -> selectors.BaseSelector:
         """A selector on the pipes of ``ranks`` (data ``(rank, True)``) and every

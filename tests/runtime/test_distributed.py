@@ -123,33 +123,59 @@ def test_a_worker_killed_mid_step_is_a_clear_error() -> None:
 
 
 def test_with_spp2_the_driver_waits_for_stage_0_before_the_oldest_batchs_end() -> None:
-    """While stage 0 owes the newest batch, the oldest batch's end is read only once
-    the newest cleared stage 0, even when the last stage's reply is already in its
-    pipe (read at once, it would put the driver beside stage 0's forward pass)."""
+    """While stage 0 owes the newest batch, the oldest batch's end is read once the
+    newest cleared stage 0 or ``stage0_first_s`` passed, whichever comes first, even
+    when the last stage's reply is already in its pipe (read at once, it would put
+    the driver beside stage 0's forward pass); 0 reads it at once."""
     llm = LLM("tiny", spp=2, max_model_len=64, timeout_s=20, **COMMON)
     executor = llm.engine.executor
     assert isinstance(executor, MultiprocExecutor)
+    assert executor.stage0_first_s == 2e-3  # the default
     pids = executor.pids
-    timer = threading.Timer(0.3, os.kill, (pids[0], signal.SIGCONT))
-    try:
-        executor.submit(StepPlan(1, (PlannedChunk("x", 0, (1, 2, 3, 4), (0,), ((0, (0,)),)),)))
+    at = 0
+    step = 0
+
+    def stage0_stopped_for_0_3_s(first_s: float) -> list[tuple[type, int, float]]:
+        """Run one batch through, then a second one while stage 0 is stopped for
+        0.3 s: the next three events as (type, step id, seconds into the wait)."""
+        nonlocal at, step
+        executor.stage0_first_s = first_s
+        blocks = ((0, (0,)),) if at == 0 else ()
+        step += 1
+        executor.submit(StepPlan(step, (PlannedChunk("x", at, (1, 2), (0,), blocks),)))
         assert isinstance(executor.next_event(), StageCleared)
-        assert executor.conns[1].poll(20.0)  # stage 1 replied: step 1's end waits in its pipe
-        os.kill(pids[0], signal.SIGSTOP)  # stage 0 cannot clear step 2 until resumed
-        executor.submit(StepPlan(2, (PlannedChunk("x", 4, (5, 6), (0,), ()),)))
+        assert executor.conns[1].poll(20.0)  # stage 1 replied: the batch's end waits
+        os.kill(pids[0], signal.SIGSTOP)  # stage 0 cannot clear the next batch until resumed
+        step += 1
+        executor.submit(StepPlan(step, (PlannedChunk("x", at + 2, (3, 4), (0,), ()),)))
+        at += 4
+        timer = threading.Timer(0.3, os.kill, (pids[0], signal.SIGCONT))
         timer.start()
-        t0 = time.monotonic()
-        first = executor.next_event()
-        waited = time.monotonic() - t0
-        assert (type(first), first.step_id) == (StageCleared, 2)
-        assert waited > 0.2  # it waited for stage 0, not for the reply already there
-        second = executor.next_event()
-        assert (type(second), second.step_id) == (StepDone, 1)
-        third = executor.next_event()
-        assert (type(third), third.step_id) == (StepDone, 2)
+        try:
+            t0 = time.monotonic()
+            events = []
+            for _ in range(3):
+                event = executor.next_event()
+                events.append((type(event), event.step_id - step, time.monotonic() - t0))
+            return events
+        finally:
+            timer.cancel()
+            os.kill(pids[0], signal.SIGCONT)
+
+    try:
+        # waiting long: stage 0's reply first, once resumed
+        (a, b, c) = stage0_stopped_for_0_3_s(10.0)
+        assert (a[:2], b[:2], c[:2]) == ((StageCleared, 0), (StepDone, -1), (StepDone, 0))
+        assert a[2] > 0.2  # it waited for stage 0, not for the reply already there
+        # waiting 50 ms: then the oldest batch's end, stage 0 still stopped
+        (a, b, c) = stage0_stopped_for_0_3_s(0.05)
+        assert (a[:2], b[:2], c[:2]) == ((StepDone, -1), (StageCleared, 0), (StepDone, 0))
+        assert 0.04 < a[2] < 0.25 < b[2]
+        # not waiting: the reply already there at once
+        (a, b, c) = stage0_stopped_for_0_3_s(0.0)
+        assert (a[:2], b[:2], c[:2]) == ((StepDone, -1), (StageCleared, 0), (StepDone, 0))
+        assert a[2] < 0.2 < b[2]
     finally:
-        timer.cancel()
-        os.kill(pids[0], signal.SIGCONT)
         llm.shutdown()
 
 
