@@ -679,6 +679,29 @@ inline void store_row(const Scratch& w, int64_t r, int64_t idx, int64_t D, scala
   lse[idx] = (w.m[r] + std::log2(total)) * kLn2;
 }
 
+// dst[:D] = float(src[:D]): one cache row of a bf16 / fp16 cache into the tile buffer.
+template <typename scalar_t>
+inline void row_to_float(const scalar_t* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#ifdef MEDHA_AVX512
+  // 16 at a time (an fp16 decode at tiny's heads, 32K keys: 0.78x the time with c10's
+  // scalar conversion; bf16 within the noise). bf16 is the upper half of a float, fp16
+  // converts exactly with vcvtph2ps: the same values as the scalar path.
+  for (; d < D; d += 16) {
+    const __mmask16 m = lanes16(D - d);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, src + d);
+    __m512 f;
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      f = _mm512_cvtph_ps(h);
+    }
+    _mm512_mask_storeu_ps(dst + d, m, f);
+  }
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
 template <typename scalar_t>
 void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
               const scalar_t* v_cache, const int32_t* cu, const int32_t* kv_lens,
@@ -722,10 +745,8 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
       } else {
         float* kb = w.kbuf.data() + j * D;
         float* vb = w.vbuf.data() + j * D;
-        for (int64_t d = 0; d < D; ++d) {
-          kb[d] = static_cast<float>(k_cache[off + d]);
-          vb[d] = static_cast<float>(v_cache[off + d]);
-        }
+        row_to_float(k_cache + off, kb, D);
+        row_to_float(v_cache + off, vb, D);
         w.krow[j] = kb;
         w.vrow[j] = vb;
       }
@@ -754,29 +775,6 @@ void run_task(const int32_t* task, const scalar_t* q, const scalar_t* k_cache,
   for (int64_t r = 0; r < M; ++r) {
     store_row(w, r, (row0 + r / G) * Hq + kvh * G + r % G, D, out, lse);
   }
-}
-
-// dst[:D] = float(src[:D]): one cache row of a bf16 / fp16 cache into the tile buffer.
-template <typename scalar_t>
-inline void row_to_float(const scalar_t* src, float* dst, int64_t D) {
-  int64_t d = 0;
-#ifdef MEDHA_AVX512
-  // 16 at a time (an fp16 decode at tiny's heads, 32K keys: 0.78x the time with c10's
-  // scalar conversion; bf16 within the noise). bf16 is the upper half of a float, fp16
-  // converts exactly with vcvtph2ps: the same values as the scalar path.
-  for (; d < D; d += 16) {
-    const __mmask16 m = lanes16(D - d);
-    const __m256i h = _mm256_maskz_loadu_epi16(m, src + d);
-    __m512 f;
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      f = _mm512_cvtph_ps(h);
-    }
-    _mm512_mask_storeu_ps(dst + d, m, f);
-  }
-#endif
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
 // A decode task (task[1] == -1): the query rows of all heads of tokens
