@@ -13,6 +13,7 @@ two agree. The ratio decides ``FLASH_MIN_WORK``.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -47,6 +48,8 @@ def _time(plan, args: tuple, reps: int) -> float:
 
 
 def main() -> None:
+    # no options: the parser answers --help (and refuses anything else) before any work
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
     print(f"{'queries':>8} {'keys':>6} {'native ms':>10} {'flash ms':>9} {'native/flash':>13}")
     for n, ctx in SHAPES:

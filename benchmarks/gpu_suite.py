@@ -1,7 +1,8 @@
 """The GPU suite: make every CUDA path run, then measure kernels and server against the targets.
 
-Five stages, each bounded by ``--budget-s`` (default 510 s, inside one 10-minute
-device call) and each runnable alone (``--stage NAME``, repeatable) or all in turn
+Five stages, each bounded by ``--budget-s`` (default: 90, 420, 300, 200 and 500 s,
+``BUDGETS``, so that env + correctness, kernels + chunking and runtime each fit one
+10-minute device call) and each runnable alone (``--stage NAME``, repeatable) or all in turn
 (``--all``; every stage then runs in its own process, so one that crashes or
 wedges the GPU does not take the next with it):
 
@@ -319,6 +320,19 @@ def _median_time(fn: Callable[[], object], cuda: bool, iters: int) -> float:
 DRY_TESTS = ("tests/kernels/test_flashinfer.py", "tests/test_import_direction.py")
 
 
+def pytest_targets(pytest_args: str | None, dry_run: bool) -> list[str]:
+    """The correctness stage's pytest arguments after the fixed options: ``--pytest-args``
+    split, then what to collect. Where those arguments name a test path of their own
+    (a file or folder under the repository, ``::`` selectors allowed), they choose what
+    runs (docs/gpu.md splits the suite this way); otherwise the whole ``tests`` folder,
+    or with ``dry_run`` :data:`DRY_TESTS`."""
+    extra = shlex.split(pytest_args or "")
+    if dry_run:
+        return [*extra, *DRY_TESTS]
+    named = [a for a in extra if not a.startswith("-") and (ROOT / a.split("::")[0]).exists()]
+    return extra if named else [*extra, "tests"]
+
+
 def stage_correctness(st: Stage, args: argparse.Namespace) -> None:
     outcomes = st.out / ".correctness.outcomes.jsonl"
     outcomes.unlink(missing_ok=True)
@@ -329,8 +343,7 @@ def stage_correctness(st: Stage, args: argparse.Namespace) -> None:
         cmd += ["-n", str(args.jobs), "--dist", "loadfile"]
     if _importable("pytest_timeout"):
         cmd += ["--timeout", "300"]
-    cmd += shlex.split(args.pytest_args or "")
-    cmd += list(DRY_TESTS) if args.dry_run else ["tests"]
+    cmd += pytest_targets(args.pytest_args, args.dry_run)
     env = {**os.environ, "MEDHA_OUTCOMES": str(outcomes), "PYTHONUNBUFFERED": "1"}
     # the plugin's own folder only: benchmarks/ would shadow packages named like its scripts
     plugin_dir = str(BENCH / "pytest_outcomes")

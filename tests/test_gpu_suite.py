@@ -178,3 +178,18 @@ def test_mixed_trace_holds_the_long_prompts(tmp_path: Path) -> None:
     assert longs == [131072, 262144] and 30 < len(shorts) < 100
     assert all(64 <= r["prompt_tokens"] <= 128 for r in shorts)
     assert [r["arrival_s"] for r in rows] == sorted(r["arrival_s"] for r in rows)
+
+
+def test_pytest_args_that_name_test_paths_choose_what_runs() -> None:
+    """docs/gpu.md splits a slow correctness run with ``--pytest-args "tests/kernels
+    tests/parallel"``: those paths replace the whole ``tests`` folder; options alone
+    (their values included) keep it."""
+    targets = gs.pytest_targets
+    assert targets("tests/kernels tests/parallel", False) == ["tests/kernels", "tests/parallel"]
+    assert targets("tests/test_gpu_suite.py::test_x -x", False) == [
+        "tests/test_gpu_suite.py::test_x",
+        "-x",
+    ]
+    assert targets("-k merge -x", False) == ["-k", "merge", "-x", "tests"]
+    assert targets(None, False) == ["tests"]
+    assert targets("-x", True) == ["-x", *gs.DRY_TESTS]
