@@ -49,6 +49,20 @@ shared-memory merge) per mode; ``async`` decodes ``PENDING_TOKEN``, the
 sampling rank broadcasting each step's token to the other rank as under async
 scheduling.
 
+``--interleave W`` keeps both layouts alive at once: each is prefilled, then
+their decode steps run in alternating windows of ``W`` steps (kvp=1's window,
+kvp=2's, ...) until each produced ``--new`` tokens, so both meet the same
+moments of a machine whose speed drifts (separate runs time their decodes tens
+of seconds apart, after long prefills). It prints each layout's median step,
+their ratio, the median ratio of neighbouring windows, CPU per step, and whether
+the greedy tokens are identical, per mode::
+
+    python benchmarks/kvp_decode.py --interleave 16 --new 513 --modes sync async
+
+On the 2-core VM (2026-11-27) both layouts' decode steps cost 10-20% more CPU
+this way than in separate runs, kvp=2's more than kvp=1's, so the ratio reads
+higher (0.8-0.9 against 0.7-0.8); the cause is not established.
+
 ``--merge`` times one KVP merge of a decode's state (one query, tiny's 4 heads
 x 16) between two ranks, through shared memory and through gloo: wall and
 thread CPU time per merge (medians of ``--steps`` x 10); with ``--peer-ms``
@@ -105,11 +119,12 @@ def _phase(before: list[float], after: list[float], steps: int = 1) -> dict[str,
     return {"total": sum(used), "path": used[0] + worker, "driver": used[0], "worker": worker}
 
 
-def run(kvp: int, prompt: list[int], args: argparse.Namespace, async_: bool = False) -> dict:
-    """One generation with ``kvp`` groups (async scheduling if ``async_``): timings and tokens."""
+def _engine(kvp: int, prompt: list[int], args: argparse.Namespace, async_: bool) -> LLMEngine:
+    """The engine every layout runs: ``tiny``, one thread per rank, FCFS, fixed chunks and
+    cost model; with ``kvp`` > 1 the context split evenly over the groups."""
     context = len(prompt) + args.new
     group = -(-context // kvp // args.block) * args.block
-    engine = LLMEngine(
+    return LLMEngine(
         "tiny",
         dtype="float32",
         kvp=kvp,
@@ -124,6 +139,98 @@ def run(kvp: int, prompt: list[int], args: argparse.Namespace, async_: bool = Fa
         attention_backend=args.backend,
         async_scheduling=async_,
     )
+
+
+def interleaved(args: argparse.Namespace, prompt: list[int], async_: bool) -> dict:
+    """``--interleave W``: kvp=1 and kvp=k alive together, each prefilled (one after
+    the other), then their decode steps in alternating windows of ``W`` steps (kvp=1's
+    window, kvp=k's, and so on) until each produced ``--new`` tokens: both layouts'
+    steps meet the same moments of a machine whose speed drifts, where separate runs
+    time them tens of seconds apart. Returns each layout's decode step walls (s) per
+    window, its tokens, and each layout's driver and worker CPU seconds per decode step."""
+    k = args.kvp
+    engines = {kvp: _engine(kvp, prompt, args, async_) for kvp in (1, k)}
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+        rids = {kvp: e.add_request(prompt, params) for kvp, e in engines.items()}
+        outs: dict[int, object] = {}
+        for kvp, e in engines.items():  # prefill: until the first token
+            while e.has_unfinished_requests():
+                for o in e.step():
+                    outs[kvp] = o
+                p = e.progress(rids[kvp])
+                if p is not None and len(p.output_ids) >= 1:
+                    break
+        windows: dict[int, list[list[float]]] = {1: [], k: []}
+        cpu = {kvp: [0.0, 0.0] for kvp in engines}  # driver, busiest worker (s)
+        pids = {kvp: [os.getpid(), *getattr(e.executor, "pids", [])] for kvp, e in engines.items()}
+        while any(e.has_unfinished_requests() for e in engines.values()):
+            for kvp, e in engines.items():
+                walls: list[float] = []
+                c0 = _cpu(pids[kvp])
+                while len(walls) < args.interleave and e.has_unfinished_requests():
+                    s0 = time.perf_counter()
+                    done = e.step()
+                    walls.append(time.perf_counter() - s0)
+                    for o in done:
+                        outs[kvp] = o
+                used = [b - a for a, b in zip(c0, _cpu(pids[kvp]), strict=True)]
+                cpu[kvp][0] += used[0]
+                cpu[kvp][1] += max(used[1:], default=0.0)
+                if walls:
+                    windows[kvp].append(walls)
+        steps = {kvp: sum(len(w) for w in ws) for kvp, ws in windows.items()}
+        return {
+            "windows": windows,
+            "tokens": {kvp: list(o.outputs[0].token_ids) for kvp, o in outs.items()},  # type: ignore[attr-defined]
+            "cpu": {kvp: [c / max(steps[kvp], 1) for c in cs] for kvp, cs in cpu.items()},
+        }
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+
+def report_interleaved(args: argparse.Namespace, prompt: list[int]) -> None:
+    """Run :func:`interleaved` for each mode and print its medians and ratios."""
+    k = args.kvp
+    print(f"load average before: {os.getloadavg()}")
+    rows = []
+    for mode in dict.fromkeys(args.modes):
+        r = interleaved(args, prompt, mode == "async")
+        w1, wk = r["windows"][1], r["windows"][k]
+        t1 = statistics.median(t for w in w1 for t in w)
+        tk = statistics.median(t for w in wk for t in w)
+        # the ratio of each pair of neighbouring windows (kvp=1's, then kvp=k's)
+        pairs = [statistics.median(b) / statistics.median(a) for a, b in zip(w1, wk, strict=False)]
+        same = r["tokens"][1] == r["tokens"][k]
+        rows.append((mode, t1, tk, pairs, r["cpu"], same))
+        print(
+            f"{mode}: TPOT kvp=1 {1e3 * t1:.2f} ms, kvp={k} {1e3 * tk:.2f} ms, ratio "
+            f"{tk / t1:.2f} (window pairs: median {statistics.median(pairs):.2f}, "
+            f"range {min(pairs):.2f}-{max(pairs):.2f}, {len(pairs)} pairs); CPU per step "
+            f"driver / busiest worker: kvp=1 {1e3 * r['cpu'][1][0]:.2f} / "
+            f"{1e3 * r['cpu'][1][1]:.2f} ms, kvp={k} {1e3 * r['cpu'][k][0]:.2f} / "
+            f"{1e3 * r['cpu'][k][1]:.2f} ms; greedy tokens identical: {same}; "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+    print(f"load average after: {os.getloadavg()}")
+    print(
+        f"\ncontext {args.context}, {args.new} new tokens, windows of {args.interleave} steps, "
+        "1 thread per rank"
+    )
+    head = f"{'TPOT kvp=1 ms':>14} {f'TPOT kvp={k} ms':>14} {'ratio':>6} {'pairs':>6}"
+    print(f"{'mode':>6} {head}  same")
+    for mode, t1, tk, pairs, _, same in rows:
+        print(
+            f"{mode:>6} {1e3 * t1:14.2f} {1e3 * tk:14.2f} {tk / t1:6.2f} "
+            f"{statistics.median(pairs):6.2f}  {same}"
+        )
+
+
+def run(kvp: int, prompt: list[int], args: argparse.Namespace, async_: bool = False) -> dict:
+    """One generation with ``kvp`` groups (async scheduling if ``async_``): timings and tokens."""
+    engine = _engine(kvp, prompt, args, async_)
     try:
         pids = [os.getpid(), *getattr(engine.executor, "pids", [])]
         timings = None
@@ -322,7 +429,20 @@ def main() -> None:
         default=["sync"],
         help="scheduling modes, run side by side (async: async scheduling)",
     )
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="W",
+        help="both layouts alive together, decode steps in alternating windows of W (see above)",
+    )
     args = ap.parse_args()
+    if args.interleave < 0:
+        ap.error(f"--interleave must be >= 0, got {args.interleave}")
+    if args.interleave:
+        rng = random.Random(0)
+        report_interleaved(args, [rng.randrange(256) for _ in range(args.context)])
+        return
     if args.ranks:
         ranks(args)
         return
