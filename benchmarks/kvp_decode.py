@@ -28,8 +28,8 @@ ratio ``kvp=2 / kvp=1`` of the medians, and the load average before and after.
 
 ``--modes sync async`` runs each layout without and with async scheduling
 (``LLMEngine(async_scheduling=True)``: batch N+1 is formed and shipped while
-the ranks run batch N; with ``kvp=2`` each rank samples the same tokens
-itself), alternating within each repeat (sync kvp=1, sync kvp=2,
+the ranks run batch N; with ``kvp=2`` the sampling rank broadcasts its tokens
+to the other rank), alternating within each repeat (sync kvp=1, sync kvp=2,
 async kvp=1, async kvp=2, ...); the greedy tokens must be identical across
 every mode and layout. With async scheduling a decode step's wall time is
 still the interval between two ``step()`` returns, and its CPU time counts
@@ -45,8 +45,9 @@ joined over gloo (forkserver, ``file://``, one thread each), for ``kvp=1``
 and for ``kvp=2`` with the shared-memory merge and with gloo's; it reports
 each rank's wall and thread CPU time per step (medians). With ``--modes sync
 async`` the step samples its row (greedy) and runs kvp=1 and kvp=2 (the
-shared-memory merge) per mode; ``async`` decodes ``PENDING_TOKEN``, each rank
-sampling the step's token itself as under async scheduling.
+shared-memory merge) per mode; ``async`` decodes ``PENDING_TOKEN``, the
+sampling rank broadcasting each step's token to the other rank as under async
+scheduling.
 
 ``--interleave W`` keeps both layouts alive at once: each is prefilled, then
 their decode steps run in alternating windows of ``W`` steps (kvp=1's window,
@@ -287,8 +288,8 @@ def _rank_steps(
 
     ``mode``: ``"plain"`` (no row sampled), ``"sync"`` (the row sampled
     greedily) or ``"async"`` (sampled, and each step's token id is
-    ``PENDING_TOKEN``: the runner keeps the last sampled token, which every
-    rank samples itself, as under async scheduling).
+    ``PENDING_TOKEN``: the runner keeps the last sampled token, which the
+    sampling rank broadcasts to the others, as under async scheduling).
     """
     from medha_parallel import KVPCommunicator, ParallelLayout, ParallelState
     from medha_runtime.plan import PlannedChunk, StepPlan

@@ -105,8 +105,7 @@ class EngineConfig:
             token is back; the model takes that token itself). Outputs are the
             same; the driver's serial work between batches is hidden. Any tp
             and kvp, in process, on worker processes or distributed (the
-            sampling rank sends each step's tokens to every rank; with KVP
-            groups alone every group samples them itself). With spp > 1
+            sampling rank sends each step's tokens to every rank). With spp > 1
             (worker processes on one host only: the torch.distributed executor
             refuses it) a decode is issued once the previous batch cleared
             stage 0, and the last stage sends its tokens straight to stage 0

@@ -27,9 +27,8 @@ worker process (:mod:`medha_runtime.worker`).
   :class:`ShardedAttention` runs that plan and merges the partial states
   across the whole KVP group (:func:`~medha_parallel.kvp.kvp_paged_attention`,
   one collective per layer with two groups). Every group takes part in every
-  merge, so collectives always line up. With one stage and no replicated
-  sampling (below), a group other than the sampler's stops its last layer after
-  the attention (nobody reads its output):
+  merge, so collectives always line up. With one stage, a group other than the
+  sampler's stops its last layer after the attention (nobody reads its output):
   it writes the K/V and only publishes its state to that layer's merge, without
   waiting for the others' (``KVPCommunicator.contributor``; no o-projection, MLP
   or final norm).
@@ -38,9 +37,7 @@ worker process (:mod:`medha_runtime.worker`).
   async scheduling (``RunnerSpec.pending_tokens``, spp = 1) every rank keeps
   each request's last token for the next batch's ``PENDING_TOKEN`` decodes:
   the sampling rank broadcasts each step's tokens to every rank
-  (:class:`~medha_parallel.TokenBroadcast`, one ``int64`` tensor), except with
-  KVP groups alone (no TP), where every group samples the same tokens itself
-  and keeps its own (:func:`_replicated_sampling`). With
+  (:class:`~medha_parallel.TokenBroadcast`, one ``int64`` tensor). With
   spp > 1 only stage 0 embeds tokens: the sampling rank sends each batch's
   ids straight to every stage-0 rank (:class:`~medha_parallel.TokenReturn`,
   shared memory), and stage 0 waits for them only before a plan that holds a
@@ -105,8 +102,7 @@ class RunnerSpec:
         pending_tokens: keep each request's last sampled token, for decodes
             issued ahead (token id ``PENDING_TOKEN``; async scheduling). With
             several ranks and spp = 1 the sampling rank broadcasts each step's
-            sampled tokens to every rank (:class:`medha_parallel.TokenBroadcast`),
-            or with KVP groups alone every group samples them itself;
+            sampled tokens to every rank (:class:`medha_parallel.TokenBroadcast`);
             with spp > 1 it sends them to the stage-0 ranks only
             (:class:`medha_parallel.TokenReturn`: every rank on this host).
         cuda_graph_max_batch: run decode-only steps of up to this many requests
@@ -430,15 +426,7 @@ class ModelRunner:
         # each step. Built first (collective): a rank that fails later in its
         # start-up (a missing model file) leaves no peer waiting in new_group.
         tokens = back = None
-        #: async scheduling over KVP groups alone (one stage, no TP): every group samples
-        #: the step's tokens itself, the same ones (see _replicated_sampling)
-        self._replicated = _replicated_sampling(spec)
-        if (
-            spec.pending_tokens
-            and state is not None
-            and spec.world_size > 1
-            and not self._replicated
-        ):
+        if spec.pending_tokens and state is not None and spec.world_size > 1:
             src = state.layout.rank(tp=0, spp=spec.spp - 1, kvp=0)
             if spec.spp == 1:
                 tokens = TokenBroadcast(state, src=src)
@@ -515,15 +503,8 @@ class ModelRunner:
         #: one stage, a KVP group that does not sample: nothing reads the model's output,
         #: so the last layer stops after its attention, whose merge it only feeds
         #: (LlamaModel.forward's ``output``, ShardedAttention.prepare's ``drop_layer``)
-        drop = spec.kvp > 1 and spec.spp == 1 and group and not self._replicated
-        self._drop_layer = layers.stop - 1 if drop else None
-        #: the rank whose sampled rows the driver reads
+        self._drop_layer = layers.stop - 1 if spec.kvp > 1 and spec.spp == 1 and group else None
         self.sampler: Sampler | None = Sampler() if is_sampler else None
-        #: the sampler this rank draws with: the sampler's, or with replicated sampling
-        #: every other group's own (its rows stay here: they only feed its next step)
-        self._draw: Sampler | None = self.sampler
-        if self._replicated and self._draw is None:
-            self._draw = Sampler()
         self.tables = BlockTables()
         #: each request's last sampled token, for a decode issued ahead (its
         #: token id is ``PENDING_TOKEN``: the previous batch samples it)
@@ -564,8 +545,8 @@ class ModelRunner:
         if self.pipeline is not None:
             self.pipeline.forget(plan.free)
             self.pipeline.forget(plan.finished)
-        if self._draw is not None:
-            self._draw.forget(plan.finished)
+        if self.sampler is not None:
+            self.sampler.forget(plan.finished)
         last, returned = self._last_token, self.returned
         fill = None
         if returned is not None:  # stage 0, spp > 1: what the last stage sent back so far
@@ -593,7 +574,7 @@ class ModelRunner:
                 self._keep_tokens(plan, result, last)
             if not plan.release_after and self._can_prepare() and plan.chunks:
                 self._last_plan = plan
-            return result if self._draw is self.sampler else None  # a replica's: kept
+            return result
         finally:
             if plan.release_after:
                 if returned is not None:
@@ -604,8 +585,8 @@ class ModelRunner:
                 self.tables.drop(plan.release_after)
                 if self.pipeline is not None:
                     self.pipeline.forget(plan.release_after)
-                if self._draw is not None:
-                    self._draw.forget(plan.release_after)
+                if self.sampler is not None:
+                    self.sampler.forget(plan.release_after)
 
     def _can_prepare(self) -> bool:
         """Whether :meth:`prepare_next` may build batches here: one stage, eager, on the CPU."""
@@ -731,7 +712,7 @@ class ModelRunner:
         rows = [c.request_id for c in plan.chunks if c.sample is not None]
         # the sampling rank's ids (prompt logprobs follow the sampled rows)
         ids = None if result is None else [s.token_id for s in result[: len(rows)]]  # type: ignore[union-attr]
-        if self._tokens is not None:  # (None with replicated sampling: every rank drew them)
+        if self._tokens is not None:
             ids = self._tokens.broadcast(ids, len(rows))
         elif not result:
             return
@@ -833,28 +814,16 @@ class ModelRunner:
             out = self.model.forward(  # (no module hooks: nn.Module.__call__'s checks skipped)
                 batch,
                 self.kv,
-                logits=self._draw is not None or spec.tp > 1,
+                logits=self.sampler is not None or spec.tp > 1,
                 output=self._drop_layer is None,
             )
         else:
             out = self.pipeline.run(plan, batch)  # non-last stages: sent on, not awaited
             if not self.pipeline.is_last:
                 return None
-        if self._draw is None:
+        if self.sampler is None:
             return None
-        return sample_step(self._draw, out, plan.chunks)  # type: ignore[return-value]
-
-
-def _replicated_sampling(spec: RunnerSpec) -> bool:
-    """Whether every KVP group samples each step's tokens itself: under async scheduling
-    (``pending_tokens``) with KVP groups alone (one stage, no TP). Each group ends a
-    step with the same merged attention state (every group merges the same partial
-    states in group order), so the same layers give it the same logits, and its
-    :class:`Sampler` (a generator per request seeded by the request's seed, the same
-    penalty counts) draws the same tokens as group 0's. A group then starts its next
-    step without waiting for group 0's tokens (the :class:`TokenBroadcast` this
-    replaces); it computes the LM head and samples, which group 0 does anyway."""
-    return spec.pending_tokens and spec.kvp > 1 and spec.spp == 1 and spec.tp == 1
+        return sample_step(self.sampler, out, plan.chunks)  # type: ignore[return-value]
 
 
 def _pending_rows(plan: StepPlan) -> list[tuple[int, str]]:
