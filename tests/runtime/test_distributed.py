@@ -142,8 +142,14 @@ def test_with_spp2_the_driver_waits_for_stage_0_before_the_oldest_batchs_end() -
         executor.stage0_first_s = first_s
         blocks = ((0, (0,)),) if at == 0 else ()
         step += 1
-        executor.submit(StepPlan(step, (PlannedChunk("x", at, (1, 2), (0,), blocks),)))
-        assert isinstance(executor.next_event(), StageCleared)
+        # stage 1 stopped until stage 0's reply is read: both replies ready at once would
+        # be read together (a loaded machine delays the driver), the end already taken
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            executor.submit(StepPlan(step, (PlannedChunk("x", at, (1, 2), (0,), blocks),)))
+            assert isinstance(executor.next_event(), StageCleared)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
         assert executor.conns[1].poll(20.0)  # stage 1 replied: the batch's end waits
         os.kill(pids[0], signal.SIGSTOP)  # stage 0 cannot clear the next batch until resumed
         step += 1
