@@ -203,7 +203,7 @@ def report_interleaved(args: argparse.Namespace, prompt: list[int]) -> None:
         # the ratio of each pair of neighbouring windows (kvp=1's, then kvp=k's)
         pairs = [statistics.median(b) / statistics.median(a) for a, b in zip(w1, wk, strict=False)]
         same = r["tokens"][1] == r["tokens"][k]
-        rows.append((mode, t1, tk, pairs, r["cpu"], same))
+        rows.append((mode, t1, tk, pairs, same))
         print(
             f"{mode}: TPOT kvp=1 {1e3 * t1:.2f} ms, kvp={k} {1e3 * tk:.2f} ms, ratio "
             f"{tk / t1:.2f} (window pairs: median {statistics.median(pairs):.2f}, "
@@ -221,7 +221,7 @@ def report_interleaved(args: argparse.Namespace, prompt: list[int]) -> None:
     )
     head = f"{'TPOT kvp=1 ms':>14} {f'TPOT kvp={k} ms':>14} {'ratio':>6} {'pairs':>6}"
     print(f"{'mode':>6} {head}  same")
-    for mode, t1, tk, pairs, _, same in rows:
+    for mode, t1, tk, pairs, same in rows:
         print(
             f"{mode:>6} {1e3 * t1:14.2f} {1e3 * tk:14.2f} {tk / t1:6.2f} "
             f"{statistics.median(pairs):6.2f}  {same}"

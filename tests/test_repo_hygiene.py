@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -102,29 +101,3 @@ def test_the_quick_start_extra_covers_every_command_the_readme_shows() -> None:
     assert set(extras["serve"]) >= {"medha[runtime]", "medha[gguf]", "medha[sim]"}
     assert any(r.startswith("matplotlib") for r in extras["sim"])  # bench --plot
     assert any(r.startswith("gguf") for r in extras["gguf"])
-
-
-def _anchors(markdown: str) -> set[str]:
-    """GitHub's anchors of a Markdown file's headings: lower case, punctuation but
-    hyphens and underscores dropped, spaces to hyphens."""
-    out = set()
-    for line in markdown.splitlines():
-        heading = re.match(r"#+\s+(.*)", line)
-        if heading:
-            text = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower())
-            out.add(text.replace(" ", "-"))
-    return out
-
-
-def test_links_to_a_heading_in_the_docs_find_it() -> None:
-    """Every ``[text](file.md#anchor)`` and ``[text](#anchor)`` in the README and docs/
-    names a heading of that file (a renamed heading breaks no link silently)."""
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    headings = {p.resolve(): _anchors(p.read_text()) for p in files}
-    broken = []
-    for p in files:
-        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", p.read_text()):
-            file = (p.parent / target).resolve() if target else p.resolve()
-            if file in headings and anchor not in headings[file]:
-                broken.append(f"{p.relative_to(ROOT)}: {target}#{anchor}")
-    assert not broken, "links to missing headings:\n" + "\n".join(broken)
