@@ -9,6 +9,13 @@ against three servers:
 - ``fcfs@CHUNK``: FCFS with a fixed chunk (Sarathi-style);
 - ``fcfs@0``: FCFS without chunking (non-preemptive prefill).
 
+The trace holds as many long prompts as make their prefills, each run in one
+step as the profile predicts it, ``--long-share`` (25%) of its duration
+(``--long-count`` fixes the number instead). So the convoy FCFS builds reaches
+the short requests' P90 on a fast machine as on a slow one: with a fixed count
+of 3, a machine that prefilled them in 4.7 s delayed only 16 of 160 short
+requests, and their P90 missed the convoy.
+
 Before the trace, each server gets a probe: a dozen short requests, one at
 a time. Their client TTFT minus their steps' executor time is the time the
 simulator does not see (HTTP, tokenisation, IPC, streaming back); its
@@ -48,6 +55,7 @@ from pathlib import Path
 from medha_runtime.server.launch import LaunchError, ServerProcess, start_server, stop_server
 from medha_runtime.step_log import check_predictions, read_step_log, step_overheads
 from medha_sched import TableCostModel
+from medha_sched.cost.base import BatchWork
 from medha_sched.sim.metrics import percentile, read_requests
 
 PY = sys.executable
@@ -65,8 +73,27 @@ def _csv(values: set[int]) -> str:
     return ",".join(map(str, sorted(values)))
 
 
+def long_count(args: argparse.Namespace, profile: Path) -> tuple[int, float]:
+    """``(count, seconds)``: how many long prompts the trace holds, and the profile's
+    prediction of one long prompt's prefill in a single step (as ``fcfs@0`` runs it).
+
+    ``--long-count`` when given; otherwise as many as make the long prefills, run
+    whole, ``--long-share`` of the trace's duration (at least one). The short
+    requests that arrive during a long prefill are the ones a convoy delays; with a
+    fixed count, a faster machine shortens the prefills until fewer than 10% of the
+    short requests meet one, and their P90 TTFT no longer sees the convoy at all
+    (3 prompts of 24,576 tokens at 4.7 s each delayed 16 of 160 on a faster VM).
+    """
+    seconds = TableCostModel.from_json(profile).predict(
+        BatchWork.single_group((args.long_tokens, 0))
+    )
+    if args.long_count is not None:
+        return args.long_count, seconds
+    return max(1, round(args.long_share * args.duration / seconds)), seconds
+
+
 def make_trace(args: argparse.Namespace, path: Path) -> None:
-    """Poisson short chats plus ``--long-count`` long prompts at a steady rate."""
+    """Poisson short chats plus ``args.long_count`` long prompts at a steady rate."""
     rng = random.Random(args.seed)
     rows, t, i = [], 0.0, 0
     while True:
@@ -134,6 +161,16 @@ def _threads(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return int(text)
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}")
+    return value
 
 
 def engine_env(threads: int) -> dict[str, str]:
@@ -245,8 +282,9 @@ def report(args: argparse.Namespace, rows: dict[str, dict], sims: dict[str, dict
         f"Trace: {args.duration:.0f} s of short chats at {args.short_qps} QPS "
         f"(prompts {args.short_prompt[0]}-{args.short_prompt[1]}, outputs "
         f"{args.short_output[0]}-{args.short_output[1]} tokens) plus {args.long_count} prompts "
-        f"of {args.long_tokens} tokens; target batch time {T} s; {args.engine_threads} "
-        "engine thread(s).",
+        f"of {args.long_tokens} tokens (each {args.long_seconds:.2f} s in one step by the "
+        f"profile: {args.long_count * args.long_seconds / args.duration:.0%} of the trace); "
+        f"target batch time {T} s; {args.engine_threads} engine thread(s).",
         "",
         "| run | requests | failed | short P50 TTFT | short P90 TTFT | P90 TPOT | tokens/s |"
         " sim short P50 | sim short P90 |",
@@ -318,7 +356,19 @@ def main() -> None:
     p.add_argument("--short-qps", type=float, default=2.0)
     p.add_argument("--short-prompt", type=int, nargs=2, default=[64, 384])
     p.add_argument("--short-output", type=int, nargs=2, default=[16, 32])
-    p.add_argument("--long-count", type=int, default=3)
+    p.add_argument(
+        "--long-count",
+        type=_threads,
+        default=None,
+        help="long prompts in the trace (default: from --long-share and the profile)",
+    )
+    p.add_argument(
+        "--long-share",
+        type=_share,
+        default=0.25,
+        help="without --long-count: the long prompts' whole-prompt prefills, as the profile "
+        "predicts them, take this share of --duration (default 0.25)",
+    )
     p.add_argument("--long-tokens", type=int, default=24576)
     p.add_argument("--long-output", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=512)
@@ -337,7 +387,6 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.jsonl"
-    make_trace(args, trace)
     probe = out / "probe.jsonl"
     make_probe(probe)
     profile = args.profile
@@ -363,6 +412,8 @@ def main() -> None:
             out / "profile.log",
             env=engine_env(args.engine_threads),
         )
+    args.long_count, args.long_seconds = long_count(args, profile)
+    make_trace(args, trace)
     common = [
         "--cost-model",
         f"table:{profile}",
