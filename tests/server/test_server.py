@@ -161,6 +161,40 @@ def test_bad_requests_are_400(server: Server, name: str, kw: dict) -> None:
     assert err["code"] == 400 and err["message"]
 
 
+def test_out_of_vocab_ids_are_a_400_before_any_stream(server: Server) -> None:
+    # the tiny model's vocabulary is 259 tokens; streaming or not, the answer is a 400
+    # naming the field (it was a 200 stream holding an error event), and the refused
+    # request is not counted as an abort in /metrics (it was)
+    before = _aborts(server)
+    cases = [
+        ("/v1/completions", {"prompt": [1, 10**6]}, "prompt", "token id 1000000"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"300": 5}}, "logit_bias", "300"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"259": 1}},
+            "logit_bias",
+            "259",
+        ),
+    ]
+    for path, body, param, text in cases:
+        for stream in (False, True):
+            r = post(server, path, json={**body, "max_tokens": 2, "stream": stream})
+            assert r.status_code == 400, (path, body, stream, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and text in err["message"], err
+            assert "outside the model's vocabulary (0..258)" in err["message"], err
+    assert _aborts(server) == before
+
+
+def _aborts(server: Server) -> float | None:
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "medha:request_success_total" and s.labels["finished_reason"] == "abort":
+                return s.value
+    return None
+
+
 def test_too_long_prompt(server: Server) -> None:
     r = post(server, "/v1/completions", json={"prompt": list(range(1, 300))})
     assert r.status_code == 400

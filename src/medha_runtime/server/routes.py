@@ -161,6 +161,30 @@ class Frontend:
                 "max_tokens",
             )
 
+    def check_vocab(self, body: Any, prompts: list[Prompt]) -> None:
+        """Refuse token ids outside the vocabulary (in a prompt or ``logit_bias``) with a 400
+        before anything is submitted, so a stream gets the 400 too, not a 200 with an
+        error event (the engine checks them again)."""
+        vocab = self.vocab_size
+        if vocab is None:
+            return
+        for p in prompts:
+            bad = [t for t in p.ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})",
+                    400,
+                    "prompt",
+                )
+        bad = [k for k in body.logit_bias or () if int(k) >= vocab]  # keys checked: digits
+        if bad:
+            raise APIError(
+                f"logit_bias: token id {int(bad[0])} is outside the model's vocabulary "
+                f"(0..{vocab - 1})",
+                400,
+                "logit_bias",
+            )
+
     def sampling(
         self, body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
@@ -406,6 +430,7 @@ class Frontend:
         prompts = self.completion_prompts(body)
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
+        self.check_vocab(body, prompts)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         want = [body.prompt_logprobs]
         if body.echo and body.logprobs is not None:
@@ -448,6 +473,7 @@ class Frontend:
         if mt is None:
             mt = body.max_tokens
         self.check_lengths(len(ids), mt)
+        self.check_vocab(body, [Prompt(None, ids)])
         max_tokens = self.max_model_len - len(ids) if mt is None else mt
         lp = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling(body, max_tokens, lp, body.prompt_logprobs)
