@@ -195,6 +195,21 @@ def _aborts(server: Server) -> float | None:
     return None
 
 
+def test_text_parts_are_joined_one_per_line(server: Server) -> None:
+    # as vLLM joins them: "a" and "b" are "a\nb", not "ab"
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    as_parts = post(server, "/tokenize", json={"messages": [{"role": "user", "content": parts}]})
+    as_text = post(
+        server, "/tokenize", json={"messages": [{"role": "user", "content": "Hello\nworld"}]}
+    )
+    assert as_parts.status_code == as_text.status_code == 200
+    assert as_parts.json()["tokens"] == as_text.json()["tokens"]
+    r = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=1
+    )
+    assert r.usage.prompt_tokens == as_text.json()["count"]
+
+
 def test_too_long_prompt(server: Server) -> None:
     r = post(server, "/v1/completions", json={"prompt": list(range(1, 300))})
     assert r.status_code == 400

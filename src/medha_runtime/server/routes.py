@@ -128,8 +128,8 @@ class Frontend:
         conv = []
         for m in messages:
             content = m.content
-            if isinstance(content, list):
-                content = "".join(str(p["text"]) for p in content)
+            if isinstance(content, list):  # text parts, one per line (as vLLM joins them)
+                content = "\n".join(str(p["text"]) for p in content)
             turn: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 turn["name"] = m.name
