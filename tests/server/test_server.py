@@ -210,6 +210,12 @@ def test_text_parts_are_joined_one_per_line(server: Server) -> None:
     assert r.usage.prompt_tokens == as_text.json()["count"]
 
 
+def test_a_sampling_error_names_its_field(server: Server) -> None:
+    r = post(server, "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "min_tokens": 5})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "min_tokens"  # was "min_tokens=5"
+
+
 def test_too_long_prompt(server: Server) -> None:
     r = post(server, "/v1/completions", json={"prompt": list(range(1, 300))})
     assert r.status_code == 400

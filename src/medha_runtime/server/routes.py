@@ -8,6 +8,7 @@ of engine requests from :mod:`medha_runtime.server.streams`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -212,8 +213,8 @@ class Frontend:
                 include_stop_str_in_output=body.include_stop_str_in_output,
             )
         except ValueError as exc:
-            message = str(exc)
-            raise APIError(message, 400, message.split(" ", 1)[0].rstrip(":")) from None
+            message = str(exc)  # it starts with the field's name ("min_tokens=20 must ...")
+            raise APIError(message, 400, re.split(r"\W", message, maxsplit=1)[0]) from None
 
     # ---------------------------------------------------------------- runs
     def access(self, run: Run, status: int) -> None:
