@@ -195,6 +195,28 @@ def _aborts(server: Server) -> float | None:
     return None
 
 
+def test_a_body_that_is_not_sent_as_json_is_named(server: Server) -> None:
+    # ``curl -d`` without -H sends application/x-www-form-urlencoded: the 400 says what
+    # to send (it said "body: Input should be a valid dictionary or object ...")
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        r = post(
+            server,
+            "/v1/completions",
+            content=body,
+            headers={**server.headers, "Content-Type": kind},
+        )
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "'Content-Type: application/json'" in message and repr(kind) in message, message
+    # a JSON type with parameters is JSON
+    kind = "application/json; charset=utf-8"
+    r = post(
+        server, "/v1/completions", content=body, headers={**server.headers, "Content-Type": kind}
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_text_parts_are_joined_one_per_line(server: Server) -> None:
     # as vLLM joins them: "a" and "b" are "a\nb", not "ab"
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
