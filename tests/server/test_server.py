@@ -238,6 +238,19 @@ def test_a_sampling_error_names_its_field(server: Server) -> None:
     assert r.json()["error"]["param"] == "min_tokens"  # was "min_tokens=5"
 
 
+def test_an_infinite_slo_is_a_400_naming_the_field(server: Server) -> None:
+    # Python's JSON reads Infinity: it reached the engine, whose refusal named the
+    # engine request and its own field ("request '...-0': ttft_slo must be > 0, got inf")
+    for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        for stream in ("false", "true"):
+            body = f'{{"prompt": "hi", "max_tokens": 2, "stream": {stream}, "{name}": Infinity}}'
+            headers = {**server.headers, "Content-Type": "application/json"}
+            r = post(server, "/v1/completions", content=body.encode(), headers=headers)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == name and err["message"].startswith(f"{name}: "), err
+
+
 def test_too_long_prompt(server: Server) -> None:
     r = post(server, "/v1/completions", json={"prompt": list(range(1, 300))})
     assert r.status_code == 400

@@ -74,8 +74,8 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
     # Medha: fed to the scheduler (priority: lower runs earlier, vLLM's meaning)
-    ttft_slo_ms: float | None = Field(default=None, gt=0)
-    tpot_slo_ms: float | None = Field(default=None, gt=0)
+    ttft_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tpot_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     priority: int = 0
 
 
