@@ -226,10 +226,16 @@ def check_messages(messages: list[ChatMessage]) -> None:
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 kind = part.get("type")
-                if kind != "text" or not isinstance(part.get("text"), str):
+                if kind != "text":
                     raise RefusedField(
                         f"{at}.content[{j}].type",
                         f"{at}.content[{j}]: only text parts are supported, got type {kind!r}",
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise RefusedField(
+                        f"{at}.content[{j}].text",
+                        f"{at}.content[{j}].text: a text part needs a string, "
+                        f"got {part.get('text')!r}",
                     )
 
 
