@@ -32,6 +32,14 @@ def test_off_values_pass_and_others_are_refused() -> None:
     assert err.value.param == "messages[0].content[0].type"
 
 
+def test_a_text_part_without_its_text_is_named_as_such() -> None:
+    # it was "only text parts are supported, got type 'text'"
+    for part in ({"type": "text"}, {"type": "text", "text": 5}):
+        with pytest.raises(RefusedField, match=r"content\[1\]\.text: a text part needs a string"):
+            msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]
+            check_request(ChatCompletionRequest(messages=msgs), chat=True)
+
+
 def test_unknown_fields_are_listed_once_known_ones_are_not() -> None:
     body = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi", "colour": 1}],

@@ -161,6 +161,96 @@ def test_bad_requests_are_400(server: Server, name: str, kw: dict) -> None:
     assert err["code"] == 400 and err["message"]
 
 
+def test_out_of_vocab_ids_are_a_400_before_any_stream(server: Server) -> None:
+    # the tiny model's vocabulary is 259 tokens; streaming or not, the answer is a 400
+    # naming the field (it was a 200 stream holding an error event), and the refused
+    # request is not counted as an abort in /metrics (it was)
+    before = _aborts(server)
+    cases = [
+        ("/v1/completions", {"prompt": [1, 10**6]}, "prompt", "token id 1000000"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"300": 5}}, "logit_bias", "300"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"259": 1}},
+            "logit_bias",
+            "259",
+        ),
+    ]
+    for path, body, param, text in cases:
+        for stream in (False, True):
+            r = post(server, path, json={**body, "max_tokens": 2, "stream": stream})
+            assert r.status_code == 400, (path, body, stream, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and text in err["message"], err
+            assert "outside the model's vocabulary (0..258)" in err["message"], err
+    assert _aborts(server) == before
+
+
+def _aborts(server: Server) -> float | None:
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "medha:request_success_total" and s.labels["finished_reason"] == "abort":
+                return s.value
+    return None
+
+
+def test_a_body_that_is_not_sent_as_json_is_named(server: Server) -> None:
+    # ``curl -d`` without -H sends application/x-www-form-urlencoded: the 400 says what
+    # to send (it said "body: Input should be a valid dictionary or object ...")
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        r = post(
+            server,
+            "/v1/completions",
+            content=body,
+            headers={**server.headers, "Content-Type": kind},
+        )
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "'Content-Type: application/json'" in message and repr(kind) in message, message
+    # a JSON type with parameters is JSON
+    kind = "application/json; charset=utf-8"
+    r = post(
+        server, "/v1/completions", content=body, headers={**server.headers, "Content-Type": kind}
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_text_parts_are_joined_one_per_line(server: Server) -> None:
+    # as vLLM joins them: "a" and "b" are "a\nb", not "ab"
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    as_parts = post(server, "/tokenize", json={"messages": [{"role": "user", "content": parts}]})
+    as_text = post(
+        server, "/tokenize", json={"messages": [{"role": "user", "content": "Hello\nworld"}]}
+    )
+    assert as_parts.status_code == as_text.status_code == 200
+    assert as_parts.json()["tokens"] == as_text.json()["tokens"]
+    r = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=1
+    )
+    assert r.usage.prompt_tokens == as_text.json()["count"]
+
+
+def test_a_sampling_error_names_its_field(server: Server) -> None:
+    r = post(server, "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "min_tokens": 5})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "min_tokens"  # was "min_tokens=5"
+
+
+def test_an_infinite_slo_is_a_400_naming_the_field(server: Server) -> None:
+    # Python's JSON reads Infinity: it reached the engine, whose refusal named the
+    # engine request and its own field ("request '...-0': ttft_slo must be > 0, got inf")
+    for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        for stream in ("false", "true"):
+            body = f'{{"prompt": "hi", "max_tokens": 2, "stream": {stream}, "{name}": Infinity}}'
+            headers = {**server.headers, "Content-Type": "application/json"}
+            r = post(server, "/v1/completions", content=body.encode(), headers=headers)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == name and err["message"].startswith(f"{name}: "), err
+
+
 def test_too_long_prompt(server: Server) -> None:
     r = post(server, "/v1/completions", json={"prompt": list(range(1, 300))})
     assert r.status_code == 400

@@ -196,6 +196,17 @@ def _install_errors(app: FastAPI, front: Frontend) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
+        kind = request.headers.get("content-type")
+        if errs and tuple(errs[0].get("loc", ())) == ("body",) and not _json_media_type(kind):
+            # FastAPI reads such a body as bytes, not JSON (``curl -d`` sends form data's
+            # type): say so, not "body: Input should be a valid dictionary ..."
+            got = f"got Content-Type {kind!r}" if kind else "got no Content-Type"
+            message = (
+                "the request body must be JSON, sent with the header "
+                f"'Content-Type: application/json'; {got}"
+            )
+            front.access_error(request.url.path, 400, message)
+            return _error(message, 400)
         if errs and errs[0].get("type") == "json_invalid":
             e = errs[0]
             why = (e.get("ctx") or {}).get("error", "decode error")
@@ -294,3 +305,13 @@ def _install_routes(
             if bad:
                 raise APIError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return {"prompt": front.need_tokenizer().decode(body.tokens)}
+
+
+def _json_media_type(content_type: str | None) -> bool:
+    """Whether this ``Content-Type`` says JSON (FastAPI parses the body as JSON only then)."""
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )

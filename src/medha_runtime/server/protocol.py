@@ -74,8 +74,8 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
     # Medha: fed to the scheduler (priority: lower runs earlier, vLLM's meaning)
-    ttft_slo_ms: float | None = Field(default=None, gt=0)
-    tpot_slo_ms: float | None = Field(default=None, gt=0)
+    ttft_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tpot_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     priority: int = 0
 
 
@@ -226,10 +226,16 @@ def check_messages(messages: list[ChatMessage]) -> None:
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 kind = part.get("type")
-                if kind != "text" or not isinstance(part.get("text"), str):
+                if kind != "text":
                     raise RefusedField(
                         f"{at}.content[{j}].type",
                         f"{at}.content[{j}]: only text parts are supported, got type {kind!r}",
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise RefusedField(
+                        f"{at}.content[{j}].text",
+                        f"{at}.content[{j}].text: a text part needs a string, "
+                        f"got {part.get('text')!r}",
                     )
 
 

@@ -8,6 +8,7 @@ of engine requests from :mod:`medha_runtime.server.streams`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -128,8 +129,8 @@ class Frontend:
         conv = []
         for m in messages:
             content = m.content
-            if isinstance(content, list):
-                content = "".join(str(p["text"]) for p in content)
+            if isinstance(content, list):  # text parts, one per line (as vLLM joins them)
+                content = "\n".join(str(p["text"]) for p in content)
             turn: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 turn["name"] = m.name
@@ -161,6 +162,30 @@ class Frontend:
                 "max_tokens",
             )
 
+    def check_vocab(self, body: Any, prompts: list[Prompt]) -> None:
+        """Refuse token ids outside the vocabulary (in a prompt or ``logit_bias``) with a 400
+        before anything is submitted, so a stream gets the 400 too, not a 200 with an
+        error event (the engine checks them again)."""
+        vocab = self.vocab_size
+        if vocab is None:
+            return
+        for p in prompts:
+            bad = [t for t in p.ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})",
+                    400,
+                    "prompt",
+                )
+        bad = [k for k in body.logit_bias or () if int(k) >= vocab]  # keys checked: digits
+        if bad:
+            raise APIError(
+                f"logit_bias: token id {int(bad[0])} is outside the model's vocabulary "
+                f"(0..{vocab - 1})",
+                400,
+                "logit_bias",
+            )
+
     def sampling(
         self, body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
@@ -188,8 +213,8 @@ class Frontend:
                 include_stop_str_in_output=body.include_stop_str_in_output,
             )
         except ValueError as exc:
-            message = str(exc)
-            raise APIError(message, 400, message.split(" ", 1)[0].rstrip(":")) from None
+            message = str(exc)  # it starts with the field's name ("min_tokens=20 must ...")
+            raise APIError(message, 400, re.split(r"\W", message, maxsplit=1)[0]) from None
 
     # ---------------------------------------------------------------- runs
     def access(self, run: Run, status: int) -> None:
@@ -406,6 +431,7 @@ class Frontend:
         prompts = self.completion_prompts(body)
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
+        self.check_vocab(body, prompts)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         want = [body.prompt_logprobs]
         if body.echo and body.logprobs is not None:
@@ -448,6 +474,7 @@ class Frontend:
         if mt is None:
             mt = body.max_tokens
         self.check_lengths(len(ids), mt)
+        self.check_vocab(body, [Prompt(None, ids)])
         max_tokens = self.max_model_len - len(ids) if mt is None else mt
         lp = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling(body, max_tokens, lp, body.prompt_logprobs)
