@@ -41,6 +41,7 @@ from medha_sched.queue import PrefillQueue, ScanCursor
 from medha_sched.request import Request, RequestStatus
 
 _NO_TOKENS = BatchResult()
+_INF = float("inf")
 
 
 def _round_robin_counts(counts: list[int]) -> list[int]:
@@ -553,8 +554,10 @@ class Scheduler:
         """The next batch's draft at ``now``: ``(draft, lane, block grants,
         preempted, chosen)``; ``chosen`` as :meth:`_pack_prefills` returns it with
         ``take`` (empty when the scan took its prompts out of the queue)."""
-        if now < self._clock:
-            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        if not self._clock <= now < _INF:  # NaN fails both: it would stop every check
+            if now < self._clock:
+                raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+            raise SchedulerError(f"now must be a finite number of seconds, got {now!r}")
         self._clock = now
         if self.prefill_times.refresh(now):
             self._reprice()

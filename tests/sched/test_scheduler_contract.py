@@ -90,3 +90,16 @@ def test_prompt_token_ids_given_as_a_list_or_of_the_wrong_length() -> None:
     assert request.output_token_ids == [7] * 8
     with pytest.raises(ValueError, match=r"prompt_token_ids holds 3 ids for num_prompt_tokens=10"):
         Request("b", 0.0, 10, 5, prompt_token_ids=(1, 2, 3))
+
+
+@pytest.mark.parametrize("now", [float("nan"), float("inf")])
+def test_schedule_refuses_a_time_that_is_not_finite(now) -> None:
+    """``schedule(nan)`` was taken: the clock became NaN, after which every
+    "time went backwards" check passed (a comparison with NaN is False)."""
+    sched = make()
+    sched.add_request(Request("a", 0.0, 10, 2))
+    with pytest.raises(SchedulerError, match=f"now must be a finite number of seconds, got {now}"):
+        sched.schedule(now)
+    sched.schedule(1.0)
+    with pytest.raises(SchedulerError, match=r"time went backwards: now=0.5 < previous 1.0"):
+        sched.schedule(0.5)
