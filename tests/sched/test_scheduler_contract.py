@@ -103,3 +103,25 @@ def test_schedule_refuses_a_time_that_is_not_finite(now) -> None:
     sched.schedule(1.0)
     with pytest.raises(SchedulerError, match=r"time went backwards: now=0.5 < previous 1.0"):
         sched.schedule(0.5)
+
+
+@pytest.mark.parametrize("bad", [None, "5", 2.5, True])
+def test_a_token_that_is_not_an_integer_is_rejected_before_anything_changes(bad) -> None:
+    """A None token (an executor that failed to sample) raised TypeError halfway through
+    ``on_batch_end``: the batch was gone, the prompt counted as computed, no token
+    recorded, and the request was never scheduled again. A decode's token was appended
+    as given, unchecked."""
+    sched = make()
+    sched.add_request(Request("a", 0.0, 10, 3))
+    prefill = sched.schedule(0.0)
+    want = f"batch result's token for request 'a' must be an integer, got {bad!r}"
+    with pytest.raises(SchedulerError, match=want):
+        sched.on_batch_end(prefill.batch_id, BatchResult(sampled_token_ids={"a": bad}))
+    assert sched.num_in_flight_batches == 1
+    sched.on_batch_end(prefill.batch_id, BatchResult(sampled_token_ids={"a": 5}))
+    decode = sched.schedule(0.1)
+    assert [(c.start, c.num_tokens) for c in decode.chunks] == [(10, 1)]
+    with pytest.raises(SchedulerError, match=want):
+        sched.on_batch_end(decode.batch_id, BatchResult(sampled_token_ids={"a": bad}))
+    sched.on_batch_end(decode.batch_id, BatchResult(sampled_token_ids={"a": 6}))
+    assert sched.get_request("a").output_token_ids == [5, 6]
