@@ -50,7 +50,7 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], layout: s
 
 def check_gqa(num_qo_heads: int, num_kv_heads: int) -> int:
     """The number of query heads per KV head; raises unless it is a whole number."""
-    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+    if num_qo_heads < 1 or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         raise KernelInputError(
             f"num_qo_heads={num_qo_heads} must be a positive multiple of "
             f"num_kv_heads={num_kv_heads} (grouped-query attention)"

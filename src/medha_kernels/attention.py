@@ -67,6 +67,8 @@ def chunked_prefill_attention(
     if k.shape[2] != q.shape[2]:
         raise KernelInputError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
     check_gqa(q.shape[1], k.shape[1])
+    if q.shape[2] < 1:
+        raise KernelInputError(f"q: head_dim must be >= 1, got shape {tuple(q.shape)}")
     offset = k.shape[0] - q.shape[0] if q_offset is None else int(q_offset)
     scale = default_sm_scale(q.shape[2], sm_scale)
     args = (q, k, v, offset, bool(causal), scale)

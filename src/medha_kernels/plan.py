@@ -281,6 +281,8 @@ def plan_paged_attention_from_host(
     ``ceil(kv_lens[b] / block_size)``; the rest is ignored); the plan's
     ``[batch, max_blocks]`` table is padded with zeros.
     """
+    if int(block_size) < 1:
+        raise KernelInputError(f"block_size must be >= 1, got {block_size}")
     if len(block_tables) != len(kv_lens):
         raise KernelInputError(
             f"block_tables: {len(block_tables)} rows for {len(kv_lens)} sequences"

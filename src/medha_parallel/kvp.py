@@ -655,6 +655,8 @@ def plan_kvp_attention(
             f"num_q, kv_lens, is_tail and block_tables need one entry per sequence; got "
             f"{batch}, {len(kv_lens)}, {len(is_tail)} and {len(block_tables)}"
         )
+    if int(block_size) < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size!r}")
     causal: list[int] = []
     full: list[int] = []
     starts = [0] * batch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -106,6 +107,9 @@ class ParallelState:
         collective.
         """
         backend, dev = resolve_backend(backend, device, cuda_available=torch.cuda.is_available())
+        finite = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+        if not (finite and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             if init_method == "env://":

@@ -217,7 +217,10 @@ class BatchResult:
     """What the executor reports when a batch leaves the pipeline.
 
     Attributes:
-        sampled_token_ids: one new token per chunk that ``samples``.
+        sampled_token_ids: one new token per chunk that ``samples``, an integer.
+            :meth:`~medha_sched.Scheduler.on_batch_end` refuses a result that lacks
+            one or holds a non-integer (``SchedulerError``), changing nothing: the
+            batch stays in flight for a corrected result.
         stopped: requests the executor ended (EOS, stop string).
     """
 

@@ -33,6 +33,7 @@ from array import array
 
 from medha_sched.batch_cost import BatchCost, chunk_works
 from medha_sched.chunking import largest_fitting_chunk
+from medha_sched.config import _check_float, _check_int
 from medha_sched.cost.base import AggregateCostModel, CostModel
 
 _RECENT_MAX = 1 << 16
@@ -64,6 +65,16 @@ class PrefillTimeCache:
         group_token_limit: int,
         initial_tokens: int = 8192,
     ) -> None:
+        # the scheduler passes its validated config; checked here for a cache built alone
+        # (a zero chunk limit looped forever, a zero shard divided by zero)
+        _check_float("target_time", target_time, minimum=0.0, strict=True)
+        for name, value in (
+            ("token_grid", token_grid),
+            ("max_chunk_tokens", max_chunk_tokens),
+            ("group_token_limit", group_token_limit),
+        ):
+            _check_int(name, value, minimum=1)
+        _check_int("initial_tokens", initial_tokens, minimum=0)
         self._model = model
         self._target = target_time
         self._grid = token_grid

@@ -44,8 +44,8 @@ class Request:
         arrival_time: seconds, on the scheduler's clock.
         num_prompt_tokens: length of the original prompt.
         max_output_tokens: generation stops after this many tokens.
-        prompt_token_ids: the prompt, or ``None`` when only lengths matter
-            (simulation).
+        prompt_token_ids: the prompt's ``num_prompt_tokens`` ids (any sequence,
+            kept as a tuple), or ``None`` when only lengths matter (simulation).
         ttft_slo: relative TTFT deadline D in seconds, or ``None`` to derive
             D = max(m * p, min_deadline) at arrival.
         tpot_slo: per-token latency target in seconds, or ``None``.
@@ -118,6 +118,15 @@ class Request:
                 f"request {self.request_id!r}: max_output_tokens must be >= 1, "
                 f"got {self.max_output_tokens!r}"
             )
+        ids = self.prompt_token_ids
+        if ids is not None:
+            if not isinstance(ids, tuple):  # a list, say: kept as the tuple slices join with
+                ids = self.prompt_token_ids = tuple(ids)
+            if len(ids) != self.num_prompt_tokens:
+                raise ValueError(
+                    f"request {self.request_id!r}: prompt_token_ids holds {len(ids)} ids "
+                    f"for num_prompt_tokens={self.num_prompt_tokens}"
+                )
         for name in ("ttft_slo", "tpot_slo"):
             value = getattr(self, name)
             if value is not None and (not _finite(value) or value <= 0):

@@ -14,6 +14,7 @@ touches only the candidates it examines (:mod:`medha_sched.priority_index`).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -41,6 +42,23 @@ from medha_sched.queue import PrefillQueue, ScanCursor
 from medha_sched.request import Request, RequestStatus
 
 _NO_TOKENS = BatchResult()
+_INF = float("inf")
+_MISSING = object()
+
+
+def _check_token(request_id: str, token: object) -> None:
+    """SchedulerError unless ``token`` is an integer (a bool is not); checked before the
+    result changes anything, so a rejected result leaves its batch in flight."""
+    try:
+        operator.index(token)
+    except TypeError:
+        ok = False
+    else:
+        ok = not isinstance(token, bool)
+    if not ok:
+        raise SchedulerError(
+            f"batch result's token for request {request_id!r} must be an integer, got {token!r}"
+        )
 
 
 def _round_robin_counts(counts: list[int]) -> list[int]:
@@ -553,8 +571,10 @@ class Scheduler:
         """The next batch's draft at ``now``: ``(draft, lane, block grants,
         preempted, chosen)``; ``chosen`` as :meth:`_pack_prefills` returns it with
         ``take`` (empty when the scan took its prompts out of the queue)."""
-        if now < self._clock:
-            raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+        if not self._clock <= now < _INF:  # NaN fails both: it would stop every check
+            if now < self._clock:
+                raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
+            raise SchedulerError(f"now must be a finite number of seconds, got {now!r}")
         self._clock = now
         if self.prefill_times.refresh(now):
             self._reprice()
@@ -2355,15 +2375,24 @@ class Scheduler:
         if batch.lane is not None:
             fresh = self._fresh.get(batch.lane, ()) if self._fresh else ()
             for m in batch.lane.members:
-                if m.request.request_id not in tokens and m.request.request_id not in fresh:
-                    raise SchedulerError(
-                        f"batch result has no sampled token for request {m.request.request_id!r}"
-                    )
+                rid = m.request.request_id
+                token = tokens.get(rid, _MISSING)
+                if token is _MISSING:
+                    if rid not in fresh:
+                        raise SchedulerError(
+                            f"batch result has no sampled token for request {rid!r}"
+                        )
+                elif type(token) is not int:
+                    _check_token(rid, token)
         for r, _, _, samples in batch.entries:
-            if samples and r.request_id not in tokens:
-                raise SchedulerError(
-                    f"batch result has no sampled token for request {r.request_id!r}"
-                )
+            if samples:
+                token = tokens.get(r.request_id, _MISSING)
+                if token is _MISSING:
+                    raise SchedulerError(
+                        f"batch result has no sampled token for request {r.request_id!r}"
+                    )
+                if type(token) is not int:
+                    _check_token(r.request_id, token)
 
     def _after_compute(
         self, request: Request, samples: bool, result: BatchResult

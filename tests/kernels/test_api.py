@@ -127,3 +127,20 @@ def test_defaults_q_offset_and_sm_scale() -> None:
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     o3, _ = mk.chunked_prefill_attention(q, k, v, sm_scale=0.5, backend="torch")
     assert not torch.allclose(o1, o3)
+
+
+def test_zero_heads_head_dim_or_block_size_are_refused_by_name() -> None:
+    """These reached the user as a ZeroDivisionError (head_dim 0 in the default scale,
+    block_size 0 in the host planner) or the native planner's RuntimeError (no query
+    heads) instead of a KernelInputError naming the value."""
+    host = dict(cu_seqlens_q=[0, 1], kv_lens=[1], block_tables=[[0]], head_dim=16)
+    with pytest.raises(KernelInputError, match="block_size must be >= 1, got 0"):
+        mk.plan_paged_attention_from_host(num_qo_heads=4, num_kv_heads=2, block_size=0, **host)
+    with pytest.raises(
+        KernelInputError, match="num_qo_heads=0 must be a positive multiple of num_kv_heads=2"
+    ):
+        mk.plan_paged_attention_from_host(num_qo_heads=0, num_kv_heads=2, block_size=4, **host)
+    with pytest.raises(KernelInputError, match=r"q: head_dim must be >= 1, got shape \(2, 2, 0\)"):
+        mk.chunked_prefill_attention(
+            torch.randn(2, 2, 0), torch.randn(3, 2, 0), torch.randn(3, 2, 0)
+        )

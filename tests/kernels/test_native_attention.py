@@ -167,6 +167,35 @@ def test_large_chunks_go_to_torch_flash_and_match_float64(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("num_q", "num_kv", "q_offset"),
+    [
+        (1000, 952, -48),  # a KVP tail shard whose chunk began on the shard before
+        (1024, 600, None),  # more queries than keys: the default offset is -424
+        (200, 3000, -5),  # was a SIGFPE inside torch's flash op (it got no key)
+        (300, 3000, -300),  # every row before key 0
+    ],
+)
+def test_large_chunks_before_key_zero_are_empty_rows_not_wrong_or_a_crash(
+    monkeypatch, dtype, num_q, num_kv, q_offset
+) -> None:
+    """A large causal chunk with a negative ``q_offset`` went to torch's flash op with
+    keys sliced from ``q_offset``: Python's negative slice gave the wrong keys (every
+    row wrong) or none (the process died of a floating-point exception). Rows before
+    key 0 are ``(0, -inf)``; the others go to flash from key 0."""
+    calls = _count_flash(monkeypatch)
+    q = torch.randn(num_q, 4, 16).to(dtype)
+    k, v = torch.randn(num_kv, 2, 16).to(dtype), torch.randn(num_kv, 2, 16).to(dtype)
+    o, lse = mk.chunked_prefill_attention(q, k, v, q_offset=q_offset, backend="native")
+    offset = num_kv - num_q if q_offset is None else q_offset
+    _check(o, lse, q, k, v, q_offset=offset, causal=True)
+    empty = min(num_q, -offset)
+    assert torch.equal(o[:empty], torch.zeros_like(o[:empty]))
+    assert torch.equal(lse[:empty], torch.full_like(lse[:empty], -INF))
+    assert all(n == num_q - empty for n in calls)  # flash sees only rows from key 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_paged_step_splits_large_chunks_from_the_native_call(monkeypatch, dtype) -> None:
     """A step with two large chunks, decodes, a small chunk and an idle sequence: the
     large ones go to flash, the rest to one native call; every row matches float64."""

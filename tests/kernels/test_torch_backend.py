@@ -180,6 +180,21 @@ def test_append_paged_kv_writes_slots_and_skips_negative() -> None:
     assert int((kc != 0).any(-1).any(-1).sum()) == 2  # the padded token wrote nothing
 
 
+@pytest.mark.parametrize("backend", [B, "auto"])
+def test_append_paged_kv_into_views_of_one_kv_cache(backend) -> None:
+    """FlashInfer's ``[num_pages, 2, page_size, heads, dim]`` cache gives K and V as
+    non-contiguous views (which paged attention reads); appending to them raised
+    torch's "view size is not compatible" RuntimeError. The writes land in the cache."""
+    cache = torch.zeros(4, 2, 8, 2, 16)
+    kc, vc = cache[:, 0], cache[:, 1]
+    k, v = rand(3, 2, 16), rand(3, 2, 16)
+    append_paged_kv(
+        k, v, kc, vc, slots=torch.tensor([17, -1, 31], dtype=torch.int32), backend=backend
+    )
+    assert torch.equal(cache[2, 0, 1], k[0]) and torch.equal(cache[3, 1, 7], v[2])
+    assert int((cache != 0).any(-1).any(-1).sum()) == 4  # two tokens' K and V, nothing else
+
+
 # ------------------------------------------------------------------ merges
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("t", "h", "d"), [(1, 1, 64), (97, 32, 128), (1025, 4, 59)])

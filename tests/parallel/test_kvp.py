@@ -422,6 +422,13 @@ def test_plan_kvp_attention_refuses_inconsistent_sequences() -> None:
         plan_kvp_attention(num_q=[1], kv_lens=[9], is_tail=[False], block_tables=[[0, 1]], **shapes)
 
 
+def test_plan_kvp_attention_refuses_block_size_zero_by_name() -> None:
+    """It raised ZeroDivisionError counting a sequence's blocks."""
+    shapes = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 0}
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        plan_kvp_attention(num_q=[1], kv_lens=[9], is_tail=[True], block_tables=[[0]], **shapes)
+
+
 def test_kvp2_single_active_group_is_a_no_op_and_others_are_refused(kvp2) -> None:
     assert kvp2[0]["active1"] is True
     assert "outside the active prefix" in kvp2[1]["active1"]

@@ -76,3 +76,24 @@ def test_resolve_backend() -> None:
         resolve_backend("nccl", "cpu", cuda_available=True)
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
         resolve_backend(None, "tpu", cuda_available=False)
+
+
+def test_initialize_refuses_a_timeout_that_is_not_a_positive_number(tmp_path) -> None:
+    """Checked before joining: a negative timeout failed inside gloo ("timeout.count()
+    >= 0. Invalid timeout"), NaN as "cannot convert float NaN to integer"."""
+    import pytest
+    import torch.distributed as dist
+
+    for bad in (-5, float("nan"), float("inf"), 0, "10"):
+        with pytest.raises(
+            ValueError, match=f"timeout_s must be a finite number of seconds > 0, got {bad!r}"
+        ):
+            ParallelState.initialize(
+                ParallelLayout(),
+                backend="gloo",
+                init_method=f"file://{tmp_path / 'init'}",
+                rank=0,
+                world_size=1,
+                timeout_s=bad,
+            )
+    assert not dist.is_initialized()

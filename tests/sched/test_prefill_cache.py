@@ -410,3 +410,24 @@ def test_build_is_one_pass(coeffs, grid, max_chunk) -> None:
         initial_tokens=n,
     )
     assert boundaries <= opaque.calls <= boundaries * per_boundary, (opaque.calls, boundaries)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"max_chunk_tokens": 0}, "max_chunk_tokens must be an integer >= 1, got 0"),
+        ({"group_token_limit": 0}, "group_token_limit must be an integer >= 1, got 0"),
+        ({"token_grid": 0}, "token_grid must be an integer >= 1, got 0"),
+        ({"target_time": float("nan")}, "target_time must be a finite number > 0.0, got nan"),
+        ({"target_time": 0.0}, r"target_time must be a finite number > 0.0, got 0.0"),
+        ({"initial_tokens": -1}, "initial_tokens must be an integer >= 0, got -1"),
+    ],
+)
+def test_a_cache_built_alone_refuses_bad_settings_by_name(bad, match) -> None:
+    """Built outside the scheduler (whose config is validated), max_chunk_tokens=0
+    looped forever, group_token_limit=0 raised ZeroDivisionError, and a NaN or zero
+    budget built a table silently."""
+    model = AffineCostModel(base=2e-3, per_token=2e-5, per_attn=1e-9)
+    args = {"target_time": 0.05, "token_grid": 32, "max_chunk_tokens": 64}
+    with pytest.raises(ValueError, match=match):
+        PrefillTimeCache(model, **{**args, "group_token_limit": 1024, **bad})

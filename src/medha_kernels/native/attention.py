@@ -152,6 +152,17 @@ def chunked_prefill_attention(
         lse = torch.full((num_q, hq), float("-inf"), dtype=torch.float32)
         return q.new_zeros(q.shape), lse
     if use_flash(num_q, num_kv) and (not causal or q_offset + num_q <= num_kv):
+        if causal and q_offset < 0:
+            # rows before key 0 see no key: (0, -inf); the rest start at key 0 (the flash
+            # path slices keys from q_offset, which must not be negative)
+            skip = min(num_q, -q_offset)
+            out = q.new_zeros(q.shape)
+            lse = torch.full((num_q, hq), float("-inf"), dtype=torch.float32)
+            if skip < num_q:
+                out[skip:], lse[skip:] = chunked_prefill_attention(
+                    q[skip:], k, v, 0, causal, sm_scale
+                )
+            return out, lse
         return flash_attention(q, k, v, q_offset, causal, sm_scale)
     ext = get_module("cpu")
     cu = torch.tensor([0, num_q], dtype=_I32)

@@ -15,5 +15,10 @@ def append_paged_kv(
     """See :func:`medha_kernels.append_paged_kv` (arguments already checked)."""
     keep = slots >= 0
     idx = slots[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v[keep].to(v_cache.dtype))
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        rows = src[keep].to(cache.dtype)
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, idx, rows)
+        else:  # a view into a larger cache (K and V interleaved, say): write through it
+            bs = cache.shape[1]
+            cache[idx // bs, idx % bs] = rows
