@@ -314,25 +314,14 @@ def resolve_engine(
     import torch
 
     from medha_runtime.model.config import dtype_name, resolve_dtype
-    from medha_runtime.runner import RunnerSpec, kv_bytes_per_token, resolve_device
+    from medha_runtime.runner import RunnerSpec, kv_bytes_per_token
 
     c, m = config, model_config
     tp, spp, kvp, block = c.tp, c.spp, c.kvp, c.block_size
-    if m.num_kv_heads % tp or m.intermediate_size % tp:
-        raise ValueError(
-            f"tp={tp} must divide the model's {m.num_kv_heads} KV heads and its "
-            f"intermediate size {m.intermediate_size}"
-        )
-    if spp > m.num_layers:
-        raise ValueError(f"spp={spp} exceeds the model's {m.num_layers} layers")
     torch_dtype = resolve_dtype(c.dtype, m)
     dtype = dtype_name(torch_dtype)
-    device = resolve_device(c.device)
     local = c.world_size if c.distributed is None else c.distributed.local_ranks
-    if device == "cuda" and local > torch.cuda.device_count():
-        raise ValueError(
-            f"{local} ranks on this node need as many GPUs; {torch.cuda.device_count()} are visible"
-        )
+    device = check_layout(m, tp=tp, spp=spp, device=c.device, local_ranks=local)
 
     # ---- context and KV memory
     limit = m.max_position_embeddings
@@ -407,6 +396,32 @@ def resolve_engine(
         ),
         num_threads=c.num_threads,
     )
+
+
+def check_layout(
+    model_config: ModelConfig, *, tp: int, spp: int, device: str | None, local_ranks: int
+) -> str:
+    """Refuse a layout the model or this node cannot run (ValueError naming it) before any
+    worker starts; returns the device (``"cpu"`` or ``"cuda"``)."""
+    import torch
+
+    from medha_runtime.runner import resolve_device
+
+    m = model_config
+    if m.num_kv_heads % tp or m.intermediate_size % tp:
+        raise ValueError(
+            f"tp={tp} must divide the model's {m.num_kv_heads} KV heads and its "
+            f"intermediate size {m.intermediate_size}"
+        )
+    if spp > m.num_layers:
+        raise ValueError(f"spp={spp} exceeds the model's {m.num_layers} layers")
+    resolved = resolve_device(device)
+    if resolved == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ValueError(
+            f"{local_ranks} ranks on this node need as many GPUs; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+    return resolved
 
 
 def async_on(config: EngineConfig) -> bool:
