@@ -39,6 +39,9 @@ _GIB = 1 << 30
 #: 2,048-token prefill")
 OFFLINE_THROUGHPUT_CHUNK = 2048
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "float", "fp16", "half", "bf16")
+#: ``attention_backend`` values: "auto" and ``medha_kernels.backends.BACKENDS`` (named here
+#: because this module imports no torch)
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "native", "flashinfer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +94,8 @@ class EngineConfig:
         cost_model_out: save the online cost model's state here at shutdown.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
         timeout_s: bound on every collective between workers.
-        attention_backend: the ``medha_kernels`` attention backend (``"auto"``).
+        attention_backend: the ``medha_kernels`` attention backend of every layer
+            (``"auto"``, ``"torch"``, ``"triton"``, ``"native"``, ``"flashinfer"``).
         num_threads: torch CPU threads per rank (default: the node's cores
             divided by the ranks on it; in-process, torch's own setting).
         enable_prefix_caching: reuse the KV of a prompt prefix another request
@@ -192,9 +196,10 @@ class EngineConfig:
             )
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if not isinstance(self.attention_backend, str):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be a backend name, got {self.attention_backend!r}"
+                f"unknown attention_backend {self.attention_backend!r}; known: "
+                f"{', '.join(ATTENTION_BACKENDS)}"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(

@@ -201,3 +201,26 @@ def test_engine_abort_frees_the_request() -> None:
         assert not engine.has_unfinished_requests() and engine.abort_request(rid) is None
         again = llm.generate("ok", SamplingParams(temperature=0.0, max_tokens=3))
         assert len(again[0].outputs[0].token_ids) == 3
+
+
+def test_attention_backend_is_used_in_process_and_a_bad_one_refused() -> None:
+    """``attention_backend`` reached the layers only with kvp > 1: with one KVP group every
+    layer kept "auto" whatever was asked, and an unknown name ran as "auto"."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for backend in ("auto", "torch"):
+        with LLM("tiny", cost_model=COST, max_model_len=128, attention_backend=backend) as llm:
+            runner = llm.engine.executor.runner
+            fns = {layer.self_attn.attn_fn.backend for layer in runner.model.layers.values()}
+            assert fns == {backend} and runner._plan_key["backend"] == backend
+            outs[backend] = llm.generate("backend", params)[0].outputs[0].token_ids
+    assert outs["torch"] == outs["auto"]
+    with pytest.raises(ValueError, match="unknown attention_backend 'nope'; known: auto, torch"):
+        LLM("tiny", cost_model=COST, attention_backend="nope")
+
+
+def test_attention_backends_match_the_kernels_registry() -> None:
+    from medha_kernels.backends import BACKENDS
+    from medha_runtime.config import ATTENTION_BACKENDS
+
+    assert ("auto", *BACKENDS) == ATTENTION_BACKENDS
