@@ -224,3 +224,17 @@ def test_attention_backends_match_the_kernels_registry() -> None:
     from medha_runtime.config import ATTENTION_BACKENDS
 
     assert ("auto", *BACKENDS) == ATTENTION_BACKENDS
+
+
+def test_cost_model_out_that_cannot_be_written_is_refused_at_start(tmp_path) -> None:
+    """It failed at shutdown, after all the work, with the state lost (FileNotFoundError)."""
+    for path, needle in (
+        (tmp_path / "missing" / "cost.json", "no directory"),
+        (tmp_path, "it is a directory"),
+    ):
+        with pytest.raises(ValueError, match=f"cannot write cost_model_out=.*{needle}"):
+            LLM("tiny", max_model_len=64, cost_model_out=str(path))
+    out = tmp_path / "cost.json"
+    with LLM("tiny", max_model_len=64, cost_model_out=str(out)) as llm:
+        llm.generate("saved", SamplingParams(temperature=0.0, max_tokens=2))
+    assert out.is_file()
