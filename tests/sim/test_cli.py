@@ -190,3 +190,17 @@ def test_console_script_is_registered() -> None:
 
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
     assert scripts.get("medha-sim") == "medha_sched.sim.cli:main"
+
+
+def test_plot_to_a_format_matplotlib_lacks_is_one_named_line(tmp_path: Path) -> None:
+    """``--out fig.txt`` was matplotlib's ValueError traceback (exit 1) after reading the runs."""
+    good = '{"id": "a", "arrival_s": 0, "prompt_tokens": 5, "output_tokens": 2}'
+    (tmp_path / "t.jsonl").write_text(f"{good}\n")
+    ok(sim("run", "--trace", "t.jsonl", "--out", "r", "--quiet", cwd=tmp_path))
+    proc = sim("plot", "r", "--out", "fig.txt", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "fig.txt" in lines[0] and "png" in lines[0], proc.stderr
+    assert not (tmp_path / "fig.txt").exists()
+    ok(sim("plot", "r", "--out", "fig.svg", cwd=tmp_path))
+    assert (tmp_path / "fig.svg").is_file()

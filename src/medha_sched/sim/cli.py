@@ -433,8 +433,12 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from medha_sched.sim.plot import plot_runs
+    from medha_sched.sim.plot import check_figure_path, plot_runs
 
+    try:
+        check_figure_path(args.out)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     for d in args.dirs:
         if not (d / "requests.jsonl").is_file():
             raise UsageError(
