@@ -238,3 +238,29 @@ def test_cost_model_out_that_cannot_be_written_is_refused_at_start(tmp_path) -> 
     with LLM("tiny", max_model_len=64, cost_model_out=str(out)) as llm:
         llm.generate("saved", SamplingParams(temperature=0.0, max_tokens=2))
     assert out.is_file()
+
+
+def test_chat_takes_text_parts_and_names_a_bad_message() -> None:
+    """Text parts (as the server takes them) failed in the template ("can only concatenate
+    str"), a plain string was rendered letter by letter as messages, a missing content
+    failed inside the template."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM("tiny", cost_model=COST, max_model_len=256) as llm:
+        plain = llm.chat([{"role": "user", "content": "hi there"}], params)[0]
+        parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+        split = llm.chat([[{"role": "user", "content": parts}]], params)[0]
+        assert split.prompt_token_ids == plain.prompt_token_ids
+        bad = {
+            "a string": ("hello", "chat takes a conversation"),
+            "no content": ([{"role": "user", "text": "hi"}], "message 0: 'content' must be"),
+            "no role": ([{"content": "hi"}], "message 0: 'role' must be"),
+            "an image": (
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                "content part 0 must be",
+            ),
+            "a string conversation": (["hi", "there"], "conversation 0 must be a list"),
+        }
+        for name, (messages, needle) in bad.items():
+            with pytest.raises(ValueError, match=needle):
+                llm.chat(messages, params)
+            assert name
