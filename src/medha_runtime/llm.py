@@ -223,6 +223,12 @@ def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]
         if isinstance(p, str):
             out.append((p, None))
         elif isinstance(p, Mapping):
+            unknown = sorted(str(k) for k in p if k not in ("prompt", "prompt_token_ids"))
+            if unknown:  # multi_modal_data, a misspelt key...: refused, not ignored
+                raise ValueError(
+                    f"prompt {i}: unsupported key(s) {', '.join(unknown)}; a dict takes "
+                    "'prompt' and/or 'prompt_token_ids'"
+                )
             if "prompt_token_ids" in p:
                 out.append((p.get("prompt"), _token_list(p["prompt_token_ids"], i)))
             elif "prompt" in p and isinstance(p["prompt"], str):

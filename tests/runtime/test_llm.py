@@ -264,3 +264,18 @@ def test_chat_takes_text_parts_and_names_a_bad_message() -> None:
             with pytest.raises(ValueError, match=needle):
                 llm.chat(messages, params)
             assert name
+
+
+def test_a_prompt_dict_with_other_keys_is_refused() -> None:
+    """vLLM's prompt dicts carry multi_modal_data, mm_processor_kwargs...: they were
+    silently dropped, as was a misspelt key beside 'prompt'."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM("tiny", cost_model=COST, max_model_len=128) as llm:
+        for prompt, needle in (
+            ({"prompt": "hi", "multi_modal_data": {"image": None}}, "multi_modal_data"),
+            ([{"prompt": "hi", "prompt_token_id": [5]}], "prompt_token_id;"),
+        ):
+            with pytest.raises(ValueError, match=f"prompt 0: unsupported key.*{needle}"):
+                llm.generate(prompt, params)
+        both = llm.generate({"prompt": "hi", "prompt_token_ids": [104, 105]}, params)[0]
+        assert both.prompt == "hi" and both.prompt_token_ids == [104, 105]
