@@ -204,3 +204,16 @@ def test_plot_to_a_format_matplotlib_lacks_is_one_named_line(tmp_path: Path) -> 
     assert not (tmp_path / "fig.txt").exists()
     ok(sim("plot", "r", "--out", "fig.svg", cwd=tmp_path))
     assert (tmp_path / "fig.svg").is_file()
+
+
+def test_sessions_whose_first_turn_cannot_fit_are_refused(tmp_path: Path) -> None:
+    """A document longer than --max-context wrote an empty trace and exited 0."""
+    args = ["sessions", "--sessions", "2", "--turns", "2", "--qps", "1", "--out", "s.jsonl"]
+    proc = sim(*args, "--doc-tokens", "100", "--max-context", "50", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "doc_tokens=100" in lines[0] and "max_context=50" in lines[0]
+    assert not (tmp_path / "s.jsonl").exists()
+    fits = ["--doc-tokens", "100", "--output-tokens", "8", "--max-context", "200"]
+    out = ok(sim(*args, *fits, cwd=tmp_path))
+    assert "wrote " in out and (tmp_path / "s.jsonl").read_text().strip()
