@@ -163,6 +163,8 @@ def test_compare_writes_table_and_figure(tmp_path: Path) -> None:
         (["gen", "--qps", "abc", "--duration", "1", "--out", "t.jsonl"], "--qps"),
         (["compare", "--policies", "fcfs@big", "--duration", "1", "--out", "c"], "fcfs@big"),
         (["compare", "--policies", "zzz", "--duration", "1", "--out", "c"], "zzz"),
+        # the same load twice ran twice into one run directory (at once with --jobs 2)
+        (["compare", "--qps", "0.5,0.50", "--duration", "1", "--out", "c"], "a load repeats"),
         (["plot", "nowhere", "--out", "p.png"], "nowhere"),
     ],
 )

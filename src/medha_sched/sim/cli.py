@@ -459,6 +459,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     variants = parse_variants(args.policies)
     qps_list = parse_floats("--qps", args.qps)
+    names = [f"{q:g}" for q in qps_list]  # as the run directories name them
+    if len(set(names)) < len(names):
+        raise UsageError(f"--qps: a load repeats in {args.qps!r} (as {', '.join(names)})")
     base = _replica_spec(args)
     workload = _workload(args, qps_list[0])
     for policy, chunk in variants:  # name the bad variant before any run starts
