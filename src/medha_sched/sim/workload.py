@@ -257,7 +257,8 @@ class SessionSpec:
         output_tokens: answer length; ``None`` draws ShareGPT4 output lengths.
         think_s: mean seconds between a session's turns.
         max_context: longest request, prompt + output tokens (later turns
-            are dropped once a session would exceed it).
+            are dropped once a session would exceed it; a ``doc_tokens`` whose
+            first turn cannot fit is refused).
         seed: random seed.
     """
 
