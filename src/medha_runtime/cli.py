@@ -436,6 +436,7 @@ def _profile(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"medha-runtime profile: {exc}", file=sys.stderr)
         return 2
+    _check_out(args.out)  # before minutes of measuring, not after
     result = run_profile(
         args.model,
         dtype=args.dtype,
@@ -458,6 +459,16 @@ def _profile(args: argparse.Namespace) -> int:
     )
     print(result.summary())
     return 0
+
+
+def _check_out(path: str) -> None:
+    """Make ``--out``'s directory, or raise (one line) where the file cannot go."""
+    from pathlib import Path
+
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--out {path} is a directory; give a file name")
+    out.parent.mkdir(parents=True, exist_ok=True)
 
 
 #: the third-party modules each command needs, and the extra that installs them

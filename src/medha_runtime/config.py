@@ -39,6 +39,9 @@ _GIB = 1 << 30
 #: 2,048-token prefill")
 OFFLINE_THROUGHPUT_CHUNK = 2048
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "float", "fp16", "half", "bf16")
+#: ``attention_backend`` values: "auto" and ``medha_kernels.backends.BACKENDS`` (named here
+#: because this module imports no torch)
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "native", "flashinfer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +94,8 @@ class EngineConfig:
         cost_model_out: save the online cost model's state here at shutdown.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
         timeout_s: bound on every collective between workers.
-        attention_backend: the ``medha_kernels`` attention backend (``"auto"``).
+        attention_backend: the ``medha_kernels`` attention backend of every layer
+            (``"auto"``, ``"torch"``, ``"triton"``, ``"native"``, ``"flashinfer"``).
         num_threads: torch CPU threads per rank (default: the node's cores
             divided by the ranks on it; in-process, torch's own setting).
         enable_prefix_caching: reuse the KV of a prompt prefix another request
@@ -192,9 +196,10 @@ class EngineConfig:
             )
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if not isinstance(self.attention_backend, str):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be a backend name, got {self.attention_backend!r}"
+                f"unknown attention_backend {self.attention_backend!r}; known: "
+                f"{', '.join(ATTENTION_BACKENDS)}"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
@@ -314,25 +319,14 @@ def resolve_engine(
     import torch
 
     from medha_runtime.model.config import dtype_name, resolve_dtype
-    from medha_runtime.runner import RunnerSpec, kv_bytes_per_token, resolve_device
+    from medha_runtime.runner import RunnerSpec, kv_bytes_per_token
 
     c, m = config, model_config
     tp, spp, kvp, block = c.tp, c.spp, c.kvp, c.block_size
-    if m.num_kv_heads % tp or m.intermediate_size % tp:
-        raise ValueError(
-            f"tp={tp} must divide the model's {m.num_kv_heads} KV heads and its "
-            f"intermediate size {m.intermediate_size}"
-        )
-    if spp > m.num_layers:
-        raise ValueError(f"spp={spp} exceeds the model's {m.num_layers} layers")
     torch_dtype = resolve_dtype(c.dtype, m)
     dtype = dtype_name(torch_dtype)
-    device = resolve_device(c.device)
     local = c.world_size if c.distributed is None else c.distributed.local_ranks
-    if device == "cuda" and local > torch.cuda.device_count():
-        raise ValueError(
-            f"{local} ranks on this node need as many GPUs; {torch.cuda.device_count()} are visible"
-        )
+    device = check_layout(m, tp=tp, spp=spp, device=c.device, local_ranks=local)
 
     # ---- context and KV memory
     limit = m.max_position_embeddings
@@ -407,6 +401,32 @@ def resolve_engine(
         ),
         num_threads=c.num_threads,
     )
+
+
+def check_layout(
+    model_config: ModelConfig, *, tp: int, spp: int, device: str | None, local_ranks: int
+) -> str:
+    """Refuse a layout the model or this node cannot run (ValueError naming it) before any
+    worker starts; returns the device (``"cpu"`` or ``"cuda"``)."""
+    import torch
+
+    from medha_runtime.runner import resolve_device
+
+    m = model_config
+    if m.num_kv_heads % tp or m.intermediate_size % tp:
+        raise ValueError(
+            f"tp={tp} must divide the model's {m.num_kv_heads} KV heads and its "
+            f"intermediate size {m.intermediate_size}"
+        )
+    if spp > m.num_layers:
+        raise ValueError(f"spp={spp} exceeds the model's {m.num_layers} layers")
+    resolved = resolve_device(device)
+    if resolved == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ValueError(
+            f"{local_ranks} ranks on this node need as many GPUs; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+    return resolved
 
 
 def async_on(config: EngineConfig) -> bool:

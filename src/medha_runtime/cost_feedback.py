@@ -75,6 +75,8 @@ class CostFeedback:
                 f"cost_model_out={self.save_to!r} saves an online cost model, but the engine "
                 f"runs {type(model).__name__}; use cost_model='online' (the default)"
             )
+        if self.save_to is not None:  # refused now, not after the work at shutdown
+            _check_writable(self.save_to)
         self.recent: deque[float] = deque(maxlen=_WINDOW)
         self._pending: deque[float] = deque(maxlen=_PENDING)
         self.steps = 0
@@ -179,3 +181,17 @@ class CostFeedback:
         """Write the online model's state to ``save_to`` (if set)."""
         if self.save_to is not None:
             self.model.save(self.save_to)  # type: ignore[attr-defined]
+
+
+def _check_writable(path: str) -> None:
+    """Raise ValueError (naming ``path``) where a file cannot be written there."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        why = "it is a directory"
+    elif not os.path.isdir(folder):
+        why = f"no directory {folder}"
+    elif not os.access(folder, os.W_OK):
+        why = f"{folder} is not writable"
+    else:
+        return
+    raise ValueError(f"cannot write cost_model_out={path!r}: {why}")

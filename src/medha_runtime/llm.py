@@ -150,23 +150,63 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (the model's chat template)."""
+        """Generate replies to one conversation or a list of them (the model's chat template).
+
+        A message is ``{"role": str, "content": str}``; ``content`` may also be a
+        list of OpenAI text parts (``{"type": "text", "text": str}``), joined.
+        Other keys (``name``...) go to the template as they are.
+        """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError(f"model {self.engine.model!r} has no tokenizer: chat needs one")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ValueError(
+                "chat takes a conversation (a list of {'role': ..., 'content': ...} messages) "
+                f"or a list of them, got {messages!r}; generate() takes plain prompts"
+            )
         if messages and isinstance(messages[0], Mapping):
             conversations = [messages]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
         prompts: list[Prompt] = []
-        for conv in conversations:
+        for i, conv in enumerate(conversations):
             ids = tokenizer.apply_chat_template(
-                conv,  # type: ignore[arg-type]
+                _conversation(conv, i),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
             )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)
+
+
+def _conversation(conv: object, i: int) -> list[dict[str, Any]]:
+    """``conv``'s messages checked, text parts joined (ValueError naming the bad one)."""
+    if isinstance(conv, (str, bytes, Mapping)) or not isinstance(conv, Sequence):
+        raise ValueError(f"conversation {i} must be a list of messages, got {conv!r}")
+    out = []
+    for j, message in enumerate(conv):
+        at = f"conversation {i}, message {j}"
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{at} must be a dict with 'role' and 'content', got {message!r}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{at}: 'role' must be a non-empty string, got {role!r}")
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            parts = content
+            for k, part in enumerate(parts):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text" or not isinstance(part.get("text"), str):  # type: ignore[union-attr]
+                    raise ValueError(
+                        f"{at}: content part {k} must be {{'type': 'text', 'text': str}} "
+                        f"(only text is supported), got {part!r}"
+                    )
+            content = "".join(part["text"] for part in parts)  # type: ignore[index]
+        elif not isinstance(content, str):
+            raise ValueError(
+                f"{at}: 'content' must be a string or a list of text parts, got {content!r}"
+            )
+        out.append({**message, "content": content})
+    return out
 
 
 def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
@@ -183,6 +223,12 @@ def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]
         if isinstance(p, str):
             out.append((p, None))
         elif isinstance(p, Mapping):
+            unknown = sorted(str(k) for k in p if k not in ("prompt", "prompt_token_ids"))
+            if unknown:  # multi_modal_data, a misspelt key...: refused, not ignored
+                raise ValueError(
+                    f"prompt {i}: unsupported key(s) {', '.join(unknown)}; a dict takes "
+                    "'prompt' and/or 'prompt_token_ids'"
+                )
             if "prompt_token_ids" in p:
                 out.append((p.get("prompt"), _token_list(p["prompt_token_ids"], i)))
             elif "prompt" in p and isinstance(p["prompt"], str):

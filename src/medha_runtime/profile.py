@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
+from medha_runtime.config import check_layout
 from medha_runtime.executor import Executor, make_executor
 from medha_runtime.plan import PlannedChunk, StepPlan
-from medha_runtime.runner import RunnerSpec, resolve_device
+from medha_runtime.runner import RunnerSpec
 from medha_runtime.sampling import SampleSpec
 from medha_sched import AffineCostModel, ParallelDegrees, TableCostModel
 from medha_sched.cost import (
@@ -406,7 +407,9 @@ def run_profile(
 
     config, _ = load_model_info(model)
     torch_dtype = resolve_dtype(dtype if dtype == "auto" else dtype_name(dtype), config)
-    device = resolve_device(device)
+    # refuse what cannot run before any worker starts (a bad layout would fail in them)
+    device = check_layout(config, tp=tp, spp=spp, device=device, local_ranks=tp * spp * kvp)
+    preset = get_hardware(hardware) if hardware else None  # a bad name before the measuring
     room = -(-grid.max_tokens // block_size) * block_size
     decode_blocks = max(
         (n * -(-(kv + 1) // block_size) for n in grid.decode_n for kv in grid.decode_kv),
@@ -443,7 +446,7 @@ def run_profile(
     table = TableCostModel.fit(samples, layout=layout)
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     shape = model_shape(config, name=model, bytes_per_param=itemsize)
-    hw = get_hardware(hardware) if hardware else measure_hardware(device, torch_dtype)
+    hw = preset if preset is not None else measure_hardware(device, torch_dtype)
     roofline = RooflineCostModel(model=shape, hardware=hw, layout=layout)
     r_err = [_rel(roofline.predict(b), s) for b, s in samples]
     t_err = [_rel(table.predict(b), s) for b, s in samples]

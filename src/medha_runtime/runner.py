@@ -74,7 +74,7 @@ from medha_parallel.kvp import (
 from medha_parallel.tokens import return_slots
 from medha_runtime.cpu_memory import keep_freed_memory
 from medha_runtime.decode_graphs import DecodeGraphs
-from medha_runtime.model import ForwardBatch, KVCache, load_model
+from medha_runtime.model import ForwardBatch, KVCache, PagedAttention, load_model
 from medha_runtime.plan import BlockTables, PlannedChunk, StepPlan
 from medha_runtime.sampling import Sampled, Sampler, logit_rows, sample_step
 from medha_runtime.stage import PipelineStage
@@ -465,6 +465,8 @@ class ModelRunner:
                 KVPCommunicator(state), backend=spec.attention_backend, strategy=spec.kvp_merge
             )
             self.model.set_attention(self.attention)
+        elif spec.attention_backend != "auto":
+            self.model.set_attention(PagedAttention(spec.attention_backend))
         self.pipeline: PipelineStage | None = None
         if spec.spp > 1:
             assert state is not None

@@ -162,3 +162,11 @@ def test_bad_flags_are_named(capsys) -> None:
         main(["bench", "--goodput", "ttft:-3"])
     assert exc.value.code == 2
     assert "argument --goodput: expected a finite number > 0, got '-3'" in capsys.readouterr().err
+
+
+def test_a_plot_format_matplotlib_lacks_is_refused_before_the_run(capsys) -> None:
+    """``--plot cdf.txt`` failed with matplotlib's error only after the whole run."""
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: the run would fail first
+    assert main(["bench", "--base-url", url, "--no-progress", "--plot", "cdf.txt"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plot 'cdf.txt': matplotlib cannot write .txt" in err[0], err

@@ -201,3 +201,81 @@ def test_engine_abort_frees_the_request() -> None:
         assert not engine.has_unfinished_requests() and engine.abort_request(rid) is None
         again = llm.generate("ok", SamplingParams(temperature=0.0, max_tokens=3))
         assert len(again[0].outputs[0].token_ids) == 3
+
+
+def test_attention_backend_is_used_in_process_and_a_bad_one_refused() -> None:
+    """``attention_backend`` reached the layers only with kvp > 1: with one KVP group every
+    layer kept "auto" whatever was asked, and an unknown name ran as "auto"."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for backend in ("auto", "torch"):
+        with LLM("tiny", cost_model=COST, max_model_len=128, attention_backend=backend) as llm:
+            runner = llm.engine.executor.runner
+            fns = {layer.self_attn.attn_fn.backend for layer in runner.model.layers.values()}
+            assert fns == {backend} and runner._plan_key["backend"] == backend
+            outs[backend] = llm.generate("backend", params)[0].outputs[0].token_ids
+    assert outs["torch"] == outs["auto"]
+    with pytest.raises(ValueError, match="unknown attention_backend 'nope'; known: auto, torch"):
+        LLM("tiny", cost_model=COST, attention_backend="nope")
+
+
+def test_attention_backends_match_the_kernels_registry() -> None:
+    from medha_kernels.backends import BACKENDS
+    from medha_runtime.config import ATTENTION_BACKENDS
+
+    assert ("auto", *BACKENDS) == ATTENTION_BACKENDS
+
+
+def test_cost_model_out_that_cannot_be_written_is_refused_at_start(tmp_path) -> None:
+    """It failed at shutdown, after all the work, with the state lost (FileNotFoundError)."""
+    for path, needle in (
+        (tmp_path / "missing" / "cost.json", "no directory"),
+        (tmp_path, "it is a directory"),
+    ):
+        with pytest.raises(ValueError, match=f"cannot write cost_model_out=.*{needle}"):
+            LLM("tiny", max_model_len=64, cost_model_out=str(path))
+    out = tmp_path / "cost.json"
+    with LLM("tiny", max_model_len=64, cost_model_out=str(out)) as llm:
+        llm.generate("saved", SamplingParams(temperature=0.0, max_tokens=2))
+    assert out.is_file()
+
+
+def test_chat_takes_text_parts_and_names_a_bad_message() -> None:
+    """Text parts (as the server takes them) failed in the template ("can only concatenate
+    str"), a plain string was rendered letter by letter as messages, a missing content
+    failed inside the template."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM("tiny", cost_model=COST, max_model_len=256) as llm:
+        plain = llm.chat([{"role": "user", "content": "hi there"}], params)[0]
+        parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+        split = llm.chat([[{"role": "user", "content": parts}]], params)[0]
+        assert split.prompt_token_ids == plain.prompt_token_ids
+        bad = {
+            "a string": ("hello", "chat takes a conversation"),
+            "no content": ([{"role": "user", "text": "hi"}], "message 0: 'content' must be"),
+            "no role": ([{"content": "hi"}], "message 0: 'role' must be"),
+            "an image": (
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                "content part 0 must be",
+            ),
+            "a string conversation": (["hi", "there"], "conversation 0 must be a list"),
+        }
+        for name, (messages, needle) in bad.items():
+            with pytest.raises(ValueError, match=needle):
+                llm.chat(messages, params)
+            assert name
+
+
+def test_a_prompt_dict_with_other_keys_is_refused() -> None:
+    """vLLM's prompt dicts carry multi_modal_data, mm_processor_kwargs...: they were
+    silently dropped, as was a misspelt key beside 'prompt'."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM("tiny", cost_model=COST, max_model_len=128) as llm:
+        for prompt, needle in (
+            ({"prompt": "hi", "multi_modal_data": {"image": None}}, "multi_modal_data"),
+            ([{"prompt": "hi", "prompt_token_id": [5]}], "prompt_token_id;"),
+        ):
+            with pytest.raises(ValueError, match=f"prompt 0: unsupported key.*{needle}"):
+                llm.generate(prompt, params)
+        both = llm.generate({"prompt": "hi", "prompt_token_ids": [104, 105]}, params)[0]
+        assert both.prompt == "hi" and both.prompt_token_ids == [104, 105]

@@ -187,3 +187,43 @@ def test_a_slow_probe_is_timed_once(monkeypatch):
     # the generic steps (warmed up), both probes once, then the fast one twice more
     assert [t[1:] for t in timed] == [(3, 1), (1, 0), (2, 0)]
     assert timed[1][0] == [[(32, 4064)], [(2048, 0)]] and timed[2][0] == [[(32, 4064)]]
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--tp", "3"], "tp=3 must divide the model's 2 KV heads"),
+        (["--spp", "99"], "spp=99 exceeds the model's 4 layers"),
+        (["--hardware", "b200"], "unknown GPU preset 'b200'"),
+    ],
+)
+def test_cli_refuses_what_cannot_run_before_measuring(tmp_path, capsys, flags, needle) -> None:
+    """A layout the model cannot take, or a bad preset, is one line before any worker
+    starts (tp=3 failed inside the workers with their tracebacks, spp=99 hung, a bad
+    --hardware came after the whole grid was measured)."""
+    out = tmp_path / "p.json"
+    assert main(["profile", "tiny", "--quick", "--device", "cpu", "--out", str(out), *flags]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing measured: not even the "profiling ..." line
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in captured.err
+    assert not out.exists()
+
+
+def test_cli_refuses_cuda_without_a_gpu(tmp_path, capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "p.json"
+    assert main(["profile", "tiny", "--quick", "--device", "cuda", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "0 are visible" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_out_is_checked_and_its_directory_made_before_measuring(tmp_path, capsys) -> None:
+    assert main(["profile", "tiny", "--quick", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "is a directory" in captured.err
+    out = tmp_path / "new" / "dir" / "p.json"
+    grid = ["--prefill-q", "1,16", "--prefill-kv", "0,16", "--decode-n", "2", "--decode-kv", "16"]
+    code = main(["profile", "tiny", "--device", "cpu", "--repeats", "1", *grid, "--out", str(out)])
+    assert code == 0 and TableCostModel.from_json(out).attention_q == (1, 16)

@@ -163,6 +163,8 @@ def test_compare_writes_table_and_figure(tmp_path: Path) -> None:
         (["gen", "--qps", "abc", "--duration", "1", "--out", "t.jsonl"], "--qps"),
         (["compare", "--policies", "fcfs@big", "--duration", "1", "--out", "c"], "fcfs@big"),
         (["compare", "--policies", "zzz", "--duration", "1", "--out", "c"], "zzz"),
+        # the same load twice ran twice into one run directory (at once with --jobs 2)
+        (["compare", "--qps", "0.5,0.50", "--duration", "1", "--out", "c"], "a load repeats"),
         (["plot", "nowhere", "--out", "p.png"], "nowhere"),
     ],
 )
@@ -190,3 +192,30 @@ def test_console_script_is_registered() -> None:
 
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
     assert scripts.get("medha-sim") == "medha_sched.sim.cli:main"
+
+
+def test_plot_to_a_format_matplotlib_lacks_is_one_named_line(tmp_path: Path) -> None:
+    """``--out fig.txt`` was matplotlib's ValueError traceback (exit 1) after reading the runs."""
+    good = '{"id": "a", "arrival_s": 0, "prompt_tokens": 5, "output_tokens": 2}'
+    (tmp_path / "t.jsonl").write_text(f"{good}\n")
+    ok(sim("run", "--trace", "t.jsonl", "--out", "r", "--quiet", cwd=tmp_path))
+    proc = sim("plot", "r", "--out", "fig.txt", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "fig.txt" in lines[0] and "png" in lines[0], proc.stderr
+    assert not (tmp_path / "fig.txt").exists()
+    ok(sim("plot", "r", "--out", "fig.svg", cwd=tmp_path))
+    assert (tmp_path / "fig.svg").is_file()
+
+
+def test_sessions_whose_first_turn_cannot_fit_are_refused(tmp_path: Path) -> None:
+    """A document longer than --max-context wrote an empty trace and exited 0."""
+    args = ["sessions", "--sessions", "2", "--turns", "2", "--qps", "1", "--out", "s.jsonl"]
+    proc = sim(*args, "--doc-tokens", "100", "--max-context", "50", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "doc_tokens=100" in lines[0] and "max_context=50" in lines[0]
+    assert not (tmp_path / "s.jsonl").exists()
+    fits = ["--doc-tokens", "100", "--output-tokens", "8", "--max-context", "200"]
+    out = ok(sim(*args, *fits, cwd=tmp_path))
+    assert "wrote " in out and (tmp_path / "s.jsonl").read_text().strip()

@@ -202,6 +202,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from medha_runtime.bench.session import run_session
 
     try:
+        if args.plot:  # before the run, not after it
+            from medha_runtime.bench.plot import check_plot_path
+
+            check_plot_path(args.plot)
         return run_session(config_from_args(args))
     except (ValueError, OSError, RuntimeError, httpx.HTTPError) as exc:
         print(f"medha-runtime bench: error: {exc}", file=sys.stderr)

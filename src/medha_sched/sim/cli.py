@@ -433,8 +433,12 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from medha_sched.sim.plot import plot_runs
+    from medha_sched.sim.plot import check_figure_path, plot_runs
 
+    try:
+        check_figure_path(args.out)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     for d in args.dirs:
         if not (d / "requests.jsonl").is_file():
             raise UsageError(
@@ -455,6 +459,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     variants = parse_variants(args.policies)
     qps_list = parse_floats("--qps", args.qps)
+    names = [f"{q:g}" for q in qps_list]  # as the run directories name them
+    if len(set(names)) < len(names):
+        raise UsageError(f"--qps: a load repeats in {args.qps!r} (as {', '.join(names)})")
     base = _replica_spec(args)
     workload = _workload(args, qps_list[0])
     for policy, chunk in variants:  # name the bad variant before any run starts

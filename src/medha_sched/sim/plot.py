@@ -24,6 +24,19 @@ def _pyplot() -> Any:
     return plt
 
 
+def check_figure_path(out: Path) -> None:
+    """Raise ValueError when matplotlib cannot write ``out``'s format (no suffix: PNG)."""
+    suffix = Path(out).suffix.lower().lstrip(".")
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ValueError(
+            f"--out {str(out)!r}: matplotlib cannot write .{suffix} figures; "
+            f"use one of {', '.join(sorted(formats))}"
+        )
+
+
 def run_label(run_dir: Path) -> str:
     """The run's policy label from its ``summary.json``, else the directory name."""
     try:

@@ -257,7 +257,8 @@ class SessionSpec:
         output_tokens: answer length; ``None`` draws ShareGPT4 output lengths.
         think_s: mean seconds between a session's turns.
         max_context: longest request, prompt + output tokens (later turns
-            are dropped once a session would exceed it).
+            are dropped once a session would exceed it; a ``doc_tokens`` whose
+            first turn cannot fit is refused).
         seed: random seed.
     """
 
@@ -286,6 +287,14 @@ class SessionSpec:
             raise ValueError(f"think_s must be a finite number >= 0, got {self.think_s!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.doc_tokens is not None:  # not even a first turn would fit: an empty trace
+            first = self.doc_tokens + self.question_tokens + (self.output_tokens or 1)
+            if first > self.max_context:
+                raise ValueError(
+                    f"a first turn of doc_tokens={self.doc_tokens} + question_tokens="
+                    f"{self.question_tokens} + {self.output_tokens or 1} output tokens exceeds "
+                    f"max_context={self.max_context}: no session would have a turn"
+                )
 
 
 def generate_sessions(spec: SessionSpec, *, id_prefix: str = "s") -> list[TraceRequest]:
