@@ -153,7 +153,8 @@ class LLM:
         """Generate replies to one conversation or a list of them (the model's chat template).
 
         A message is ``{"role": str, "content": str}``; ``content`` may also be a
-        list of OpenAI text parts (``{"type": "text", "text": str}``), joined.
+        list of OpenAI text parts (``{"type": "text", "text": str}``), joined one per
+        line, as the server and vLLM join them.
         Other keys (``name``...) go to the template as they are.
         """
         tokenizer = self.engine.tokenizer
@@ -200,7 +201,7 @@ def _conversation(conv: object, i: int) -> list[dict[str, Any]]:
                         f"{at}: content part {k} must be {{'type': 'text', 'text': str}} "
                         f"(only text is supported), got {part!r}"
                     )
-            content = "".join(part["text"] for part in parts)  # type: ignore[index]
+            content = "\n".join(part["text"] for part in parts)  # type: ignore[index]
         elif not isinstance(content, str):
             raise ValueError(
                 f"{at}: 'content' must be a string or a list of text parts, got {content!r}"

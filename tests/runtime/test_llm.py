@@ -246,8 +246,8 @@ def test_chat_takes_text_parts_and_names_a_bad_message() -> None:
     failed inside the template."""
     params = SamplingParams(temperature=0.0, max_tokens=2)
     with LLM("tiny", cost_model=COST, max_model_len=256) as llm:
-        plain = llm.chat([{"role": "user", "content": "hi there"}], params)[0]
-        parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+        plain = llm.chat([{"role": "user", "content": "hi\nthere"}], params)[0]
+        parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
         split = llm.chat([[{"role": "user", "content": parts}]], params)[0]
         assert split.prompt_token_ids == plain.prompt_token_ids
         bad = {
@@ -260,10 +260,9 @@ def test_chat_takes_text_parts_and_names_a_bad_message() -> None:
             ),
             "a string conversation": (["hi", "there"], "conversation 0 must be a list"),
         }
-        for name, (messages, needle) in bad.items():
+        for messages, needle in bad.values():
             with pytest.raises(ValueError, match=needle):
                 llm.chat(messages, params)
-            assert name
 
 
 def test_a_prompt_dict_with_other_keys_is_refused() -> None:
