@@ -213,3 +213,17 @@ def test_engine_start_failure_is_one_line(tmp_path, flags: list[str], needle: st
         last.startswith("medha-runtime serve: error: the engine failed to start:")
         and needle in last
     )
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_port_outside_0_65535_is_one_usage_line(tmp_path, port: str) -> None:
+    """``--port 70000`` ended in socket's OverflowError traceback (bind_socket caught OSError
+    only); a port is now checked with the other flags, before anything starts."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", "--port", port]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "argument --port" in proc.stderr.strip().splitlines()[-1]
