@@ -184,10 +184,14 @@ class EngineConfig:
                 f"kvp_group_tokens={self.kvp_group_tokens} must be a multiple of "
                 f"block_size={self.block_size}"
             )
-        for name in ("target_batch_time", "timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not _positive_number(value):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.target_batch_time is not None and not _positive_number(self.target_batch_time):
+            raise ValueError(
+                f"target_batch_time must be a number > 0, got {self.target_batch_time!r}"
+            )
+        if not _positive_number(self.timeout_s) or not math.isfinite(self.timeout_s):
+            raise ValueError(  # no None, no inf: every collective between workers is bounded
+                f"timeout_s must be a finite number > 0, got {self.timeout_s!r}"
+            )
         from medha_sched import available_policies
 
         if self.policy not in available_policies():

@@ -20,6 +20,8 @@ from medha_runtime.model.tiny import tiny_config
         ({"kv_cache_tokens": 8}, "kv_cache_tokens must be an integer >= 16, got 8"),
         ({"kvp_group_tokens": 40}, "kvp_group_tokens=40 must be a multiple of block_size=16"),
         ({"target_batch_time": 0}, "target_batch_time must be a number > 0, got 0"),
+        ({"timeout_s": None}, "timeout_s must be a finite number > 0, got None"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a finite number > 0, got inf"),
         ({"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False, got 1"),
     ],
 )
