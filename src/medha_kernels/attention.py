@@ -17,6 +17,8 @@ Conventions (FlashInfer-compatible layouts, natural-log LSE):
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from medha_kernels._checks import (
@@ -69,10 +71,20 @@ def chunked_prefill_attention(
     check_gqa(q.shape[1], k.shape[1])
     if q.shape[2] < 1:
         raise KernelInputError(f"q: head_dim must be >= 1, got shape {tuple(q.shape)}")
-    offset = k.shape[0] - q.shape[0] if q_offset is None else int(q_offset)
+    offset = k.shape[0] - q.shape[0] if q_offset is None else _position(q_offset)
     scale = default_sm_scale(q.shape[2], sm_scale)
     args = (q, k, v, offset, bool(causal), scale)
     return resolve("chunked_prefill_attention", backend, q.device, args)(*args)
+
+
+def _position(q_offset: object) -> int:
+    """``q_offset`` as an int; a KernelInputError unless it is an integer (1.7 was taken as 1)."""
+    try:
+        if isinstance(q_offset, bool):
+            raise TypeError
+        return operator.index(q_offset)  # type: ignore[arg-type]
+    except TypeError:
+        raise KernelInputError(f"q_offset must be an integer, got {q_offset!r}") from None
 
 
 def paged_attention(

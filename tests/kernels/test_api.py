@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,3 +145,16 @@ def test_zero_heads_head_dim_or_block_size_are_refused_by_name() -> None:
         mk.chunked_prefill_attention(
             torch.randn(2, 2, 0), torch.randn(3, 2, 0), torch.randn(3, 2, 0)
         )
+
+
+def test_q_offset_must_be_an_integer() -> None:
+    """``q_offset=1.7`` was truncated to 1 without a word; an integer of any kind (numpy's,
+    a 0-d integer tensor) is still taken, and gives what the plain int gives."""
+    q, k, v = torch.randn(2, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    for bad in (1.7, 2.0, True, "2"):
+        with pytest.raises(KernelInputError, match=f"q_offset must be an integer, got {bad!r}"):
+            mk.chunked_prefill_attention(q, k, v, q_offset=bad, backend="torch")
+    want = mk.chunked_prefill_attention(q, k, v, q_offset=2, backend="torch")
+    for same in (np.int64(2), torch.tensor(2)):
+        got = mk.chunked_prefill_attention(q, k, v, q_offset=same, backend="torch")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
