@@ -175,6 +175,18 @@ def test_continuous_usage_stats(server: Server) -> None:
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 5
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    # without include_usage, no usage at all (vLLM's rule); it was in every chunk
+    alone = client(server).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"continuous_usage_stats": True},
+    )
+    chunks = list(alone)
+    assert chunks and all(c.usage is None for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
 
 
 def test_top_logprobs_keyed_by_each_token(server: Server) -> None:

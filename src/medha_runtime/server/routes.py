@@ -391,7 +391,8 @@ class Frontend:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": run.id, "object": obj, "created": int(time.time()), "model": self.model_name}
         opts = body.stream_options
-        continuous = bool(opts and opts.continuous_usage_stats)
+        # usage in every chunk only with include_usage as well (vLLM's rule)
+        continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         status = 499  # until the stream ends: the client left (the generator was closed)
         try:
             async for s, delta, before in run.deltas():
