@@ -491,8 +491,11 @@ def kvp_attention(
         active: the number of active KVP groups.
         is_tail: whether this group holds the newest keys (default: it is group
             ``active - 1``); the tail attends causally, the others to every key.
-        q_offset_local: on the tail, the position of query 0 within its shard
-            (default: the chunk is the shard's newest ``num_q`` keys).
+        q_offset_local: on the tail, the position of query 0 within its shard,
+            ``>= 0`` (default: the chunk is the shard's newest ``num_q`` keys). A
+            chunk must start within the tail's shard: the other groups attend to
+            every key they hold, so a chunk reaching back into their shards would
+            see keys after its own positions (refused with a ValueError).
         sm_scale: default ``1 / sqrt(head_dim)``.
         strategy: see :meth:`KVPCommunicator.merge`.
         backend: the ``medha_kernels`` attention backend.
@@ -503,6 +506,11 @@ def kvp_attention(
     """
     if is_tail is None:
         is_tail = comm.index == active - 1
+    if is_tail and q_offset_local is not None and q_offset_local < 0:
+        raise ValueError(
+            f"q_offset_local={q_offset_local}: the chunk must start within the tail's shard "
+            "(>= 0); the other groups attend to every key they hold"
+        )
     if k_shard.shape[0] == 0:  # this group holds no keys yet: an empty state
         out, lse = empty_state(q)
     else:

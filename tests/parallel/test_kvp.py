@@ -429,6 +429,30 @@ def test_plan_kvp_attention_refuses_block_size_zero_by_name() -> None:
         plan_kvp_attention(num_q=[1], kv_lens=[9], is_tail=[True], block_tables=[[0]], **shapes)
 
 
+def test_kvp_attention_refuses_a_tail_chunk_that_starts_before_its_shard(tmp_path) -> None:
+    """A negative ``q_offset_local`` (the chunk reaching back into an earlier group's
+    shard, whose keys the other groups attend to in full) gave wrong rows silently."""
+    state = ParallelState.initialize(
+        ParallelLayout(),
+        backend="gloo",
+        init_method=f"file://{tmp_path / 'init'}",
+        rank=0,
+        world_size=1,
+    )
+    try:
+        comm = KVPCommunicator(state)
+        q, k, v = _qkv(12, seed=2)
+        with pytest.raises(ValueError, match="q_offset_local=-2: the chunk must start within"):
+            kvp_attention(q[:4], k[:6], v[:6], comm=comm, active=1, q_offset_local=-2)
+        out, lse = kvp_attention(q[:4], k[:6], v[:6], comm=comm, active=1, q_offset_local=2)
+        ref_out, ref_lse = _attention(q[:4], k[:6], v[:6], q_pos=2)
+        base_out, base_lse = _baseline(q[:4], k[:6], v[:6], q_pos=2)
+        assert_twice_torch(out, ref_out, base_out, what="output")
+        assert_twice_torch(lse, ref_lse, base_lse, what="LSE")
+    finally:
+        state.destroy()
+
+
 def test_kvp2_single_active_group_is_a_no_op_and_others_are_refused(kvp2) -> None:
     assert kvp2[0]["active1"] is True
     assert "outside the active prefix" in kvp2[1]["active1"]
