@@ -495,7 +495,8 @@ def kvp_attention(
             ``>= 0`` (default: the chunk is the shard's newest ``num_q`` keys). A
             chunk must start within the tail's shard: the other groups attend to
             every key they hold, so a chunk reaching back into their shards would
-            see keys after its own positions (refused with a ValueError).
+            see keys after its own positions (refused with a ValueError on every
+            rank it is given to: pass the same value to all).
         sm_scale: default ``1 / sqrt(head_dim)``.
         strategy: see :meth:`KVPCommunicator.merge`.
         backend: the ``medha_kernels`` attention backend.
@@ -506,7 +507,8 @@ def kvp_attention(
     """
     if is_tail is None:
         is_tail = comm.index == active - 1
-    if is_tail and q_offset_local is not None and q_offset_local < 0:
+    # checked on every rank (not only the tail), so no peer waits in the merge for it
+    if q_offset_local is not None and q_offset_local < 0:
         raise ValueError(
             f"q_offset_local={q_offset_local}: the chunk must start within the tail's shard "
             "(>= 0); the other groups attend to every key they hold"

@@ -571,7 +571,7 @@ class Scheduler:
         """The next batch's draft at ``now``: ``(draft, lane, block grants,
         preempted, chosen)``; ``chosen`` as :meth:`_pack_prefills` returns it with
         ``take`` (empty when the scan took its prompts out of the queue)."""
-        if not self._clock <= now < _INF:  # NaN fails both: it would stop every check
+        if not -_INF < now < _INF or now < self._clock:  # NaN fails: it would stop checks
             if now < self._clock:
                 raise SchedulerError(f"time went backwards: now={now} < previous {self._clock}")
             raise SchedulerError(f"now must be a finite number of seconds, got {now!r}")

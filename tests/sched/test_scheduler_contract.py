@@ -92,7 +92,7 @@ def test_prompt_token_ids_given_as_a_list_or_of_the_wrong_length() -> None:
         Request("b", 0.0, 10, 5, prompt_token_ids=(1, 2, 3))
 
 
-@pytest.mark.parametrize("now", [float("nan"), float("inf")])
+@pytest.mark.parametrize("now", [float("nan"), float("inf"), float("-inf")])
 def test_schedule_refuses_a_time_that_is_not_finite(now) -> None:
     """``schedule(nan)`` was taken: the clock became NaN, after which every
     "time went backwards" check passed (a comparison with NaN is False)."""

@@ -161,3 +161,13 @@ def test_an_event_stays_one_line_for_any_text() -> None:
     lines = [line for line in LineDecoder().decode(event) if line]
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0][len("data: ") :])["choices"][0]["text"] == text
+
+
+def test_logit_bias_keys_must_be_ascii_digits() -> None:
+    """'²' and '①' are digits to str.isdigit but not to int(): they passed this check and
+    reached the vocabulary check's int(), a 500."""
+    for key in ("²", "①", "١٢", "-3", "x"):
+        with pytest.raises(RefusedField, match="logit_bias: keys must be token ids") as err:
+            check_request(CompletionRequest(prompt="x", logit_bias={key: 1}), chat=False)
+        assert err.value.param == "logit_bias"
+    check_request(CompletionRequest(prompt="x", logit_bias={" 12 ": 1}), chat=False)

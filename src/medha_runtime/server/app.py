@@ -198,11 +198,12 @@ def _install_errors(app: FastAPI, front: Frontend) -> None:
         errs = exc.errors()
         kind = request.headers.get("content-type")
         if errs and tuple(errs[0].get("loc", ())) == ("body",) and not _json_media_type(kind):
-            # FastAPI reads such a body as bytes, not JSON (``curl -d`` sends form data's
-            # type): say so, not "body: Input should be a valid dictionary ..."
+            # FastAPI >= 0.132 reads such a body as bytes, not JSON (``curl -d`` sends form
+            # data's type): say so, not "body: Input should be a valid dictionary ..."; an
+            # older one parses it, and a valid JSON body that is no object lands here too
             got = f"got Content-Type {kind!r}" if kind else "got no Content-Type"
             message = (
-                "the request body must be JSON, sent with the header "
+                "the request body must be a JSON object, sent with the header "
                 f"'Content-Type: application/json'; {got}"
             )
             front.access_error(request.url.path, 400, message)

@@ -191,7 +191,7 @@ def check_request(body: _Common, *, chat: bool) -> None:
     if body.stream_options is not None and not body.stream:
         raise RefusedField("stream_options", "stream_options: only allowed when stream is true")
     for key, value in (body.logit_bias or {}).items():
-        if not key.strip().isdigit():
+        if not (key.strip().isascii() and key.strip().isdigit()):  # '²' is a digit to isdigit
             raise RefusedField("logit_bias", f"logit_bias: keys must be token ids, got {key!r}")
         if not -100 <= value <= 100:
             raise RefusedField(
