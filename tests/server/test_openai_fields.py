@@ -162,29 +162,26 @@ def test_prompt_logprobs_equal_a_teacher_forced_forward(server: Server) -> None:
         assert [k for k, _ in top] == row.topk(3).indices.tolist()
 
 
-def test_continuous_usage_stats(server: Server) -> None:
+def _stream_chunks(server: Server, stream_options: dict) -> list:
+    """The chunks of a streamed 5-token greedy completion of PROMPT."""
     stream = client(server).completions.create(
         model="tiny",
         prompt=PROMPT,
         max_tokens=5,
         temperature=0,
         stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        stream_options=stream_options,
     )
-    chunks = list(stream)
+    return list(stream)
+
+
+def test_continuous_usage_stats(server: Server) -> None:
+    chunks = _stream_chunks(server, {"include_usage": True, "continuous_usage_stats": True})
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 5
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     # without include_usage, no usage at all (vLLM's rule); it was in every chunk
-    alone = client(server).completions.create(
-        model="tiny",
-        prompt=PROMPT,
-        max_tokens=5,
-        temperature=0,
-        stream=True,
-        stream_options={"continuous_usage_stats": True},
-    )
-    chunks = list(alone)
+    chunks = _stream_chunks(server, {"continuous_usage_stats": True})
     assert chunks and all(c.usage is None for c in chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices)
 

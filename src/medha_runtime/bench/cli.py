@@ -203,9 +203,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         if args.plot:  # before the run, not after it
-            from medha_runtime.bench.plot import check_plot_path
+            from medha_sched.sim.plot import check_figure_path
 
-            check_plot_path(args.plot)
+            check_figure_path(args.plot, flag="--plot")
         return run_session(config_from_args(args))
     except (ValueError, OSError, RuntimeError, httpx.HTTPError) as exc:
         print(f"medha-runtime bench: error: {exc}", file=sys.stderr)

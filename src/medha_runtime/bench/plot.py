@@ -15,19 +15,6 @@ _PANELS = (
 )
 
 
-def check_plot_path(out: str | Path) -> None:
-    """Raise ValueError when matplotlib cannot write ``out``'s format (no suffix: PNG)."""
-    from matplotlib.figure import Figure
-
-    suffix = Path(out).suffix.lower().lstrip(".")
-    formats = Figure().canvas.get_supported_filetypes()
-    if suffix and suffix not in formats:
-        raise ValueError(
-            f"--plot {str(out)!r}: matplotlib cannot write .{suffix} figures; "
-            f"use one of {', '.join(sorted(formats))}"
-        )
-
-
 def plot_cdfs(records: Sequence[RequestRecord], out: str | Path, *, title: str = "") -> None:
     """One panel per metric, one line per group (all, short, long) of completed requests."""
     plt = _pyplot()

@@ -24,15 +24,16 @@ def _pyplot() -> Any:
     return plt
 
 
-def check_figure_path(out: Path) -> None:
-    """Raise ValueError when matplotlib cannot write ``out``'s format (no suffix: PNG)."""
+def check_figure_path(out: str | Path, *, flag: str = "--out") -> None:
+    """Raise ValueError (naming ``flag``) when matplotlib cannot write ``out``'s format
+    (no suffix: PNG)."""
     suffix = Path(out).suffix.lower().lstrip(".")
     from matplotlib.figure import Figure
 
     formats = Figure().canvas.get_supported_filetypes()
     if suffix and suffix not in formats:
         raise ValueError(
-            f"--out {str(out)!r}: matplotlib cannot write .{suffix} figures; "
+            f"{flag} {str(out)!r}: matplotlib cannot write .{suffix} figures; "
             f"use one of {', '.join(sorted(formats))}"
         )
 
