@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from medha_runtime.model import (
     ConfigError,
+    CorruptFileError,
     LlamaModel,
     MissingFileError,
     MissingTensorError,
@@ -175,6 +176,56 @@ def test_sharded_index_pointing_to_a_missing_file(checkpoint, tmp_path) -> None:
     with pytest.raises(MissingFileError) as info:
         load_model(path)
     assert shard in str(info.value) and "model.safetensors.index.json" in str(info.value)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001, 0.0])
+def test_truncated_single_file_is_named(checkpoint, tmp_path, keep: float) -> None:
+    path = _copy(checkpoint("mha-default-legacy"), tmp_path / "m")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CorruptFileError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert str(weights) in message and "truncated or damaged" in message, message
+
+
+def test_truncated_shard_is_named(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint("gqa-llama3-tied-sharded"), tmp_path / "m")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = path / index["weight_map"]["model.norm.weight"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptFileError) as info:
+        load_model(path)
+    assert str(shard) in str(info.value), info.value
+
+
+@pytest.mark.parametrize(
+    "weight_map", [[], {"model.norm.weight": 3}, {"model.norm.weight": None}, "x"]
+)
+def test_malformed_index_weight_map_is_a_config_error(checkpoint, tmp_path, weight_map) -> None:
+    path = _copy(checkpoint("gqa-llama3-tied-sharded"), tmp_path / "m")
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ConfigError) as info:
+        load_model(path)
+    assert str(index) in str(info.value) and "weight_map" in str(info.value), info.value
+
+
+def test_index_naming_the_wrong_shard_for_a_tensor(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint("gqa-llama3-tied-sharded"), tmp_path / "m")
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    wrong = next(
+        f for f in index["weight_map"].values() if f != index["weight_map"]["model.norm.weight"]
+    )
+    index["weight_map"]["model.norm.weight"] = wrong
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(MissingTensorError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert "model.norm.weight" in message and wrong in message and str(index_file) in message
 
 
 def test_sharded_checkpoint_has_several_files(checkpoint) -> None:

@@ -37,6 +37,7 @@ from medha_runtime import huge_pages
 from medha_runtime.model.config import ModelConfig
 from medha_runtime.model.errors import (
     ConfigError,
+    CorruptFileError,
     MissingFileError,
     MissingTensorError,
     ShapeMismatchError,
@@ -103,6 +104,13 @@ class SafetensorsSource:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{index}: not a safetensors index ({exc!r})") from None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise ConfigError(
+                    f"{index}: not a safetensors index (weight_map must map tensor names "
+                    f"to shard file names, got {json.dumps(weight_map)[:80]})"
+                )
             missing: dict[str, str] = {}
             for name, file in weight_map.items():
                 path = directory / file
@@ -114,7 +122,7 @@ class SafetensorsSource:
                 raise MissingFileError(f"{index} lists shard files that do not exist: {listing}")
         elif single.is_file():
             self.label = str(single)
-            with safe_open(single, framework="pt") as f:
+            with _open_safetensors(safe_open, single) as f:
                 self.weight_map = dict.fromkeys(f.keys(), single)
         else:
             others = sorted(p.name for p in directory.glob("*.bin")) + sorted(
@@ -125,14 +133,21 @@ class SafetensorsSource:
                 f"{directory}: no weights: expected {SINGLE_FILE} or {INDEX_FILE}{hint}"
             )
         self._handles: dict[Path, Any] = {}
+        self._held: dict[Path, set[str]] = {}  # the tensor names each opened file holds
 
     def _file(self, name: str) -> Any:
         path = self.weight_map.get(name)
         if path is None:
             raise MissingTensorError(f"{self.label}: tensor {name!r} is missing")
         if path not in self._handles:
-            self._handles[path] = self._safe_open(path, framework="pt")
-        return self._handles[path]
+            self._handles[path] = _open_safetensors(self._safe_open, path)
+            self._held[path] = set(self._handles[path].keys())
+        f = self._handles[path]
+        if name not in self._held[path]:  # an index naming the wrong shard for the tensor
+            raise MissingTensorError(
+                f"{self.label}: tensor {name!r} is listed in {path.name}, which does not hold it"
+            )
+        return f
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._file(name).get_slice(name).get_shape())
@@ -147,6 +162,18 @@ class SafetensorsSource:
     def where(self, name: str) -> str:
         path = self.weight_map.get(name)
         return str(path) if path is not None else self.label
+
+
+def _open_safetensors(safe_open: Any, path: Path) -> Any:
+    """``safe_open(path)``; a damaged file is a :class:`CorruptFileError` naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CorruptFileError(
+            f"{path}: not a readable safetensors file, truncated or damaged ({exc})"
+        ) from None
 
 
 @dataclass(frozen=True)
