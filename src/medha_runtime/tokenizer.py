@@ -62,10 +62,16 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _ids(value: Any) -> list[int]:
+def _ids(value: Any, source: Path) -> list[int]:
+    """``eos_token_id`` of generation_config.json: a token id, a list of them, or absent."""
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise _config_error(
+            f"{source}: eos_token_id must be a token id or a list of token ids, got {value!r}"
+        )
+    return list(ids)
 
 
 class Tokenizer:
@@ -125,7 +131,10 @@ class Tokenizer:
         gcfg = _read_json(directory / GENERATION_CONFIG_FILE)
         template_file = directory / CHAT_TEMPLATE_FILE
         if template_file.is_file():
-            template: str | None = template_file.read_text()
+            try:
+                template: str | None = template_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise _config_error(f"{template_file}: not UTF-8 text ({exc})") from None
         else:
             template = _pick_template(tcfg.get("chat_template"), directory / TOKENIZER_CONFIG_FILE)
         return cls(
@@ -133,7 +142,7 @@ class Tokenizer:
             bos_token=_token_content(tcfg.get("bos_token")),
             eos_token=_token_content(tcfg.get("eos_token")),
             chat_template=template,
-            generation_eos_ids=_ids(gcfg.get("eos_token_id")),
+            generation_eos_ids=_ids(gcfg.get("eos_token_id"), directory / GENERATION_CONFIG_FILE),
         )
 
     @property
@@ -281,8 +290,8 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         return {}
     try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
+        data = json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _config_error(f"{file}: invalid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise _config_error(f"{file}: expected a JSON object")

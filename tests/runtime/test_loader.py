@@ -104,6 +104,10 @@ def test_config_fields_and_eos_list() -> None:
         ({"num_key_value_heads": 3}, ConfigError, ["num_q_heads=4", "num_kv_heads=3"]),
         ({"quantization_config": {"quant_method": "gptq"}}, UnsupportedModelError, ["gptq"]),
         ({"dtype": "float8_e4m3fn"}, UnsupportedModelError, ["float8_e4m3fn"]),
+        ({"eos_token_id": [2, None]}, ConfigError, ["eos_token_id"]),
+        ({"eos_token_id": {"id": 2}}, ConfigError, ["eos_token_id"]),
+        ({"rms_norm_eps": "tiny"}, ConfigError, ["rms_norm_eps", "tiny"]),
+        ({"rms_norm_eps": [1e-5]}, ConfigError, ["rms_norm_eps"]),
     ],
 )
 def test_bad_configs_name_the_file_and_field(checkpoint, tmp_path, change, error, words) -> None:
@@ -122,6 +126,15 @@ def test_missing_directory_and_config(tmp_path) -> None:
         load_model(tmp_path / "nowhere")
     with pytest.raises(MissingFileError, match=r"config\.json"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_file_not_utf8_names_the_file(checkpoint, tmp_path, name: str) -> None:
+    path = _copy(checkpoint("gqa-llama3-tied-sharded"), tmp_path / "m")
+    (path / name).write_bytes(b'{"weight_map": "\xff"}')
+    with pytest.raises(ConfigError) as info:
+        load_model(path)
+    assert str(path / name) in str(info.value), info.value
 
 
 def test_missing_weights(checkpoint, tmp_path) -> None:

@@ -208,6 +208,26 @@ def test_missing_and_broken_files(tmp_path) -> None:
     (path / "generation_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"generation_config\.json"):
         Tokenizer.from_pretrained_dir(path)
+    (path / "generation_config.json").write_bytes(b'{"eos_token_id": "\xff"}')
+    with pytest.raises(ConfigError, match=r"generation_config\.json"):
+        Tokenizer.from_pretrained_dir(path)
+
+
+@pytest.mark.parametrize("eos", ["eos", [2, None], {"id": 2}, True, 2.5, -1])
+def test_bad_generation_eos_ids_name_the_file(tmp_path, eos) -> None:
+    path = _write_tokenizer_dir(tmp_path, generation={"eos_token_id": eos})
+    with pytest.raises(ConfigError) as info:
+        Tokenizer.from_pretrained_dir(path)
+    message = str(info.value)
+    assert str(path / "generation_config.json") in message and "eos_token_id" in message, message
+
+
+def test_chat_template_file_not_utf8_names_the_file(tmp_path) -> None:
+    path = _write_tokenizer_dir(tmp_path)
+    (path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    with pytest.raises(ConfigError) as info:
+        Tokenizer.from_pretrained_dir(path)
+    assert str(path / "chat_template.jinja") in str(info.value) and "UTF-8" in str(info.value)
 
 
 def test_saved_tiny_tokenizer_matches_the_in_memory_one(tmp_path) -> None:

@@ -212,8 +212,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{source}: dtype {raw_dtype!r} is not supported ({exc})"
             ) from None
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos_ids = get.token_ids("eos_token_id")
         try:
             return cls(
                 vocab_size=vocab_size,
@@ -223,12 +222,12 @@ class ModelConfig:
                 num_q_heads=num_q_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=get.pos_float("rms_norm_eps", default=1e-6),
                 rope=_rope_from_hf(d, max_pos, source),
                 max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_ids),
+                eos_token_ids=eos_ids,
                 dtype=dtype,
                 attention_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
@@ -277,6 +276,26 @@ class _FieldReader:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{self.source}: {key} must be a positive int, got {value!r}")
         return value
+
+    def pos_float(self, key: str, *, default: float) -> float:
+        value = self.d.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"{self.source}: {key} must be a positive number, got {value!r}")
+        return float(value)
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """A token id or a list of them (absent or null: none)."""
+        value = self.d.get(key)
+        if value is None:
+            return ()
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ConfigError(
+                f"{self.source}: {key} must be a token id or a list of token ids, got {value!r}"
+            )
+        return tuple(ids)
 
 
 def _check_architecture(d: Mapping[str, Any], source: str) -> None:

@@ -101,8 +101,8 @@ class SafetensorsSource:
         if index.is_file():
             self.label = str(index)
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                weight_map = json.loads(index.read_bytes())["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{index}: not a safetensors index ({exc!r})") from None
             if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) for f in weight_map.values()
@@ -346,8 +346,8 @@ def load_config(path: str | Path) -> ModelConfig:
             f"{file} not found: {file.parent} is not a Hugging Face model directory"
         )
     try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
+        raw = json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{file}: invalid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object")
