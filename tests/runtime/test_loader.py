@@ -181,6 +181,17 @@ def test_wrong_shape_names_tensor_expected_and_got(checkpoint, tmp_path) -> None
     assert LAYER1_UP in message and "[95, 64]" in message and "[96, 64]" in message
 
 
+def test_integer_weights_are_refused_not_cast(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint("mha-default-legacy"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors[LAYER1_UP] = tensors[LAYER1_UP].to(torch.int8)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert LAYER1_UP in message and "torch.int8" in message and "model.safetensors" in message
+
+
 def test_sharded_index_pointing_to_a_missing_file(checkpoint, tmp_path) -> None:
     path = _copy(checkpoint("gqa-llama3-tied-sharded"), tmp_path / "m")
     index = json.loads((path / "model.safetensors.index.json").read_text())

@@ -41,6 +41,7 @@ from medha_runtime.model.errors import (
     MissingFileError,
     MissingTensorError,
     ShapeMismatchError,
+    UnsupportedModelError,
 )
 from medha_runtime.model.llama import LlamaModel
 from medha_runtime.model.names import resolve_model
@@ -318,6 +319,11 @@ def _read_piece(
             pad_shape = list(t.shape)
             pad_shape[piece.dim] = short
             t = torch.cat([t, t.new_zeros(pad_shape)], dim=piece.dim)
+    if not t.is_floating_point():  # cast to float, integer codes would be garbage weights
+        raise UnsupportedModelError(
+            f"{source.where(piece.name)}: tensor {piece.name!r} is stored as {t.dtype}; "
+            "medha_runtime reads float weights (float32, float16, bfloat16)"
+        )
     return t.to(device=device, dtype=dtype).contiguous()
 
 
