@@ -108,6 +108,25 @@ def test_config_fields_and_eos_list() -> None:
         ({"eos_token_id": {"id": 2}}, ConfigError, ["eos_token_id"]),
         ({"rms_norm_eps": "tiny"}, ConfigError, ["rms_norm_eps", "tiny"]),
         ({"rms_norm_eps": [1e-5]}, ConfigError, ["rms_norm_eps"]),
+        ({"architectures": 5}, ConfigError, ["architectures", "5"]),
+        ({"quantization_config": "gptq"}, UnsupportedModelError, ["gptq"]),
+        ({"tie_word_embeddings": "false"}, ConfigError, ["tie_word_embeddings", "'false'"]),
+        ({"attention_bias": "no"}, ConfigError, ["attention_bias", "'no'"]),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": None}},
+            ConfigError,
+            ["rope_parameters.rope_theta", "None"],
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": [2]}},
+            ConfigError,
+            ["rope_parameters.factor", "[2]"],
+        ),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 1e999}},
+            ConfigError,
+            ["rope_parameters.factor", "inf"],
+        ),
     ],
 )
 def test_bad_configs_name_the_file_and_field(checkpoint, tmp_path, change, error, words) -> None:

@@ -12,6 +12,7 @@ Only ``LlamaForCausalLM`` (Llama 2, 3, 3.1, 3.2 shapes) is supported.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,12 +226,12 @@ class ModelConfig:
                 rms_norm_eps=get.pos_float("rms_norm_eps", default=1e-6),
                 rope=_rope_from_hf(d, max_pos, source),
                 max_position_embeddings=max_pos,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                tie_word_embeddings=get.flag("tie_word_embeddings", default=False),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 dtype=dtype,
-                attention_bias=bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
+                attention_bias=get.flag("attention_bias", default=False),
+                mlp_bias=get.flag("mlp_bias", default=False),
             )
         except ValueError as exc:
             if isinstance(exc, ModelLoadError):
@@ -285,6 +286,14 @@ class _FieldReader:
             raise ConfigError(f"{self.source}: {key} must be a positive number, got {value!r}")
         return float(value)
 
+    def flag(self, key: str, *, default: bool) -> bool:
+        value = self.d.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.source}: {key} must be true or false, got {value!r}")
+        return value
+
     def token_ids(self, key: str) -> tuple[int, ...]:
         """A token id or a list of them (absent or null: none)."""
         value = self.d.get(key)
@@ -307,7 +316,9 @@ def _check_architecture(d: Mapping[str, Any], source: str) -> None:
                 f"medha_runtime runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
     else:
-        archs = [archs] if isinstance(archs, str) else list(archs)
+        if not isinstance(archs, (str, list)):
+            raise ConfigError(f"{source}: architectures must be a list of names, got {archs!r}")
+        archs = [archs] if isinstance(archs, str) else archs
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise UnsupportedModelError(
                 f"{source}: architecture {', '.join(map(str, archs)) or '(none)'} is not "
@@ -315,7 +326,8 @@ def _check_architecture(d: Mapping[str, Any], source: str) -> None:
                 "(Llama 2, 3, 3.1, 3.2)"
             )
     if d.get("quantization_config"):
-        method = d["quantization_config"].get("quant_method", "?")
+        quant = d["quantization_config"]
+        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
         raise UnsupportedModelError(f"{source}: quantized weights ({method}) are not supported")
     act = d.get("hidden_act", "silu")
     if act != "silu":
@@ -348,24 +360,41 @@ def _rope_from_hf(d: Mapping[str, Any], max_pos: int, source: str) -> RopeConfig
             raise ConfigError(f"{source}: {where}.{key} is required for rope_type {rtype!r}")
         return raw[key]
 
-    kw: dict[str, Any] = {"rope_type": rtype, "theta": float(theta)}
+    def num(key: str, value: Any, cast: type = float) -> Any:
+        """``cast(value)``; a value that is not a finite number is a ConfigError naming it."""
+        try:
+            out = cast(value)
+        except (TypeError, ValueError):
+            out = None
+        if out is None or isinstance(value, bool) or not math.isfinite(out):
+            raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+        return out
+
+    theta_key = f"{where}.rope_theta" if "rope_theta" in raw else "rope_theta"
+    kw: dict[str, Any] = {"rope_type": rtype, "theta": num(theta_key, theta)}
     if rtype in ("linear", "dynamic", "llama3"):
-        kw["factor"] = float(need("factor"))
+        kw["factor"] = num(f"{where}.factor", need("factor"))
     if rtype in ("llama3", "yarn"):
         orig = raw.get("original_max_position_embeddings") or max_pos
-        kw["original_max_position_embeddings"] = int(orig)
+        orig = num(f"{where}.original_max_position_embeddings", orig, int)
+        kw["original_max_position_embeddings"] = orig
     if rtype == "llama3":
-        kw["low_freq_factor"] = float(need("low_freq_factor"))
-        kw["high_freq_factor"] = float(need("high_freq_factor"))
+        kw["low_freq_factor"] = num(f"{where}.low_freq_factor", need("low_freq_factor"))
+        kw["high_freq_factor"] = num(f"{where}.high_freq_factor", need("high_freq_factor"))
     if rtype == "yarn":
         factor = raw.get("factor")
-        kw["factor"] = float(factor) if factor is not None else max_pos / orig
-        kw["beta_fast"] = float(raw.get("beta_fast") or 32.0)
-        kw["beta_slow"] = float(raw.get("beta_slow") or 1.0)
-        kw["truncate"] = bool(raw.get("truncate", True))
+        kw["factor"] = num(f"{where}.factor", factor) if factor is not None else max_pos / orig
+        kw["beta_fast"] = num(f"{where}.beta_fast", raw.get("beta_fast") or 32.0)
+        kw["beta_slow"] = num(f"{where}.beta_slow", raw.get("beta_slow") or 1.0)
+        truncate = raw.get("truncate", True)
+        if truncate is None:  # transformers reads a null as false
+            truncate = False
+        if not isinstance(truncate, bool):
+            raise ConfigError(f"{source}: {where}.truncate must be true or false, got {truncate!r}")
+        kw["truncate"] = truncate
         for key in ("attention_factor", "mscale", "mscale_all_dim"):
             if raw.get(key) is not None:
-                kw[key] = float(raw[key])
+                kw[key] = num(f"{where}.{key}", raw[key])
     try:
         return RopeConfig(**kw)
     except ValueError as exc:
