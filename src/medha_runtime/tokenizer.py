@@ -304,6 +304,11 @@ def _pick_template(value: Any, source: Path) -> str | None:
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
         if "default" in named:
+            if not isinstance(named["default"], str):
+                raise _config_error(
+                    f"{source}: chat_template 'default' entry must be a string, "
+                    f"got {type(named['default']).__name__}"
+                )
             return named["default"]
         raise _config_error(f"{source}: chat_template list has no 'default' entry ({list(named)})")
     raise _config_error(f"{source}: chat_template must be a string or a list, got {type(value)}")

@@ -180,6 +180,14 @@ def test_chat_template_list_form_raise_exception_and_missing(tmp_path) -> None:
         tok.apply_chat_template(CHAT)
 
 
+@pytest.mark.parametrize("template", [5, None, ["x"]])
+def test_chat_template_list_default_that_is_not_a_string(tmp_path, template) -> None:
+    listed = [{"name": "default", "template": template}]
+    with pytest.raises(ConfigError) as info:
+        Tokenizer.from_pretrained_dir(_write_tokenizer_dir(tmp_path, template_in_config=listed))
+    assert "tokenizer_config.json" in str(info.value) and "default" in str(info.value)
+
+
 def test_chat_template_is_sandboxed(tmp_path) -> None:
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     tok = Tokenizer.from_pretrained_dir(_write_tokenizer_dir(tmp_path, jinja=evil))
