@@ -18,7 +18,9 @@ Every failure names the file and, where there is one, the tensor:
 :class:`~medha_runtime.model.errors.MissingTensorError`,
 :class:`~medha_runtime.model.errors.ShapeMismatchError`,
 :class:`~medha_runtime.model.errors.UnsupportedModelError`,
-:class:`~medha_runtime.model.errors.ConfigError`.
+:class:`~medha_runtime.model.errors.ConfigError`,
+:class:`~medha_runtime.model.errors.CorruptFileError` (a truncated or damaged
+safetensors file).
 """
 
 from __future__ import annotations
