@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="fetch a model ahead of time (smollm2, or a hub id into the Hugging Face cache)",
         description=(
             "Fetch MODEL now so that serving it later needs no network: 'smollm2' goes to "
-            "the Medha cache ($MEDHA_CACHE_DIR, else ~/.cache/medha), a hub id to the "
-            "Hugging Face cache. Prints the local path."
+            "the Medha cache ($MEDHA_CACHE_DIR, else $XDG_CACHE_HOME/medha, else "
+            "~/.cache/medha), a hub id to the Hugging Face cache. Prints the local path."
         ),
     )
     d.add_argument("model", help="'smollm2' or a hub id such as HuggingFaceTB/SmolLM2-135M")
