@@ -219,7 +219,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=_positive_int,
         default=None,
         metavar="N",
-        help="torch CPU threads per rank (default: the node's cores divided by its ranks)",
+        help=(
+            "torch CPU threads per rank (default: the node's cores divided by its ranks; "
+            "with one rank, run in the engine process, torch's own setting)"
+        ),
     )
     s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     s.add_argument(
