@@ -484,6 +484,9 @@ def _check_out(path: str) -> None:
 #: the third-party modules each command needs, and the extra that installs them
 _MODEL_STACK = ("torch", "safetensors", "tokenizers", "jinja2")
 _SERVER = ("fastapi", "uvicorn", "zmq", "prometheus_client", "httpx")
+#: model names that are GGUF files (``medha_runtime.model.smollm2.PACKAGED_MODELS``,
+#: which imports torch, so not imported here)
+_GGUF_NAMES = ("smollm2",)
 NEEDS: Mapping[str, tuple[str, ...]] = {
     "profile": _MODEL_STACK,
     "serve": _MODEL_STACK + _SERVER,
@@ -513,6 +516,12 @@ def check_extras(args: argparse.Namespace) -> None:
         _require_found(_MODEL_STACK)
         needs = _SERVER
     require(needs, extra="runtime")
+    # GGUF files are read with the gguf package (in the engine process for serve,
+    # seconds after the server started); it imports no torch, so check it here
+    model = getattr(args, "model", None)
+    gguf = isinstance(model, str) and (model in _GGUF_NAMES or model.lower().endswith(".gguf"))
+    if args.command in ("serve", "profile") and gguf:
+        require(("gguf",), extra="gguf", what=f"the GGUF model {model}")
     if getattr(args, "plot", None):
         require(("matplotlib",), extra="sim", what="--plot")
 
