@@ -85,3 +85,32 @@ def test_import_of_the_runtime_cli_and_sim_cli_needs_no_torch_or_numpy() -> None
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("command", ["serve", "profile"])
+@pytest.mark.parametrize("model", ["smollm2", "model.gguf"])
+def test_a_gguf_model_without_gguf_fails_at_once(command, model, tmp_path) -> None:
+    """README: a missing extra is one line "before it starts any work". ``serve smollm2``
+    without the gguf package bound its port, started uvicorn and the engine process,
+    and only then failed (exit 1, about 5 s, after uvicorn's start-up lines)."""
+    stub = tmp_path / "stubs" / "gguf"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text('raise ImportError("gguf is blocked by a test stub")\n')
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # exists: checked before the extras
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub.parent), str(ROOT / "src")])}
+    cmd = [sys.executable, "-m", "medha_runtime", command, model]
+    cmd += ["--port", "0"] if command == "serve" else ["--out", str(tmp_path / "p.json")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    want = (
+        f"medha-runtime {command}: error: the GGUF model {model} needs gguf, which is not "
+        "installed: pip install 'medha[gguf]'"
+    )
+    assert proc.stderr.strip() == want
+
+
+def test_the_cli_knows_every_packaged_gguf_model() -> None:
+    from medha_runtime.cli import _GGUF_NAMES
+    from medha_runtime.model.smollm2 import PACKAGED_MODELS
+
+    assert set(_GGUF_NAMES) == set(PACKAGED_MODELS)

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="fetch a model ahead of time (smollm2, or a hub id into the Hugging Face cache)",
         description=(
             "Fetch MODEL now so that serving it later needs no network: 'smollm2' goes to "
-            "the Medha cache ($MEDHA_CACHE_DIR, else ~/.cache/medha), a hub id to the "
-            "Hugging Face cache. Prints the local path."
+            "the Medha cache ($MEDHA_CACHE_DIR, else $XDG_CACHE_HOME/medha, else "
+            "~/.cache/medha), a hub id to the Hugging Face cache. Prints the local path."
         ),
     )
     d.add_argument("model", help="'smollm2' or a hub id such as HuggingFaceTB/SmolLM2-135M")
@@ -219,7 +219,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=_positive_int,
         default=None,
         metavar="N",
-        help="torch CPU threads per rank (default: the node's cores divided by its ranks)",
+        help=(
+            "torch CPU threads per rank (default: the node's cores divided by its ranks; "
+            "with one rank, run in the engine process, torch's own setting)"
+        ),
     )
     s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     s.add_argument(
@@ -481,6 +484,9 @@ def _check_out(path: str) -> None:
 #: the third-party modules each command needs, and the extra that installs them
 _MODEL_STACK = ("torch", "safetensors", "tokenizers", "jinja2")
 _SERVER = ("fastapi", "uvicorn", "zmq", "prometheus_client", "httpx")
+#: model names that are GGUF files (``medha_runtime.model.smollm2.PACKAGED_MODELS``,
+#: which imports torch, so not imported here)
+_GGUF_NAMES = ("smollm2",)
 NEEDS: Mapping[str, tuple[str, ...]] = {
     "profile": _MODEL_STACK,
     "serve": _MODEL_STACK + _SERVER,
@@ -510,6 +516,12 @@ def check_extras(args: argparse.Namespace) -> None:
         _require_found(_MODEL_STACK)
         needs = _SERVER
     require(needs, extra="runtime")
+    # GGUF files are read with the gguf package (in the engine process for serve,
+    # seconds after the server started); it imports no torch, so check it here
+    model = getattr(args, "model", None)
+    gguf = isinstance(model, str) and (model in _GGUF_NAMES or model.lower().endswith(".gguf"))
+    if args.command in ("serve", "profile") and gguf:
+        require(("gguf",), extra="gguf", what=f"the GGUF model {model}")
     if getattr(args, "plot", None):
         require(("matplotlib",), extra="sim", what="--plot")
 

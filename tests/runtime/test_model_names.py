@@ -72,7 +72,10 @@ def test_uncached_hub_id_is_a_clear_error(offline_hub) -> None:
     text = str(exc.value)
     assert "medha-test/not-downloaded is not in the local Hugging Face cache" in text
     assert str(offline_hub) in text and "HF_HUB_OFFLINE" in text
-    assert "huggingface-cli download medha-test/not-downloaded" in text
+    # huggingface_hub 1.0 removed the `huggingface-cli` command (now `hf`); our own
+    # `medha-runtime download` works with every huggingface_hub we accept
+    assert "run `medha-runtime download medha-test/not-downloaded`" in text
+    assert "huggingface-cli" not in text
 
 
 def test_paths_and_builtin_names(tmp_path) -> None:

@@ -52,6 +52,23 @@ def test_cli_lists_only_working_subcommands(capsys) -> None:
     assert "expected an integer >= 1" in capsys.readouterr().err
 
 
+def test_download_help_names_the_cache_the_model_goes_to() -> None:
+    """``download --help`` said "$MEDHA_CACHE_DIR, else ~/.cache/medha"; with
+    ``XDG_CACHE_HOME`` set the file goes to ``$XDG_CACHE_HOME/medha`` (README, cache_dir)."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["download"].format_help().split())
+    assert "$MEDHA_CACHE_DIR, else $XDG_CACHE_HOME/medha, else ~/.cache/medha" in text
+
+
+def test_serve_help_gives_the_in_process_thread_default() -> None:
+    """``serve --help`` said --num-threads defaults to the node's cores divided by its
+    ranks; one rank runs in the engine process with torch's own setting (README,
+    ``EngineConfig.num_threads``), which follows OMP_NUM_THREADS and physical cores."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["serve"].format_help().split())
+    assert "with one rank, run in the engine process, torch's own setting" in text
+
+
 @pytest.mark.parametrize(
     "flags,needle",
     [

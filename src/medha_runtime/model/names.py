@@ -165,7 +165,7 @@ def hub_snapshot(repo_id: str, *, download: bool = True) -> Path:
     if hub_offline() or not download:
         raise ModelNotAvailableError(
             f"{repo_id} is not in {where}, and HF_HUB_OFFLINE is set; run "
-            f"`huggingface-cli download {repo_id}` where there is network, or pass a local path"
+            f"`medha-runtime download {repo_id}` where there is network, or pass a local path"
         )
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_PATTERNS))
@@ -173,5 +173,5 @@ def hub_snapshot(repo_id: str, *, download: bool = True) -> Path:
         raise ModelNotAvailableError(
             f"{repo_id} is not in {where} and could not be downloaded "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); run "
-            f"`huggingface-cli download {repo_id}` where there is network, or pass a local path"
+            f"`medha-runtime download {repo_id}` where there is network, or pass a local path"
         ) from None
