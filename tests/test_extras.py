@@ -88,7 +88,7 @@ def test_import_of_the_runtime_cli_and_sim_cli_needs_no_torch_or_numpy() -> None
 
 
 @pytest.mark.parametrize("command", ["serve", "profile"])
-@pytest.mark.parametrize("model", ["smollm2", "model.gguf"])
+@pytest.mark.parametrize("model", ["smollm2", "model.gguf", "gguf-dir"])
 def test_a_gguf_model_without_gguf_fails_at_once(command, model, tmp_path) -> None:
     """README: a missing extra is one line "before it starts any work". ``serve smollm2``
     without the gguf package bound its port, started uvicorn and the engine process,
@@ -97,6 +97,8 @@ def test_a_gguf_model_without_gguf_fails_at_once(command, model, tmp_path) -> No
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text('raise ImportError("gguf is blocked by a test stub")\n')
     (tmp_path / "model.gguf").write_bytes(b"GGUF")  # exists: checked before the extras
+    (tmp_path / "gguf-dir").mkdir()  # a directory of one .gguf and no config.json
+    (tmp_path / "gguf-dir" / "m.gguf").write_bytes(b"GGUF")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub.parent), str(ROOT / "src")])}
     cmd = [sys.executable, "-m", "medha_runtime", command, model]
     cmd += ["--port", "0"] if command == "serve" else ["--out", str(tmp_path / "p.json")]

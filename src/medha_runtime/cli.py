@@ -507,6 +507,18 @@ def _require_found(modules: Sequence[str]) -> None:
         )
 
 
+def _is_gguf(model: str) -> bool:
+    """Whether ``model`` names a GGUF file: a packaged name, a ``.gguf`` path, or a
+    directory holding ``.gguf`` files and no ``config.json`` (as
+    ``medha_runtime.model.names.resolve_model`` reads them)."""
+    from pathlib import Path
+
+    if model in _GGUF_NAMES or model.lower().endswith(".gguf"):
+        return True
+    path = Path(model)
+    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+
+
 def check_extras(args: argparse.Namespace) -> None:
     """Raise ``MissingExtra`` (one line naming the extra) before a command starts work."""
     from medha_sched.extras import require
@@ -519,8 +531,7 @@ def check_extras(args: argparse.Namespace) -> None:
     # GGUF files are read with the gguf package (in the engine process for serve,
     # seconds after the server started); it imports no torch, so check it here
     model = getattr(args, "model", None)
-    gguf = isinstance(model, str) and (model in _GGUF_NAMES or model.lower().endswith(".gguf"))
-    if args.command in ("serve", "profile") and gguf:
+    if args.command in ("serve", "profile") and isinstance(model, str) and _is_gguf(model):
         require(("gguf",), extra="gguf", what=f"the GGUF model {model}")
     if getattr(args, "plot", None):
         require(("matplotlib",), extra="sim", what="--plot")

@@ -85,6 +85,16 @@ def test_config_fields_and_eos_list() -> None:
     assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
 
 
+#: a valid llama3 RoPE block (Llama 3.1's numbers)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
+
+
 @pytest.mark.parametrize(
     ("change", "error", "words"),
     [
@@ -126,6 +136,15 @@ def test_config_fields_and_eos_list() -> None:
             {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 1e999}},
             ConfigError,
             ["rope_parameters.factor", "inf"],
+        ),
+        ({"rms_norm_eps": 1e999}, ConfigError, ["rms_norm_eps", "inf"]),
+        *(
+            (
+                {"rope_parameters": {**_LLAMA3_ROPE, "original_max_position_embeddings": bad}},
+                ConfigError,
+                ["rope_parameters.original_max_position_embeddings", repr(bad)],
+            )
+            for bad in (1e999, -5, 2048.5)  # OverflowError; accepted; cut to 2048
         ),
     ],
 )

@@ -282,7 +282,11 @@ class _FieldReader:
         value = self.d.get(key)
         if value is None:
             return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value < math.inf
+        ):
             raise ConfigError(f"{self.source}: {key} must be a positive number, got {value!r}")
         return float(value)
 
@@ -361,13 +365,18 @@ def _rope_from_hf(d: Mapping[str, Any], max_pos: int, source: str) -> RopeConfig
         return raw[key]
 
     def num(key: str, value: Any, cast: type = float) -> Any:
-        """``cast(value)``; a value that is not a finite number is a ConfigError naming it."""
+        """``cast(value)``; a value that is not a finite number (with ``cast=int``: a
+        whole number >= 1) is a ConfigError naming it."""
         try:
-            out = cast(value)
+            out = float(value)
         except (TypeError, ValueError):
             out = None
         if out is None or isinstance(value, bool) or not math.isfinite(out):
             raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+        if cast is int:
+            if not out.is_integer() or out < 1:
+                raise ConfigError(f"{source}: {key} must be a whole number >= 1, got {value!r}")
+            return int(out)
         return out
 
     theta_key = f"{where}.rope_theta" if "rope_theta" in raw else "rope_theta"
