@@ -161,6 +161,9 @@ def test_compare_writes_table_and_figure(tmp_path: Path) -> None:
         (["run", "--trace", "missing.jsonl", "--out", "x"], "--trace"),
         (["gen", "--qps", "1", "--out", "t.jsonl"], "--duration"),
         (["gen", "--qps", "abc", "--duration", "1", "--out", "t.jsonl"], "--qps"),
+        # numpy's "Maximum allowed dimension exceeded" traceback (more arrivals than an
+        # array holds; a MemoryError takes the same path, not tested: it would allocate)
+        (["gen", "--qps", "1", "--duration", "1e308", "--out", "t.jsonl"], "cannot draw"),
         (["compare", "--policies", "fcfs@big", "--duration", "1", "--out", "c"], "fcfs@big"),
         (["compare", "--policies", "zzz", "--duration", "1", "--out", "c"], "zzz"),
         # the same load twice ran twice into one run directory (at once with --jobs 2)

@@ -526,10 +526,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from medha_sched.sim.engine import SimulationError
     from medha_sched.sim.runner import OptionError
     from medha_sched.sim.trace import TraceError
+    from medha_sched.sim.workload import WorkloadTooLarge
 
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, OptionError, TraceError) as exc:
+    except (UsageError, OptionError, TraceError, WorkloadTooLarge) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except SimulationError as exc:

@@ -181,17 +181,36 @@ def arrival_times(
     return times[times < duration_s]
 
 
+class WorkloadTooLarge(ValueError):
+    """A workload whose arrivals do not fit in memory (numpy cannot draw them)."""
+
+
 def generate(spec: WorkloadSpec) -> list[TraceRequest]:
-    """A mixed short/long trace, deterministic in ``spec``."""
+    """A mixed short/long trace, deterministic in ``spec``.
+
+    Raises:
+        WorkloadTooLarge: the arrivals do not fit in memory (``--duration 1e12``).
+    """
     arrivals_ss, mix_ss, short_ss, long_ss = np.random.SeedSequence(spec.seed).spawn(4)
-    times = arrival_times(
-        np.random.default_rng(arrivals_ss),
-        spec.qps,
-        duration_s=spec.duration_s,
-        num_requests=spec.num_requests,
-        arrival=spec.arrival,
-        cv=spec.cv,
-    )
+    try:
+        times = arrival_times(
+            np.random.default_rng(arrivals_ss),
+            spec.qps,
+            duration_s=spec.duration_s,
+            num_requests=spec.num_requests,
+            arrival=spec.arrival,
+            cv=spec.cv,
+        )
+    except (MemoryError, ValueError) as exc:  # numpy: too many draws for an array
+        span = (
+            f"{spec.num_requests} requests"
+            if spec.duration_s is None
+            else f"{spec.qps:g} QPS over {spec.duration_s:g} s"
+        )
+        raise WorkloadTooLarge(
+            f"cannot draw the arrivals of {span} ({type(exc).__name__}: {exc}); "
+            "make the workload smaller"
+        ) from None
     n = len(times)
     is_long = np.random.default_rng(mix_ss).random(n) < spec.long_fraction
     short_p, short_o = short_lengths(np.random.default_rng(short_ss), n, cap=spec.short_cap)
