@@ -80,11 +80,11 @@ def chunked_prefill_attention(
 def _position(q_offset: object) -> int:
     """``q_offset`` as an int; a KernelInputError unless it is an integer (1.7 was taken as 1)."""
     try:
-        if isinstance(q_offset, bool):
-            raise TypeError
-        return operator.index(q_offset)  # type: ignore[arg-type]
+        if not isinstance(q_offset, bool):
+            return operator.index(q_offset)  # type: ignore[arg-type]
     except TypeError:
-        raise KernelInputError(f"q_offset must be an integer, got {q_offset!r}") from None
+        pass
+    raise KernelInputError(f"q_offset must be an integer, got {q_offset!r}")
 
 
 def paged_attention(

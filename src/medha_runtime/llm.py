@@ -25,7 +25,7 @@ from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
 from medha_runtime.engine import LLMEngine
 from medha_runtime.outputs import RequestOutput
 from medha_runtime.sampling import SamplingParams
-from medha_runtime.tokenizer import Tokenizer
+from medha_runtime.tokenizer import Tokenizer, join_text_parts
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 
@@ -193,15 +193,14 @@ def _conversation(conv: object, i: int) -> list[dict[str, Any]]:
         if not isinstance(role, str) or not role:
             raise ValueError(f"{at}: 'role' must be a non-empty string, got {role!r}")
         if isinstance(content, Sequence) and not isinstance(content, str):
-            parts = content
-            for k, part in enumerate(parts):
+            for k, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind != "text" or not isinstance(part.get("text"), str):  # type: ignore[union-attr]
                     raise ValueError(
                         f"{at}: content part {k} must be {{'type': 'text', 'text': str}} "
                         f"(only text is supported), got {part!r}"
                     )
-            content = "\n".join(part["text"] for part in parts)  # type: ignore[index]
+            content = join_text_parts(content)  # type: ignore[arg-type]
         elif not isinstance(content, str):
             raise ValueError(
                 f"{at}: 'content' must be a string or a list of text parts, got {content!r}"

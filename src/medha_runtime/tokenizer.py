@@ -62,16 +62,23 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _ids(value: Any, source: Path) -> list[int]:
-    """``eos_token_id`` of generation_config.json: a token id, a list of them, or absent."""
+def token_ids(value: Any, source: object, key: str = "eos_token_id") -> list[int]:
+    """``key`` of a model's JSON file (``source``): a token id, a list of them, or absent
+    (null: none); anything else is a ConfigError naming the file and key."""
     if value is None:
         return []
     ids = value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise _config_error(
-            f"{source}: eos_token_id must be a token id or a list of token ids, got {value!r}"
+            f"{source}: {key} must be a token id or a list of token ids, got {value!r}"
         )
     return list(ids)
+
+
+def join_text_parts(parts: Iterable[Mapping[str, Any]]) -> str:
+    """A message's OpenAI text content parts (``{"type": "text", "text": str}``, already
+    checked) as one string, one part per line, as vLLM joins them."""
+    return "\n".join(str(part["text"]) for part in parts)
 
 
 class Tokenizer:
@@ -142,7 +149,9 @@ class Tokenizer:
             bos_token=_token_content(tcfg.get("bos_token")),
             eos_token=_token_content(tcfg.get("eos_token")),
             chat_template=template,
-            generation_eos_ids=_ids(gcfg.get("eos_token_id"), directory / GENERATION_CONFIG_FILE),
+            generation_eos_ids=token_ids(
+                gcfg.get("eos_token_id"), directory / GENERATION_CONFIG_FILE
+            ),
         )
 
     @property

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from medha_runtime.model.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from medha_runtime.tokenizer import token_ids
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -300,15 +301,7 @@ class _FieldReader:
 
     def token_ids(self, key: str) -> tuple[int, ...]:
         """A token id or a list of them (absent or null: none)."""
-        value = self.d.get(key)
-        if value is None:
-            return ()
-        ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ConfigError(
-                f"{self.source}: {key} must be a token id or a list of token ids, got {value!r}"
-            )
-        return tuple(ids)
+        return tuple(token_ids(self.d.get(key), self.source, key))
 
 
 def _check_architecture(d: Mapping[str, Any], source: str) -> None:

@@ -35,7 +35,7 @@ from medha_runtime.server.protocol import (
 )
 from medha_runtime.server.streams import Prompt, Run, Sub
 from medha_runtime.server.tokens import FrontTokenizer
-from medha_runtime.tokenizer import ChatTemplateError
+from medha_runtime.tokenizer import ChatTemplateError, join_text_parts
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -129,8 +129,8 @@ class Frontend:
         conv = []
         for m in messages:
             content = m.content
-            if isinstance(content, list):  # text parts, one per line (as vLLM joins them)
-                content = "\n".join(str(p["text"]) for p in content)
+            if isinstance(content, list):
+                content = join_text_parts(content)
             turn: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 turn["name"] = m.name
