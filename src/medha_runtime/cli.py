@@ -194,6 +194,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--max-model-len", type=_positive_int, default=None, help="context limit")
     s.add_argument("--kv-cache-tokens", type=_positive_int, default=None, help="KV pool per group")
     s.add_argument(
+        "--max-batch-requests",
+        "--max-num-seqs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="most requests in one batch (vLLM's --max-num-seqs; default 512)",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEXT",
+        help="chat template to use instead of the model's: a Jinja file, or the Jinja text itself",
+    )
+    s.add_argument(
         "--cost-model",
         default=None,
         help="cost model spec (e.g. table:PROFILE.json, or online:STATE.json to resume "
@@ -358,6 +372,8 @@ def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -
         target_batch_time=args.target_batch_time,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        max_batch_requests=args.max_batch_requests,
+        chat_template=args.chat_template,
         block_size=args.block_size,
         seed=args.seed,
         cost_model=args.cost_model,

@@ -116,6 +116,9 @@ class EngineConfig:
             through shared memory. None (auto, the default): on with spp > 1
             on one host (where it takes the driver's round trip off each
             decode token's path), off otherwise.
+        chat_template: the chat template to use instead of the model's (vLLM's
+            ``--chat-template``): a Jinja file's path, or the Jinja text itself.
+            Read and compiled when the config is made.
         cuda_graphs: replay decode-only steps from CUDA graphs, one per padded
             batch size (see :mod:`medha_runtime.decode_graphs`): tp = spp = kvp
             = 1 and the Triton attention backend (another backend leaves them
@@ -151,6 +154,7 @@ class EngineConfig:
     distributed: DistConfig | None = None
     async_scheduling: bool | None = None
     cuda_graphs: bool | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -229,6 +233,12 @@ class EngineConfig:
                 f"cuda_graphs=True needs one rank (tp = spp = kvp = 1), got tp={self.tp}, "
                 f"spp={self.spp}, kvp={self.kvp}"
             )
+        if self.chat_template is not None:
+            if isinstance(self.chat_template, os.PathLike):
+                object.__setattr__(self, "chat_template", os.fspath(self.chat_template))
+            from medha_runtime.tokenizer import read_chat_template
+
+            read_chat_template(self.chat_template)  # a ChatTemplateError (a ValueError) names it
         if self.distributed is not None and not isinstance(self.distributed, DistConfig):
             raise ValueError(f"distributed must be a DistConfig, got {self.distributed!r}")
         if self.async_scheduling and self.spp != 1:
@@ -298,6 +308,8 @@ class ResolvedEngine:
         spec: what every rank builds (:class:`~medha_runtime.runner.RunnerSpec`).
         num_threads: torch CPU threads of an in-process engine (None: torch's
             own); worker ranks use ``spec.num_threads`` or cores / local ranks.
+        chat_template: the Jinja source that replaces the model's chat template
+            (``EngineConfig.chat_template`` read), or None.
     """
 
     layout: ParallelDegrees
@@ -308,6 +320,7 @@ class ResolvedEngine:
     scheduler_config: SchedulerConfig
     spec: RunnerSpec
     num_threads: int | None
+    chat_template: str | None = None
 
 
 def resolve_engine(
@@ -324,6 +337,7 @@ def resolve_engine(
 
     from medha_runtime.model.config import dtype_name, resolve_dtype
     from medha_runtime.runner import RunnerSpec, kv_bytes_per_token
+    from medha_runtime.tokenizer import read_chat_template
 
     c, m = config, model_config
     tp, spp, kvp, block = c.tp, c.spp, c.kvp, c.block_size
@@ -404,6 +418,7 @@ def resolve_engine(
             max_model_len=context,
         ),
         num_threads=c.num_threads,
+        chat_template=None if c.chat_template is None else read_chat_template(c.chat_template),
     )
 
 

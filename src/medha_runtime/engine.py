@@ -209,6 +209,12 @@ class LLMEngine:
         path = resolve_model(config.model).path
         self.config, self.tokenizer = load_model_info(path)
         r = self.resolved = config.resolve(self.config, model_path=path)
+        if r.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"chat_template: model {config.model!r} has no tokenizer to chat with"
+                )
+            self.tokenizer = self.tokenizer.with_chat_template(r.chat_template)
         self.layout, self.dtype, self.max_model_len = r.layout, r.dtype, r.max_model_len
         self.cache, self.scheduler_config, self.spec = r.cache, r.scheduler_config, r.spec
         if r.num_threads is not None and r.layout.world_size == 1:

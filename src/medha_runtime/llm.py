@@ -25,7 +25,7 @@ from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
 from medha_runtime.engine import LLMEngine
 from medha_runtime.outputs import RequestOutput
 from medha_runtime.sampling import SamplingParams
-from medha_runtime.tokenizer import Tokenizer, join_text_parts
+from medha_runtime.tokenizer import Tokenizer, join_text_parts, read_chat_template
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 
@@ -149,8 +149,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (the model's chat template).
+        """Generate replies to one conversation or a list of them (the model's chat template,
+        or ``chat_template``: a Jinja file's path or the Jinja text, as ``EngineConfig``'s).
 
         A message is ``{"role": str, "content": str}``; ``content`` may also be a
         list of OpenAI text parts (``{"type": "text", "text": str}``), joined one per
@@ -160,6 +162,8 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError(f"model {self.engine.model!r} has no tokenizer: chat needs one")
+        if chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(read_chat_template(chat_template))
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise ValueError(
                 "chat takes a conversation (a list of {'role': ..., 'content': ...} messages) "

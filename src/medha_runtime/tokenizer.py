@@ -17,7 +17,9 @@ A model directory supplies:
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -53,6 +55,39 @@ def bytes_to_unicode() -> dict[int, str]:
 
 class ChatTemplateError(ValueError):
     """No chat template, or the template failed (including ``raise_exception``)."""
+
+
+def read_chat_template(spec: str | os.PathLike[str]) -> str:
+    """A chat template given the way vLLM's ``--chat-template`` takes one: the text of
+    the file ``spec`` names, else ``spec`` itself where it is Jinja text (holds ``{{``
+    or ``{%``). Compiled here, so a broken template fails now rather than at the first
+    chat request.
+
+    Raises:
+        ChatTemplateError: no such file and no Jinja text, a file that is not UTF-8
+            text, or a template that does not compile (each named).
+    """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ChatTemplateError(
+            f"chat_template must be a Jinja file's path or Jinja text, got {spec!r}"
+        )
+    if os.path.isfile(spec):
+        try:
+            source = Path(spec).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ChatTemplateError(f"chat template {spec}: not UTF-8 text ({exc})") from None
+        except OSError as exc:
+            raise ChatTemplateError(f"chat template {spec}: cannot be read ({exc})") from None
+    elif "{{" in spec or "{%" in spec:
+        source = spec
+    else:
+        raise ChatTemplateError(
+            f"chat template {spec!r}: no such file, and not Jinja text (no '{{{{' or '{{%')"
+        )
+    _compile(source)
+    return source
 
 
 def _token_content(value: Any) -> str | None:
@@ -153,6 +188,12 @@ class Tokenizer:
                 gcfg.get("eos_token_id"), directory / GENERATION_CONFIG_FILE
             ),
         )
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with ``chat_template`` (Jinja source) in place of its own."""
+        other = copy.copy(self)
+        other.chat_template, other._template = chat_template, None
+        return other
 
     @property
     def vocab_size(self) -> int:

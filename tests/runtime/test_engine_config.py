@@ -85,3 +85,28 @@ def test_serve_flags_build_the_config() -> None:
     assert (config.num_threads, config.kvp, config.enable_prefix_caching) == (3, 2, False)
     default = engine_config(build_parser().parse_args(["serve"]), distributed=None)
     assert (default.num_threads, default.enable_prefix_caching) == (None, True)
+
+
+def test_chat_template_is_checked_when_made_and_resolved_to_its_text(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"missing\.jinja.*no such file"):
+        EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        EngineConfig(chat_template="{{ unclosed")
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+    resolved = EngineConfig(chat_template=path).resolve(tiny_config())
+    assert resolved.chat_template == "{{ messages[0]['content'] }}"
+    assert EngineConfig().resolve(tiny_config()).chat_template is None
+
+
+def test_serve_takes_chat_template_and_max_num_seqs(tmp_path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+    args = build_parser().parse_args(
+        ["serve", "tiny", "--chat-template", str(path), "--max-num-seqs", "3"]
+    )
+    config = engine_config(args, distributed=None)
+    assert config.chat_template == str(path)
+    assert config.max_batch_requests == 3
+    args = build_parser().parse_args(["serve", "tiny", "--max-batch-requests", "5"])
+    assert engine_config(args, distributed=None).max_batch_requests == 5

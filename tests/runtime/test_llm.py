@@ -278,3 +278,18 @@ def test_a_prompt_dict_with_other_keys_is_refused() -> None:
                 llm.generate(prompt, params)
         both = llm.generate({"prompt": "hi", "prompt_token_ids": [104, 105]}, params)[0]
         assert both.prompt == "hi" and both.prompt_token_ids == [104, 105]
+
+
+def test_a_chat_template_of_the_engine_or_of_one_call_is_used(tmp_path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("<{{ messages[-1]['content'] }}>", encoding="utf-8")
+    messages = [{"role": "user", "content": "hello"}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM("tiny", cost_model=COST, max_model_len=256, chat_template=str(path)) as llm:
+        tok = llm.get_tokenizer()
+        out = llm.chat(messages, params)
+        assert out[0].prompt_token_ids == tok.encode("<hello>", add_special_tokens=False)
+        out = llm.chat(messages, params, chat_template="({{ messages[0]['role'] }})")
+        assert out[0].prompt_token_ids == tok.encode("(user)", add_special_tokens=False)
+        with pytest.raises(ValueError, match="no such file"):
+            llm.chat(messages, params, chat_template=str(tmp_path / "none.jinja"))

@@ -246,3 +246,36 @@ def test_saved_tiny_tokenizer_matches_the_in_memory_one(tmp_path) -> None:
     assert loaded.apply_chat_template(CHAT) == memory.apply_chat_template(CHAT)
     assert loaded.stop_token_ids == memory.stop_token_ids == (EOS_ID,)
     assert loaded.vocab_size == 259
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+def test_read_chat_template_from_a_file_or_text_and_errors_named(tmp_path) -> None:
+    from medha_runtime.tokenizer import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text(PLAIN_TEMPLATE, encoding="utf-8")
+    assert read_chat_template(path) == PLAIN_TEMPLATE
+    assert read_chat_template(str(path)) == PLAIN_TEMPLATE
+    assert read_chat_template(PLAIN_TEMPLATE) == PLAIN_TEMPLATE
+    with pytest.raises(ChatTemplateError, match=r"nope\.jinja.*no such file"):
+        read_chat_template(str(tmp_path / "nope.jinja"))
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        read_chat_template("{% for m in messages %}")
+    bad = tmp_path / "latin1.jinja"
+    bad.write_bytes("{{ 'é' }}".encode("latin-1"))
+    with pytest.raises(ChatTemplateError, match=r"latin1\.jinja: not UTF-8"):
+        read_chat_template(bad)
+    with pytest.raises(ChatTemplateError, match="got ''"):
+        read_chat_template("")
+
+
+def test_with_chat_template_replaces_only_the_copy() -> None:
+    tok = tiny_tokenizer()
+    msgs = [{"role": "user", "content": "hi"}]
+    before = tok.apply_chat_template(msgs)
+    other = tok.with_chat_template(PLAIN_TEMPLATE)
+    assert other.apply_chat_template(msgs) == "[user] hi\n"
+    assert tok.apply_chat_template(msgs) == before != "[user] hi\n"
+    assert other.stop_token_ids == tok.stop_token_ids
