@@ -202,6 +202,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="most requests in one batch (vLLM's --max-num-seqs; default 512)",
     )
     s.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="default sampling parameters (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens) for requests that leave them unset: 'auto' "
+        "(default) the model directory's generation_config.json, 'vllm' none, or a "
+        "directory holding one",
+    )
+    s.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEXT",
@@ -374,6 +383,7 @@ def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -
         kv_cache_tokens=args.kv_cache_tokens,
         max_batch_requests=args.max_batch_requests,
         chat_template=args.chat_template,
+        generation_config=args.generation_config,
         block_size=args.block_size,
         seed=args.seed,
         cost_model=args.cost_model,

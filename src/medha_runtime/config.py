@@ -21,7 +21,8 @@ import math
 import os
 import platform
 import sys
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,12 @@ class EngineConfig:
             through shared memory. None (auto, the default): on with spp > 1
             on one host (where it takes the driver's round trip off each
             decode token's path), off otherwise.
+        generation_config: where requests' unset sampling fields come from
+            (vLLM's ``--generation-config``): ``"auto"`` (default), the model
+            directory's ``generation_config.json`` (``temperature``, ``top_p``,
+            ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``);
+            ``"vllm"``, none of it; or a directory holding such a file. See
+            :mod:`medha_runtime.generation_defaults`.
         chat_template: the chat template to use instead of the model's (vLLM's
             ``--chat-template``): a Jinja file's path, or the Jinja text itself.
             Read and compiled when the config is made.
@@ -155,6 +162,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     cuda_graphs: bool | None = None
     chat_template: str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -239,6 +247,17 @@ class EngineConfig:
             from medha_runtime.tokenizer import read_chat_template
 
             read_chat_template(self.chat_template)  # a ChatTemplateError (a ValueError) names it
+        if isinstance(self.generation_config, os.PathLike):
+            object.__setattr__(self, "generation_config", os.fspath(self.generation_config))
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a directory, got "
+                f"{self.generation_config!r}"
+            )
+        if self.generation_config not in ("auto", "vllm"):
+            from medha_runtime.generation_defaults import generation_defaults
+
+            generation_defaults(self.generation_config, None)  # names a bad file or value
         if self.distributed is not None and not isinstance(self.distributed, DistConfig):
             raise ValueError(f"distributed must be a DistConfig, got {self.distributed!r}")
         if self.async_scheduling and self.spp != 1:
@@ -310,6 +329,8 @@ class ResolvedEngine:
             own); worker ranks use ``spec.num_threads`` or cores / local ranks.
         chat_template: the Jinja source that replaces the model's chat template
             (``EngineConfig.chat_template`` read), or None.
+        sampling_defaults: ``{SamplingParams field: value}`` for the fields a request
+            leaves unset (``EngineConfig.generation_config`` read).
     """
 
     layout: ParallelDegrees
@@ -321,6 +342,7 @@ class ResolvedEngine:
     spec: RunnerSpec
     num_threads: int | None
     chat_template: str | None = None
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 def resolve_engine(
@@ -335,6 +357,7 @@ def resolve_engine(
     """
     import torch
 
+    from medha_runtime.generation_defaults import generation_defaults
     from medha_runtime.model.config import dtype_name, resolve_dtype
     from medha_runtime.runner import RunnerSpec, kv_bytes_per_token
     from medha_runtime.tokenizer import read_chat_template
@@ -419,7 +442,20 @@ def resolve_engine(
         ),
         num_threads=c.num_threads,
         chat_template=None if c.chat_template is None else read_chat_template(c.chat_template),
+        sampling_defaults=generation_defaults(
+            c.generation_config, _model_dir(model_path or c.model)
+        ),
     )
+
+
+def _model_dir(model: str | Path) -> str | None:
+    """The model's Hugging Face directory (None: ``tiny``, a GGUF file, a random model)."""
+    from medha_runtime.model.names import resolve_model
+
+    if not Path(model).is_dir():
+        return None
+    resolved = resolve_model(str(model))
+    return resolved.path if resolved.kind == "hf" else None
 
 
 def check_layout(

@@ -105,13 +105,15 @@ class LLM:
             prompts: a string, a list of token ids, a list of either, or
                 ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts.
             sampling_params: one for all prompts, one per prompt, or None
-                (``SamplingParams()``: temperature 1, 16 tokens).
+                (:meth:`get_default_sampling_params`: ``SamplingParams()``,
+                temperature 1 and 16 tokens, with the model's generation
+                config's defaults).
         """
         if self._finalizer.alive is False:
             raise RuntimeError("this LLM was shut down")
         items = _normalize_prompts(prompts)
         if sampling_params is None:
-            params: list[SamplingParams] = [SamplingParams()] * len(items)
+            params: list[SamplingParams] = [self.get_default_sampling_params()] * len(items)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:
@@ -142,6 +144,11 @@ class LLM:
                     engine.abort_request(rid)
             raise
         return [done[rid] for rid in rids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the fields the model's generation config sets
+        (``EngineConfig.generation_config``; vLLM's method of the same name)."""
+        return SamplingParams(**self.engine.resolved.sampling_defaults)
 
     def chat(
         self,

@@ -72,3 +72,23 @@ def test_summary_and_access_line() -> None:
         "cmpl-1 /v1/completions 200 prompt_tokens=5 output_tokens=7 ttft=12.3ms e2e=500.0ms "
         "finish=length"
     )
+
+
+def test_summary_lists_the_generation_configs_sampling_defaults() -> None:
+    info = ModelInfo(
+        device="cpu",
+        policy="lars-mp",
+        cost_model="OnlineCostModel",
+        target_batch_time=0.05,
+        kv_pool_tokens=2048,
+        kvp_group_tokens=256,
+        block_size=16,
+        vocab_size=259,
+    )
+    ready = EngineReady("m", 256, 1, "float32", "ParallelDegrees(tp=1, spp=1, kvp=1)", info)
+    text = "\n".join(startup_summary(ready, served_name="m", address="http://x"))
+    assert "generation config" not in text
+    info = dataclasses.replace(info, sampling_defaults=(("temperature", 0.6), ("top_p", 0.9)))
+    ready = dataclasses.replace(ready, info=info)
+    text = "\n".join(startup_summary(ready, served_name="m", address="http://x"))
+    assert "default sampling from the model's generation config: temperature=0.6, top_p=0.9" in text

@@ -60,6 +60,9 @@ def startup_summary(ready: EngineReady, *, served_name: str, address: str) -> li
             f"max model len {ready.max_model_len:,}",
             _execution(info),
         ]
+        if info.sampling_defaults:
+            pairs = ", ".join(f"{k}={v}" for k, v in info.sampling_defaults)
+            lines.append(f"default sampling from the model's generation config: {pairs}")
     else:
         lines.append(f"layout {ready.layout}, max model len {ready.max_model_len:,}")
     lines.append(f"engine process pid {ready.pid}; serving on {address}")

@@ -70,6 +70,9 @@ class ModelInfo:
     #: decode batches of up to this many requests replay CUDA graphs (0: eager)
     cuda_graph_max_batch: int = 0
     async_scheduling: bool = False
+    #: ``(SamplingParams field, value)`` for the fields a request leaves unset: the
+    #: model's generation config's (:mod:`medha_runtime.generation_defaults`)
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass

@@ -78,6 +78,13 @@ class Frontend:
         ready = self.client.ready
         return ready.info.vocab_size if ready is not None and ready.info is not None else None
 
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's defaults for the sampling fields a request leaves unset."""
+        ready = self.client.ready
+        info = ready.info if ready is not None else None
+        return dict(info.sampling_defaults) if info is not None else {}
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(
@@ -189,16 +196,21 @@ class Frontend:
     def sampling(
         self, body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
+        d = self.sampling_defaults
         try:
             return SamplingParams(
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=0 if body.top_k is None else body.top_k,
-                min_p=0.0 if body.min_p is None else body.min_p,
+                temperature=(
+                    d.get("temperature", 1.0) if body.temperature is None else body.temperature
+                ),
+                top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
+                top_k=int(d.get("top_k", 0)) if body.top_k is None else body.top_k,
+                min_p=d.get("min_p", 0.0) if body.min_p is None else body.min_p,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=(
-                    1.0 if body.repetition_penalty is None else body.repetition_penalty
+                    d.get("repetition_penalty", 1.0)
+                    if body.repetition_penalty is None
+                    else body.repetition_penalty
                 ),
                 logit_bias=body.logit_bias,
                 seed=body.seed,
@@ -433,7 +445,10 @@ class Frontend:
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
         self.check_vocab(body, prompts)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if body.max_tokens is None:  # OpenAI's 16, or the model's generation config's
+            max_tokens = int(self.sampling_defaults.get("max_tokens", 16))
+        else:
+            max_tokens = body.max_tokens
         want = [body.prompt_logprobs]
         if body.echo and body.logprobs is not None:
             want.append(body.logprobs)  # echoed prompt tokens get their logprobs too
@@ -476,7 +491,11 @@ class Frontend:
             mt = body.max_tokens
         self.check_lengths(len(ids), mt)
         self.check_vocab(body, [Prompt(None, ids)])
-        max_tokens = self.max_model_len - len(ids) if mt is None else mt
+        if mt is None:  # the room left, at most the model's generation config's
+            room = self.max_model_len - len(ids)
+            max_tokens = min(room, int(self.sampling_defaults.get("max_tokens", room)))
+        else:
+            max_tokens = mt
         lp = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling(body, max_tokens, lp, body.prompt_logprobs)
         run = await self.start(request, body, [Prompt(None, ids)], params, chat=True)

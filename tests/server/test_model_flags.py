@@ -1,7 +1,8 @@
-"""``serve --chat-template``: the template replaces the model's for every chat request."""
+"""``serve --chat-template`` and ``--generation-config``: what replaces the model's own."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -51,3 +52,35 @@ def test_a_chat_template_that_does_not_compile_is_one_line(tmp_path) -> None:
     assert "Traceback" not in proc.stderr + proc.stdout
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("medha-runtime serve: error:") and "does not compile" in last
+
+
+def test_unset_sampling_fields_come_from_the_generation_config(tmp_path) -> None:
+    from medha_runtime.model.tiny import save_tiny
+
+    model = save_tiny(tmp_path / "tiny")
+    (model / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 4}), encoding="utf-8"
+    )
+    body = {"prompt": [5, 6, 7, 8], "ignore_eos": True}
+    for flags, tokens in (((), 4), (("--generation-config", "vllm"), 16)):
+        server = start_server(*flags, model=str(model))
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+            outs = [
+                client.completions.create(
+                    model=str(model), prompt=body["prompt"], extra_body={"ignore_eos": True}
+                )
+                for _ in range(2)
+            ]
+            assert [o.usage.completion_tokens for o in outs] == [tokens, tokens]
+            if tokens == 4:  # temperature 0: greedy, the same twice
+                assert outs[0].choices[0].text == outs[1].choices[0].text
+            if tokens == 4:  # the chat default: the room left, at most max_new_tokens
+                chat = client.chat.completions.create(
+                    model=str(model),
+                    messages=[{"role": "user", "content": "hi"}],
+                    extra_body={"ignore_eos": True},
+                )
+                assert chat.usage.completion_tokens == 4
+        finally:
+            stop_server(server)
