@@ -25,7 +25,12 @@ from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
 from medha_runtime.engine import LLMEngine
 from medha_runtime.outputs import RequestOutput
 from medha_runtime.sampling import SamplingParams
-from medha_runtime.tokenizer import Tokenizer, join_text_parts, read_chat_template
+from medha_runtime.tokenizer import (
+    Tokenizer,
+    join_text_parts,
+    read_chat_template,
+    template_variables,
+)
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 
@@ -157,6 +162,8 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (the model's chat template,
         or ``chat_template``: a Jinja file's path or the Jinja text, as ``EngineConfig``'s).
@@ -165,6 +172,9 @@ class LLM:
         list of OpenAI text parts (``{"type": "text", "text": str}``), joined one per
         line, as the server and vLLM join them.
         Other keys (``name``...) go to the template as they are.
+        ``continue_final_message`` (with ``add_generation_prompt=False``) ends the
+        prompt after the last message's content, so the model continues it;
+        ``chat_template_kwargs`` are extra template variables (``enable_thinking``...).
         """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -186,6 +196,8 @@ class LLM:
                 _conversation(conv, i),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
+                continue_final_message=continue_final_message,
+                **template_variables(chat_template_kwargs),
             )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)

@@ -232,6 +232,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render a conversation with the model's chat template.
@@ -241,11 +242,22 @@ class Tokenizer:
             add_generation_prompt: end with the assistant turn's header.
             tokenize: return token ids (encoded without adding special tokens,
                 since templates emit BOS themselves) instead of text.
-            kwargs: extra template variables (``tools``, ``date_string``...).
+            continue_final_message: end the text right after the last message's
+                content (no end-of-turn), so the model goes on with that message
+                (``transformers``' and vLLM's option); needs
+                ``add_generation_prompt=False`` and text content.
+            kwargs: extra template variables (``tools``, ``date_string``,
+                ``enable_thinking``...; :func:`template_variables` checks a
+                caller's mapping of them).
 
         Raises:
-            ChatTemplateError: no template, or rendering failed.
+            ChatTemplateError: no template, rendering failed, or the options clash.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError(
+                "continue_final_message needs add_generation_prompt=False: the final "
+                "message is continued, no new turn is started"
+            )
         if self._template is None:
             if not self.chat_template:
                 raise ChatTemplateError(
@@ -263,6 +275,8 @@ class Tokenizer:
             raise
         except Exception as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -362,6 +376,39 @@ def _pick_template(value: Any, source: Path) -> str | None:
             return named["default"]
         raise _config_error(f"{source}: chat_template list has no 'default' entry ({list(named)})")
     raise _config_error(f"{source}: chat_template must be a string or a list, got {type(value)}")
+
+
+def template_variables(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's extra chat-template variables as keyword arguments of
+    :meth:`Tokenizer.apply_chat_template`; ChatTemplateError for a name that is not a
+    string or that :meth:`~Tokenizer.apply_chat_template` takes itself."""
+    out = dict(kwargs or {})
+    own = {"messages", "add_generation_prompt", "tokenize", "continue_final_message"}
+    bad = sorted(repr(k) for k in out if not isinstance(k, str) or k in own)
+    if bad:
+        raise ChatTemplateError(
+            f"chat template variable(s) {', '.join(bad)} cannot be set this way: "
+            "they are the conversation and the rendering options"
+        )
+    return out
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` up to the end of the last message's content (its last occurrence; as
+    ``transformers`` does, the stripped content where a template trims it)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ChatTemplateError(
+            "continue_final_message needs a final message with text content to continue"
+        )
+    for piece in (final, final.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[: at + len(piece)]
+    raise ChatTemplateError(
+        "continue_final_message: the chat template's text does not contain the final "
+        "message's content, so it cannot be continued"
+    )
 
 
 def _raise_exception(message: str) -> None:

@@ -293,3 +293,18 @@ def test_a_chat_template_of_the_engine_or_of_one_call_is_used(tmp_path) -> None:
         assert out[0].prompt_token_ids == tok.encode("(user)", add_special_tokens=False)
         with pytest.raises(ValueError, match="no such file"):
             llm.chat(messages, params, chat_template=str(tmp_path / "none.jinja"))
+
+
+def test_chat_continues_the_final_message_and_passes_template_variables() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "So"}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM("tiny", cost_model=COST, max_model_len=256) as llm:
+        tok = llm.get_tokenizer()
+        out = llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True)
+        text = tok.decode(out[0].prompt_token_ids, skip_special_tokens=False)
+        assert text.endswith("So")
+        flag = "{% if flag %}F{% endif %}{{ messages[0]['content'] }}"
+        out = llm.chat(messages, params, chat_template=flag, chat_template_kwargs={"flag": True})
+        assert out[0].prompt_token_ids == tok.encode("Fhi", add_special_tokens=False)
+        with pytest.raises(ValueError, match="'messages'"):
+            llm.chat(messages, params, chat_template_kwargs={"messages": []})

@@ -279,3 +279,42 @@ def test_with_chat_template_replaces_only_the_copy() -> None:
     assert other.apply_chat_template(msgs) == "[user] hi\n"
     assert tok.apply_chat_template(msgs) == before != "[user] hi\n"
     assert other.stop_token_ids == tok.stop_token_ids
+
+
+def test_continue_final_message_ends_after_its_content() -> None:
+    tok = tiny_tokenizer()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    full = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    cont = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert full.startswith(cont) and cont.endswith("The answer is") and full != cont
+    # a template that trims the content: the stripped content is found
+    trim = tok.with_chat_template("{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}")
+    padded = [{"role": "assistant", "content": "  go on  "}]
+    got = trim.apply_chat_template(padded, add_generation_prompt=False, continue_final_message=True)
+    assert got == "[go on"
+    with pytest.raises(ChatTemplateError, match="needs add_generation_prompt=False"):
+        tok.apply_chat_template(msgs, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="text content to continue"):
+        tok.apply_chat_template(
+            [{"role": "user", "content": " "}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+    hide = tok.with_chat_template("{% for m in messages %}x{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="does not contain the final message"):
+        hide.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_template_variables_reach_the_template_and_reserved_ones_are_refused() -> None:
+    tok = tiny_tokenizer().with_chat_template(
+        "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}"
+    )
+    msgs = [{"role": "user", "content": "q"}]
+    assert tok.apply_chat_template(msgs, enable_thinking=True) == "<think>q"
+    assert tok.apply_chat_template(msgs, enable_thinking=False) == "q"
+    from medha_runtime.tokenizer import template_variables
+
+    assert template_variables({"enable_thinking": True}) == {"enable_thinking": True}
+    assert template_variables(None) == {}
+    with pytest.raises(ChatTemplateError, match="'add_generation_prompt', 'messages' cannot"):
+        template_variables({"messages": [], "add_generation_prompt": 1, "x": 2})

@@ -214,7 +214,6 @@ REFUSED = [
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
     ("role", "chat", {"messages": [{"role": "wizard", "content": "hi"}]}),
     ("content", "chat", {"messages": [{"role": "user"}]}),
-    ("continue_final_message", "chat", {"continue_final_message": True}),
     ("suffix", "completions", {"suffix": "end"}),
     ("best_of", "completions", {"best_of": 3}),
     ("use_beam_search", "completions", {"use_beam_search": True}),

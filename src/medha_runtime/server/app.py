@@ -274,6 +274,16 @@ def _install_routes(
             return _error(f"the engine is not available: {client.dead or 'starting'}", 503)
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> Any:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("medha")}
+        except PackageNotFoundError:  # run from a source tree that is not installed
+            return {"version": "unknown"}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -286,7 +296,7 @@ def _install_routes(
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", 400, "prompt")
         if body.messages is not None:
-            ids = front.chat_ids(body.messages, body.add_generation_prompt)
+            ids = front.chat_ids_of(body)
         else:
             ids = front.need_tokenizer().encode(
                 body.prompt or "", add_special_tokens=body.add_special_tokens

@@ -73,6 +73,8 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
+    # keep only the prompt's last k tokens (-1: the last max_model_len - 1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # Medha: fed to the scheduler (priority: lower runs earlier, vLLM's meaning)
     ttft_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     tpot_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -99,6 +101,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -108,6 +112,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -151,11 +157,8 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (_absent, "allowed_token_ids is not supported"),
     "bad_words": (_absent, "bad_words is not supported"),
     "logits_processors": (_absent, "logits_processors is not supported"),
-    "truncate_prompt_tokens": (_absent, "truncate_prompt_tokens is not supported"),
     "spaces_between_special_tokens": (_is(True), "only spaces_between_special_tokens=true"),
-    "continue_final_message": (_is(False), "continue_final_message is not supported"),
     "chat_template": (_absent, "a request's own chat_template is not supported"),
-    "chat_template_kwargs": (_absent, "chat_template_kwargs is not supported"),
     "documents": (_absent, "documents are not supported"),
     "mm_processor_kwargs": (_absent, "multimodal inputs are not supported"),
     "audio": (_absent, "audio output is not supported"),

@@ -35,7 +35,7 @@ from medha_runtime.server.protocol import (
 )
 from medha_runtime.server.streams import Prompt, Run, Sub
 from medha_runtime.server.tokens import FrontTokenizer
-from medha_runtime.tokenizer import ChatTemplateError, join_text_parts
+from medha_runtime.tokenizer import ChatTemplateError, join_text_parts, template_variables
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -127,11 +127,29 @@ class Frontend:
             return fmt.TokenText.as_ids()
         return fmt.TokenText(tok.token_str, tok.token_bytes)
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_ids(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         try:
             check_messages(messages)
         except RefusedField as exc:
             raise APIError(str(exc), 400, exc.param) from None
+        if continue_final_message and add_generation_prompt:
+            raise APIError(
+                "continue_final_message=true needs add_generation_prompt=false: the final "
+                "message is continued, no new turn is started",
+                400,
+                "continue_final_message",
+            )
+        try:
+            variables = template_variables(template_kwargs)
+        except ChatTemplateError as exc:
+            raise APIError(str(exc), 400, "chat_template_kwargs") from None
         tok = self.need_tokenizer()
         conv = []
         for m in messages:
@@ -145,11 +163,40 @@ class Frontend:
         try:
             return list(
                 tok.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, tokenize=True
+                    conv,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    continue_final_message=continue_final_message,
+                    **variables,
                 )
             )
         except ChatTemplateError as exc:
             raise APIError(str(exc), 400, "messages") from None
+
+    def chat_ids_of(self, body: Any) -> list[int]:
+        """A chat or tokenize request's conversation as token ids (its template options)."""
+        return self.chat_ids(
+            body.messages,
+            body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+        )
+
+    def truncated(self, body: Any, ids: list[int]) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: as many as the context
+        holds with one token to generate); all of it when unset."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return ids
+        limit = self.max_model_len
+        if k == 0 or k >= limit:
+            raise APIError(
+                f"truncate_prompt_tokens={k} must be -1 or between 1 and {limit - 1} "
+                f"(max_model_len {limit} less one token to generate)",
+                400,
+                "truncate_prompt_tokens",
+            )
+        return ids[-(limit - 1 if k == -1 else k) :]
 
     def check_lengths(self, n: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
@@ -442,6 +489,8 @@ class Frontend:
         self.check_alive()
         self.check_fields(body, chat=False)
         prompts = self.completion_prompts(body)
+        if body.truncate_prompt_tokens is not None:
+            prompts = [Prompt(None, self.truncated(body, p.ids)) for p in prompts]
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
         self.check_vocab(body, prompts)
@@ -485,7 +534,7 @@ class Frontend:
         self.check_model(body.model)
         self.check_alive()
         self.check_fields(body, chat=True)
-        ids = self.chat_ids(body.messages, body.add_generation_prompt)
+        ids = self.truncated(body, self.chat_ids_of(body))
         mt = body.max_completion_tokens
         if mt is None:
             mt = body.max_tokens

@@ -1,0 +1,93 @@
+"""vLLM's chat and prompt options: ``continue_final_message``, ``chat_template_kwargs``,
+``truncate_prompt_tokens``; and ``/version``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from medha_runtime.model.tiny import tiny_tokenizer
+from tests.server.conftest import API_KEY, Server
+
+MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
+def post(server: Server, route: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{route}", json=body, headers=server.headers, timeout=60)
+
+
+def test_continue_final_message_prompt_ends_in_its_content(server: Server) -> None:
+    body = {"messages": MESSAGES, "add_generation_prompt": False, "continue_final_message": True}
+    r = post(server, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    want = tiny_tokenizer().apply_chat_template(
+        MESSAGES, add_generation_prompt=False, continue_final_message=True, tokenize=True
+    )
+    assert r.json()["tokens"] == want
+    out = client(server).chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=2,
+        temperature=0.0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert out.usage.prompt_tokens == len(want)
+    with pytest.raises(openai.BadRequestError) as err:
+        client(server).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=2,
+            extra_body={"continue_final_message": True},
+        )  # fmt: skip
+    assert err.value.body["param"] == "continue_final_message"
+    assert "add_generation_prompt=false" in err.value.body["message"]
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(
+    server: Server,
+) -> None:
+    plain = post(server, "/tokenize", {"messages": MESSAGES[:1]}).json()["tokens"]
+    body = {"messages": MESSAGES[:1], "chat_template_kwargs": {"unused_variable": 1}}
+    assert post(server, "/tokenize", body).json()["tokens"] == plain
+    with pytest.raises(openai.BadRequestError) as err:
+        client(server).chat.completions.create(
+            model="tiny", messages=MESSAGES[:1], max_tokens=1,
+            extra_body={"chat_template_kwargs": {"messages": []}},
+        )  # fmt: skip
+    assert err.value.body["param"] == "chat_template_kwargs"
+    assert "'messages'" in err.value.body["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(server: Server) -> None:
+    c = client(server)
+    ids = list(range(10, 40))
+    greedy = {"model": "tiny", "max_tokens": 3, "temperature": 0.0}
+    cut = c.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 5}, **greedy)
+    tail = c.completions.create(prompt=ids[-5:], **greedy)
+    assert cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == tail.choices[0].text
+    extra = {"truncate_prompt_tokens": 5, "return_tokens_as_token_ids": True}
+    echo = c.completions.create(prompt=ids, echo=True, logprobs=0, extra_body=extra, **greedy)
+    assert echo.choices[0].logprobs.tokens[:5] == [f"token_id:{i}" for i in ids[-5:]]
+    whole = c.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, **greedy)
+    assert whole.usage.prompt_tokens == len(ids)  # shorter than the context: all of it
+    chat = c.chat.completions.create(
+        messages=MESSAGES[:1], extra_body={"truncate_prompt_tokens": 4}, **greedy
+    )
+    assert chat.usage.prompt_tokens == 4
+    for bad in (0, 256, -2):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": bad}, **greedy)
+        assert "truncate_prompt_tokens" in str(err.value.body)
+
+
+def test_version(server: Server) -> None:
+    from importlib.metadata import version
+
+    r = httpx.get(f"{server.url}/version", timeout=10)
+    assert r.status_code == 200 and r.json() == {"version": version("medha")}
