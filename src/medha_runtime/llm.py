@@ -17,8 +17,9 @@ with the forkserver method).
 from __future__ import annotations
 
 import os
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
@@ -103,6 +104,8 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Complete every prompt; one :class:`RequestOutput` per prompt, in order.
 
@@ -113,6 +116,9 @@ class LLM:
                 (:meth:`get_default_sampling_params`: ``SamplingParams()``,
                 temperature 1 and 16 tokens, with the model's generation
                 config's defaults).
+            use_tqdm: a progress bar on stderr as requests finish, with the
+                input and output tokens per second (vLLM's); or a callable that
+                makes the bar (``tqdm``'s arguments); False for none.
         """
         if self._finalizer.alive is False:
             raise RuntimeError("this LLM was shut down")
@@ -140,9 +146,11 @@ class LLM:
             for (text, ids), p in zip(encoded, params, strict=True):
                 rids.append(engine.add_request(ids, p, prompt=text))
             done: dict[str, RequestOutput] = {}
-            while len(done) < len(rids):
-                for out in engine.step():
-                    done[out.request_id] = out
+            with _Progress(use_tqdm, len(rids)) as progress:
+                while len(done) < len(rids):
+                    for out in engine.step():
+                        done[out.request_id] = out
+                        progress.finished(out)
         except BaseException:
             for rid in rids:
                 if engine.dead is None:
@@ -164,6 +172,7 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (the model's chat template,
         or ``chat_template``: a Jinja file's path or the Jinja text, as ``EngineConfig``'s).
@@ -200,7 +209,7 @@ class LLM:
                 **template_variables(chat_template_kwargs),
             )
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _conversation(conv: object, i: int) -> list[dict[str, Any]]:
@@ -271,3 +280,40 @@ def _token_list(p: object, i: int) -> list[int]:
     if not isinstance(p, Sequence) or isinstance(p, str) or not all(_is_token(t) for t in p):
         raise ValueError(f"prompt {i} must be a string or a list of token ids, got {p!r}")
     return [int(t) for t in p]
+
+
+class _Progress:
+    """``generate``'s progress bar: requests finished, and the input and output tokens
+    per second so far (nothing when ``use_tqdm`` is False)."""
+
+    def __init__(self, use_tqdm: bool | Callable[..., Any], total: int) -> None:
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm must be True, False or a callable, got {use_tqdm!r}")
+        self.bar: Any = None
+        if use_tqdm:
+            make = use_tqdm
+            if use_tqdm is True:
+                from tqdm import tqdm as make
+            self.bar = make(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.tokens_in = self.tokens_out = 0
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def finished(self, out: RequestOutput) -> None:
+        if self.bar is None:
+            return
+        self.tokens_in += len(out.prompt_token_ids or ())
+        self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(
+            f"est. speed input: {self.tokens_in / seconds:.2f} toks/s, "
+            f"output: {self.tokens_out / seconds:.2f} toks/s",
+            refresh=False,
+        )
+        self.bar.update(1)

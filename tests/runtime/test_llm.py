@@ -308,3 +308,17 @@ def test_chat_continues_the_final_message_and_passes_template_variables() -> Non
         assert out[0].prompt_token_ids == tok.encode("Fhi", add_special_tokens=False)
         with pytest.raises(ValueError, match="'messages'"):
             llm.chat(messages, params, chat_template_kwargs={"messages": []})
+
+
+def test_generate_shows_a_progress_bar_unless_told_not_to(capsys) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with LLM("tiny", cost_model=COST, max_model_len=128) as llm:
+        llm.generate([[5, 6, 7], [8, 9]], params)
+        err = capsys.readouterr().err
+        assert "Processed prompts" in err and "2/2" in err and "output:" in err
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
+        assert capsys.readouterr().err == ""
+        with pytest.raises(ValueError, match="use_tqdm must be"):
+            llm.generate([[5, 6, 7]], params, use_tqdm="yes")
+        assert not llm.engine.has_unfinished_requests()  # the refused call left nothing
