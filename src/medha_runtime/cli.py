@@ -192,7 +192,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="iteration-time budget in seconds (default: from the cost model)",
     )
     s.add_argument("--max-model-len", type=_positive_int, default=None, help="context limit")
-    s.add_argument("--kv-cache-tokens", type=_positive_int, default=None, help="KV pool per group")
+    s.add_argument(
+        "--kv-cache-tokens",
+        type=_positive_int,
+        default=None,
+        help="KV pool per KVP group, in tokens (default: what device memory holds, at most "
+        "twice the context per group or 16384; raise it to hold more requests at once)",
+    )
     s.add_argument(
         "--max-batch-requests",
         "--max-num-seqs",

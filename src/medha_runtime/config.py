@@ -83,8 +83,11 @@ class EngineConfig:
         max_batch_requests: most requests per batch.
         max_model_len: longest prompt plus output (default: the model's
             ``max_position_embeddings``, limited by the KV cache).
-        kv_cache_tokens: KV tokens in each KVP group's pool (default: sized
-            from device memory).
+        kv_cache_tokens: KV tokens in each KVP group's pool (default: what
+            fits in device memory, :func:`kv_budget_bytes`, but at most twice
+            one request's share of the group, ``kvp_group_tokens``, or 16,384
+            tokens where that is more: room for a few requests of the whole
+            context; give more here to hold more requests at once).
         block_size: tokens per KV block.
         seed: seeds requests that give no ``seed`` of their own.
         cost_model: a ``medha_sched`` cost model or spec string
