@@ -127,6 +127,52 @@ def test_echo_with_logprobs(server: Server) -> None:
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def _strict_json(text: str) -> Any:
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_filtered_tokens_are_json_numbers(server: Server) -> None:
+    """With ``top_k=2`` the 3rd to 5th most likely tokens have logprob -inf; the stream
+    wrote ``-Infinity`` (not JSON: a browser's JSON.parse fails on it) and the plain
+    answer ``null``; both write -9999.0, as vLLM does."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "top_k": 2, "logprobs": 5}
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
+        plain = _strict_json(http.post("/v1/completions", json=body).text)
+        tops = plain["choices"][0]["logprobs"]["top_logprobs"]
+        lines = http.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+        events = [_strict_json(x[6:]) for x in lines if x.startswith("data: {")]
+        tops += [t for e in events for t in e["choices"][0]["logprobs"]["top_logprobs"]]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}]}
+        chat |= {"max_tokens": 2, "top_k": 2, "logprobs": True, "top_logprobs": 5}
+        content = _strict_json(http.post("/v1/chat/completions", json=chat).text)
+    assert len(tops) == 4
+    for top in tops:
+        assert sorted(top.values())[:3] == [-9999.0] * 3, top
+    for tok in content["choices"][0]["logprobs"]["content"]:
+        assert [t["logprob"] for t in tok["top_logprobs"]][2:] == [-9999.0] * 3, tok
+
+
+def test_echo_keeps_prompt_logprobs_to_their_own_top(server: Server) -> None:
+    """``echo`` with ``logprobs=3`` and ``prompt_logprobs=0``: each prompt token's entry
+    holds that token only (it held the 3 alternatives ``echo`` asked the engine for)."""
+    r = client(server).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=3,
+        extra_body={"prompt_logprobs": 0},
+    )
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == r.usage.prompt_tokens
+    assert all(len(e) == 1 for e in pl[1:]), pl
+    assert all(len(t) >= 3 for t in r.choices[0].logprobs.top_logprobs[1:])  # echo's top 3
+
+
 def teacher_forced(ids: list[int]) -> torch.Tensor:
     """fp64 ``log_softmax`` of the tiny model's logits at every position, in one pass."""
     from medha_runtime.model import ForwardBatch, load_model
