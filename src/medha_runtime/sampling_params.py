@@ -78,7 +78,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (even with ``ignore_eos``).
         ignore_eos: keep going past the model's EOS tokens (until max_tokens).
         logprobs: None for none; 0 for the chosen tokens' logprobs; ``k > 0``
-            adds the ``k`` most likely tokens at each step.
+            adds the ``k`` most likely tokens at each step. They are of the
+            model's own distribution (``log_softmax`` of its logits, before
+            the bias, penalties, temperature and filters), as vLLM gives them.
         prompt_logprobs: None for none; ``k >= 0``: every prompt token after
             the first gets its logprob (and the ``k`` most likely tokens) given
             the tokens before it.

@@ -134,25 +134,35 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-def test_logprobs_of_filtered_tokens_are_json_numbers(server: Server) -> None:
-    """With ``top_k=2`` the 3rd to 5th most likely tokens have logprob -inf; the stream
-    wrote ``-Infinity`` (not JSON: a browser's JSON.parse fails on it) and the plain
-    answer ``null``; both write -9999.0, as vLLM does."""
+def test_logprobs_are_the_models_whatever_the_sampling(server: Server) -> None:
+    """``top_k=2`` at temperature 0.5: the top 5 logprobs are the model's own (the
+    processed distribution gave the 3rd to 5th -inf, which the stream wrote as
+    ``-Infinity``, not JSON, and the plain answer as ``null``), streamed or not, in
+    completions and chat."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "top_k": 2, "logprobs": 5}
+    body |= {"temperature": 0.5, "seed": 3, "return_tokens_as_token_ids": True}
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
-        plain = _strict_json(http.post("/v1/completions", json=body).text)
-        tops = plain["choices"][0]["logprobs"]["top_logprobs"]
+        plain = _strict_json(http.post("/v1/completions", json=body).text)["choices"][0]
         lines = http.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
-        events = [_strict_json(x[6:]) for x in lines if x.startswith("data: {")]
-        tops += [t for e in events for t in e["choices"][0]["logprobs"]["top_logprobs"]]
+        events = [_strict_json(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
         chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}]}
         chat |= {"max_tokens": 2, "top_k": 2, "logprobs": True, "top_logprobs": 5}
-        content = _strict_json(http.post("/v1/chat/completions", json=chat).text)
-    assert len(tops) == 4
-    for top in tops:
-        assert sorted(top.values())[:3] == [-9999.0] * 3, top
-    for tok in content["choices"][0]["logprobs"]["content"]:
-        assert [t["logprob"] for t in tok["top_logprobs"]][2:] == [-9999.0] * 3, tok
+        chat = _strict_json(http.post("/v1/chat/completions", json=chat).text)["choices"][0]
+    ids = [256, *PROMPT.encode()]  # the tiny tokenizer: BOS, then bytes
+    out = [int(t.split(":")[1]) for t in plain["logprobs"]["tokens"]]
+    want = teacher_forced(ids + out[:1])[-2:]  # the rows that predicted the two tokens
+    streamed = [t for e in events for t in e["logprobs"]["top_logprobs"]]
+    assert streamed == plain["logprobs"]["top_logprobs"]
+    # the same fp32 model, batched differently: errors of a few fp32 ulps of the largest value
+    tol = 64 * torch.finfo(torch.float32).eps * float(want.abs().max())
+    for top, row in zip(plain["logprobs"]["top_logprobs"], want, strict=True):
+        got = {int(k.split(":")[1]): v for k, v in top.items()}
+        values, best = row.topk(5)
+        assert sorted(got) == sorted(best.tolist())
+        for tok, v in zip(best.tolist(), values.tolist(), strict=True):
+            assert abs(got[tok] - v) <= tol, (tok, got[tok], v)
+    for tok in chat["logprobs"]["content"]:
+        assert all(t["logprob"] > -100 for t in tok["top_logprobs"]), tok
 
 
 def test_echo_keeps_prompt_logprobs_to_their_own_top(server: Server) -> None:

@@ -114,9 +114,9 @@ def test_prompt_logprobs_write_only_the_top_asked() -> None:
 
 
 def test_infinite_logprobs_are_written_as_json_numbers() -> None:
-    """A token ``top_k`` ruled out has logprob -inf in the processed distribution; JSON
-    has no infinity (the stream wrote ``-Infinity``, the plain answer ``null``), so it is
-    written as vLLM writes it, -9999.0."""
+    """A logprob of -inf (a token ``top_k`` ruled out had one, when logprobs were of the
+    processed distribution) is not JSON: the stream wrote ``-Infinity``, the plain
+    answer ``null``. It is written as vLLM writes it, -9999.0."""
     import json
 
     inf = float("-inf")

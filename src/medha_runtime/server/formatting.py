@@ -5,8 +5,7 @@ Tokens are shown through a :class:`TokenText`: a token's own string (see
 ``return_tokens_as_token_ids``) and its real bytes. A logprobs entry is
 ``{token_id: logprob}`` holding the chosen (or prompt) token and the top-k
 alternatives; ``None`` stands for the first prompt token, which has no
-logprob. A logprob of ``-inf`` (a token that ``top_k``, ``top_p``, ``min_p``
-or ``min_tokens`` ruled out) is written as ``-9999.0``, as vLLM writes it:
+logprob. A logprob of ``-inf`` is written as ``-9999.0``, as vLLM writes it:
 JSON has no infinity.
 """
 
