@@ -85,7 +85,8 @@ class SamplingParams:
             the first gets its logprob (and the ``k`` most likely tokens) given
             the tokens before it.
         skip_special_tokens: leave special tokens out of the text.
-        include_stop_str_in_output: keep the matched stop string in the text.
+        include_stop_str_in_output: keep the matched stop string, or the text
+            of the stop token (EOS or one of ``stop_token_ids``), in the text.
 
     Penalties and bias apply to the raw logits, before the temperature; then
     come the temperature, ``min_p``, ``top_k`` and ``top_p`` (vLLM's order).

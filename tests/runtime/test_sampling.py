@@ -220,6 +220,12 @@ def test_stop_token_ids(llm) -> None:
     assert out.token_ids == ref[: k + 1]
     assert out.finish_reason == "stop" and out.stop_reason == ref[k]
     assert out.text == llm.get_tokenizer().decode(ref[:k])  # the stop token is not text
+    # unless include_stop_str_in_output (vLLM's rule; it was ignored for stop tokens)
+    for stop in ([], ["\x00never"]):  # the text made at once, or later (no stop string)
+        kept = greedy(max_tokens=16, stop_token_ids=[ref[k]], include_stop_str_in_output=True)
+        out = llm.generate(PROMPTS[0], kept.replace(stop=stop))[0].outputs[0]
+        assert out.token_ids == ref[: k + 1] and out.stop_reason == ref[k]
+        assert out.text == llm.get_tokenizer().decode(ref[: k + 1])
 
 
 def test_eos_stops_unless_ignored_and_min_tokens_suppresses_it(llm) -> None:
