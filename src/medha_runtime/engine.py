@@ -872,11 +872,15 @@ class LLMEngine:
             st.logprobs.append(entry)
             st.cumulative_logprob += s.logprob
         checks = len(st.output_ids) >= p.min_tokens
-        if checks and not p.ignore_eos and tok in self.eos_token_ids:
-            st.finish_reason, st.stop_reason = "stop", None
-            return True
-        if checks and tok in p.stop_token_ids:
-            st.finish_reason, st.stop_reason = "stop", tok
+        eos = checks and not p.ignore_eos and tok in self.eos_token_ids
+        if eos or (checks and tok in p.stop_token_ids):
+            st.finish_reason, st.stop_reason = "stop", None if eos else tok
+            # vLLM's rule: a stop token's text is kept only with include_stop_str_in_output
+            if p.include_stop_str_in_output and st.detok is not None:
+                if p.stop:  # the text is up to date
+                    st.text += st.detok.add([tok])
+                else:
+                    self._text_backlog.append((st, tok))
             return True
         if st.detok is None:
             return False

@@ -19,10 +19,11 @@ sampling rank: the last stage's first rank) draws:
    and the request's serial number when ``seed`` is None). Each row is drawn
    with its own generator, so a seeded request gives the same tokens whatever
    else is in the batch;
-4. a chosen token's logprob is ``log_softmax`` of the distribution it was
-   drawn from (after step 1, temperature-scaled and filtered); for greedy
-   rows, of the step-1 logits. ``logprobs=k > 0`` also returns the ``k`` most
-   likely tokens of that distribution.
+4. a chosen token's logprob is ``log_softmax`` of the raw logits, before
+   step 1 (vLLM's default ``logprobs_mode``, ``raw_logprobs``; OpenAI's
+   logprobs do not move with the temperature either): the model's own
+   distribution, whatever the temperature, filters, bias or penalties.
+   ``logprobs=k > 0`` also returns the ``k`` most likely tokens of it.
 
 Prompt logprobs (:meth:`Sampler.prompt_logprobs`) are ``log_softmax`` of the
 raw logits at every prompt position, as a teacher-forced forward gives them.
@@ -183,6 +184,12 @@ class Sampler:
             )
         if all(_plain_greedy(s) for s in specs):  # a decode batch's usual case: the arg-max
             return [Sampled(tok) for tok in greedy_argmax(logits.float()).tolist()]
+        # logprobs are of the raw logits (step 4), so taken before they are processed
+        lp_rows = [i for i, s in enumerate(specs) if s.logprobs is not None]
+        raw_lp: dict[int, torch.Tensor] = {}
+        if lp_rows:
+            lp = torch.log_softmax(logits[lp_rows].float(), dim=-1)
+            raw_lp = {i: lp[j] for j, i in enumerate(lp_rows)}
         logits = self.process(logits, specs)
         out: list[Sampled | None] = [None] * len(specs)
         greedy_rows = [i for i, s in enumerate(specs) if s.greedy]
@@ -194,7 +201,7 @@ class Sampler:
                 if spec.logprobs is None:
                     out[i] = Sampled(tok)
                 else:
-                    out[i] = _with_logprobs(torch.log_softmax(g_logits[j], dim=-1), tok, spec)
+                    out[i] = _with_logprobs(raw_lp[i], tok, spec)
         drawn = [i for i, s in enumerate(specs) if not s.greedy]
         if drawn:
             temps = torch.tensor(
@@ -211,7 +218,7 @@ class Sampler:
                 if spec.logprobs is None:
                     out[i] = Sampled(tok)
                 else:
-                    out[i] = _with_logprobs(torch.log_softmax(row, dim=-1), tok, spec)
+                    out[i] = _with_logprobs(raw_lp[i], tok, spec)
         result = [s for s in out if s is not None]
         self._count(specs, [s.token_id for s in result])
         return result

@@ -78,12 +78,15 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (even with ``ignore_eos``).
         ignore_eos: keep going past the model's EOS tokens (until max_tokens).
         logprobs: None for none; 0 for the chosen tokens' logprobs; ``k > 0``
-            adds the ``k`` most likely tokens at each step.
+            adds the ``k`` most likely tokens at each step. They are of the
+            model's own distribution (``log_softmax`` of its logits, before
+            the bias, penalties, temperature and filters), as vLLM gives them.
         prompt_logprobs: None for none; ``k >= 0``: every prompt token after
             the first gets its logprob (and the ``k`` most likely tokens) given
             the tokens before it.
         skip_special_tokens: leave special tokens out of the text.
-        include_stop_str_in_output: keep the matched stop string in the text.
+        include_stop_str_in_output: keep the matched stop string, or the text
+            of the stop token (EOS or one of ``stop_token_ids``), in the text.
 
     Penalties and bias apply to the raw logits, before the temperature; then
     come the temperature, ``min_p``, ``top_k`` and ``top_p`` (vLLM's order).

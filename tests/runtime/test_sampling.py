@@ -9,6 +9,7 @@ from medha_runtime import LLM, SamplingParams
 from medha_runtime.model import ForwardBatch, load_model
 from medha_runtime.sampling import Penalties, Sampler, SampleSpec, greedy_argmax
 from medha_sched import AffineCostModel
+from tests.numerics import assert_twice_torch
 
 COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
 PROMPTS = ["Hello there", "The quick brown fox", "Medha schedules long prompts"]
@@ -115,9 +116,34 @@ def test_sampler_logprobs_and_suppress() -> None:
     top = logits[0].argmax().item()
     out = s.sample(logits[:1], [spec("q", temperature=0.0, suppress=(top,))])
     assert out[0].token_id != top
-    # a sampled row's logprob comes from the temperature-scaled distribution
+    # a sampled row's logprob is the model's, not the temperature-scaled distribution's
     r = s.sample(logits[:1], [spec("t", temperature=0.5, logprobs=0)])[0]
-    assert r.logprob == pytest.approx(float(torch.log_softmax(logits[0] / 0.5, -1)[r.token_id]))
+    assert r.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[r.token_id]))
+
+
+def test_logprobs_are_of_the_raw_logits_whatever_the_processing() -> None:
+    """Temperature, top-k, top-p, min-p, bias, penalties and min_tokens change which token
+    is drawn, not the logprobs reported: they are ``log_softmax`` of the raw logits
+    (vLLM's default). The processed distribution gave -inf to every token top_k ruled out
+    and moved the rest with the temperature (0.0 for the only token left at top_k=1)."""
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(5)) * 4
+    truth = torch.log_softmax(logits.double(), -1)
+    base = torch.log_softmax(logits, -1)  # the plain fp32 path
+    eos = int(logits[3].argmax())
+    specs = [
+        spec("a", temperature=0.3, top_k=2, logprobs=6),
+        spec("b", temperature=1.7, top_p=0.5, min_p=0.1, logprobs=6),
+        spec("c", top_k=1, logprobs=6, logit_bias=((7, 100.0),)),
+        spec("d", temperature=0.0, logprobs=6, suppress=(eos,),
+             penalties=Penalties(1.0, 0.5, 1.3), history=((1, 2, 3), ())),
+    ]  # fmt: skip
+    out = Sampler().sample(logits, specs)
+    assert out[2].token_id == 7 and out[3].token_id != eos
+    for i, r in enumerate(out):
+        ids = torch.tensor([r.token_id, *(t for t, _ in r.top)])
+        got = torch.tensor([r.logprob, *(v for _, v in r.top)])
+        assert_twice_torch(got, truth[i, ids], base[i, ids], what=f"row {i} logprobs")
+        assert [t for t, _ in r.top] == truth[i].topk(6).indices.tolist()
 
 
 def test_sampler_forgets_generators() -> None:
@@ -194,6 +220,12 @@ def test_stop_token_ids(llm) -> None:
     assert out.token_ids == ref[: k + 1]
     assert out.finish_reason == "stop" and out.stop_reason == ref[k]
     assert out.text == llm.get_tokenizer().decode(ref[:k])  # the stop token is not text
+    # unless include_stop_str_in_output (vLLM's rule; it was ignored for stop tokens)
+    for stop in ([], ["\x00never"]):  # the text made at once, or later (no stop string)
+        kept = greedy(max_tokens=16, stop_token_ids=[ref[k]], include_stop_str_in_output=True)
+        out = llm.generate(PROMPTS[0], kept.replace(stop=stop))[0].outputs[0]
+        assert out.token_ids == ref[: k + 1] and out.stop_reason == ref[k]
+        assert out.text == llm.get_tokenizer().decode(ref[: k + 1])
 
 
 def test_eos_stops_unless_ignored_and_min_tokens_suppresses_it(llm) -> None:

@@ -127,6 +127,62 @@ def test_echo_with_logprobs(server: Server) -> None:
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def _strict_json(text: str) -> Any:
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_are_the_models_whatever_the_sampling(server: Server) -> None:
+    """``top_k=2`` at temperature 0.5: the top 5 logprobs are the model's own (the
+    processed distribution gave the 3rd to 5th -inf, which the stream wrote as
+    ``-Infinity``, not JSON, and the plain answer as ``null``), streamed or not, in
+    completions and chat."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "top_k": 2, "logprobs": 5}
+    body |= {"temperature": 0.5, "seed": 3, "return_tokens_as_token_ids": True}
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
+        plain = _strict_json(http.post("/v1/completions", json=body).text)["choices"][0]
+        lines = http.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+        events = [_strict_json(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}]}
+        chat |= {"max_tokens": 2, "top_k": 2, "logprobs": True, "top_logprobs": 5}
+        chat = _strict_json(http.post("/v1/chat/completions", json=chat).text)["choices"][0]
+    ids = [256, *PROMPT.encode()]  # the tiny tokenizer: BOS, then bytes
+    out = [int(t.split(":")[1]) for t in plain["logprobs"]["tokens"]]
+    want = teacher_forced(ids + out[:1])[-2:]  # the rows that predicted the two tokens
+    streamed = [t for e in events for t in e["logprobs"]["top_logprobs"]]
+    assert streamed == plain["logprobs"]["top_logprobs"]
+    # the same fp32 model, batched differently: errors of a few fp32 ulps of the largest value
+    tol = 64 * torch.finfo(torch.float32).eps * float(want.abs().max())
+    for top, row in zip(plain["logprobs"]["top_logprobs"], want, strict=True):
+        got = {int(k.split(":")[1]): v for k, v in top.items()}
+        values, best = row.topk(5)
+        assert sorted(got) == sorted(best.tolist())
+        for tok, v in zip(best.tolist(), values.tolist(), strict=True):
+            assert abs(got[tok] - v) <= tol, (tok, got[tok], v)
+    for tok in chat["logprobs"]["content"]:
+        assert all(t["logprob"] > -100 for t in tok["top_logprobs"]), tok
+
+
+def test_echo_keeps_prompt_logprobs_to_their_own_top(server: Server) -> None:
+    """``echo`` with ``logprobs=3`` and ``prompt_logprobs=0``: each prompt token's entry
+    holds that token only (it held the 3 alternatives ``echo`` asked the engine for)."""
+    r = client(server).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=3,
+        extra_body={"prompt_logprobs": 0},
+    )
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == r.usage.prompt_tokens
+    assert all(len(e) == 1 for e in pl[1:]), pl
+    assert all(len(t) >= 3 for t in r.choices[0].logprobs.top_logprobs[1:])  # echo's top 3
+
+
 def teacher_forced(ids: list[int]) -> torch.Tensor:
     """fp64 ``log_softmax`` of the tiny model's logits at every position, in one pass."""
     from medha_runtime.model import ForwardBatch, load_model

@@ -93,6 +93,46 @@ def test_prompt_logprobs_ranks() -> None:
     assert out[2]["3"]["rank"] is None and out[2]["1"]["rank"] == 1 and out[2]["2"]["rank"] == 2
 
 
+def test_prompt_logprobs_write_only_the_top_asked() -> None:
+    """``echo`` with ``logprobs=3`` has the engine keep 3 alternatives per prompt token;
+    ``prompt_logprobs=0`` still writes only the prompt token (it wrote all 3, and rank
+    None for a prompt token that was the most likely)."""
+    entry = {2: -0.1, 1: -2.0, 3: -3.0}  # the prompt token 2 is the most likely
+    assert fmt.prompt_logprobs([entry], TEXT, top=0)[0] == {
+        "2": {"logprob": -0.1, "rank": None, "decoded_token": "b"}
+    }
+    assert fmt.prompt_logprobs([entry], TEXT, top=1)[0] == {
+        "2": {"logprob": -0.1, "rank": 1, "decoded_token": "b"}
+    }
+    below = {3: -3.0, 2: -0.1, 1: -2.0}  # the prompt token 3 is below the top 1
+    out = fmt.prompt_logprobs([below], TEXT, top=1)[0]
+    assert out == {
+        "3": {"logprob": -3.0, "rank": None, "decoded_token": "bytes:\\xe2"},
+        "2": {"logprob": -0.1, "rank": 1, "decoded_token": "b"},
+    }
+    assert list(out) == ["3", "2"]  # the prompt token first, as the engine orders it
+
+
+def test_infinite_logprobs_are_written_as_json_numbers() -> None:
+    """A logprob of -inf (a token ``top_k`` ruled out had one, when logprobs were of the
+    processed distribution) is not JSON: the stream wrote ``-Infinity``, the plain
+    answer ``null``. It is written as vLLM writes it, -9999.0."""
+    import json
+
+    inf = float("-inf")
+    entries = [{1: -0.1, 2: inf, 3: inf}]
+    out = [
+        fmt.completion_logprobs([1], entries, TEXT, top=3),
+        fmt.chat_logprobs([1], entries, TEXT, top=3),
+        fmt.prompt_logprobs([{2: inf, 1: -0.1, 3: inf}], TEXT, top=3),
+    ]
+    text = json.dumps(out, allow_nan=False)  # raises on an infinity
+    assert text.count("-9999.0") == 6
+    assert out[0]["top_logprobs"][0] == {"a": -0.1, "b": -9999.0, "bytes:\\xe2": -9999.0}
+    assert [t["logprob"] for t in out[1]["content"][0]["top_logprobs"]] == [-0.1, -9999.0, -9999.0]
+    assert out[2][0]["2"]["logprob"] == -9999.0 and out[2][0]["2"]["rank"] in (2, 3)
+
+
 def test_usage_counts_and_cached_tokens() -> None:
     assert fmt.usage(5, 7) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
     assert fmt.usage(5, 7, 3)["prompt_tokens_details"] == {"cached_tokens": 3}

@@ -5,7 +5,8 @@ Tokens are shown through a :class:`TokenText`: a token's own string (see
 ``return_tokens_as_token_ids``) and its real bytes. A logprobs entry is
 ``{token_id: logprob}`` holding the chosen (or prompt) token and the top-k
 alternatives; ``None`` stands for the first prompt token, which has no
-logprob.
+logprob. A logprob of ``-inf`` is written as ``-9999.0``, as vLLM writes it:
+JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 Entry = dict[int, float]
+
+#: what a logprob of -inf is written as (vLLM's value; JSON has no infinity)
+MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float | None) -> float | None:
+    """A logprob as JSON can carry it (None stays None)."""
+    return None if value is None else max(value, MIN_LOGPROB)
 
 
 @dataclass(frozen=True)
@@ -57,9 +66,9 @@ def completion_logprobs(
             lps.append(None)
             tops.append(None)
             continue
-        lps.append(e.get(tok))
-        alts = {tokens.text(t): lp for t, lp in _top(e, top)} if top else {}
-        alts.setdefault(s, e.get(tok))  # the chosen token is always listed (OpenAI's shape)
+        lps.append(_lp(e.get(tok)))
+        alts = {tokens.text(t): _lp(lp) for t, lp in _top(e, top)} if top else {}
+        alts.setdefault(s, _lp(e.get(tok)))  # the chosen token is always listed (OpenAI's shape)
         tops.append(alts)
     return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -73,10 +82,10 @@ def chat_logprobs(
         content.append(
             {
                 "token": tokens.text(tok),
-                "logprob": e.get(tok),
+                "logprob": _lp(e.get(tok)),
                 "bytes": list(tokens.raw(tok)),
                 "top_logprobs": [
-                    {"token": tokens.text(t), "logprob": lp, "bytes": list(tokens.raw(t))}
+                    {"token": tokens.text(t), "logprob": _lp(lp), "bytes": list(tokens.raw(t))}
                     for t, lp in _top(e, top)
                 ],
             }
@@ -90,7 +99,9 @@ def prompt_logprobs(
     """vLLM's ``prompt_logprobs``: per prompt token ``{id: {logprob, rank, decoded_token}}``.
 
     ``rank`` (1: the most likely) is known for the ``top`` most likely tokens;
-    a prompt token outside them has rank None.
+    a prompt token outside them has rank None. An entry may hold more
+    alternatives than ``top`` (``echo`` with a larger ``logprobs`` asks the
+    engine for more): only the ``top`` most likely are written.
     """
     out: list[dict[str, Any] | None] = []
     for e in entries:
@@ -98,13 +109,12 @@ def prompt_logprobs(
             out.append(None)
             continue
         first = next(iter(e))
-        ranks: dict[int, int | None] = {t: r for r, (t, _) in enumerate(_top(e), start=1)}
-        if len(e) > top:  # the prompt token is not among the top ones
-            ranks[first] = None
+        ranks: dict[int, int | None] = {first: None}  # None: not among the top ones
+        ranks.update((t, r) for r, (t, _) in enumerate(_top(e, top), start=1))
         out.append(
             {
-                str(t): {"logprob": lp, "rank": ranks[t], "decoded_token": tokens.text(t)}
-                for t, lp in e.items()
+                str(t): {"logprob": _lp(e[t]), "rank": r, "decoded_token": tokens.text(t)}
+                for t, r in ranks.items()
             }
         )
     return out
