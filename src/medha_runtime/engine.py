@@ -64,6 +64,7 @@ from medha_runtime.sampling import (
     SampleSpec,
     SamplingParams,
 )
+from medha_runtime.sampling_params import truncate_prompt
 from medha_runtime.step_log import StepLog, initial_model_path
 from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
@@ -420,6 +421,7 @@ class LLMEngine:
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty: it needs at least one token")
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         vocab = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

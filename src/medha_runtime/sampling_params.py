@@ -87,6 +87,9 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string, or the text
             of the stop token (EOS or one of ``stop_token_ids``), in the text.
+        truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (-1: as
+            many as the context holds with one token to generate); None keeps
+            all of it (:func:`truncate_prompt`).
 
     Penalties and bias apply to the raw logits, before the temperature; then
     come the temperature, ``min_p``, ``top_k`` and ``top_p`` (vLLM's order).
@@ -111,6 +114,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -131,6 +135,9 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         put(self, "logit_bias", _bias_pairs(self.logit_bias))
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -241,3 +248,20 @@ class PromptLogprobs(NamedTuple):
     request_id: str
     start: int
     entries: tuple[dict[int, float], ...]
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``): all of
+    them for None, ``max_model_len - 1`` for -1 (room for one output token).
+
+    Raises:
+        ValueError: ``keep`` of ``max_model_len`` or more (nothing left to generate).
+    """
+    if keep is None:
+        return ids
+    if keep >= max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens={keep} must be -1 or less than max_model_len="
+            f"{max_model_len} (one token to generate)"
+        )
+    return ids[-(max_model_len - 1 if keep == -1 else keep) :]

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from medha_runtime.sampling_params import SamplingParams
+from medha_runtime.sampling_params import SamplingParams, truncate_prompt
 from medha_runtime.server import formatting as fmt
 from medha_runtime.server.admission import AdmissionGate
 from medha_runtime.server.client import EngineClient
@@ -186,17 +186,14 @@ class Frontend:
         """The prompt's last ``truncate_prompt_tokens`` tokens (-1: as many as the context
         holds with one token to generate); all of it when unset."""
         k = body.truncate_prompt_tokens
-        if k is None:
-            return ids
-        limit = self.max_model_len
-        if k == 0 or k >= limit:
+        if k == 0:
             raise APIError(
-                f"truncate_prompt_tokens={k} must be -1 or between 1 and {limit - 1} "
-                f"(max_model_len {limit} less one token to generate)",
-                400,
-                "truncate_prompt_tokens",
+                "truncate_prompt_tokens=0 must be -1 or >= 1", 400, "truncate_prompt_tokens"
             )
-        return ids[-(limit - 1 if k == -1 else k) :]
+        try:
+            return truncate_prompt(ids, k, self.max_model_len)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, "truncate_prompt_tokens") from None
 
     def check_lengths(self, n: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
