@@ -433,6 +433,12 @@ class LLMEngine:
             raise ValueError(
                 f"logit_bias: token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
             )
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"allowed_token_ids: token id {bad[0]} is outside the model's vocabulary "
+                f"(0..{vocab - 1})"
+            )
         n, limit = len(ids), self.max_model_len
         if n >= limit:
             raise ValueError(
@@ -828,6 +834,7 @@ class LLMEngine:
             logit_bias=p.logit_bias,
             penalties=penalties,
             history=history,
+            allowed=p.allowed_token_ids or (),
         )
         if not suppress and history is None:
             self._specs[st.request_id] = spec

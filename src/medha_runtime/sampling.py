@@ -128,10 +128,18 @@ class Sampler:
         Returns a new fp32 ``[S, V]`` tensor when a row has a bias, a suppressed
         token or penalties; otherwise ``logits`` itself (nothing to change).
         """
-        if not any(s.logit_bias or s.suppress or s.penalties is not None for s in specs):
+        if not any(
+            s.logit_bias or s.suppress or s.allowed or s.penalties is not None for s in specs
+        ):
             return logits.float()
         logits = logits.float().clone()
         vocab, device = logits.shape[1], logits.device
+        for i, s in enumerate(specs):
+            if s.allowed:  # every other token out, before the bias and penalties
+                keep = torch.tensor(s.allowed, dtype=torch.int64, device=device)
+                row = torch.full_like(logits[i], float("-inf"))
+                row[keep] = logits[i, keep]
+                logits[i] = row
         bias_r: list[int] = []
         bias_t: list[int] = []
         bias_v: list[float] = []
@@ -256,6 +264,7 @@ def _plain_greedy(spec: SampleSpec) -> bool:
         and spec.penalties is None
         and not spec.logit_bias
         and not spec.suppress
+        and not spec.allowed
     )
 
 

@@ -87,6 +87,9 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string, or the text
             of the stop token (EOS or one of ``stop_token_ids``), in the text.
+        allowed_token_ids: the only tokens that may be drawn (every other one's
+            logit is set to -inf before sampling); None allows all. Logprobs stay
+            the model's own.
         truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (-1: as
             many as the context holds with one token to generate); None keeps
             all of it (:func:`truncate_prompt`).
@@ -115,6 +118,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -158,6 +162,18 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
         put(self, "stop_token_ids", tuple(ids))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (
+                not isinstance(allowed, (list, tuple))
+                or not allowed
+                or not all(_is_int(t) and t >= 0 for t in allowed)
+            ):
+                raise ValueError(
+                    "allowed_token_ids must be None or a non-empty list of non-negative "
+                    f"integers, got {allowed!r}"
+                )
+            put(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -214,6 +230,8 @@ class SampleSpec(NamedTuple):
     logit_bias: tuple[tuple[int, float], ...] = ()
     penalties: Penalties | None = None
     history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: the only tokens that may be drawn (empty: all)
+    allowed: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -439,3 +441,30 @@ def test_plain_greedy_fast_path_is_the_general_path(monkeypatch) -> None:
         Sampler().sample(logits[:2], [specs[0], other])
         assert calls == [2]
         calls.clear()
+
+
+def test_allowed_token_ids_are_the_only_tokens_drawn() -> None:
+    logits = torch.randn(1, 60, generator=torch.Generator().manual_seed(5))
+    allowed = (3, 17, 41)
+    s = Sampler()
+    drawn = {
+        s.sample(logits, [spec(f"a{i}", seed=i, allowed=allowed)])[0].token_id for i in range(200)
+    }
+    assert drawn <= set(allowed) and len(drawn) > 1  # sampled: more than one of them
+    best = max(allowed, key=lambda t: float(logits[0, t]))
+    r = s.sample(logits, [spec("g", temperature=0.0, logprobs=0, allowed=allowed)])[0]
+    assert r.token_id == best
+    assert r.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[best]), abs=1e-6)
+    assert SamplingParams(allowed_token_ids=[9, 3, 9]).allowed_token_ids == (3, 9)
+    for bad in ([], [-1], "12", [1.5]):
+        with pytest.raises(ValueError, match="allowed_token_ids must be"):
+            SamplingParams(allowed_token_ids=bad)
+
+
+def test_llm_draws_only_allowed_tokens_and_refuses_ids_past_the_vocabulary(llm) -> None:
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    allowed = [7, 8, 9]
+    out = llm.generate([[5, 6, 7]], dataclasses.replace(p, allowed_token_ids=allowed))
+    assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids: token id 100000 is outside"):
+        llm.generate([[5, 6, 7]], dataclasses.replace(p, allowed_token_ids=[1, 100000]))

@@ -91,3 +91,22 @@ def test_version(server: Server) -> None:
 
     r = httpx.get(f"{server.url}/version", timeout=10)
     assert r.status_code == 200 and r.json() == {"version": version("medha")}
+
+
+def test_allowed_token_ids_limit_what_is_drawn(server: Server) -> None:
+    c = client(server)
+    allowed = [40, 41, 42]
+    out = c.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=10, seed=1,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                    "return_tokens_as_token_ids": True},
+        logprobs=0,
+    )  # fmt: skip
+    got = {int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens}
+    assert got <= set(allowed) and out.usage.completion_tokens == 10
+    for bad, needle in (([], "allowed_token_ids must be"), ([1, 999999], "outside")):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.completions.create(
+                model="tiny", prompt=[5], max_tokens=2, extra_body={"allowed_token_ids": bad}
+            )
+        assert err.value.body["param"] == "allowed_token_ids" and needle in str(err.value.body)

@@ -236,6 +236,14 @@ class Frontend:
                 400,
                 "logit_bias",
             )
+        bad = [t for t in body.allowed_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                f"allowed_token_ids: token id {bad[0]} is outside the model's vocabulary "
+                f"(0..{vocab - 1})",
+                400,
+                "allowed_token_ids",
+            )
 
     def sampling(
         self, body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
@@ -257,6 +265,7 @@ class Frontend:
                     else body.repetition_penalty
                 ),
                 logit_bias=body.logit_bias,
+                allowed_token_ids=body.allowed_token_ids,
                 seed=body.seed,
                 max_tokens=max_tokens,
                 min_tokens=body.min_tokens,
