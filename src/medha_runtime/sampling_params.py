@@ -273,13 +273,14 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     them for None, ``max_model_len - 1`` for -1 (room for one output token).
 
     Raises:
-        ValueError: ``keep`` of ``max_model_len`` or more (nothing left to generate).
+        ValueError: ``keep`` below 1 (but -1), or of ``max_model_len`` or more
+            (nothing left to generate).
     """
     if keep is None:
         return ids
-    if keep >= max_model_len:
+    if (keep < 1 and keep != -1) or keep >= max_model_len:
         raise ValueError(
-            f"truncate_prompt_tokens={keep} must be -1 or less than max_model_len="
-            f"{max_model_len} (one token to generate)"
+            f"truncate_prompt_tokens={keep} must be -1, or from 1 to max_model_len - 1 = "
+            f"{max_model_len - 1} (one token to generate)"
         )
     return ids[-(max_model_len - 1 if keep == -1 else keep) :]

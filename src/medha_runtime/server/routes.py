@@ -185,13 +185,8 @@ class Frontend:
     def truncated(self, body: Any, ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (-1: as many as the context
         holds with one token to generate); all of it when unset."""
-        k = body.truncate_prompt_tokens
-        if k == 0:
-            raise APIError(
-                "truncate_prompt_tokens=0 must be -1 or >= 1", 400, "truncate_prompt_tokens"
-            )
         try:
-            return truncate_prompt(ids, k, self.max_model_len)
+            return truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len)
         except ValueError as exc:
             raise APIError(str(exc), 400, "truncate_prompt_tokens") from None
 
