@@ -143,6 +143,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         stats_task = asyncio.get_running_loop().create_task(stats.run())
         try:
             yield
+        except asyncio.CancelledError:
+            # a second Ctrl-C while stopping: uvicorn skips the lifespan's shutdown and
+            # cancels it on exit; the engine is stopped all the same (below), and
+            # starlette does not log the cancellation as a traceback
+            logger.info("stopping at once (second signal)")
         finally:
             stats_task.cancel()
             with contextlib.suppress(BaseException):
