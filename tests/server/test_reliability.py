@@ -490,6 +490,30 @@ def test_context_larger_than_pool_is_refused_at_start() -> None:
     assert "max_model_len=256 does not fit" in out.stderr, out.stderr[-2000:]
 
 
+def test_prompt_longer_than_memory_admits_is_a_400_streaming_too() -> None:
+    """A 2,048-token pool gives a 2,048-token context, but the scheduler keeps a few
+    blocks free, so the longest prompt it admits is shorter: a prompt in between got
+    HTTP 200 and an error event when streamed. Now the server refuses it with a 400
+    before anything is submitted, streamed or not, and says the longest prompt."""
+    cost = ("--cost-model", "affine:base=0.01,per_token=0.0001,per_attn=0")
+    server = start_server("--max-model-len", "2048", *cost)
+    try:
+        prompt = [5] * 2040
+        for stream in (True, False):
+            body = {"prompt": prompt, "max_tokens": 1, "stream": stream}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 400, r.text[:500]
+            message = assert_error_body(r.json(), 400)
+            assert "2040 input tokens" in message and "longest prompt" in message, message
+        ok = {"prompt": [5] * 1900, "max_tokens": 2, "stream": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=ok, timeout=60)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-500:]
+        assert '"error"' not in r.text
+        assert_idle(server)
+    finally:
+        stop_server(server)
+
+
 # ------------------------------------------------------------- killed worker
 def worker_pids(server: Server) -> list[int]:
     """The tp workers: forked by the engine's forkserver, below the engine process."""

@@ -179,6 +179,7 @@ def _model_info(engine: Any) -> ModelInfo:
         vocab_size=int(engine.config.vocab_size),
         cuda_graph_max_batch=int(engine.spec.cuda_graph_max_batch),
         async_scheduling=bool(engine.scheduler_config.async_decodes),
+        max_prompt_tokens=int(engine.scheduler.max_admit_tokens),
     )
 
 

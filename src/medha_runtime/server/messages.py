@@ -70,6 +70,9 @@ class ModelInfo:
     #: decode batches of up to this many requests replay CUDA graphs (0: eager)
     cuda_graph_max_batch: int = 0
     async_scheduling: bool = False
+    #: the longest prompt the scheduler's KV memory admits (None: not known); with a
+    #: small pool it is below max_model_len (the scheduler keeps a few blocks free)
+    max_prompt_tokens: int | None = None
 
 
 @dataclass

@@ -153,6 +153,19 @@ class Frontend:
                 400,
                 "input_tokens",
             )
+        ready = self.client.ready
+        admit = ready.info.max_prompt_tokens if ready is not None and ready.info else None
+        if admit is not None and n > admit:
+            # refused here, not by the engine, so a stream gets a 400 too (not a 200 and
+            # an error event)
+            raise APIError(
+                f"your request has {n} input tokens, but the longest prompt this server "
+                f"can take is {admit} tokens (its KV cache, --kv-cache-tokens, with the "
+                "scheduler's reserve of free blocks left; the context limit is "
+                f"{limit} tokens). Please reduce the length of the input messages.",
+                400,
+                "input_tokens",
+            )
         if max_tokens is not None and n + max_tokens > limit:
             raise APIError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
