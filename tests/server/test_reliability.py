@@ -514,6 +514,32 @@ def test_prompt_longer_than_memory_admits_is_a_400_streaming_too() -> None:
         stop_server(server)
 
 
+def test_a_request_the_engine_refuses_counts_as_no_finished_request() -> None:
+    """The engine refuses a prompt the front cannot judge (here: one whose last chunk
+    alone would exceed a 50 ms budget on a steep cost model): a 400, streamed or not.
+    Such a request never ran, but it was counted in
+    ``medha:request_success{finished_reason="abort"}``; now no counter moves."""
+    cost = ("--cost-model", "affine:base=0.01,per_token=0.0001,per_attn=0.00001")
+    server = start_server(*cost, "--target-batch-time", "0.05")
+    try:
+        before = finished(server)
+        for stream in (False, True):
+            body = {"prompt": [5] * 200, "max_tokens": 1, "stream": stream}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            text = r.text
+            assert "the longest prompt this configuration can prefill" in text, text[:500]
+        after = finished(server)
+        assert after == before, (before, after)
+        r = httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": [5] * 20, "max_tokens": 2}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        assert finished(server)["length"] == before["length"] + 1
+        assert_idle(server)
+    finally:
+        stop_server(server)
+
+
 # ------------------------------------------------------------- killed worker
 def worker_pids(server: Server) -> list[int]:
     """The tp workers: forked by the engine's forkserver, below the engine process."""
