@@ -8,6 +8,8 @@ input; see docs/reliability.md. ``pytest -s`` prints the measured figures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -536,6 +538,58 @@ def test_a_request_the_engine_refuses_counts_as_no_finished_request() -> None:
         assert r.status_code == 200, r.text
         assert finished(server)["length"] == before["length"] + 1
         assert_idle(server)
+    finally:
+        stop_server(server)
+
+
+async def stream_while_big_request(server: Server, big: bytes) -> tuple[float, float]:
+    """Stream a long answer; once it flows, send ``big`` (a JSON body) and wait for its
+    answer. Returns (the longest gap between the stream's chunks around the big
+    request, seconds the big request took)."""
+    stamps: list[float] = []
+    flowing = asyncio.Event()
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+
+        async def stream() -> None:
+            body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        stamps.append(time.monotonic())
+                        if len(stamps) >= 5:
+                            flowing.set()
+
+        task = asyncio.create_task(stream())
+        await asyncio.wait_for(flowing.wait(), 30)
+        t0 = time.monotonic()
+        headers = {"Content-Type": "application/json"}
+        r = await http.post(f"{server.url}/v1/completions", content=big, headers=headers)
+        t1 = time.monotonic()
+        assert r.status_code == 400, r.text[:300]  # far over the context, as it should be
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await task
+    before = [t for t in stamps if t < t0][-1:]
+    after = [t for t in stamps if t > t1][:1]
+    around = before + [t for t in stamps if t0 <= t <= t1] + after
+    assert before and after, "the stream ended before the big request did"
+    return max(b - a for a, b in itertools.pairwise(around)), t1 - t0
+
+
+def test_a_huge_prompt_does_not_stall_other_streams() -> None:
+    """A 4 MB prompt takes seconds to tokenize; done on the event loop, every other
+    stream stood still for that long (3.5 s on the tiny model). The tokenizer runs on a
+    worker thread now (it releases the GIL): the other streams go on."""
+    flags = ("--max-model-len", "4096", "--kv-cache-tokens", "8192")
+    server = start_server(*flags, "--max-body-bytes", "8000000")
+    try:
+        big = json.dumps({"prompt": "a." * 2_000_000, "max_tokens": 1}).encode()
+        gap, took = asyncio.run(stream_while_big_request(server, big))
+        print(f"\nhuge prompt: its 400 after {took:.2f} s; longest stream gap {gap:.2f} s")
+        assert took > 0.5, took  # heavy enough to show a stall
+        assert gap < took / 2, (gap, took)
+        assert_serves(server)
     finally:
         stop_server(server)
 

@@ -8,6 +8,7 @@ of engine requests from :mod:`medha_runtime.server.streams`.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
@@ -34,8 +35,30 @@ from medha_runtime.server.protocol import (
     unknown_fields,
 )
 from medha_runtime.server.streams import Prompt, Run, Sub
-from medha_runtime.server.tokens import FrontTokenizer
+from medha_runtime.server.tokens import LONG_TEXT_CHARS, FrontTokenizer
 from medha_runtime.tokenizer import ChatTemplateError, join_text_parts
+
+
+async def off_loop(chars: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``: here for a short input, on a worker thread for one of more than
+    ``LONG_TEXT_CHARS`` characters (its tokenizing releases the GIL): a 4 MB prompt
+    takes seconds, and on the event loop every other request's stream stood still."""
+    if chars <= LONG_TEXT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def text_chars(value: Any) -> int:
+    """Characters of text in a prompt or a chat's messages (token ids count none)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return text_chars(value.get("text"))
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value) if value and not isinstance(value[0], int) else 0
+    content = getattr(value, "content", None)
+    return text_chars(content) if content is not None else 0
+
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -442,7 +465,7 @@ class Frontend:
         self.check_model(body.model)
         self.check_alive()
         self.check_fields(body, chat=False)
-        prompts = self.completion_prompts(body)
+        prompts = await off_loop(text_chars(body.prompt), self.completion_prompts, body)
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
         self.check_vocab(body, prompts)
@@ -483,7 +506,9 @@ class Frontend:
         self.check_model(body.model)
         self.check_alive()
         self.check_fields(body, chat=True)
-        ids = self.chat_ids(body.messages, body.add_generation_prompt)
+        ids = await off_loop(
+            text_chars(body.messages), self.chat_ids, body.messages, body.add_generation_prompt
+        )
         mt = body.max_completion_tokens
         if mt is None:
             mt = body.max_tokens
