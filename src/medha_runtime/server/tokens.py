@@ -66,7 +66,7 @@ class FrontTokenizer:
         if len(text) <= LONG_TEXT_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         raw = self.tokenizer.tokenizer  # the same ids, without the GIL held
-        return list(raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        return raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
