@@ -444,6 +444,76 @@ def test_port_in_use_is_one_line_before_the_engine_starts() -> None:
     assert out.stderr == want
 
 
+def test_sigterm_to_the_process_group_while_busy_with_workers_exits_0(tmp_path: Path) -> None:
+    """``systemctl stop`` (KillMode=control-group) or ``kill -TERM -PGID`` while a
+    ``--tp 2`` server is busy: the workers die of the signal in mid-step, and the
+    engine reported that as a worker failure, so the server exited 1 with "the engine
+    died". The engine was told to stop too: now that is a stop, with exit code 0."""
+    log_file = tmp_path / "serve.log"
+    with open(log_file, "w") as log:
+        s = start_server("--tp", "2", "--device", "cpu", *COST, stderr=log, log_level="info")
+    socks: list[socket.socket] = []
+    try:
+        port = int(s.url.rsplit(":", 1)[1])
+        socks = [_orphan(port, stream=i % 2 == 0) for i in range(4)]
+        _wait_in_engine(s, 4, at_least=True)
+        time.sleep(0.2)  # decoding: the workers are in a step
+        os.killpg(s.proc.pid, signal.SIGTERM)
+        rc = s.proc.wait(timeout=30)
+    finally:
+        for sock in socks:
+            sock.close()
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait()
+    text = log_file.read_text()
+    assert rc == 0, text[-3000:]
+    assert "engine died" not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_second_ctrl_c_while_stopping_exits_0_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C twice, the second while in-flight streams are being ended: uvicorn then
+    skips the app's lifespan shutdown and cancels it on exit, and starlette logged the
+    CancelledError's traceback. Now the engine is stopped all the same, quietly."""
+    log_file = tmp_path / "serve.log"
+    with open(log_file, "w") as log:
+        s = start_server(*COST, stderr=log, log_level="info")
+    socks: list[socket.socket] = []
+    try:
+        m = re.search(r"engine process pid (\d+)", log_file.read_text())
+        assert m is not None
+        engine_pid = int(m.group(1))
+        port = int(s.url.rsplit(":", 1)[1])
+        socks = [_orphan(port, stream=True) for _ in range(4)]
+        _wait_in_engine(s, 4, at_least=True)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.03)  # uvicorn is still closing connections: a forced exit
+        s.proc.send_signal(signal.SIGINT)
+        rc = s.proc.wait(timeout=15)
+    finally:
+        for sock in socks:
+            sock.close()
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait()
+    text = log_file.read_text()
+    assert rc == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{engine_pid}") and _running(engine_pid):
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not a zombie waiting for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_sigterm_while_the_engine_starts_exits_0(tmp_path: Path) -> None:
     log_file = tmp_path / "serve.log"
     with open(log_file, "w") as log:

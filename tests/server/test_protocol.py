@@ -211,3 +211,22 @@ def test_logit_bias_keys_must_be_ascii_digits() -> None:
             check_request(CompletionRequest(prompt="x", logit_bias={key: 1}), chat=False)
         assert err.value.param == "logit_bias"
     check_request(CompletionRequest(prompt="x", logit_bias={" 12 ": 1}), chat=False)
+
+
+def test_a_long_text_encodes_to_the_same_ids_off_the_gil() -> None:
+    """Past ``LONG_TEXT_CHARS`` the front's tokenizer encodes with ``encode_batch`` (it
+    releases the GIL): the ids, and a chat's, are the engine tokenizer's."""
+    from medha_runtime.model.tiny import tiny_tokenizer
+    from medha_runtime.server.engine_proc import _tokenizer_data
+    from medha_runtime.server.tokens import LONG_TEXT_CHARS, FrontTokenizer
+
+    tok = tiny_tokenizer()
+    front = FrontTokenizer(_tokenizer_data(tok))
+    text = "héllo wörld <|endoftext|> \n" * (LONG_TEXT_CHARS // 10)
+    assert len(text) > LONG_TEXT_CHARS
+    for special in (True, False):
+        assert front.encode(text, special) == tok.encode(text, add_special_tokens=special)
+    chat = [{"role": "user", "content": text}]
+    for tokenize in (True, False):
+        got = front.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+        assert got == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)

@@ -8,6 +8,8 @@ input; see docs/reliability.md. ``pytest -s`` prints the measured figures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -488,6 +490,108 @@ def test_context_larger_than_pool_is_refused_at_start() -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "max_model_len=256 does not fit" in out.stderr, out.stderr[-2000:]
+
+
+def test_prompt_longer_than_memory_admits_is_a_400_streaming_too() -> None:
+    """A 2,048-token pool gives a 2,048-token context, but the scheduler keeps a few
+    blocks free, so the longest prompt it admits is shorter: a prompt in between got
+    HTTP 200 and an error event when streamed. Now the server refuses it with a 400
+    before anything is submitted, streamed or not, and says the longest prompt."""
+    cost = ("--cost-model", "affine:base=0.01,per_token=0.0001,per_attn=0")
+    server = start_server("--max-model-len", "2048", *cost)
+    try:
+        prompt = [5] * 2040
+        for stream in (True, False):
+            body = {"prompt": prompt, "max_tokens": 1, "stream": stream}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 400, r.text[:500]
+            message = assert_error_body(r.json(), 400)
+            assert "2040 input tokens" in message and "longest prompt" in message, message
+        ok = {"prompt": [5] * 1900, "max_tokens": 2, "stream": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=ok, timeout=60)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-500:]
+        assert '"error"' not in r.text
+        assert_idle(server)
+    finally:
+        stop_server(server)
+
+
+def test_a_request_the_engine_refuses_counts_as_no_finished_request() -> None:
+    """The engine refuses a prompt the front cannot judge (here: one whose last chunk
+    alone would exceed a 50 ms budget on a steep cost model): a 400, streamed or not.
+    Such a request never ran, but it was counted in
+    ``medha:request_success{finished_reason="abort"}``; now no counter moves."""
+    cost = ("--cost-model", "affine:base=0.01,per_token=0.0001,per_attn=0.00001")
+    server = start_server(*cost, "--target-batch-time", "0.05")
+    try:
+        before = finished(server)
+        for stream in (False, True):
+            body = {"prompt": [5] * 200, "max_tokens": 1, "stream": stream}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            text = r.text
+            assert "the longest prompt this configuration can prefill" in text, text[:500]
+        after = finished(server)
+        assert after == before, (before, after)
+        r = httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": [5] * 20, "max_tokens": 2}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        assert finished(server)["length"] == before["length"] + 1
+        assert_idle(server)
+    finally:
+        stop_server(server)
+
+
+async def stream_while_big_request(server: Server, big: bytes) -> tuple[float, float]:
+    """Stream a long answer; once it flows, send ``big`` (a JSON body) and wait for its
+    answer. Returns (the longest gap between the stream's chunks around the big
+    request, seconds the big request took)."""
+    stamps: list[float] = []
+    flowing = asyncio.Event()
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+
+        async def stream() -> None:
+            body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        stamps.append(time.monotonic())
+                        if len(stamps) >= 5:
+                            flowing.set()
+
+        task = asyncio.create_task(stream())
+        await asyncio.wait_for(flowing.wait(), 30)
+        t0 = time.monotonic()
+        headers = {"Content-Type": "application/json"}
+        r = await http.post(f"{server.url}/v1/completions", content=big, headers=headers)
+        t1 = time.monotonic()
+        assert r.status_code == 400, r.text[:300]  # far over the context, as it should be
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await task
+    before = [t for t in stamps if t < t0][-1:]
+    after = [t for t in stamps if t > t1][:1]
+    around = before + [t for t in stamps if t0 <= t <= t1] + after
+    assert before and after, "the stream ended before the big request did"
+    return max(b - a for a, b in itertools.pairwise(around)), t1 - t0
+
+
+def test_a_huge_prompt_does_not_stall_other_streams() -> None:
+    """A 4 MB prompt takes seconds to tokenize; done on the event loop, every other
+    stream stood still for that long (3.5 s on the tiny model). The tokenizer runs on a
+    worker thread now (it releases the GIL): the other streams go on."""
+    flags = ("--max-model-len", "4096", "--kv-cache-tokens", "8192")
+    server = start_server(*flags, "--max-body-bytes", "8000000")
+    try:
+        big = json.dumps({"prompt": "a." * 2_000_000, "max_tokens": 1}).encode()
+        gap, took = asyncio.run(stream_while_big_request(server, big))
+        print(f"\nhuge prompt: its 400 after {took:.2f} s; longest stream gap {gap:.2f} s")
+        assert took > 0.5, took  # heavy enough to show a stall
+        assert gap < took / 2, (gap, took)
+        assert_serves(server)
+    finally:
+        stop_server(server)
 
 
 # ------------------------------------------------------------- killed worker

@@ -37,7 +37,7 @@ from medha_runtime.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from medha_runtime.server.routes import ERROR_TYPES, Frontend
+from medha_runtime.server.routes import ERROR_TYPES, Frontend, off_loop, text_chars
 from medha_runtime.server.tokens import FrontTokenizer
 
 __all__ = ["APIError", "ServerConfig", "build_app"]
@@ -143,6 +143,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         stats_task = asyncio.get_running_loop().create_task(stats.run())
         try:
             yield
+        except asyncio.CancelledError:
+            # a second Ctrl-C while stopping: uvicorn skips the lifespan's shutdown and
+            # cancels it on exit; the engine is stopped all the same (below), and
+            # starlette does not log the cancellation as a traceback
+            logger.info("stopping at once (second signal)")
         finally:
             stats_task.cancel()
             with contextlib.suppress(BaseException):
@@ -296,11 +301,14 @@ def _install_routes(
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", 400, "prompt")
         if body.messages is not None:
-            ids = front.chat_ids_of(body)
+            chars = text_chars(body.messages)
+            ids = await off_loop(chars, front.chat_ids_of, body)
         else:
-            ids = front.need_tokenizer().encode(
-                body.prompt or "", add_special_tokens=body.add_special_tokens
-            )
+            tok = front.need_tokenizer()
+            ids = await off_loop(
+                text_chars(body.prompt or ""), tok.encode, body.prompt or "",
+                body.add_special_tokens,
+            )  # fmt: skip
         out: dict[str, Any] = {"count": len(ids), "max_model_len": front.max_model_len}
         out["tokens"] = ids
         if body.return_token_strs:

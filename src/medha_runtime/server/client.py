@@ -54,6 +54,8 @@ class Failure:
 
     message: str
     bad_request: bool = False
+    #: the request's index on its queue when the engine refused it (it never ran)
+    index: int | None = None
 
 
 class EngineClient:
@@ -174,7 +176,7 @@ class EngineClient:
             elif isinstance(msg, AddFailed):
                 entry = self.queues.pop(msg.request_id, None)
                 if entry is not None:
-                    entry[0].put_nowait(Failure(msg.message, msg.bad_request))
+                    entry[0].put_nowait(Failure(msg.message, msg.bad_request, entry[1]))
             elif isinstance(msg, Alive):
                 self.last_beat = time.monotonic()
             elif isinstance(msg, Heartbeat):

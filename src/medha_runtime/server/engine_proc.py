@@ -180,6 +180,7 @@ def _model_info(engine: Any) -> ModelInfo:
         cuda_graph_max_batch=int(engine.spec.cuda_graph_max_batch),
         async_scheduling=bool(engine.scheduler_config.async_decodes),
         sampling_defaults=tuple(engine.resolved.sampling_defaults.items()),
+        max_prompt_tokens=int(engine.scheduler.max_admit_tokens),
     )
 
 
@@ -232,6 +233,8 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any, taker: 
             if os.getppid() != parent_pid:  # the HTTP process is gone
                 return
             failed = engine.worker_failure()  # one that died while idle is seen here
+            if failed is not None and stop():
+                return  # SIGTERM to the whole process group: the workers stopped with us
             if failed is not None:
                 _fail_all(engine, tracks, send, f"the workers failed: {failed}")
                 raise _EngineDead(f"the workers failed: {failed}")
@@ -242,6 +245,10 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: Any, taker: 
         try:
             finished = {o.request_id: o for o in engine.step()}
         except Exception as exc:
+            if isinstance(exc, WorkerError) and stop():
+                # SIGTERM to the whole process group (systemctl stop, kill -TERM -PGID): it
+                # reached this process before its workers died of it, so this is a stop
+                return
             _fail_all(engine, tracks, send, f"engine step failed: {type(exc).__name__}: {exc}")
             if isinstance(exc, WorkerError):
                 raise _EngineDead(f"engine step failed: {exc}") from None

@@ -73,6 +73,9 @@ class ModelInfo:
     #: ``(SamplingParams field, value)`` for the fields a request leaves unset: the
     #: model's generation config's (:mod:`medha_runtime.generation_defaults`)
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    #: the longest prompt the scheduler's KV memory admits (None: not known); with a
+    #: small pool it is below max_model_len (the scheduler keeps a few blocks free)
+    max_prompt_tokens: int | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ of engine requests from :mod:`medha_runtime.server.streams`.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
@@ -34,8 +35,30 @@ from medha_runtime.server.protocol import (
     unknown_fields,
 )
 from medha_runtime.server.streams import Prompt, Run, Sub
-from medha_runtime.server.tokens import FrontTokenizer
+from medha_runtime.server.tokens import LONG_TEXT_CHARS, FrontTokenizer
 from medha_runtime.tokenizer import ChatTemplateError, join_text_parts, template_variables
+
+
+async def off_loop(chars: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``: here for a short input, on a worker thread for one of more than
+    ``LONG_TEXT_CHARS`` characters (its tokenizing releases the GIL): a 4 MB prompt
+    takes seconds, and on the event loop every other request's stream stood still."""
+    if chars <= LONG_TEXT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def text_chars(value: Any) -> int:
+    """Characters of text in a prompt or a chat's messages (token ids count none)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return text_chars(value.get("text"))
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value) if value and not isinstance(value[0], int) else 0
+    content = getattr(value, "content", None)
+    return text_chars(content) if content is not None else 0
+
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -196,6 +219,19 @@ class Frontend:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"request has {n} input tokens. Please reduce the length of the input messages.",
+                400,
+                "input_tokens",
+            )
+        ready = self.client.ready
+        admit = ready.info.max_prompt_tokens if ready is not None and ready.info else None
+        if admit is not None and n > admit:
+            # refused here, not by the engine, so a stream gets a 400 too (not a 200 and
+            # an error event)
+            raise APIError(
+                f"your request has {n} input tokens, but the longest prompt this server "
+                f"can take is {admit} tokens (its KV cache, --kv-cache-tokens, with the "
+                "scheduler's reserve of free blocks left; the context limit is "
+                f"{limit} tokens). Please reduce the length of the input messages.",
                 400,
                 "input_tokens",
             )
@@ -489,7 +525,7 @@ class Frontend:
         self.check_model(body.model)
         self.check_alive()
         self.check_fields(body, chat=False)
-        prompts = self.completion_prompts(body)
+        prompts = await off_loop(text_chars(body.prompt), self.completion_prompts, body)
         if body.truncate_prompt_tokens is not None:
             prompts = [Prompt(None, self.truncated(body, p.ids)) for p in prompts]
         for p in prompts:
@@ -535,7 +571,8 @@ class Frontend:
         self.check_model(body.model)
         self.check_alive()
         self.check_fields(body, chat=True)
-        ids = self.truncated(body, self.chat_ids_of(body))
+        chars = text_chars(body.messages)
+        ids = self.truncated(body, await off_loop(chars, self.chat_ids_of, body))
         mt = body.max_completion_tokens
         if mt is None:
             mt = body.max_tokens

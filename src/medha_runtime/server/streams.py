@@ -47,6 +47,7 @@ class Sub:
     sent_first: bool = False
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     emitted: int = 0  # characters streamed so far (echoed prompt included)
+    refused: bool = False  # the engine refused it: it never ran, nothing to abort
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -166,6 +167,8 @@ class Run:
                 self.disconnected = True
                 return
             if isinstance(item, Failure):
+                if item.index is not None:
+                    self.subs[item.index].refused = True
                 raise APIError(item.message, 400 if item.bad_request else 503)
             idx, delta, now = item
             sub = self.subs[idx]
@@ -184,9 +187,10 @@ class Run:
 
     # ------------------------------------------------------------------ end
     def abort(self) -> None:
-        """Abort every unfinished engine request (each counts as an abort)."""
+        """Abort every unfinished engine request (each counts as an abort; one the
+        engine refused never ran and counts as none)."""
         for s in self.subs:
-            if s.finish_reason is None:
+            if s.finish_reason is None and not s.refused:
                 s.finish_reason = "abort"
                 self.metrics.success["abort"].inc()
                 self.client.abort_soon(s.request_id)

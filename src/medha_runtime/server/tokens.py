@@ -26,6 +26,11 @@ from medha_runtime.tokenizer import Tokenizer, bytes_to_unicode
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
+#: texts of more characters than this are encoded with ``encode_batch``, which releases
+#: the GIL (``encode`` holds it throughout: seconds for a 4 MB prompt), and the server
+#: encodes them on a worker thread, so the event loop and every other stream go on
+LONG_TEXT_CHARS = 1 << 16
+
 
 _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
@@ -58,13 +63,19 @@ class FrontTokenizer:
 
     # the Tokenizer's own API
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if len(text) <= LONG_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        raw = self.tokenizer.tokenizer  # the same ids, without the GIL held
+        return raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tokenizer.apply_chat_template(*args, **kwargs)
+    def apply_chat_template(self, *args: Any, tokenize: bool = False, **kwargs: Any) -> Any:
+        """The Tokenizer's, with the rendered text encoded by :meth:`encode` (as it
+        does: no special tokens added)."""
+        text = self.tokenizer.apply_chat_template(*args, tokenize=False, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
