@@ -184,6 +184,10 @@ class _RequestState:
     prompt_logprobs_asked: int = 0
     #: whether the sampler got the token history (penalties)
     history_sent: bool = False
+    #: prompt tokens the first admission found in the prefix cache (None until
+    #: admitted): a recompute after preemption may hit the request's own KV,
+    #: which was computed for it, so later admissions do not change it
+    cached_tokens: int | None = None
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -493,9 +497,10 @@ class LLMEngine:
         )
 
     def num_cached_tokens(self, request_id: str) -> int:
-        """Prompt tokens an unfinished request found in the prefix cache (0 if unknown)."""
+        """Prompt tokens an unfinished request found in the prefix cache when first
+        admitted (0 if unknown or not admitted yet)."""
         st = self._requests.get(request_id)
-        return 0 if st is None else min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens)
+        return 0 if st is None else st.cached_tokens or 0
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -666,6 +671,8 @@ class LLMEngine:
             st = requests[rid]
             if len(c.token_ids) != n:
                 raise RuntimeError(f"scheduler chunk of {rid!r} carries no token ids")
+            if st.cached_tokens is None:  # its first chunk: admitted in this batch
+                st.cached_tokens = min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens)
             if len(c.kvp_groups) > 1:
                 sharded += 1
             if start >= st.sched.num_prefill_tokens:  # a decode: no prompt logprobs
@@ -785,7 +792,7 @@ class LLMEngine:
             finished=st.finish_reason is not None,
             num_preemptions=st.sched.num_preemptions,
             prompt_logprobs=prompt_lps,
-            num_cached_tokens=min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens),
+            num_cached_tokens=st.cached_tokens or 0,
         )
 
     def _sample_spec(self, st: _RequestState, ahead: int = 0) -> SampleSpec:
