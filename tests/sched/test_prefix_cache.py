@@ -291,6 +291,23 @@ def test_a_new_request_starts_with_its_cached_prefix_computed():
     assert sched.memory.usage() == 0.0
 
 
+def test_a_request_that_opts_out_of_the_lookup_is_not_counted_as_a_query():
+    # prompt logprobs need every position computed: such a request is not looked
+    # up, so it is no query (vLLM's counters skip it too): the hit rate is of lookups
+    sched = _sched()
+    doc = list(range(1, 201))
+    sched.add_request(Request.from_tokens("a", 0.0, doc, max_output_tokens=2))
+    _finish_all(sched)
+    sched.add_request(
+        Request.from_tokens("b", 1.0, [*doc, 7], max_output_tokens=2, prefix_caching=False)
+    )
+    _finish_all(sched, 2.0)
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (200, 0)
+    sched.add_request(Request.from_tokens("c", 3.0, [*doc, 8], max_output_tokens=2))
+    _finish_all(sched, 4.0)
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (200 + 201, 200)
+
+
 def test_length_based_slack_prices_the_whole_prompt():
     aware, naive = _sched(aware=True), _sched(aware=False)
     doc = list(range(1, 201))
