@@ -190,6 +190,26 @@ class SharedPool(RuleBasedStateMachine):
                 self.content.pop((g, b), None)
 
     @rule(data=st.data())
+    def decode(self, data):
+        # a running request grows by decoded tokens (few values, so requests
+        # often decode the same continuation and share its blocks later)
+        if not self.live:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        tokens = self.live[rid]
+        grown = tokens + data.draw(st.lists(st.integers(1, 2), min_size=1, max_size=5))
+        grown = grown[: len(self.streams[0])]
+        held_before = self._held()
+        had = set(self._blocks(rid))
+        if not self.m.ensure_capacity(rid, len(grown)):
+            return
+        self.live[rid] = grown
+        for k, g, b in self._blocks(rid):
+            if (k, g, b) not in had:  # a new block: never one somebody else holds
+                assert (g, b) not in held_before, f"block {(g, b)} handed out while held"
+                self.content.pop((g, b), None)
+
+    @rule(data=st.data())
     def compute(self, data):
         if not self.live:
             return
