@@ -835,13 +835,16 @@ class LLMEngine:
     def _prompt_spec(self, st: _RequestState, start: int, n: int) -> PromptLogprobSpec | None:
         """The prompt logprobs a chunk ``[start, start + n)`` yields, if still wanted.
 
-        Positions already asked for (in flight, or answered before a recompute
-        after preemption) are not asked again.
+        Only a chunk holding the first position not asked for yet asks; a chunk
+        wholly before it (answered, or in flight) does not. A recompute after
+        preemption may be chunked otherwise: its chunk holding that position
+        asks from its own start (the rows a spec answers begin at the chunk's
+        first), and :meth:`_take_prompt_logprobs` keeps only the new entries.
         """
         if st.prompt_logprobs is None:
             return None
         last = len(st.prompt_token_ids) - 1  # the last prompt token predicts no prompt token
-        if start != st.prompt_logprobs_asked or start >= last:
+        if not start <= st.prompt_logprobs_asked < min(start + n, last):
             return None
         end = min(start + n, last)
         st.prompt_logprobs_asked = end
@@ -855,8 +858,8 @@ class LLMEngine:
             if isinstance(r, PromptLogprobs):
                 st = self._requests.get(r.request_id)
                 logprobs = None if st is None else st.prompt_logprobs
-                if logprobs is not None and r.start == len(logprobs):
-                    logprobs.extend(r.entries)
+                if logprobs is not None and r.start <= len(logprobs):
+                    logprobs.extend(r.entries[len(logprobs) - r.start :])
             else:
                 sampled.append(r)
         return sampled
