@@ -185,6 +185,10 @@ class _RequestState:
     prompt_logprobs_asked: int = 0
     #: whether the sampler got the token history (penalties)
     history_sent: bool = False
+    #: prompt tokens the first admission found in the prefix cache (None until
+    #: admitted): a recompute after preemption may hit the request's own KV,
+    #: which was computed for it, so later admissions do not change it
+    cached_tokens: int | None = None
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -507,9 +511,10 @@ class LLMEngine:
         )
 
     def num_cached_tokens(self, request_id: str) -> int:
-        """Prompt tokens an unfinished request found in the prefix cache (0 if unknown)."""
+        """Prompt tokens an unfinished request found in the prefix cache when first
+        admitted (0 if unknown or not admitted yet)."""
         st = self._requests.get(request_id)
-        return 0 if st is None else min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens)
+        return 0 if st is None else st.cached_tokens or 0
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -680,6 +685,8 @@ class LLMEngine:
             st = requests[rid]
             if len(c.token_ids) != n:
                 raise RuntimeError(f"scheduler chunk of {rid!r} carries no token ids")
+            if st.cached_tokens is None:  # its first chunk: admitted in this batch
+                st.cached_tokens = min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens)
             if len(c.kvp_groups) > 1:
                 sharded += 1
             if start >= st.sched.num_prefill_tokens:  # a decode: no prompt logprobs
@@ -799,7 +806,7 @@ class LLMEngine:
             finished=st.finish_reason is not None,
             num_preemptions=st.sched.num_preemptions,
             prompt_logprobs=prompt_lps,
-            num_cached_tokens=min(st.sched.num_cached_tokens, st.sched.num_prompt_tokens),
+            num_cached_tokens=st.cached_tokens or 0,
         )
 
     def _sample_spec(self, st: _RequestState, ahead: int = 0) -> SampleSpec:
@@ -843,13 +850,16 @@ class LLMEngine:
     def _prompt_spec(self, st: _RequestState, start: int, n: int) -> PromptLogprobSpec | None:
         """The prompt logprobs a chunk ``[start, start + n)`` yields, if still wanted.
 
-        Positions already asked for (in flight, or answered before a recompute
-        after preemption) are not asked again.
+        Only a chunk holding the first position not asked for yet asks; a chunk
+        wholly before it (answered, or in flight) does not. A recompute after
+        preemption may be chunked otherwise: its chunk holding that position
+        asks from its own start (the rows a spec answers begin at the chunk's
+        first), and :meth:`_take_prompt_logprobs` keeps only the new entries.
         """
         if st.prompt_logprobs is None:
             return None
         last = len(st.prompt_token_ids) - 1  # the last prompt token predicts no prompt token
-        if start != st.prompt_logprobs_asked or start >= last:
+        if not start <= st.prompt_logprobs_asked < min(start + n, last):
             return None
         end = min(start + n, last)
         st.prompt_logprobs_asked = end
@@ -863,8 +873,8 @@ class LLMEngine:
             if isinstance(r, PromptLogprobs):
                 st = self._requests.get(r.request_id)
                 logprobs = None if st is None else st.prompt_logprobs
-                if logprobs is not None and r.start == len(logprobs):
-                    logprobs.extend(r.entries)
+                if logprobs is not None and r.start <= len(logprobs):
+                    logprobs.extend(r.entries[len(logprobs) - r.start :])
             else:
                 sampled.append(r)
         return sampled

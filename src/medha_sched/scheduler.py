@@ -1171,8 +1171,9 @@ class Scheduler:
             if self._caching:
                 assert self.memory.cached_tokens(rid) == cached, "cache hit differs from its plan"
                 request.num_cached_tokens = cached
-                self.prefix_cache_queries += request.num_prefill_tokens
-                self.prefix_cache_hits += cached
+                if request.prefix_caching:  # (one that opts out was not looked up)
+                    self.prefix_cache_queries += request.num_prefill_tokens
+                    self.prefix_cache_hits += cached
             self._running[rid] = request
             self._seq += 1
             self._seq_of[rid] = self._seq

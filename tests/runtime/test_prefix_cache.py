@@ -69,6 +69,12 @@ def test_hits_after_preemptions_under_memory_pressure() -> None:
     tokens, cached, (_, hits), preemptions = _run(True, longer, kv_cache_tokens=96)
     assert preemptions >= 1 and hits > sum(cached)  # recomputes hit the cache again
     assert tokens == cold
+    # num_cached_tokens is what the first admission found (blocks other requests
+    # computed), not a recompute's hit on the request's own KV: whole blocks,
+    # never the last prompt token (it was the recompute's, up to the whole prompt)
+    doc, later = _prompts()
+    for n, prompt in zip(cached, [doc, *later], strict=True):
+        assert n % 4 == 0 and n < len(prompt), (n, len(prompt))
 
 
 def test_spp2_kvp2_prefix_across_a_shard(cold) -> None:

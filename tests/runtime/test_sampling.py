@@ -372,6 +372,38 @@ def test_prompt_logprobs_survive_chunked_prefill() -> None:
             assert abs(a[t] - b[t]) <= 1e-4 * max(1.0, abs(b[t]))
 
 
+def test_prompt_logprobs_survive_a_preemption_mid_prefill() -> None:
+    """A prompt preempted between chunks is recomputed in other chunks (the batch
+    no longer shares its 16-token budget with a decode): its prompt logprobs
+    still cover every position, equal to an undisturbed run's."""
+    a, b = list(range(3, 10)), list(range(20, 80))
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1),
+    ]
+    got = {}
+    # one-token blocks, 68 of them: a's decodes take the last free block, then
+    # preempt b, whose first chunks were [0, 9) and [9, 24); alone, b runs [0, 16), ...
+    for kv in (68, 256):
+        with LLM(
+            "tiny",
+            cost_model=COST,
+            policy="fcfs",
+            chunk_size=16,
+            block_size=1,
+            max_model_len=64,
+            kv_cache_tokens=kv,
+        ) as llm:
+            outs = llm.generate([a, b], params)
+        got[kv] = outs[1].prompt_logprobs
+        assert outs[1].num_preemptions == (1 if kv == 68 else 0)
+    assert got[68][0] is None and len(got[68]) == len(b)
+    for x, y in zip(got[68][1:], got[256][1:], strict=True):
+        assert x.keys() == y.keys()
+        for t in x:
+            assert abs(x[t] - y[t]) <= 1e-4 * max(1.0, abs(y[t]))
+
+
 def test_greedy_argmax_takes_the_first_maximum_like_argmax() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 4, (64, 1000), generator=gen).float()  # many ties per row

@@ -190,6 +190,26 @@ class SharedPool(RuleBasedStateMachine):
                 self.content.pop((g, b), None)
 
     @rule(data=st.data())
+    def decode(self, data):
+        # a running request grows by decoded tokens (few values, so requests
+        # often decode the same continuation and share its blocks later)
+        if not self.live:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        tokens = self.live[rid]
+        grown = tokens + data.draw(st.lists(st.integers(1, 2), min_size=1, max_size=5))
+        grown = grown[: len(self.streams[0])]
+        held_before = self._held()
+        had = set(self._blocks(rid))
+        if not self.m.ensure_capacity(rid, len(grown)):
+            return
+        self.live[rid] = grown
+        for k, g, b in self._blocks(rid):
+            if (k, g, b) not in had:  # a new block: never one somebody else holds
+                assert (g, b) not in held_before, f"block {(g, b)} handed out while held"
+                self.content.pop((g, b), None)
+
+    @rule(data=st.data())
     def compute(self, data):
         if not self.live:
             return
@@ -289,6 +309,23 @@ def test_a_new_request_starts_with_its_cached_prefix_computed():
     )
     _finish_all(sched, 3.0)
     assert sched.memory.usage() == 0.0
+
+
+def test_a_request_that_opts_out_of_the_lookup_is_not_counted_as_a_query():
+    # prompt logprobs need every position computed: such a request is not looked
+    # up, so it is no query (vLLM's counters skip it too): the hit rate is of lookups
+    sched = _sched()
+    doc = list(range(1, 201))
+    sched.add_request(Request.from_tokens("a", 0.0, doc, max_output_tokens=2))
+    _finish_all(sched)
+    sched.add_request(
+        Request.from_tokens("b", 1.0, [*doc, 7], max_output_tokens=2, prefix_caching=False)
+    )
+    _finish_all(sched, 2.0)
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (200, 0)
+    sched.add_request(Request.from_tokens("c", 3.0, [*doc, 8], max_output_tokens=2))
+    _finish_all(sched, 4.0)
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (200 + 201, 200)
 
 
 def test_length_based_slack_prices_the_whole_prompt():

@@ -32,6 +32,19 @@ def test_off_values_pass_and_others_are_refused() -> None:
     assert err.value.param == "messages[0].content[0].type"
 
 
+def test_cache_salt_is_refused_not_ignored() -> None:
+    # vLLM's cache_salt keeps a tenant's prompts out of other tenants' prefix-cache
+    # hits; passing it with a warning would share them while the client thinks not
+    for body in (
+        CompletionRequest(prompt="x", cache_salt="tenant-a"),
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], cache_salt="t"),
+    ):
+        with pytest.raises(RefusedField, match="cache_salt") as err:
+            check_request(body, chat=isinstance(body, ChatCompletionRequest))
+        assert err.value.param == "cache_salt"
+    check_request(CompletionRequest(prompt="x", cache_salt=None), chat=False)
+
+
 def test_a_text_part_without_its_text_is_named_as_such() -> None:
     # it was "only text parts are supported, got type 'text'"
     for part in ({"type": "text"}, {"type": "text", "text": 5}):

@@ -169,6 +169,11 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (_is(False), "stored completions are not supported"),
     "logprobs_processors": (_absent, "logprobs_processors is not supported"),
     "kv_transfer_params": (_absent, "KV transfer is not supported"),
+    "cache_salt": (
+        _is(None),
+        "isolating a request's prefix-cache hits is not supported (every request may "
+        "share cached prefixes; serve with --no-enable-prefix-caching to share none)",
+    ),
 }
 
 
