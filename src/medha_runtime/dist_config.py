@@ -1,12 +1,16 @@
 """Multi-node (or torchrun) runs: where ranks meet, and how long anything may wait.
 
 Every rank of a :class:`~medha_runtime.dist_executor.DistributedExecutor`
-joins one ``torch.distributed`` world through the ``env://`` rendezvous
+joins one ``torch.distributed`` world at ``MASTER_ADDR:MASTER_PORT``
 (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` are set in each
 process; the driver is rank 0 and hosts the store unless torchrun's agent
 does) and then one extra gloo *control* group that carries pickled messages
 from the driver (the runner spec, step plans, keepalives, shutdown) and the
-sampling rank's sampled rows back to it.
+sampling rank's sampled rows back to it. Outside torchrun every rank first checks
+in on the store (:func:`check_in`): a rank whose world size differs from the
+driver's, or whose rank another process holds already, fails at once with the
+reason (and so does the driver, for a world size that differs), instead of
+the whole start bound in silence.
 
 Bounds (nothing waits forever):
 
@@ -85,7 +89,8 @@ def check_int(name: str, value: object, minimum: int) -> int:
 
 
 def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
-    """Join the world as ``rank`` through ``env://``; return the gloo control group.
+    """Join the world as ``rank`` (:func:`check_in` first, unless under torchrun, whose
+    agent's store ``env://`` finds); return the gloo control group.
 
     Sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and
     ``LOCAL_RANK`` in this process first. On a CUDA machine the default
@@ -105,16 +110,81 @@ def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl"
+    timeout = datetime.timedelta(seconds=config.start_timeout_s)
+    # torchrun's agent hosts the store; otherwise rank 0 does, and every rank checks in
+    # first (the same world size, a rank nobody holds), so that a mismatch is an error now
+    where: dict[str, Any] = {"init_method": "env://"}
+    if config.start_local:
+        where = {"store": dist.PrefixStore("default_pg", check_in(config, rank=rank))}
     dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=rank,
-        world_size=config.world_size,
-        timeout=datetime.timedelta(seconds=config.start_timeout_s),
+        backend, rank=rank, world_size=config.world_size, timeout=timeout, **where
     )
     return dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=config.control_timeout_s)
     )
+
+
+class JoinRefused(RuntimeError):
+    """This rank cannot join the driver's world (another world size, or its rank taken)."""
+
+
+#: the check-in keys on the rendezvous store (the default group's keys have a prefix)
+_WORLD, _JOINED, _REFUSED = "medha/world", "medha/joined", "medha/refused"
+
+
+def check_in(config: DistConfig, *, rank: int) -> Any:
+    """The rendezvous store (rank 0 hosts it), once every rank has checked in.
+
+    Rank 0 publishes its world size and waits until the other ``world_size - 1``
+    ranks have checked in; any other rank reads that world size, refuses to join
+    one that differs from its own (and tells rank 0, which fails too) and claims
+    its rank (a second claimant, a node started twice with one ``--node-rank``,
+    is refused). Raises :class:`JoinRefused` with the reason, and torch's error
+    when the store cannot be reached within ``start_timeout_s``.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=config.start_timeout_s)
+    world, where = config.world_size, f"{config.master_addr}:{config.master_port}"
+    store = dist.TCPStore(
+        config.master_addr,
+        config.master_port,
+        None,
+        rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    if rank == 0:
+        store.set(_WORLD, str(world))
+        deadline = time.monotonic() + config.start_timeout_s
+        while (joined := store.add(_JOINED, 0)) < world - 1:
+            if store.check([_REFUSED]):
+                raise JoinRefused(store.get(_REFUSED).decode())
+            if time.monotonic() > deadline:
+                raise JoinRefused(
+                    f"{joined} of the {world - 1} other ranks joined at {where} within "
+                    f"{config.start_timeout_s:.0f} s: start every node"
+                )
+            time.sleep(0.05)
+        return store
+    theirs = int(store.get(_WORLD))
+    if theirs != world:
+        why = (
+            f"rank {rank} of a world of {world} ranks cannot join the driver's world of "
+            f"{theirs} ranks at {where}: every node needs the same layout "
+            "(tp*spp*kvp) and node count"
+        )
+        store.set(_REFUSED, why)
+        raise JoinRefused(why)
+    if store.add(f"medha/rank/{rank}", 1) > 1:
+        raise JoinRefused(
+            f"rank {rank} has joined already at {where}: was another node started with "
+            "the same node rank?"
+        )
+    store.add(_JOINED, 1)
+    return store
 
 
 def build_rank(spec: Any) -> tuple[Any, Any, str | None]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from medha_runtime.dist_config import (
     DistConfig,
+    JoinRefused,
     build_rank,
     join_world,
     leave_world,
@@ -43,7 +44,11 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
     import torch.distributed as dist
 
     try:
-        control = join_world(config, rank=rank, local_rank=local_rank)
+        try:
+            control = join_world(config, rank=rank, local_rank=local_rank)
+        except JoinRefused as exc:
+            _say(rank, f"cannot join: {exc}")
+            return 1
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=control)
         spec = box[0]

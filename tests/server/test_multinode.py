@@ -117,6 +117,27 @@ def test_two_nodes_stay_up_while_idle(pair: Pair, reference: list[str]) -> None:
     assert greedy(pair.node0.url, PROMPTS[1]) == reference[1]
 
 
+def test_a_second_node_with_the_same_rank_is_refused(
+    pair: Pair, reference: list[str], tmp_path: Path
+) -> None:
+    """A node started twice with --node-rank 1 (its rank is taken) exits 1 at once, saying
+    so, instead of waiting silently; the running pair goes on serving."""
+    node = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(pair.port))
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, *COMMON, *node]
+    log = tmp_path / "dup.log"
+    with log.open("wb") as err:
+        dup = subprocess.Popen([*cmd, "--node-rank", "1"], stderr=err, start_new_session=True)
+    try:
+        assert dup.wait(timeout=EXIT_BOUND_S + 20) == 1
+        assert "rank 1 has joined already" in log.read_text(), log.read_text()
+    finally:
+        if dup.poll() is None:
+            os.killpg(dup.pid, signal.SIGKILL)
+            dup.wait(timeout=10)
+    assert pair.node1.poll() is None
+    assert greedy(pair.node0.url, PROMPTS[0]) == reference[0]
+
+
 def test_sigterm_on_node0_ends_node1(pair: Pair) -> None:
     start = time.monotonic()
     stop_server(pair.node0)
@@ -152,6 +173,35 @@ def test_dead_driver_ends_node1_with_an_error(tmp_path: Path) -> None:
         assert node0_noticed(p.node0), "node 0 neither reported the dead engine nor exited"
     finally:
         p.close()
+
+
+def test_nodes_with_different_world_sizes_fail_at_once(tmp_path: Path) -> None:
+    """Node 0 runs tp*spp*kvp = 2 ranks, node 1 was told 3 (--tp 3 --nnodes 3): both exit 1
+    within seconds, naming the two world sizes (they waited the whole start bound,
+    600 s, in silence)."""
+    port = free_port()
+    node = ("--master-addr", "127.0.0.1", "--master-port", str(port))
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, "--device", "cpu"]
+    logs = tmp_path / "node0.log", tmp_path / "node1.log"
+    argv = (
+        [*cmd, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--port", str(free_port())],
+        [*cmd, "--tp", "3", "--nnodes", "3", "--node-rank", "1"],
+    )
+    procs = []
+    try:
+        for args, log in zip(argv, logs, strict=True):
+            with log.open("wb") as err:
+                procs.append(subprocess.Popen([*args, *node], stderr=err, start_new_session=True))
+        for p, log in zip(procs, logs, strict=True):
+            assert p.wait(timeout=60) == 1, log.read_text()
+        for log in logs:
+            err = log.read_text()
+            assert "a world of 3 ranks" in err and "driver's world of 2 ranks" in err, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
 
 
 def node0_noticed(server: Server, within_s: float = 10.0) -> bool:
