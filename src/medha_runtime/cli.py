@@ -389,8 +389,21 @@ def _serve_role(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, 
         )
     k = world // nnodes
     addr, port = args.master_addr, args.master_port
+    _check_resolves(addr, port)
     config = _dist_config(args, world=world, addr=addr, port=port, local_ranks=k)
     return ("server", config) if node == 0 else ("node", config, k)
+
+
+def _check_resolves(addr: str, port: int) -> None:
+    """A ``ValueError`` unless ``--master-addr`` resolves (torch would retry the lookup,
+    warning each time, for the whole start bound)."""
+    import socket
+
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"--master-addr {addr!r} does not resolve: {why}") from None
 
 
 def _dist_config(

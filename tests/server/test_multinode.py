@@ -301,6 +301,20 @@ def test_bad_setups_are_clear_errors(
     assert err.startswith("medha-runtime serve: error:") and message in err, err
 
 
+def test_a_master_address_that_does_not_resolve_is_refused_up_front() -> None:
+    """Either node: one line at once (torch retried the lookup for the whole 600 s start
+    bound, printing a warning each time)."""
+    from medha_runtime.cli import _serve_role, build_parser
+
+    for node in ("0", "1"):
+        argv = ["serve", "tiny", "--tp", "2", "--nnodes", "2", "--node-rank", node]
+        args = build_parser().parse_args([*argv, "--master-addr", "nosuchhost.invalid"])
+        with pytest.raises(ValueError, match=r"--master-addr 'nosuchhost\.invalid' does not"):
+            _serve_role(args, {})
+        args = build_parser().parse_args([*argv, "--master-addr", "localhost"])
+        assert _serve_role(args, {})[1].master_addr == "localhost"
+
+
 def test_dist_config_validates() -> None:
     from medha_runtime.dist_config import DistConfig
 
