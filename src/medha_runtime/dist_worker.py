@@ -115,7 +115,8 @@ def run_node(config: DistConfig, *, node_rank: int, ranks_per_node: int) -> int:
     ranks = range(first, first + ranks_per_node)
     print(
         f"medha-runtime serve: node {node_rank}: ranks {ranks.start}..{ranks.stop - 1} of "
-        f"{config.world_size}, rendezvous at {config.master_addr}:{config.master_port}",
+        f"{config.world_size}, rendezvous at {config.master_addr}:{config.master_port} "
+        f"(waiting at most {config.start_timeout_s:.0f} s for every node)",
         file=sys.stderr,
         flush=True,
     )

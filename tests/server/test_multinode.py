@@ -315,6 +315,17 @@ def test_a_master_address_that_does_not_resolve_is_refused_up_front() -> None:
         assert _serve_role(args, {})[1].master_addr == "localhost"
 
 
+def test_dist_timeout_help_says_what_it_bounds() -> None:
+    """The flag does not bound joining (600 s): its help said "seconds a rank waits for the
+    driver before giving up", and a node 1 started alone waited 600 s with --dist-timeout 10."""
+    from medha_runtime.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    (action,) = [a for a in serve._actions if "--dist-timeout" in a.option_strings]
+    assert "once every rank has joined" in action.help
+    assert "joining itself" in action.help and "up to 600 s" in action.help
+
+
 def test_dist_config_validates() -> None:
     from medha_runtime.dist_config import DistConfig
 
