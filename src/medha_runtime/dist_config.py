@@ -7,9 +7,9 @@ process; the driver is rank 0 and hosts the store unless torchrun's agent
 does) and then one extra gloo *control* group that carries pickled messages
 from the driver (the runner spec, step plans, keepalives, shutdown) and the
 sampling rank's sampled rows back to it. Outside torchrun every rank first checks
-in on the store (:func:`check_in`): a rank whose world size differs from the
-driver's, or whose rank another process holds already, fails at once with the
-reason (and so does the driver, for a world size that differs), instead of
+in on the store (:func:`check_in`): a rank whose world size or ranks per node
+differ from the driver's, or whose rank another process holds already, fails at
+once with the reason (and so does the driver while it waits), instead of waiting
 the whole start bound in silence.
 
 Bounds (nothing waits forever):
@@ -125,7 +125,8 @@ def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
 
 
 class JoinRefused(RuntimeError):
-    """This rank cannot join the driver's world (another world size, or its rank taken)."""
+    """This rank cannot join the driver's world (another world size or ranks per node, or
+    its rank taken)."""
 
 
 #: the check-in keys on the rendezvous store (the default group's keys have a prefix)
@@ -135,12 +136,13 @@ _WORLD, _JOINED, _REFUSED = "medha/world", "medha/joined", "medha/refused"
 def check_in(config: DistConfig, *, rank: int) -> Any:
     """The rendezvous store (rank 0 hosts it), once every rank has checked in.
 
-    Rank 0 publishes its world size and waits until the other ``world_size - 1``
-    ranks have checked in; any other rank reads that world size, refuses to join
-    one that differs from its own (and tells rank 0, which fails too) and claims
-    its rank (a second claimant, a node started twice with one ``--node-rank``,
-    is refused). Raises :class:`JoinRefused` with the reason, and torch's error
-    when the store cannot be reached within ``start_timeout_s``.
+    Rank 0 publishes its world size and ranks per node (``local_ranks``) and waits
+    until the other ``world_size - 1`` ranks have checked in; any other rank reads
+    them, refuses to join where either differs from its own, and claims its rank (a
+    second claimant is refused: a node started twice with one ``--node-rank``).
+    A refusal tells rank 0 too, which fails with the same reason while it waits.
+    Raises :class:`JoinRefused` with the reason, and torch's error when the store
+    cannot be reached within ``start_timeout_s``.
     """
     import time
 
@@ -157,7 +159,7 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
         wait_for_workers=False,
     )
     if rank == 0:
-        store.set(_WORLD, str(world))
+        store.set(_WORLD, f"{world} {config.local_ranks}")
         deadline = time.monotonic() + config.start_timeout_s
         while (joined := store.add(_JOINED, 0)) < world - 1:
             if store.check([_REFUSED]):
@@ -169,20 +171,28 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
                 )
             time.sleep(0.05)
         return store
-    theirs = int(store.get(_WORLD))
+    theirs, their_k = (int(x) for x in store.get(_WORLD).split())
+    why = None
     if theirs != world:
         why = (
             f"rank {rank} of a world of {world} ranks cannot join the driver's world of "
             f"{theirs} ranks at {where}: every node needs the same layout "
             "(tp*spp*kvp) and node count"
         )
-        store.set(_REFUSED, why)
-        raise JoinRefused(why)
-    if store.add(f"medha/rank/{rank}", 1) > 1:
-        raise JoinRefused(
+    elif their_k != config.local_ranks:
+        why = (
+            f"rank {rank} cannot join at {where}: its node runs {config.local_ranks} "
+            f"rank(s) per node, the driver's {their_k} per node: every node needs the "
+            "same node count"
+        )
+    elif store.add(f"medha/rank/{rank}", 1) > 1:
+        why = (
             f"rank {rank} has joined already at {where}: was another node started with "
             "the same node rank?"
         )
+    if why is not None:
+        store.set(_REFUSED, why)
+        raise JoinRefused(why)
     store.add(_JOINED, 1)
     return store
 

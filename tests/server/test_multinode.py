@@ -175,17 +175,36 @@ def test_dead_driver_ends_node1_with_an_error(tmp_path: Path) -> None:
         p.close()
 
 
-def test_nodes_with_different_world_sizes_fail_at_once(tmp_path: Path) -> None:
-    """Node 0 runs tp*spp*kvp = 2 ranks, node 1 was told 3 (--tp 3 --nnodes 3): both exit 1
-    within seconds, naming the two world sizes (they waited the whole start bound,
-    600 s, in silence)."""
+#: node 0's flags, node 1's, and what both say: another world size, or another node count
+MISMATCHES = [
+    (
+        ("--tp", "2", "--nnodes", "2"),
+        ("--tp", "3", "--nnodes", "3"),
+        ("a world of 3 ranks", "driver's world of 2 ranks"),
+    ),
+    (
+        ("--tp", "2", "--spp", "2", "--nnodes", "2"),
+        ("--tp", "2", "--spp", "2", "--nnodes", "4"),
+        ("1 rank(s) per node", "driver's 2 per node"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags0", "flags1", "says"), MISMATCHES)
+def test_nodes_with_different_layouts_fail_at_once(
+    flags0: tuple[str, ...], flags1: tuple[str, ...], says: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Node 0 and node 1 disagree on the world size (2 ranks against --tp 3 --nnodes 3) or
+    on the node count (--nnodes 2 against 4, one world of 4 ranks: node 1 claimed node 0's
+    rank 1): both exit 1 within seconds, naming the two (they waited the whole start
+    bound, 600 s, in silence)."""
     port = free_port()
     node = ("--master-addr", "127.0.0.1", "--master-port", str(port))
     cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, "--device", "cpu"]
     logs = tmp_path / "node0.log", tmp_path / "node1.log"
     argv = (
-        [*cmd, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--port", str(free_port())],
-        [*cmd, "--tp", "3", "--nnodes", "3", "--node-rank", "1"],
+        [*cmd, *flags0, "--node-rank", "0", "--port", str(free_port())],
+        [*cmd, *flags1, "--node-rank", "1"],
     )
     procs = []
     try:
@@ -196,7 +215,7 @@ def test_nodes_with_different_world_sizes_fail_at_once(tmp_path: Path) -> None:
             assert p.wait(timeout=60) == 1, log.read_text()
         for log in logs:
             err = log.read_text()
-            assert "a world of 3 ranks" in err and "driver's world of 2 ranks" in err, err
+            assert all(text in err for text in says), err
     finally:
         for p in procs:
             if p.poll() is None:
