@@ -141,8 +141,8 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
     them, refuses to join where either differs from its own, and claims its rank (a
     second claimant is refused: a node started twice with one ``--node-rank``).
     A refusal tells rank 0 too, which fails with the same reason while it waits.
-    Raises :class:`JoinRefused` with the reason, and torch's error when the store
-    cannot be reached within ``start_timeout_s``.
+    Raises :class:`JoinRefused` with the reason, also when the driver's store cannot
+    be reached within ``start_timeout_s``.
     """
     import time
 
@@ -150,14 +150,24 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
 
     timeout = datetime.timedelta(seconds=config.start_timeout_s)
     world, where = config.world_size, f"{config.master_addr}:{config.master_port}"
-    store = dist.TCPStore(
-        config.master_addr,
-        config.master_port,
-        None,
-        rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    try:
+        store = dist.TCPStore(
+            config.master_addr,
+            config.master_port,
+            None,
+            rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except Exception as exc:
+        if rank == 0:
+            raise  # its own port (in use, say): torch's message says which
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise JoinRefused(
+            f"cannot reach the driver at {where} within {config.start_timeout_s:.0f} s "
+            f"({type(exc).__name__}: {first}): is node 0 started, with this address "
+            "and port?"
+        ) from None
     if rank == 0:
         store.set(_WORLD, f"{world} {config.local_ranks}")
         deadline = time.monotonic() + config.start_timeout_s

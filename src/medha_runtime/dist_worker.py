@@ -47,7 +47,7 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
         try:
             control = join_world(config, rank=rank, local_rank=local_rank)
         except JoinRefused as exc:
-            _say(rank, f"cannot join: {exc}")
+            _say(rank, str(exc))
             return 1
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=control)
