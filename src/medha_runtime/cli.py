@@ -421,6 +421,7 @@ def _dist_config(
         local_ranks=local_ranks,
         control_timeout_s=wait,
         keepalive_s=min(5.0, wait / 4),
+        model=args.model,
         **kw,
     )
 

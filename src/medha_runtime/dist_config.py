@@ -27,6 +27,7 @@ Bounds (nothing waits forever):
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,9 @@ class DistConfig:
         start_timeout_s: bound on joining the world (see the module docstring).
         control_timeout_s: bound on one wait on the control group.
         keepalive_s: the driver's keepalive period while idle (< control_timeout_s).
+        model: the MODEL this node was told to serve (``serve``'s argument), compared
+            with the driver's at check-in (every rank runs the driver's); None: not
+            compared.
     """
 
     world_size: int
@@ -57,6 +61,7 @@ class DistConfig:
     start_timeout_s: float = 600.0
     control_timeout_s: float = 600.0
     keepalive_s: float = 5.0
+    model: str | None = None
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 2)
@@ -70,6 +75,8 @@ class DistConfig:
             raise ValueError(f"start_local must be True or False, got {self.start_local!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise ValueError(f"master_addr must be a host name, got {self.master_addr!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be None or a model name, got {self.model!r}")
         for name in ("start_timeout_s", "control_timeout_s", "keepalive_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
@@ -136,9 +143,9 @@ _WORLD, _JOINED, _REFUSED = "medha/world", "medha/joined", "medha/refused"
 def check_in(config: DistConfig, *, rank: int) -> Any:
     """The rendezvous store (rank 0 hosts it), once every rank has checked in.
 
-    Rank 0 publishes its world size and ranks per node (``local_ranks``) and waits
+    Rank 0 publishes its world size, ranks per node (``local_ranks``) and model and waits
     until the other ``world_size - 1`` ranks have checked in; any other rank reads
-    them, refuses to join where either differs from its own, and claims its rank (a
+    them, refuses to join where one differs from its own, and claims its rank (a
     second claimant is refused: a node started twice with one ``--node-rank``).
     A refusal tells rank 0 too, which fails with the same reason while it waits.
     Raises :class:`JoinRefused` with the reason, also when the driver's store cannot
@@ -169,7 +176,7 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
             "and port?"
         ) from None
     if rank == 0:
-        store.set(_WORLD, f"{world} {config.local_ranks}")
+        store.set(_WORLD, json.dumps([world, config.local_ranks, config.model]))
         deadline = time.monotonic() + config.start_timeout_s
         while (joined := store.add(_JOINED, 0)) < world - 1:
             if store.check([_REFUSED]):
@@ -181,7 +188,7 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
                 )
             time.sleep(0.05)
         return store
-    theirs, their_k = (int(x) for x in store.get(_WORLD).split())
+    theirs, their_k, their_model = json.loads(store.get(_WORLD))
     why = None
     if theirs != world:
         why = (
@@ -194,6 +201,12 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
             f"rank {rank} cannot join at {where}: its node runs {config.local_ranks} "
             f"rank(s) per node, the driver's {their_k} per node: every node needs the "
             "same node count"
+        )
+    elif None not in (config.model, their_model) and config.model != their_model:
+        why = (
+            f"rank {rank} cannot join at {where}: its node was started with MODEL "
+            f"{config.model!r}, but the driver serves {their_model!r} (every node runs "
+            "the driver's MODEL, from the same path): give every node the same MODEL"
         )
     elif store.add(f"medha/rank/{rank}", 1) > 1:
         why = (

@@ -187,6 +187,11 @@ MISMATCHES = [
         ("--tp", "2", "--spp", "2", "--nnodes", "4"),
         ("1 rank(s) per node", "driver's 2 per node"),
     ),
+    (
+        ("--tp", "2", "--nnodes", "2"),
+        ("--tp", "2", "--nnodes", "2", "--model-on-node-1", "smollm2"),
+        ("with MODEL 'smollm2'", "the driver serves 'tiny'"),
+    ),
 ]
 
 
@@ -197,14 +202,21 @@ def test_nodes_with_different_layouts_fail_at_once(
     """Node 0 and node 1 disagree on the world size (2 ranks against --tp 3 --nnodes 3) or
     on the node count (--nnodes 2 against 4, one world of 4 ranks: node 1 claimed node 0's
     rank 1): both exit 1 within seconds, naming the two (they waited the whole start
-    bound, 600 s, in silence)."""
+    bound, 600 s, in silence). Or on MODEL: node 1 ran node 0's without a word."""
     port = free_port()
     node = ("--master-addr", "127.0.0.1", "--master-port", str(port))
     cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, "--device", "cpu"]
     logs = tmp_path / "node0.log", tmp_path / "node1.log"
+    flags1 = list(flags1)
+    if "--model-on-node-1" in flags1:  # node 1 was told another MODEL
+        at = flags1.index("--model-on-node-1")
+        cmd1 = [*cmd[:4], flags1[at + 1], *cmd[5:]]
+        del flags1[at : at + 2]
+    else:
+        cmd1 = cmd
     argv = (
         [*cmd, *flags0, "--node-rank", "0", "--port", str(free_port())],
-        [*cmd, *flags1, "--node-rank", "1"],
+        [*cmd1, *flags1, "--node-rank", "1"],
     )
     procs = []
     try:
