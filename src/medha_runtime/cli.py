@@ -130,6 +130,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _wait_s(text: str) -> float:
+    from medha_runtime.dist_config import MAX_WAIT_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds in (0, {MAX_WAIT_S:g}], got {text!r}"
+        )
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -290,7 +304,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         ("--master-port", _positive_int, 29501, "a free port on node 0 for the rendezvous"),
         (
             "--dist-timeout",
-            _positive_float,
+            _wait_s,
             600.0,
             "multi-node/torchrun: once every rank has joined, seconds a rank waits for the "
             "driver before giving up (a hung driver ends its workers after this; an idle "

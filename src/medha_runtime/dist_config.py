@@ -32,6 +32,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+#: the longest wait torch.distributed takes (a store's waits count nanoseconds: 1e10 s
+#: overflows, and timedelta refuses inf)
+MAX_WAIT_S = 1e8
+
 
 @dataclass(frozen=True, kw_only=True)
 class DistConfig:
@@ -79,8 +83,11 @@ class DistConfig:
             raise ValueError(f"model must be None or a model name, got {self.model!r}")
         for name in ("start_timeout_s", "control_timeout_s", "keepalive_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            if not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S:
+                raise ValueError(
+                    f"{name} must be a finite number of seconds in (0, {MAX_WAIT_S:g}], "
+                    f"got {value!r}"
+                )
         if self.keepalive_s >= self.control_timeout_s:
             raise ValueError(
                 f"keepalive_s={self.keepalive_s} must be below "

@@ -373,6 +373,24 @@ def test_a_node_whose_driver_never_starts_says_so(capfd: pytest.CaptureFixture[s
     assert "is node 0 started" in err, err
 
 
+@pytest.mark.parametrize("value", ["inf", "1e20", "1e10"])
+def test_a_dist_timeout_torch_cannot_take_is_refused(value: str, capsys) -> None:
+    """--dist-timeout inf (or 1e20) passed, then every node failed at start-up with
+    OverflowError; 1e10 s made the store give up at once (nanoseconds overflow)."""
+    from medha_runtime.cli import build_parser
+    from medha_runtime.dist_config import DistConfig
+
+    argv = ["serve", "tiny", "--tp", "2", "--nnodes", "2", "--dist-timeout", value]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert "--dist-timeout: expected a finite number of seconds in (0, 1e+08]" in err, err
+    for name in ("start_timeout_s", "control_timeout_s"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
+            DistConfig(world_size=2, **{name: float(value)})
+    assert DistConfig(world_size=2, start_timeout_s=1e8, control_timeout_s=1e8)
+
+
 def test_dist_config_validates() -> None:
     from medha_runtime.dist_config import DistConfig
 
