@@ -5,8 +5,8 @@ joins one ``torch.distributed`` world at ``MASTER_ADDR:MASTER_PORT``
 (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` are set in each
 process; the driver is rank 0 and hosts the store unless torchrun's agent
 does) and then one extra gloo *control* group that carries pickled messages
-from the driver (the runner spec, step plans, keepalives, shutdown) and the
-sampling rank's sampled rows back to it. Outside torchrun every rank first checks
+from the driver (step plans, keepalives, shutdown) and the sampling rank's
+sampled rows back to it. Outside torchrun every rank first checks
 in on the store (:func:`check_in`): a rank whose world size or ranks per node
 differ from the driver's, or whose rank another process holds already, fails at
 once with the reason (and so does the driver while it waits), instead of waiting
@@ -15,7 +15,9 @@ the whole start bound in silence.
 Bounds (nothing waits forever):
 
 - ``start_timeout_s``: joining the world (every rank must have started) and
-  the default group's collectives.
+  the default group's collectives: the start-up exchange, the runner spec
+  out and each rank's readiness back once it has built its model (object
+  collectives on the default group run on gloo).
 - ``control_timeout_s``: any one wait on the control group, e.g. a worker
   waiting for the next message or the driver waiting for the sampling rank.
   The driver sends a keepalive every ``keepalive_s`` while it has nothing to

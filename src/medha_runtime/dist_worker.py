@@ -50,7 +50,8 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
             _say(rank, str(exc))
             return 1
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        # start-up (every rank builds its model) on the default group: the start bound
+        dist.broadcast_object_list(box, src=0)
         spec = box[0]
         set_threads(spec, local_world)
         _, runner, error = build_rank(spec)
@@ -60,7 +61,7 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
             "stage": None if runner is None else runner.stage,
             "error": error,
         }
-        dist.gather_object(info, None, dst=0, group=control)
+        dist.gather_object(info, None, dst=0)
         if runner is None:
             _say(rank, f"failed to start:\n{error}")
             return 1

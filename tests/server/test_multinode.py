@@ -147,6 +147,39 @@ def test_sigterm_on_node0_ends_node1(pair: Pair) -> None:
     assert "the driver shut down" in pair.stderr()
 
 
+@pytest.mark.slow
+def test_a_dist_timeout_below_the_model_load_time_still_starts(
+    smollm2_cache: Path, tmp_path: Path
+) -> None:
+    """--dist-timeout bounds waits once every rank has joined; loading the model (smollm2
+    takes longer than 2 s here) is start-up, bounded by the start bound: both nodes
+    failed at start-up with gloo's 'Timed out waiting 2000ms'."""
+    pytest.importorskip("gguf")
+    env = {**os.environ, "MEDHA_CACHE_DIR": str(smollm2_cache)}
+    port = free_port()
+    node = ("--kvp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port")
+    node += (str(port), "--dist-timeout", "2", "--device", "cpu", "--cost-model", COST_SPEC)
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "smollm2", *LIMITS, *node]
+    log = tmp_path / "node1.log"
+    with log.open("wb") as err:
+        node1 = subprocess.Popen(
+            [*cmd, "--node-rank", "1"], stderr=err, start_new_session=True, env=env
+        )
+    try:
+        node0 = start_server(*node, "--node-rank", "0", model="smollm2", env=env, timeout_s=240)
+        try:
+            c = openai.OpenAI(base_url=f"{node0.url}/v1", api_key="none", max_retries=0)
+            r = c.completions.create(model="smollm2", prompt="Hello", max_tokens=4)
+            assert r.usage.completion_tokens >= 1
+        finally:
+            stop_server(node0)
+        assert node1.wait(timeout=EXIT_BOUND_S) == 0, log.read_text()
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait(timeout=10)
+
+
 def engine_pid(server_pid: int) -> int:
     """The spawned engine process under the HTTP process."""
     for d in Path("/proc").iterdir():
