@@ -306,10 +306,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
             "--dist-timeout",
             _wait_s,
             600.0,
-            "multi-node/torchrun: once every rank has joined, seconds a rank waits for the "
+            "multi-node/torchrun: once every rank has started, seconds a rank waits for the "
             "driver before giving up (a hung driver ends its workers after this; an idle "
-            "driver sends keepalives; default 600); joining itself (node 0 waiting for the "
-            "other nodes, or they for node 0) waits up to 600 s whatever this is",
+            "driver sends keepalives; default 600); start-up itself (node 0 waiting for the "
+            "other nodes, or they for node 0, then every rank loading the model) waits up "
+            "to 600 s whatever this is",
         ),
     ):
         s.add_argument(flag, type=kind, default=default, help=text)

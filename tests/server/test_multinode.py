@@ -151,7 +151,7 @@ def test_sigterm_on_node0_ends_node1(pair: Pair) -> None:
 def test_a_dist_timeout_below_the_model_load_time_still_starts(
     smollm2_cache: Path, tmp_path: Path
 ) -> None:
-    """--dist-timeout bounds waits once every rank has joined; loading the model (smollm2
+    """--dist-timeout bounds waits once every rank has started; loading the model (smollm2
     takes longer than 2 s here) is start-up, bounded by the start bound: both nodes
     failed at start-up with gloo's 'Timed out waiting 2000ms'."""
     pytest.importorskip("gguf")
@@ -386,8 +386,8 @@ def test_dist_timeout_help_says_what_it_bounds() -> None:
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     (action,) = [a for a in serve._actions if "--dist-timeout" in a.option_strings]
-    assert "once every rank has joined" in action.help
-    assert "joining itself" in action.help and "up to 600 s" in action.help
+    assert "once every rank has started" in action.help
+    assert "start-up itself" in action.help and "up to 600 s" in action.help
 
 
 def test_a_node_whose_driver_never_starts_says_so(capfd: pytest.CaptureFixture[str]) -> None:
