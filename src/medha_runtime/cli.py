@@ -130,6 +130,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _wait_s(text: str) -> float:
+    from medha_runtime.dist_config import MAX_WAIT_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds in (0, {MAX_WAIT_S:g}], got {text!r}"
+        )
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -319,10 +333,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         ("--master-port", _positive_int, 29501, "a free port on node 0 for the rendezvous"),
         (
             "--dist-timeout",
-            _positive_float,
+            _wait_s,
             600.0,
-            "multi-node/torchrun: seconds a rank waits for the driver before giving up (a hung "
-            "driver ends its workers after this; an idle driver sends keepalives; default 600)",
+            "multi-node/torchrun: once every rank has started, seconds a rank waits for the "
+            "driver before giving up (a hung driver ends its workers after this; an idle "
+            "driver sends keepalives; default 600); start-up itself (node 0 waiting for the "
+            "other nodes, or they for node 0, then every rank loading the model) waits up "
+            "to 600 s whatever this is",
         ),
     ):
         s.add_argument(flag, type=kind, default=default, help=text)
@@ -421,8 +438,21 @@ def _serve_role(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, 
         )
     k = world // nnodes
     addr, port = args.master_addr, args.master_port
+    _check_resolves(addr, port)
     config = _dist_config(args, world=world, addr=addr, port=port, local_ranks=k)
     return ("server", config) if node == 0 else ("node", config, k)
+
+
+def _check_resolves(addr: str, port: int) -> None:
+    """A ``ValueError`` unless ``--master-addr`` resolves (torch would retry the lookup,
+    warning each time, for the whole start bound)."""
+    import socket
+
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"--master-addr {addr!r} does not resolve: {why}") from None
 
 
 def _dist_config(
@@ -438,6 +468,7 @@ def _dist_config(
         local_ranks=local_ranks,
         control_timeout_s=wait,
         keepalive_s=min(5.0, wait / 4),
+        model=args.model,
         **kw,
     )
 

@@ -1,17 +1,23 @@
 """Multi-node (or torchrun) runs: where ranks meet, and how long anything may wait.
 
 Every rank of a :class:`~medha_runtime.dist_executor.DistributedExecutor`
-joins one ``torch.distributed`` world through the ``env://`` rendezvous
+joins one ``torch.distributed`` world at ``MASTER_ADDR:MASTER_PORT``
 (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` are set in each
 process; the driver is rank 0 and hosts the store unless torchrun's agent
 does) and then one extra gloo *control* group that carries pickled messages
-from the driver (the runner spec, step plans, keepalives, shutdown) and the
-sampling rank's sampled rows back to it.
+from the driver (step plans, keepalives, shutdown) and the sampling rank's
+sampled rows back to it. Outside torchrun every rank first checks
+in on the store (:func:`check_in`): a rank whose world size or ranks per node
+differ from the driver's, or whose rank another process holds already, fails at
+once with the reason (and so does the driver while it waits), instead of waiting
+the whole start bound in silence.
 
 Bounds (nothing waits forever):
 
 - ``start_timeout_s``: joining the world (every rank must have started) and
-  the default group's collectives.
+  the default group's collectives: the start-up exchange, the runner spec
+  out and each rank's readiness back once it has built its model (object
+  collectives on the default group run on gloo).
 - ``control_timeout_s``: any one wait on the control group, e.g. a worker
   waiting for the next message or the driver waiting for the sampling rank.
   The driver sends a keepalive every ``keepalive_s`` while it has nothing to
@@ -23,9 +29,14 @@ Bounds (nothing waits forever):
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
+
+#: the longest wait torch.distributed takes (a store's waits count nanoseconds: 1e10 s
+#: overflows, and timedelta refuses inf)
+MAX_WAIT_S = 1e8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +54,9 @@ class DistConfig:
         start_timeout_s: bound on joining the world (see the module docstring).
         control_timeout_s: bound on one wait on the control group.
         keepalive_s: the driver's keepalive period while idle (< control_timeout_s).
+        model: the MODEL this node was told to serve (``serve``'s argument), compared
+            with the driver's at check-in (every rank runs the driver's); None: not
+            compared.
     """
 
     world_size: int
@@ -53,6 +67,7 @@ class DistConfig:
     start_timeout_s: float = 600.0
     control_timeout_s: float = 600.0
     keepalive_s: float = 5.0
+    model: str | None = None
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 2)
@@ -66,10 +81,15 @@ class DistConfig:
             raise ValueError(f"start_local must be True or False, got {self.start_local!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise ValueError(f"master_addr must be a host name, got {self.master_addr!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be None or a model name, got {self.model!r}")
         for name in ("start_timeout_s", "control_timeout_s", "keepalive_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            if not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S:
+                raise ValueError(
+                    f"{name} must be a finite number of seconds in (0, {MAX_WAIT_S:g}], "
+                    f"got {value!r}"
+                )
         if self.keepalive_s >= self.control_timeout_s:
             raise ValueError(
                 f"keepalive_s={self.keepalive_s} must be below "
@@ -85,7 +105,8 @@ def check_int(name: str, value: object, minimum: int) -> int:
 
 
 def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
-    """Join the world as ``rank`` through ``env://``; return the gloo control group.
+    """Join the world as ``rank`` (:func:`check_in` first, unless under torchrun, whose
+    agent's store ``env://`` finds); return the gloo control group.
 
     Sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and
     ``LOCAL_RANK`` in this process first. On a CUDA machine the default
@@ -105,16 +126,107 @@ def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl"
+    timeout = datetime.timedelta(seconds=config.start_timeout_s)
+    # torchrun's agent hosts the store; otherwise rank 0 does, and every rank checks in
+    # first (the same world size, a rank nobody holds), so that a mismatch is an error now
+    where: dict[str, Any] = {"init_method": "env://"}
+    if config.start_local:
+        where = {"store": dist.PrefixStore("default_pg", check_in(config, rank=rank))}
     dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=rank,
-        world_size=config.world_size,
-        timeout=datetime.timedelta(seconds=config.start_timeout_s),
+        backend, rank=rank, world_size=config.world_size, timeout=timeout, **where
     )
     return dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=config.control_timeout_s)
     )
+
+
+class JoinRefused(RuntimeError):
+    """This rank cannot join the driver's world (another world size or ranks per node, or
+    its rank taken)."""
+
+
+#: the check-in keys on the rendezvous store (the default group's keys have a prefix)
+_WORLD, _JOINED, _REFUSED = "medha/world", "medha/joined", "medha/refused"
+
+
+def check_in(config: DistConfig, *, rank: int) -> Any:
+    """The rendezvous store (rank 0 hosts it), once every rank has checked in.
+
+    Rank 0 publishes its world size, ranks per node (``local_ranks``) and model and waits
+    until the other ``world_size - 1`` ranks have checked in; any other rank reads
+    them, refuses to join where one differs from its own, and claims its rank (a
+    second claimant is refused: a node started twice with one ``--node-rank``).
+    A refusal tells rank 0 too, which fails with the same reason while it waits.
+    Raises :class:`JoinRefused` with the reason, also when the driver's store cannot
+    be reached within ``start_timeout_s``.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=config.start_timeout_s)
+    world, where = config.world_size, f"{config.master_addr}:{config.master_port}"
+    try:
+        store = dist.TCPStore(
+            config.master_addr,
+            config.master_port,
+            None,
+            rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except Exception as exc:
+        if rank == 0:
+            raise  # its own port (in use, say): torch's message says which
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise JoinRefused(
+            f"cannot reach the driver at {where} within {config.start_timeout_s:.0f} s "
+            f"({type(exc).__name__}: {first}): is node 0 started, with this address "
+            "and port?"
+        ) from None
+    if rank == 0:
+        store.set(_WORLD, json.dumps([world, config.local_ranks, config.model]))
+        deadline = time.monotonic() + config.start_timeout_s
+        while (joined := store.add(_JOINED, 0)) < world - 1:
+            if store.check([_REFUSED]):
+                raise JoinRefused(store.get(_REFUSED).decode())
+            if time.monotonic() > deadline:
+                raise JoinRefused(
+                    f"{joined} of the {world - 1} other ranks joined at {where} within "
+                    f"{config.start_timeout_s:.0f} s: start every node"
+                )
+            time.sleep(0.05)
+        return store
+    theirs, their_k, their_model = json.loads(store.get(_WORLD))
+    why = None
+    if theirs != world:
+        why = (
+            f"rank {rank} of a world of {world} ranks cannot join the driver's world of "
+            f"{theirs} ranks at {where}: every node needs the same layout "
+            "(tp*spp*kvp) and node count"
+        )
+    elif their_k != config.local_ranks:
+        why = (
+            f"rank {rank} cannot join at {where}: its node runs {config.local_ranks} "
+            f"rank(s) per node, the driver's {their_k} per node: every node needs the "
+            "same node count"
+        )
+    elif None not in (config.model, their_model) and config.model != their_model:
+        why = (
+            f"rank {rank} cannot join at {where}: its node was started with MODEL "
+            f"{config.model!r}, but the driver serves {their_model!r} (every node runs "
+            "the driver's MODEL, from the same path): give every node the same MODEL"
+        )
+    elif store.add(f"medha/rank/{rank}", 1) > 1:
+        why = (
+            f"rank {rank} has joined already at {where}: was another node started with "
+            "the same node rank?"
+        )
+    if why is not None:
+        store.set(_REFUSED, why)
+        raise JoinRefused(why)
+    store.add(_JOINED, 1)
+    return store
 
 
 def build_rank(spec: Any) -> tuple[Any, Any, str | None]:

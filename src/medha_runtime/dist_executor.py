@@ -1,11 +1,12 @@
 """The multi-node (and torchrun) executor: the driver process is itself rank 0.
 
 :class:`DistributedExecutor` joins the ``torch.distributed`` world as rank 0
-through ``env://`` (see :mod:`medha_runtime.dist_config`), starts the other
+at its rendezvous (see :mod:`medha_runtime.dist_config`), starts the other
 ranks of its own node as worker processes (:mod:`medha_runtime.dist_worker`;
 ranks on other nodes are started there by ``medha-runtime serve --node-rank R``
 or by torchrun), and broadcasts the :class:`~medha_runtime.runner.RunnerSpec`
-over a gloo control group. Every other rank runs the one worker loop
+(on the default group, within the start bound; the steps then travel on a gloo
+control group). Every other rank runs the one worker loop
 (:func:`medha_runtime.worker.serve`) over
 :class:`~medha_runtime.transport.DistTransport`. Then each step:
 
@@ -173,7 +174,8 @@ class DistributedExecutor:
             flush=True,
         )
         self.control = join_world(cfg, rank=0, local_rank=0)
-        dist.broadcast_object_list([self.spec], src=0, group=self.control)
+        # start-up (every rank builds its model) on the default group: the start bound
+        dist.broadcast_object_list([self.spec], src=0)
         set_threads(self.spec, cfg.local_ranks)
         _, self.runner, error = build_rank(self.spec)
         info = {
@@ -182,7 +184,7 @@ class DistributedExecutor:
             "stage": None if self.runner is None else self.runner.stage,
         }
         infos: list[Any] = [None] * cfg.world_size
-        dist.gather_object({**info, "error": error}, infos, dst=0, group=self.control)
+        dist.gather_object({**info, "error": error}, infos, dst=0)
         for i in infos:
             if i["error"] is not None:
                 raise WorkerError(f"rank {i['rank']} failed to start:\n{i['error']}")

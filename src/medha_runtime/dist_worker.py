@@ -25,6 +25,7 @@ from typing import Any
 
 from medha_runtime.dist_config import (
     DistConfig,
+    JoinRefused,
     build_rank,
     join_world,
     leave_world,
@@ -43,9 +44,14 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
     import torch.distributed as dist
 
     try:
-        control = join_world(config, rank=rank, local_rank=local_rank)
+        try:
+            control = join_world(config, rank=rank, local_rank=local_rank)
+        except JoinRefused as exc:
+            _say(rank, str(exc))
+            return 1
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        # start-up (every rank builds its model) on the default group: the start bound
+        dist.broadcast_object_list(box, src=0)
         spec = box[0]
         set_threads(spec, local_world)
         _, runner, error = build_rank(spec)
@@ -55,7 +61,7 @@ def worker_main(config: DistConfig, *, rank: int, local_rank: int, local_world: 
             "stage": None if runner is None else runner.stage,
             "error": error,
         }
-        dist.gather_object(info, None, dst=0, group=control)
+        dist.gather_object(info, None, dst=0)
         if runner is None:
             _say(rank, f"failed to start:\n{error}")
             return 1
@@ -110,7 +116,8 @@ def run_node(config: DistConfig, *, node_rank: int, ranks_per_node: int) -> int:
     ranks = range(first, first + ranks_per_node)
     print(
         f"medha-runtime serve: node {node_rank}: ranks {ranks.start}..{ranks.stop - 1} of "
-        f"{config.world_size}, rendezvous at {config.master_addr}:{config.master_port}",
+        f"{config.world_size}, rendezvous at {config.master_addr}:{config.master_port} "
+        f"(waiting at most {config.start_timeout_s:.0f} s for every node)",
         file=sys.stderr,
         flush=True,
     )

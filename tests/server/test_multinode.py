@@ -117,6 +117,27 @@ def test_two_nodes_stay_up_while_idle(pair: Pair, reference: list[str]) -> None:
     assert greedy(pair.node0.url, PROMPTS[1]) == reference[1]
 
 
+def test_a_second_node_with_the_same_rank_is_refused(
+    pair: Pair, reference: list[str], tmp_path: Path
+) -> None:
+    """A node started twice with --node-rank 1 (its rank is taken) exits 1 at once, saying
+    so, instead of waiting silently; the running pair goes on serving."""
+    node = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(pair.port))
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, *COMMON, *node]
+    log = tmp_path / "dup.log"
+    with log.open("wb") as err:
+        dup = subprocess.Popen([*cmd, "--node-rank", "1"], stderr=err, start_new_session=True)
+    try:
+        assert dup.wait(timeout=EXIT_BOUND_S + 20) == 1
+        assert "rank 1 has joined already" in log.read_text(), log.read_text()
+    finally:
+        if dup.poll() is None:
+            os.killpg(dup.pid, signal.SIGKILL)
+            dup.wait(timeout=10)
+    assert pair.node1.poll() is None
+    assert greedy(pair.node0.url, PROMPTS[0]) == reference[0]
+
+
 def test_sigterm_on_node0_ends_node1(pair: Pair) -> None:
     start = time.monotonic()
     stop_server(pair.node0)
@@ -124,6 +145,39 @@ def test_sigterm_on_node0_ends_node1(pair: Pair) -> None:
     assert code == 0, pair.stderr()
     assert time.monotonic() - start < EXIT_BOUND_S
     assert "the driver shut down" in pair.stderr()
+
+
+@pytest.mark.slow
+def test_a_dist_timeout_below_the_model_load_time_still_starts(
+    smollm2_cache: Path, tmp_path: Path
+) -> None:
+    """--dist-timeout bounds waits once every rank has started; loading the model (smollm2
+    takes longer than 2 s here) is start-up, bounded by the start bound: both nodes
+    failed at start-up with gloo's 'Timed out waiting 2000ms'."""
+    pytest.importorskip("gguf")
+    env = {**os.environ, "MEDHA_CACHE_DIR": str(smollm2_cache)}
+    port = free_port()
+    node = ("--kvp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port")
+    node += (str(port), "--dist-timeout", "2", "--device", "cpu", "--cost-model", COST_SPEC)
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "smollm2", *LIMITS, *node]
+    log = tmp_path / "node1.log"
+    with log.open("wb") as err:
+        node1 = subprocess.Popen(
+            [*cmd, "--node-rank", "1"], stderr=err, start_new_session=True, env=env
+        )
+    try:
+        node0 = start_server(*node, "--node-rank", "0", model="smollm2", env=env, timeout_s=240)
+        try:
+            c = openai.OpenAI(base_url=f"{node0.url}/v1", api_key="none", max_retries=0)
+            r = c.completions.create(model="smollm2", prompt="Hello", max_tokens=4)
+            assert r.usage.completion_tokens >= 1
+        finally:
+            stop_server(node0)
+        assert node1.wait(timeout=EXIT_BOUND_S) == 0, log.read_text()
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait(timeout=10)
 
 
 def engine_pid(server_pid: int) -> int:
@@ -152,6 +206,66 @@ def test_dead_driver_ends_node1_with_an_error(tmp_path: Path) -> None:
         assert node0_noticed(p.node0), "node 0 neither reported the dead engine nor exited"
     finally:
         p.close()
+
+
+#: node 0's flags, node 1's, and what both say: another world size, or another node count
+MISMATCHES = [
+    (
+        ("--tp", "2", "--nnodes", "2"),
+        ("--tp", "3", "--nnodes", "3"),
+        ("a world of 3 ranks", "driver's world of 2 ranks"),
+    ),
+    (
+        ("--tp", "2", "--spp", "2", "--nnodes", "2"),
+        ("--tp", "2", "--spp", "2", "--nnodes", "4"),
+        ("1 rank(s) per node", "driver's 2 per node"),
+    ),
+    (
+        ("--tp", "2", "--nnodes", "2"),
+        ("--tp", "2", "--nnodes", "2", "--model-on-node-1", "smollm2"),
+        ("with MODEL 'smollm2'", "the driver serves 'tiny'"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags0", "flags1", "says"), MISMATCHES)
+def test_nodes_with_different_layouts_fail_at_once(
+    flags0: tuple[str, ...], flags1: tuple[str, ...], says: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Node 0 and node 1 disagree on the world size (2 ranks against --tp 3 --nnodes 3) or
+    on the node count (--nnodes 2 against 4, one world of 4 ranks: node 1 claimed node 0's
+    rank 1): both exit 1 within seconds, naming the two (they waited the whole start
+    bound, 600 s, in silence). Or on MODEL: node 1 ran node 0's without a word."""
+    port = free_port()
+    node = ("--master-addr", "127.0.0.1", "--master-port", str(port))
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, "--device", "cpu"]
+    logs = tmp_path / "node0.log", tmp_path / "node1.log"
+    flags1 = list(flags1)
+    if "--model-on-node-1" in flags1:  # node 1 was told another MODEL
+        at = flags1.index("--model-on-node-1")
+        cmd1 = [*cmd[:4], flags1[at + 1], *cmd[5:]]
+        del flags1[at : at + 2]
+    else:
+        cmd1 = cmd
+    argv = (
+        [*cmd, *flags0, "--node-rank", "0", "--port", str(free_port())],
+        [*cmd1, *flags1, "--node-rank", "1"],
+    )
+    procs = []
+    try:
+        for args, log in zip(argv, logs, strict=True):
+            with log.open("wb") as err:
+                procs.append(subprocess.Popen([*args, *node], stderr=err, start_new_session=True))
+        for p, log in zip(procs, logs, strict=True):
+            assert p.wait(timeout=60) == 1, log.read_text()
+        for log in logs:
+            err = log.read_text()
+            assert all(text in err for text in says), err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
 
 
 def node0_noticed(server: Server, within_s: float = 10.0) -> bool:
@@ -249,6 +363,65 @@ def test_bad_setups_are_clear_errors(
     assert main(["serve", "tiny", *argv]) == 1
     err = capsys.readouterr().err
     assert err.startswith("medha-runtime serve: error:") and message in err, err
+
+
+def test_a_master_address_that_does_not_resolve_is_refused_up_front() -> None:
+    """Either node: one line at once (torch retried the lookup for the whole 600 s start
+    bound, printing a warning each time)."""
+    from medha_runtime.cli import _serve_role, build_parser
+
+    for node in ("0", "1"):
+        argv = ["serve", "tiny", "--tp", "2", "--nnodes", "2", "--node-rank", node]
+        args = build_parser().parse_args([*argv, "--master-addr", "nosuchhost.invalid"])
+        with pytest.raises(ValueError, match=r"--master-addr 'nosuchhost\.invalid' does not"):
+            _serve_role(args, {})
+        args = build_parser().parse_args([*argv, "--master-addr", "localhost"])
+        assert _serve_role(args, {})[1].master_addr == "localhost"
+
+
+def test_dist_timeout_help_says_what_it_bounds() -> None:
+    """The flag does not bound joining (600 s): its help said "seconds a rank waits for the
+    driver before giving up", and a node 1 started alone waited 600 s with --dist-timeout 10."""
+    from medha_runtime.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    (action,) = [a for a in serve._actions if "--dist-timeout" in a.option_strings]
+    assert "once every rank has started" in action.help
+    assert "start-up itself" in action.help and "up to 600 s" in action.help
+
+
+def test_a_node_whose_driver_never_starts_says_so(capfd: pytest.CaptureFixture[str]) -> None:
+    """Node 1 alone: after the start bound its rank says it could not reach the driver,
+    not that "the driver or a peer rank is gone" (it never came)."""
+    from medha_runtime.dist_config import DistConfig
+    from medha_runtime.dist_worker import run_node
+
+    port = free_port()
+    config = DistConfig(world_size=2, master_port=port, start_timeout_s=2.0)
+    start = time.monotonic()
+    assert run_node(config, node_rank=1, ranks_per_node=1) == 1
+    assert time.monotonic() - start < 60
+    err = capfd.readouterr().err
+    assert f"rank 1: cannot reach the driver at 127.0.0.1:{port} within 2 s" in err, err
+    assert "is node 0 started" in err, err
+
+
+@pytest.mark.parametrize("value", ["inf", "1e20", "1e10"])
+def test_a_dist_timeout_torch_cannot_take_is_refused(value: str, capsys) -> None:
+    """--dist-timeout inf (or 1e20) passed, then every node failed at start-up with
+    OverflowError; 1e10 s made the store give up at once (nanoseconds overflow)."""
+    from medha_runtime.cli import build_parser
+    from medha_runtime.dist_config import DistConfig
+
+    argv = ["serve", "tiny", "--tp", "2", "--nnodes", "2", "--dist-timeout", value]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert "--dist-timeout: expected a finite number of seconds in (0, 1e+08]" in err, err
+    for name in ("start_timeout_s", "control_timeout_s"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
+            DistConfig(world_size=2, **{name: float(value)})
+    assert DistConfig(world_size=2, start_timeout_s=1e8, control_timeout_s=1e8)
 
 
 def test_dist_config_validates() -> None:
