@@ -36,8 +36,8 @@ def test_stats_line_while_busy_and_none_when_idle() -> None:
     assert s.line(t0 + 20.0) is None  # nothing ran: no line
 
 
-def test_summary_and_access_line() -> None:
-    info = ModelInfo(
+def _info() -> ModelInfo:
+    return ModelInfo(
         device="cpu",
         policy="lars-mp",
         cost_model="OnlineCostModel",
@@ -47,6 +47,10 @@ def test_summary_and_access_line() -> None:
         block_size=16,
         vocab_size=259,
     )
+
+
+def test_summary_and_access_line() -> None:
+    info = _info()
     ready = EngineReady("tiny", 256, 123, "float32", "ParallelDegrees(tp=1, spp=2, kvp=1)", info)
     text = "\n".join(startup_summary(ready, served_name="t", address="http://127.0.0.1:8000"))
     parts = ["model tiny", "dtype float32", "device cpu", "tp=1 spp=2 kvp=1", "lars-mp"]
@@ -75,16 +79,7 @@ def test_summary_and_access_line() -> None:
 
 
 def test_summary_lists_the_generation_configs_sampling_defaults() -> None:
-    info = ModelInfo(
-        device="cpu",
-        policy="lars-mp",
-        cost_model="OnlineCostModel",
-        target_batch_time=0.05,
-        kv_pool_tokens=2048,
-        kvp_group_tokens=256,
-        block_size=16,
-        vocab_size=259,
-    )
+    info = _info()
     ready = EngineReady("m", 256, 1, "float32", "ParallelDegrees(tp=1, spp=1, kvp=1)", info)
     text = "\n".join(startup_summary(ready, served_name="m", address="http://x"))
     assert "generation config" not in text
