@@ -64,7 +64,7 @@ from medha_runtime.sampling import (
     SampleSpec,
     SamplingParams,
 )
-from medha_runtime.sampling_params import truncate_prompt
+from medha_runtime.sampling_params import check_allowed_tokens, truncate_prompt
 from medha_runtime.step_log import StepLog, initial_model_path
 from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
@@ -425,7 +425,12 @@ class LLMEngine:
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty: it needs at least one token")
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        ids = truncate_prompt(
+            ids,
+            params.truncate_prompt_tokens,
+            self.max_model_len,
+            self.scheduler.max_admit_tokens,
+        )
         vocab = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -437,6 +442,7 @@ class LLMEngine:
             raise ValueError(
                 f"logit_bias: token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
             )
+        check_allowed_tokens(params, self.eos_token_ids)
         bad = [t for t in params.allowed_token_ids or () if t >= vocab]
         if bad:
             raise ValueError(

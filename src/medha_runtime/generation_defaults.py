@@ -10,7 +10,11 @@ field each sets:
 - ``max_new_tokens``: ``max_tokens`` (where a request gives none).
 
 ``do_sample`` is not read (as in vLLM): a config that sets ``temperature``
-samples with it. A GGUF file and the built-in ``tiny`` model carry none.
+samples with it. A value equal to ``transformers``' own default
+(``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` 50, ``repetition_penalty``
+1.0) sets nothing, as vLLM reads the file through ``GenerationConfig``'s
+``to_diff_dict``: a file that states ``"top_k": 50`` leaves top-k off. A
+GGUF file and the built-in ``tiny`` model carry none.
 
 :func:`generation_defaults` resolves ``EngineConfig.generation_config``:
 ``"auto"`` (the model directory's file, if it has one), ``"vllm"`` (none: the
@@ -41,6 +45,8 @@ SAMPLING_KEYS = {
     "max_new_tokens": "max_tokens",
 }
 _INTEGER_KEYS = frozenset({"top_k", "max_new_tokens"})
+#: transformers' GenerationConfig defaults: a file's value equal to one sets nothing
+_HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def generation_defaults(setting: str, model_dir: str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -95,9 +101,11 @@ def read_generation_defaults(file: str | os.PathLike[str]) -> dict[str, Any]:
             raise ConfigError(f"{file}: {key} must be a finite number, got {value!r}")
         if key in _INTEGER_KEYS and not float(value).is_integer():
             raise ConfigError(f"{file}: {key} must be a whole number, got {value!r}")
+        if value == _HF_DEFAULTS.get(key):
+            continue
         out[field] = int(value) if key in _INTEGER_KEYS else float(value)
-    try:
-        SamplingParams(**out)
-    except ValueError as exc:
-        raise ConfigError(f"{file}: {exc}") from None
+        try:
+            SamplingParams(**{field: out[field]})
+        except ValueError as exc:
+            raise ConfigError(f"{file}: {key}={value!r} is refused ({exc})") from None
     return out

@@ -46,7 +46,8 @@ class LLM:
     ``max_batch_requests``, ``max_model_len``, ``kv_cache_tokens``, ``block_size``, ``seed``,
     ``cost_model``, ``cost_model_out``, ``device``, ``timeout_s``,
     ``attention_backend``, ``num_threads``, ``enable_prefix_caching``,
-    ``step_log``, ``distributed``, ``async_scheduling``, ``cuda_graphs``). An unknown
+    ``step_log``, ``distributed``, ``async_scheduling``, ``cuda_graphs``,
+    ``chat_template``, ``generation_config``). An unknown
     keyword is refused.
 
     Offline generation favours throughput: unless ``throughput_chunk`` is

@@ -11,7 +11,7 @@ must stay free of torch; the sampler itself is :mod:`medha_runtime.sampling`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -268,9 +268,12 @@ class PromptLogprobs(NamedTuple):
     entries: tuple[dict[int, float], ...]
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(
+    ids: list[int], keep: int | None, max_model_len: int, max_prompt: int | None = None
+) -> list[int]:
     """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``): all of
-    them for None, ``max_model_len - 1`` for -1 (room for one output token).
+    them for None; for -1 as many as fit: ``max_model_len - 1`` (room for one output
+    token), or ``max_prompt``, the longest prompt the KV memory admits, where less.
 
     Raises:
         ValueError: ``keep`` below 1 (but -1), or of ``max_model_len`` or more
@@ -283,4 +286,21 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
             f"truncate_prompt_tokens={keep} must be -1, or from 1 to max_model_len - 1 = "
             f"{max_model_len - 1} (one token to generate)"
         )
-    return ids[-(max_model_len - 1 if keep == -1 else keep) :]
+    if keep == -1:
+        keep = max_model_len - 1 if max_prompt is None else min(max_model_len - 1, max_prompt)
+    return ids[-keep:]
+
+
+def check_allowed_tokens(params: SamplingParams, eos_token_ids: Iterable[int]) -> None:
+    """A ValueError where ``min_tokens`` holds back every one of ``allowed_token_ids``
+    (each a stop token: one of ``stop_token_ids``, or the model's EOS unless
+    ``ignore_eos``): no token could be drawn until ``min_tokens``."""
+    allowed = params.allowed_token_ids
+    if not allowed or params.min_tokens == 0:
+        return
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if set(allowed) <= stops:
+        raise ValueError(
+            f"allowed_token_ids: every allowed token {list(allowed)} is a stop token, which "
+            f"min_tokens={params.min_tokens} holds back: no token could be drawn"
+        )

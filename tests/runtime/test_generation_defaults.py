@@ -61,7 +61,7 @@ def test_the_sampling_keys_are_read_and_the_rest_left(tmp_path) -> None:
         ({"top_p": True}, "top_p must be a finite number"),
         ({"top_k": 40.5}, "top_k must be a whole number, got 40.5"),
         ({"top_p": 1.5}, "top_p"),
-        ({"max_new_tokens": 0}, "max_tokens"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 is refused (max_tokens must be"),
     ],
 )
 def test_a_bad_value_names_the_file_and_key(tmp_path, data, needle: str) -> None:
@@ -92,3 +92,13 @@ def test_llm_generates_with_the_models_defaults_unless_told_not_to(tmp_path) -> 
             assert got == want[: len(got)] and 1 <= len(got) <= 3
     with LLM(str(model), cost_model=COST, max_model_len=128, generation_config="vllm") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_values_equal_to_transformers_defaults_set_nothing(tmp_path) -> None:
+    """vLLM reads the file through GenerationConfig.to_diff_dict: a stated default is no
+    default of the request's (``"top_k": 50`` leaves top-k off)."""
+    _write(tmp_path, {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0})
+    assert read_generation_defaults(tmp_path / "generation_config.json") == {}
+    _write(tmp_path, {"temperature": 0.7, "top_k": 40})
+    got = read_generation_defaults(tmp_path / "generation_config.json")
+    assert got == {"temperature": 0.7, "top_k": 40}

@@ -322,3 +322,25 @@ def test_generate_shows_a_progress_bar_unless_told_not_to(capsys) -> None:
         with pytest.raises(ValueError, match="use_tqdm must be"):
             llm.generate([[5, 6, 7]], params, use_tqdm="yes")
         assert not llm.engine.has_unfinished_requests()  # the refused call left nothing
+
+
+def test_truncating_to_all_that_fits_stops_at_what_kv_memory_admits() -> None:
+    """-1 keeps as many tokens as fit: with a KV pool smaller than the context, that is
+    the longest prompt the scheduler admits, not max_model_len - 1."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, truncate_prompt_tokens=-1)
+    with LLM("tiny", cost_model=COST, kv_cache_tokens=128, block_size=16) as llm:
+        admit = llm.engine.scheduler.max_admit_tokens
+        assert admit < llm.engine.max_model_len - 1
+        out = llm.generate([list(range(3, 253))], greedy)[0]
+        assert len(out.prompt_token_ids) == admit
+
+
+def test_allowed_tokens_all_held_back_by_min_tokens_are_refused() -> None:
+    with LLM("tiny", cost_model=COST, max_model_len=64) as llm:
+        eos = sorted(llm.engine.eos_token_ids)[0]
+        bad = SamplingParams(allowed_token_ids=[eos], min_tokens=1, max_tokens=3)
+        with pytest.raises(ValueError, match=r"every allowed token .* min_tokens=1 holds back"):
+            llm.generate([[5, 6]], bad)
+        ok = SamplingParams(allowed_token_ids=[eos], min_tokens=1, max_tokens=3, ignore_eos=True)
+        assert llm.generate([[5, 6]], ok)[0].outputs[0].token_ids == [eos] * 3
+        assert not llm.engine.has_unfinished_requests()

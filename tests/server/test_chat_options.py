@@ -110,3 +110,24 @@ def test_allowed_token_ids_limit_what_is_drawn(server: Server) -> None:
                 model="tiny", prompt=[5], max_tokens=2, extra_body={"allowed_token_ids": bad}
             )
         assert err.value.body["param"] == "allowed_token_ids" and needle in str(err.value.body)
+
+
+def test_allowed_tokens_min_tokens_holds_back_are_a_400_streaming_too(server: Server) -> None:
+    eos = tiny_tokenizer().stop_token_ids[0]
+    body = {"allowed_token_ids": [eos], "min_tokens": 1}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            client(server).completions.create(
+                model="tiny", prompt=[5, 6], max_tokens=3, stream=stream, extra_body=body
+            )
+        assert err.value.body["param"] == "allowed_token_ids"
+        assert "min_tokens=1 holds back" in err.value.body["message"]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_echo_keeps_the_prompt_text_when_truncation_cuts_nothing(server: Server) -> None:
+    greedy = {"model": "tiny", "max_tokens": 1, "temperature": 0.0}
+    out = client(server).completions.create(
+        prompt="hello there", echo=True, extra_body={"truncate_prompt_tokens": 200}, **greedy
+    )
+    assert out.choices[0].text.startswith("hello there")

@@ -84,3 +84,26 @@ def test_unset_sampling_fields_come_from_the_generation_config(tmp_path) -> None
                 assert chat.usage.completion_tokens == 4
         finally:
             stop_server(server)
+
+
+def test_max_new_tokens_only_lowers_a_completions_default_of_16(tmp_path) -> None:
+    """vLLM: a completion's max_tokens defaults to 16, which the generation config's
+    max_new_tokens can lower but not raise; a chat's defaults to it (within the room)."""
+    from medha_runtime.model.tiny import save_tiny
+
+    model = save_tiny(tmp_path / "tiny")
+    (model / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": 40}), encoding="utf-8"
+    )
+    server = start_server(model=str(model))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+        extra = {"ignore_eos": True}
+        done = client.completions.create(model=str(model), prompt=[5, 6, 7], extra_body=extra)
+        assert done.usage.completion_tokens == 16
+        chat = client.chat.completions.create(
+            model=str(model), messages=[{"role": "user", "content": "hi"}], extra_body=extra
+        )
+        assert chat.usage.completion_tokens == 40
+    finally:
+        stop_server(server)

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from medha_runtime.sampling_params import SamplingParams, truncate_prompt
+from medha_runtime.sampling_params import SamplingParams, check_allowed_tokens, truncate_prompt
 from medha_runtime.server import formatting as fmt
 from medha_runtime.server.admission import AdmissionGate
 from medha_runtime.server.client import EngineClient
@@ -207,9 +207,11 @@ class Frontend:
 
     def truncated(self, body: Any, ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (-1: as many as the context
-        holds with one token to generate); all of it when unset."""
+        and the KV memory take with one token to generate); all of it when unset."""
+        ready = self.client.ready
+        admit = ready.info.max_prompt_tokens if ready is not None and ready.info else None
         try:
-            return truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len)
+            return truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len, admit)
         except ValueError as exc:
             raise APIError(str(exc), 400, "truncate_prompt_tokens") from None
 
@@ -281,7 +283,7 @@ class Frontend:
     ) -> SamplingParams:
         d = self.sampling_defaults
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=(
                     d.get("temperature", 1.0) if body.temperature is None else body.temperature
                 ),
@@ -308,6 +310,9 @@ class Frontend:
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
             )
+            tok = self.tokenizer
+            check_allowed_tokens(params, tok.tokenizer.stop_token_ids if tok is not None else ())
+            return params
         except ValueError as exc:
             message = str(exc)  # it starts with the field's name ("min_tokens=20 must ...")
             raise APIError(message, 400, re.split(r"\W", message, maxsplit=1)[0]) from None
@@ -526,13 +531,14 @@ class Frontend:
         self.check_alive()
         self.check_fields(body, chat=False)
         prompts = await off_loop(text_chars(body.prompt), self.completion_prompts, body)
-        if body.truncate_prompt_tokens is not None:
-            prompts = [Prompt(None, self.truncated(body, p.ids)) for p in prompts]
+        if body.truncate_prompt_tokens is not None:  # a prompt cut short loses its text
+            cut = [(p, self.truncated(body, p.ids)) for p in prompts]
+            prompts = [p if len(ids) == len(p.ids) else Prompt(None, ids) for p, ids in cut]
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
         self.check_vocab(body, prompts)
-        if body.max_tokens is None:  # OpenAI's 16, or the model's generation config's
-            max_tokens = int(self.sampling_defaults.get("max_tokens", 16))
+        if body.max_tokens is None:  # OpenAI's 16, lowered by the generation config's (vLLM)
+            max_tokens = min(16, int(self.sampling_defaults.get("max_tokens", 16)))
         else:
             max_tokens = body.max_tokens
         want = [body.prompt_logprobs]
