@@ -390,18 +390,25 @@ def test_dist_timeout_help_says_what_it_bounds() -> None:
     assert "start-up itself" in action.help and "up to 600 s" in action.help
 
 
-def test_a_node_whose_driver_never_starts_says_so(capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_node_whose_driver_never_starts_says_so() -> None:
     """Node 1 alone: after the start bound its rank says it could not reach the driver,
-    not that "the driver or a peer rank is gone" (it never came)."""
-    from medha_runtime.dist_config import DistConfig
-    from medha_runtime.dist_worker import run_node
-
+    not that "the driver or a peer rank is gone" (it never came). Run in a fresh process:
+    the rank is a forkserver child, and a forkserver another test started writes to that
+    test's stderr."""
     port = free_port()
-    config = DistConfig(world_size=2, master_port=port, start_timeout_s=2.0)
+    code = (
+        "import sys\n"
+        "from medha_runtime.dist_config import DistConfig\n"
+        "from medha_runtime.dist_worker import run_node\n"
+        "if __name__ == '__main__':\n"
+        f"    config = DistConfig(world_size=2, master_port={port}, start_timeout_s=2.0)\n"
+        "    sys.exit(run_node(config, node_rank=1, ranks_per_node=1))\n"
+    )
     start = time.monotonic()
-    assert run_node(config, node_rank=1, ranks_per_node=1) == 1
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
     assert time.monotonic() - start < 60
-    err = capfd.readouterr().err
+    err = proc.stderr
     assert f"rank 1: cannot reach the driver at 127.0.0.1:{port} within 2 s" in err, err
     assert "is node 0 started" in err, err
 
