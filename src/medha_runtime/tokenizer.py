@@ -73,7 +73,9 @@ def read_chat_template(spec: str | os.PathLike[str]) -> str:
         raise ChatTemplateError(
             f"chat_template must be a Jinja file's path or Jinja text, got {spec!r}"
         )
+    where = ""
     if os.path.isfile(spec):
+        where = f"{spec}: "
         try:
             source = Path(spec).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
@@ -86,7 +88,10 @@ def read_chat_template(spec: str | os.PathLike[str]) -> str:
         raise ChatTemplateError(
             f"chat template {spec!r}: no such file, and not Jinja text (no '{{{{' or '{{%')"
         )
-    _compile(source)
+    try:
+        _compile(source)
+    except ChatTemplateError as exc:
+        raise ChatTemplateError(f"{where}{exc}") from None  # which file, where one
     return source
 
 

@@ -52,6 +52,7 @@ def test_a_chat_template_that_does_not_compile_is_one_line(tmp_path) -> None:
     assert "Traceback" not in proc.stderr + proc.stdout
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("medha-runtime serve: error:") and "does not compile" in last
+    assert f"{path}: chat template does not compile" in last
 
 
 def test_unset_sampling_fields_come_from_the_generation_config(tmp_path) -> None:
