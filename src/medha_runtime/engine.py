@@ -431,24 +431,10 @@ class LLMEngine:
             self.max_model_len,
             self.scheduler.max_admit_tokens,
         )
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
-            )
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(
-                f"logit_bias: token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
-            )
+        self._check_vocab("", ids)
+        self._check_vocab("logit_bias: ", [t for t, _ in params.logit_bias])
+        self._check_vocab("allowed_token_ids: ", params.allowed_token_ids or ())
         check_allowed_tokens(params, self.eos_token_ids)
-        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
-        if bad:
-            raise ValueError(
-                f"allowed_token_ids: token id {bad[0]} is outside the model's vocabulary "
-                f"(0..{vocab - 1})"
-            )
         n, limit = len(ids), self.max_model_len
         if n >= limit:
             raise ValueError(
@@ -493,6 +479,16 @@ class LLMEngine:
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         return rid
+
+    def _check_vocab(self, where: str, ids: Sequence[int]) -> None:
+        """A ValueError naming the first of ``ids`` outside the vocabulary (``where``
+        prefixes the message: the field, or nothing for the prompt)."""
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"{where}token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request; returns its final output (``finish_reason="abort"``), or None

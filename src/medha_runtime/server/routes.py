@@ -102,6 +102,12 @@ class Frontend:
         return ready.info.vocab_size if ready is not None and ready.info is not None else None
 
     @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt the engine's KV memory admits (None: not known yet)."""
+        ready = self.client.ready
+        return ready.info.max_prompt_tokens if ready is not None and ready.info else None
+
+    @property
     def sampling_defaults(self) -> dict[str, float]:
         """The model's defaults for the sampling fields a request leaves unset."""
         ready = self.client.ready
@@ -208,10 +214,9 @@ class Frontend:
     def truncated(self, body: Any, ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (-1: as many as the context
         and the KV memory take with one token to generate); all of it when unset."""
-        ready = self.client.ready
-        admit = ready.info.max_prompt_tokens if ready is not None and ready.info else None
+        keep, admit = body.truncate_prompt_tokens, self.max_prompt_tokens
         try:
-            return truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len, admit)
+            return truncate_prompt(ids, keep, self.max_model_len, admit)
         except ValueError as exc:
             raise APIError(str(exc), 400, "truncate_prompt_tokens") from None
 
@@ -224,8 +229,7 @@ class Frontend:
                 400,
                 "input_tokens",
             )
-        ready = self.client.ready
-        admit = ready.info.max_prompt_tokens if ready is not None and ready.info else None
+        admit = self.max_prompt_tokens
         if admit is not None and n > admit:
             # refused here, not by the engine, so a stream gets a 400 too (not a 200 and
             # an error event)
