@@ -319,11 +319,12 @@ def test_non_streaming_disconnect_frees_kv_and_counts_an_abort(server: Server) -
 
     One request of 250 tokens runs in ~0.22 s on tiny, less than the engine's 0.25 s
     heartbeat, so it could finish before the test sees it in the engine (CI met that
-    once). ``n=32`` samples of 253 tokens need 8,096 KV tokens, four times the 2,048-token
-    pool: they run in at least four rounds, and the socket closes in the first.
+    once). ``n=128`` samples of 253 tokens need 32,384 KV tokens, 16 times the 2,048-token
+    pool: they run in at least 16 rounds, and the socket closes in the first (with
+    ``n=32``, four rounds, a loaded CI machine once closed it after the last: 32 lengths).
     """
     before = finished(server)
-    sock = _orphan(int(server.url.rsplit(":", 1)[1]), stream=False, max_tokens=250, n=32)
+    sock = _orphan(int(server.url.rsplit(":", 1)[1]), stream=False, max_tokens=250, n=128)
     try:
         _wait_in_engine(server, 1, at_least=True)
     finally:
@@ -332,7 +333,7 @@ def test_non_streaming_disconnect_frees_kv_and_counts_an_abort(server: Server) -
     while True:
         now = finished(server)
         ended = now["abort"] + now["length"] - before["abort"] - before["length"]
-        if ended == 32 and now["kv"] == 0.0:
+        if ended == 128 and now["kv"] == 0.0:
             break
         assert time.monotonic() - left < 10.0, f"not ended 10 s after the disconnect: {now}"
         time.sleep(0.02)
