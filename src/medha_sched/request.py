@@ -60,6 +60,9 @@ class Request:
             logprobs, opts out; its KV is still offered to the cache).
         num_cached_tokens: prompt tokens found in the prefix cache at the
             latest admission; the prefill starts after them.
+        cache_salt: a non-empty string mixed into the first block's hash
+            (vLLM's field): the request shares cached blocks only with
+            requests of the same salt; ``None`` shares with unsalted ones.
     """
 
     request_id: str
@@ -86,6 +89,7 @@ class Request:
     prefix_tokens: int = 0
     prefix_caching: bool = True
     num_cached_tokens: int = 0
+    cache_salt: str | None = None
     # Content hashes of the request's full blocks known so far (prefix caching).
     block_hashes: list = field(default_factory=list, init=False, repr=False)
     # Cursor bases (see the properties below) and the decode lane that moves
@@ -136,6 +140,11 @@ class Request:
         if self.prefix_id is not None and not isinstance(self.prefix_id, str):
             raise ValueError(
                 f"request {self.request_id!r}: prefix_id must be a string, got {self.prefix_id!r}"
+            )
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(
+                f"request {self.request_id!r}: cache_salt must be a non-empty string, got {salt!r}"
             )
         pt = self.prefix_tokens
         if not isinstance(pt, int) or isinstance(pt, bool) or not 0 <= pt <= self.num_prompt_tokens:

@@ -2439,9 +2439,11 @@ class Scheduler:
         if len(hashes) >= want:
             return hashes
         if request.prompt_token_ids is not None:
-            extend_token_hashes(hashes, request.token_ids(len(hashes) * bs, want * bs), bs)
+            tokens = request.token_ids(len(hashes) * bs, want * bs)
+            extend_token_hashes(hashes, tokens, bs, salt=request.cache_salt)
         elif request.prefix_id is not None:
-            extend_stream_hashes(hashes, request.prefix_id, min(want, request.prefix_tokens // bs))
+            num = min(want, request.prefix_tokens // bs)
+            extend_stream_hashes(hashes, request.prefix_id, num, salt=request.cache_salt)
         return hashes
 
     def _lookup_hashes(self, request: Request) -> list:
