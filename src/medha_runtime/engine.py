@@ -411,13 +411,15 @@ class LLMEngine:
         ttft_slo: float | None = None,
         tpot_slo: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for a bad prompt or params.
 
         ``ttft_slo`` and ``tpot_slo`` (seconds) and ``priority`` (lower runs
         first) go to the scheduler: the TTFT deadline orders prefills under
         deadline-aware policies, and a TPOT target lowers the batch budget
-        while the request decodes.
+        while the request decodes. ``cache_salt`` (a non-empty string, vLLM's)
+        lets the prompt hit only prefix-cache blocks of prompts with the same salt.
         """
         self._check_alive()
         if not isinstance(params, SamplingParams):
@@ -456,6 +458,7 @@ class LLMEngine:
             ttft_slo=ttft_slo,
             tpot_slo=tpot_slo,
             priority=priority,
+            cache_salt=cache_salt,
             # prompt logprobs need every prompt position run: no cache lookup
             prefix_caching=params.prompt_logprobs is None,
         )

@@ -112,7 +112,10 @@ class LLM:
 
         Args:
             prompts: a string, a list of token ids, a list of either, or
-                ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts.
+                ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts; a
+                dict's ``"cache_salt"`` (a non-empty string, vLLM's key) lets
+                the prompt hit only prefix-cache blocks of prompts with the
+                same salt.
             sampling_params: one for all prompts, one per prompt, or None
                 (:meth:`get_default_sampling_params`: ``SamplingParams()``,
                 temperature 1 and 16 tokens, with the model's generation
@@ -140,12 +143,12 @@ class LLM:
                     raise ValueError(f"sampling params must be SamplingParams, got {p!r}")
         engine = self.engine
         encoded = []
-        for text, ids in items:
-            encoded.append((text, engine.encode(text) if ids is None else ids))
+        for text, ids, salt in items:
+            encoded.append((text, engine.encode(text) if ids is None else ids, salt))
         rids = []
         try:
-            for (text, ids), p in zip(encoded, params, strict=True):
-                rids.append(engine.add_request(ids, p, prompt=text))
+            for (text, ids, salt), p in zip(encoded, params, strict=True):
+                rids.append(engine.add_request(ids, p, prompt=text, cache_salt=salt))
             done: dict[str, RequestOutput] = {}
             with _Progress(use_tqdm, len(rids)) as progress:
                 while len(done) < len(rids):
@@ -242,8 +245,11 @@ def _conversation(conv: object, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
-    """``[(text or None, ids or None)]`` with exactly one of the two set."""
+_Item = tuple[str | None, list[int] | None, str | None]
+
+
+def _normalize_prompts(prompts: Any) -> list[_Item]:
+    """``[(text or None, ids or None, cache_salt or None)]`` with text or ids set."""
     single_ids = isinstance(prompts, Sequence) and bool(prompts) and _is_token(prompts[0])
     if isinstance(prompts, (str, Mapping)) or single_ids:
         prompts = [prompts]
@@ -251,26 +257,35 @@ def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]
         raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")
     if not prompts:
         raise ValueError("no prompts given")
-    out: list[tuple[str | None, list[int] | None]] = []
+    out: list[_Item] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
-            out.append((p, None))
+            out.append((p, None, None))
         elif isinstance(p, Mapping):
-            unknown = sorted(str(k) for k in p if k not in ("prompt", "prompt_token_ids"))
-            if unknown:  # multi_modal_data, a misspelt key...: refused, not ignored
-                raise ValueError(
-                    f"prompt {i}: unsupported key(s) {', '.join(unknown)}; a dict takes "
-                    "'prompt' and/or 'prompt_token_ids'"
-                )
-            if "prompt_token_ids" in p:
-                out.append((p.get("prompt"), _token_list(p["prompt_token_ids"], i)))
-            elif "prompt" in p and isinstance(p["prompt"], str):
-                out.append((p["prompt"], None))
-            else:
-                raise ValueError(f"prompt {i}: a dict needs 'prompt' or 'prompt_token_ids'")
+            out.append(_dict_prompt(p, i))
         else:
-            out.append((None, _token_list(p, i)))
+            out.append((None, _token_list(p, i), None))
     return out
+
+
+_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def _dict_prompt(p: Mapping[str, Any], i: int) -> _Item:
+    unknown = sorted(str(k) for k in p if k not in _DICT_KEYS)
+    if unknown:  # multi_modal_data, a misspelt key...: refused, not ignored
+        raise ValueError(
+            f"prompt {i}: unsupported key(s) {', '.join(unknown)}; a dict takes "
+            "'prompt' and/or 'prompt_token_ids', and 'cache_salt'"
+        )
+    salt = p.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"prompt {i}: cache_salt must be a non-empty string, got {salt!r}")
+    if "prompt_token_ids" in p:
+        return p.get("prompt"), _token_list(p["prompt_token_ids"], i), salt
+    if "prompt" in p and isinstance(p["prompt"], str):
+        return p["prompt"], None, salt
+    raise ValueError(f"prompt {i}: a dict needs 'prompt' or 'prompt_token_ids'")
 
 
 def _is_token(x: object) -> bool:

@@ -32,15 +32,18 @@ def test_off_values_pass_and_others_are_refused() -> None:
     assert err.value.param == "messages[0].content[0].type"
 
 
-def test_cache_salt_is_refused_not_ignored() -> None:
+def test_cache_salt_is_a_field_and_an_empty_one_is_refused() -> None:
     # vLLM's cache_salt keeps a tenant's prompts out of other tenants' prefix-cache
-    # hits; passing it with a warning would share them while the client thinks not
+    # hits: it is a declared field (carried to the engine), not an unknown one
     for body in (
         CompletionRequest(prompt="x", cache_salt="tenant-a"),
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], cache_salt="t"),
     ):
-        with pytest.raises(RefusedField, match="cache_salt") as err:
-            check_request(body, chat=isinstance(body, ChatCompletionRequest))
+        chat = isinstance(body, ChatCompletionRequest)
+        check_request(body, chat=chat)
+        assert body.cache_salt and unknown_fields(body) == []
+        with pytest.raises(RefusedField, match="cache_salt: must be a non-empty") as err:
+            check_request(body.model_copy(update={"cache_salt": ""}), chat=chat)
         assert err.value.param == "cache_salt"
     check_request(CompletionRequest(prompt="x", cache_salt=None), chat=False)
 

@@ -271,6 +271,7 @@ def _add(engine: Any, msg: AddRequest, tracks: dict[str, _Track], send: Any) -> 
         "ttft_slo": msg.ttft_slo_s,
         "tpot_slo": msg.tpot_slo_s,
         "priority": msg.priority,
+        "cache_salt": msg.cache_salt,
     }
     try:
         engine.add_request(msg.prompt_token_ids, msg.params, **kw)

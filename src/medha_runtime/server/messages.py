@@ -32,6 +32,7 @@ class AddRequest:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass

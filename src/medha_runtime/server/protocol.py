@@ -80,6 +80,8 @@ class _Common(BaseModel):
     ttft_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     tpot_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     priority: int = 0
+    # vLLM: prefix-cache hits only on blocks of requests with the same salt
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -169,11 +171,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (_is(False), "stored completions are not supported"),
     "logprobs_processors": (_absent, "logprobs_processors is not supported"),
     "kv_transfer_params": (_absent, "KV transfer is not supported"),
-    "cache_salt": (
-        _is(None),
-        "isolating a request's prefix-cache hits is not supported (every request may "
-        "share cached prefixes; serve with --no-enable-prefix-caching to share none)",
-    ),
 }
 
 
@@ -196,6 +193,8 @@ def check_request(body: _Common, *, chat: bool) -> None:
         raise RefusedField(
             "best_of", f"best_of: only best_of equal to n ({body.n}) is supported, got {best_of!r}"
         )
+    if body.cache_salt == "":
+        raise RefusedField("cache_salt", "cache_salt: must be a non-empty string if provided")
     if body.stream_options is not None and not body.stream:
         raise RefusedField("stream_options", "stream_options: only allowed when stream is true")
     for key, value in (body.logit_bias or {}).items():

@@ -369,6 +369,7 @@ class Frontend:
                 "ttft_slo_s": None if body.ttft_slo_ms is None else body.ttft_slo_ms / 1e3,
                 "tpot_slo_s": None if body.tpot_slo_ms is None else body.tpot_slo_ms / 1e3,
                 "priority": body.priority,
+                "cache_salt": body.cache_salt,
             }
 
         await run.submit(prompts, body.n, make)
