@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from medha_sched import AffineCostModel, BatchResult, Request, Scheduler
+from medha_sched import AffineCostModel, BatchResult, ParallelDegrees, Request, Scheduler
 from medha_sched.config import CacheConfig, SchedulerConfig
 from medha_sched.prefix_hash import extend_stream_hashes, extend_token_hashes
 
@@ -16,8 +16,9 @@ def hashes(tokens, salt=None, bs=4) -> list:
     return out
 
 
-def _sched(*, caching: bool = True) -> Scheduler:
-    model = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-8)
+def _sched(*, caching: bool = True, kvp: int = 1) -> Scheduler:
+    layout = ParallelDegrees(kvp=kvp)
+    model = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-8, layout=layout)
     cache = CacheConfig(
         block_size=4,
         num_blocks_per_group=400,
@@ -87,3 +88,12 @@ def test_without_prefix_caching_a_salt_is_accepted_and_changes_nothing():
     assert _cached_after(sched, "a1", "a", 0.0, doc) == 0
     assert _cached_after(sched, "a2", "a", 1.0, doc) == 0
     assert sched.memory.usage() == 0.0
+
+
+def test_a_salted_prefix_across_kvp_shards_is_shared_only_with_its_salt():
+    sched = _sched(kvp=2)  # shards of 256 tokens: the document spans two
+    doc = list(range(1, 301))
+    assert _cached_after(sched, "a1", "a", 0.0, doc) == 0
+    assert _cached_after(sched, "b1", "b", 1.0, doc) == 0
+    assert _cached_after(sched, "a2", "a", 2.0, doc) == 300  # both shards hit
+    assert _cached_after(sched, "n1", None, 3.0, doc) == 0
