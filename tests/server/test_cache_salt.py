@@ -50,3 +50,19 @@ def test_an_empty_or_non_string_salt_is_a_400_naming_it(server: Server, path, sa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "cache_salt" and "cache_salt" in err["message"]
+
+
+def test_a_streamed_request_takes_its_salt(server: Server) -> None:
+    def streamed(salt: str, tail: str) -> int:
+        stream = client(server).completions.create(
+            prompt=f"{DOC} stream {tail}",
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"cache_salt": salt},
+            **KW,
+        )
+        return list(stream)[-1].usage.prompt_tokens_details.cached_tokens
+
+    assert streamed("stream-a", "x") == 0
+    assert streamed("stream-b", "y") == 0
+    assert streamed("stream-a", "z") > 0
