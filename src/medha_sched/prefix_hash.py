@@ -10,6 +10,7 @@ block before it. A cryptographic digest, not Python's 64-bit ``hash``: a hit
 hands one request another's KV, so a collision must be out of reach, also
 for prompts crafted to collide (vLLM moved to SHA-256 for the same reason,
 CVE-2025-25183). It costs about 0.2 µs per token here, once per request.
+
 A request's ``cache_salt`` (vLLM's field) seeds the chain: with a salt, block
 0's parent is the salt's own 128-bit digest (BLAKE2b personalised as a salt,
 so no salt can pose as a token block's digest) instead of empty, so every
