@@ -163,7 +163,8 @@ class Sampler:
         """Step 1 of the module docstring on fp32 ``[S, V]`` logits.
 
         Returns a new fp32 ``[S, V]`` tensor when a row has a bias, a suppressed
-        token or penalties; otherwise ``logits`` itself (nothing to change).
+        token, allowed tokens, bad words or penalties; otherwise ``logits`` itself
+        (nothing to change).
         """
         if not any(
             s.logit_bias or s.suppress or s.allowed or s.bad_words or s.penalties is not None
