@@ -64,7 +64,11 @@ from medha_runtime.sampling import (
     SampleSpec,
     SamplingParams,
 )
-from medha_runtime.sampling_params import check_allowed_tokens, truncate_prompt
+from medha_runtime.sampling_params import (
+    check_allowed_tokens,
+    resolve_bad_words,
+    truncate_prompt,
+)
 from medha_runtime.step_log import StepLog, initial_model_path
 from medha_runtime.tokenizer import DetokenizeState, Tokenizer
 from medha_sched import (
@@ -183,8 +187,11 @@ class _RequestState:
     #: in flight: with async scheduling or SPP the next chunk is planned
     #: before the previous chunk's logprobs are back)
     prompt_logprobs_asked: int = 0
-    #: whether the sampler got the token history (penalties)
+    #: whether the sampler got the token history (penalties, bad words of more
+    #: than one token)
     history_sent: bool = False
+    #: ``params.bad_words`` as token sequences (resolved once, in add_request)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     #: prompt tokens the first admission found in the prefix cache (None until
     #: admitted): a recompute after preemption may hit the request's own KV,
     #: which was computed for it, so later admissions do not change it
@@ -445,6 +452,7 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"model {self.model!r} has no tokenizer.json: stop strings need one")
+        bad_words = self._bad_words(params)
         serial = next(self._serial)
         rid = str(serial) if request_id is None else request_id
         if rid in self._requests:
@@ -480,8 +488,23 @@ class LLMEngine:
             detok,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            bad_words=bad_words,
         )
         return rid
+
+    def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """``params.bad_words`` as checked token sequences (see ``resolve_bad_words``)."""
+        if not params.bad_words:
+            return ()
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError(f"bad_words: model {self.model!r} has no tokenizer.json to read them")
+        return resolve_bad_words(
+            params,
+            lambda word: tok.encode(word, add_special_tokens=False),
+            self.eos_token_ids,
+            self.config.vocab_size,
+        )
 
     def _check_vocab(self, where: str, ids: Sequence[int]) -> None:
         """A ValueError naming the first of ``ids`` outside the vocabulary (``where``
@@ -831,9 +854,10 @@ class LLMEngine:
         penalties = history = None
         if p.penalized:
             penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-            if not st.history_sent:
-                history = (tuple(st.prompt_token_ids), tuple(st.output_ids))
-                st.history_sent = True
+        needs_history = p.penalized or any(len(w) > 1 for w in st.bad_words)
+        if needs_history and not st.history_sent:
+            history = (tuple(st.prompt_token_ids), tuple(st.output_ids))
+            st.history_sent = True
         spec = SampleSpec(
             st.request_id,
             p.temperature,
@@ -847,6 +871,7 @@ class LLMEngine:
             penalties=penalties,
             history=history,
             allowed=p.allowed_token_ids or (),
+            bad_words=st.bad_words,
         )
         if not suppress and history is None:
             self._specs[st.request_id] = spec

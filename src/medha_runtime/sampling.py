@@ -6,11 +6,15 @@ re-exported here. The engine turns a request's params into a
 :class:`SampleSpec` for every row it samples, and :class:`Sampler` (on the
 sampling rank: the last stage's first rank) draws:
 
-1. ``logit_bias`` is added and ``suppress`` ed tokens (stop tokens before
-   ``min_tokens``) get -inf; then the penalties, over the token counts the
-   sampler keeps per request (prompt and output for ``repetition_penalty``,
-   output for ``presence_penalty`` and ``frequency_penalty``). All of it is
-   batched over the rows as ``[S, V]`` tensors;
+1. tokens outside ``allowed_token_ids`` and one-token ``bad_words`` get -inf
+   (a mask built once per request); ``logit_bias`` is added and ``suppress``
+   ed tokens (stop tokens before ``min_tokens``) get -inf; a longer bad
+   word's last token gets -inf where the output ends with the rest of it
+   (unless it is the only token left to draw); then the penalties, over the
+   token counts the sampler keeps per request (prompt and output for
+   ``repetition_penalty``, output for ``presence_penalty`` and
+   ``frequency_penalty``). The bias and penalties are batched over the rows
+   as ``[S, V]`` tensors;
 2. a temperature below ``1e-5`` (0 included) is greedy: the arg-max token;
 3. otherwise the logits are divided by the temperature, tokens below
    ``min_p`` times the most likely one's probability are dropped, then
@@ -73,6 +77,37 @@ class _History:
     seen: torch.Tensor
 
 
+@dataclass
+class _Bans:
+    """A request's banned tokens on the sampling rank (built from its first row).
+
+    ``mask``: bool ``[V]``, True for a token never drawn (outside
+    ``allowed`` or a one-token bad word; None: no such token); ``words``: the
+    bad words of more than one token; ``tail``: the output's last tokens
+    (``keep``: the longest word's length less one). ``allowed`` and
+    ``bad_words`` are the spec's, to notice a request id used anew.
+    """
+
+    allowed: tuple[int, ...]
+    bad_words: tuple[tuple[int, ...], ...]
+    mask: torch.Tensor | None
+    words: tuple[tuple[int, ...], ...]
+    tail: list[int]
+    keep: int
+
+    def matches(self, spec: SampleSpec) -> bool:
+        return (self.allowed is spec.allowed or self.allowed == spec.allowed) and (
+            self.bad_words is spec.bad_words or self.bad_words == spec.bad_words
+        )
+
+    def word_ends(self) -> list[int]:
+        """Last tokens of the words whose rest the output ends with."""
+        tail, n = self.tail, len(self.tail)
+        return [
+            w[-1] for w in self.words if len(w) - 1 <= n and tuple(tail[n - len(w) + 1 :]) == w[:-1]
+        ]
+
+
 class Sampler:
     """Draws tokens from logits; keeps one generator per request and the token
     counts of penalized requests.
@@ -83,6 +118,7 @@ class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._histories: dict[str, _History] = {}
+        self._bans: dict[str, _Bans] = {}
 
     @property
     def num_generators(self) -> int:
@@ -92,6 +128,7 @@ class Sampler:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self._histories.pop(rid, None)
+            self._bans.pop(rid, None)
 
     def _generator(self, spec: SampleSpec, device: torch.device) -> torch.Generator:
         g = self._generators.get(spec.request_id)
@@ -126,20 +163,24 @@ class Sampler:
         """Step 1 of the module docstring on fp32 ``[S, V]`` logits.
 
         Returns a new fp32 ``[S, V]`` tensor when a row has a bias, a suppressed
-        token or penalties; otherwise ``logits`` itself (nothing to change).
+        token, allowed tokens, bad words or penalties; otherwise ``logits`` itself
+        (nothing to change).
         """
         if not any(
-            s.logit_bias or s.suppress or s.allowed or s.penalties is not None for s in specs
+            s.logit_bias or s.suppress or s.allowed or s.bad_words or s.penalties is not None
+            for s in specs
         ):
             return logits.float()
         logits = logits.float().clone()
         vocab, device = logits.shape[1], logits.device
-        for i, s in enumerate(specs):
-            if s.allowed:  # every other token out, before the bias and penalties
-                keep = torch.tensor(s.allowed, dtype=torch.int64, device=device)
-                row = torch.full_like(logits[i], float("-inf"))
-                row[keep] = logits[i, keep]
-                logits[i] = row
+        bans = {
+            i: self._request_bans(s, vocab, device)
+            for i, s in enumerate(specs)
+            if s.allowed or s.bad_words
+        }
+        for i, b in bans.items():  # before the bias and penalties, which keep -inf
+            if b.mask is not None:
+                logits[i].masked_fill_(b.mask, float("-inf"))
         bias_r: list[int] = []
         bias_t: list[int] = []
         bias_v: list[float] = []
@@ -158,6 +199,10 @@ class Sampler:
                 torch.tensor(bias_t, dtype=torch.int64, device=device),
             )
             logits.index_put_(index, torch.tensor(bias_v, device=device), accumulate=True)
+        for i, b in bans.items():
+            ends = b.word_ends() if b.words else None
+            if ends:
+                _ban_unless_last(logits[i], ends)
         pen = [i for i, s in enumerate(specs) if s.penalties is not None]
         if pen:
             hist = [self._history(specs[i], vocab, device) for i in pen]
@@ -174,13 +219,34 @@ class Sampler:
             logits[pen] = sub
         return logits
 
+    def _request_bans(self, spec: SampleSpec, vocab: int, device: torch.device) -> _Bans:
+        """The request's :class:`_Bans`, built on its first row (and anew for a request
+        id used again); a row with ``history`` restarts the output's tail from it."""
+        b = self._bans.get(spec.request_id)
+        if b is None or not b.matches(spec):
+            words = tuple(w for w in spec.bad_words if len(w) > 1)
+            keep = max((len(w) - 1 for w in words), default=0)
+            mask = _token_mask(spec, vocab, device)
+            b = self._bans[spec.request_id] = _Bans(
+                spec.allowed, spec.bad_words, mask, words, [], keep
+            )
+        if spec.history is not None and b.words:
+            b.tail[:] = spec.history[1][-b.keep :]
+        return b
+
     def _count(self, specs: Sequence[SampleSpec], tokens: Sequence[int]) -> None:
-        """Add each penalized row's new token to its request's counts."""
+        """Add each penalized row's new token to its request's counts, and each row
+        with longer bad words' token to its request's tail."""
         for s, tok in zip(specs, tokens, strict=True):
             if s.penalties is not None:
                 h = self._histories[s.request_id]
                 h.output[tok] += 1
                 h.seen[tok] = True
+            if s.bad_words:
+                b = self._bans[s.request_id]
+                if b.words:
+                    b.tail.append(tok)
+                    del b.tail[: -b.keep]
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[Sampled]:
@@ -265,7 +331,32 @@ def _plain_greedy(spec: SampleSpec) -> bool:
         and not spec.logit_bias
         and not spec.suppress
         and not spec.allowed
+        and not spec.bad_words
     )
+
+
+def _token_mask(spec: SampleSpec, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """bool ``[V]``: True for the tokens a request never draws (outside ``spec.allowed``,
+    or a one-token bad word); None when there is none."""
+    single = [w[0] for w in spec.bad_words if len(w) == 1]
+    if not spec.allowed and not single:
+        return None
+    mask = torch.full((vocab,), bool(spec.allowed), dtype=torch.bool, device=device)
+    if spec.allowed:
+        mask[torch.tensor(spec.allowed, dtype=torch.int64, device=device)] = False
+    if single:
+        mask[torch.tensor(single, dtype=torch.int64, device=device)] = True
+    return mask
+
+
+def _ban_unless_last(row: torch.Tensor, tokens: list[int]) -> None:
+    """Set ``tokens`` of fp32 ``[V]`` logits to -inf, unless that leaves none finite
+    (a longer bad word's last token that is the only one left is still drawn)."""
+    index = torch.tensor(tokens, dtype=torch.int64, device=row.device)
+    left = row > float("-inf")
+    left[index] = False
+    if bool(left.any()):
+        row[index] = float("-inf")
 
 
 def _min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:

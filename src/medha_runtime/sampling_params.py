@@ -11,7 +11,7 @@ must stay free of torch; the sampler itself is :mod:`medha_runtime.sampling`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -90,6 +90,12 @@ class SamplingParams:
         allowed_token_ids: the only tokens that may be drawn (every other one's
             logit is set to -inf before sampling); None allows all. Logprobs stay
             the model's own.
+        bad_words: words never generated (vLLM's): each is tokenized as is and,
+            where that gives as many tokens but another first one, after a space
+            (:func:`bad_words_token_ids`). A one-token word's token is never drawn;
+            a longer word's last token is not drawn right after the rest of it
+            has been generated (unless it is the only token left to draw).
+            Logprobs stay the model's own.
         truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (-1: as
             many as the context holds with one token to generate); None keeps
             all of it (:func:`truncate_prompt`).
@@ -119,6 +125,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -174,6 +181,14 @@ class SamplingParams:
                     f"integers, got {allowed!r}"
                 )
             put(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        words = () if self.bad_words is None else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(
+            isinstance(w, str) and w.strip() for w in words
+        ):
+            raise ValueError(
+                f"bad_words must be a list of strings with a non-space character, got {words!r}"
+            )
+        put(self, "bad_words", tuple(words))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -232,6 +247,9 @@ class SampleSpec(NamedTuple):
     history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     #: the only tokens that may be drawn (empty: all)
     allowed: tuple[int, ...] = ()
+    #: token sequences never generated: one token is never drawn; a longer
+    #: sequence's last token is not drawn right after the rest of it
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -303,4 +321,86 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: Iterable[int]) -
         raise ValueError(
             f"allowed_token_ids: every allowed token {list(allowed)} is a stop token, which "
             f"min_tokens={params.min_tokens} holds back: no token could be drawn"
+        )
+
+
+def bad_words_token_ids(
+    words: Iterable[str], encode: Callable[[str], Sequence[int]]
+) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of ``bad_words`` (vLLM's reading), duplicates dropped.
+
+    ``encode`` tokenizes a text without special tokens. Each word, its leading
+    spaces stripped, is taken as encoded, and also after one space where that
+    gives as many tokens with another first one (the word inside a sentence).
+    """
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        plain = tuple(encode(word.lstrip()))
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} encodes to no tokens")
+        out.setdefault(plain)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            out.setdefault(spaced)
+    return tuple(out)
+
+
+def resolve_bad_words(
+    params: SamplingParams,
+    encode: Callable[[str], Sequence[int]],
+    eos_token_ids: Iterable[int],
+    vocab_size: int | None,
+) -> tuple[tuple[int, ...], ...]:
+    """``params.bad_words`` as token sequences (:func:`bad_words_token_ids`), checked.
+
+    Raises:
+        ValueError: (starting ``bad_words:``) a token outside the vocabulary, or
+            one-token words that ban every token left to draw (every allowed
+            token or the whole vocabulary, less the stop tokens ``min_tokens``
+            holds back): no token could be drawn.
+    """
+    ids = bad_words_token_ids(params.bad_words, encode)
+    if vocab_size is not None:
+        bad = [t for w in ids for t in w if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"bad_words: token id {bad[0]} is outside the model's vocabulary "
+                f"(0..{vocab_size - 1})"
+            )
+    banned = {w[0] for w in ids if len(w) == 1}
+    if banned:
+        _check_drawable(params, banned, eos_token_ids, vocab_size)
+    return ids
+
+
+def _check_drawable(
+    params: SamplingParams, banned: set[int], eos_token_ids: Iterable[int], vocab: int | None
+) -> None:
+    """A ValueError where ``banned`` leaves no token to draw (see :func:`resolve_bad_words`)."""
+    held: set[int] = set()
+    if params.min_tokens:
+        held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    allowed = params.allowed_token_ids
+    if allowed:
+        if set(allowed) <= banned:
+            raise ValueError(
+                f"bad_words: they ban every one of allowed_token_ids {list(allowed)}: "
+                "no token could be drawn"
+            )
+        if set(allowed) <= banned | held:
+            raise ValueError(
+                f"bad_words: the allowed tokens they leave are stop tokens, which "
+                f"min_tokens={params.min_tokens} holds back: no token could be drawn"
+            )
+        return
+    if vocab is None:
+        return
+    if len({t for t in banned if t < vocab}) == vocab:
+        raise ValueError(
+            "bad_words: they ban every token of the vocabulary: no token could be drawn"
+        )
+    if len({t for t in banned | held if t < vocab}) == vocab:
+        raise ValueError(
+            f"bad_words: they ban every token but stop tokens, which min_tokens="
+            f"{params.min_tokens} holds back: no token could be drawn"
         )

@@ -127,6 +127,23 @@ def test_sampling_options_give_the_sync_outputs() -> None:
     assert sync["q4"][4] is not None and len(sync["q4"][4]) == 12
 
 
+def test_bad_words_give_the_sync_outputs() -> None:
+    """A longer bad word's ban needs the output's last tokens, one of which may still be
+    in flight when a decode is issued ahead: the sampler keeps them itself."""
+    ids = [ord(c) for c in "The quick brown fox"]
+    ref = greedy_reference(ids, 12)
+    i = next(i for i in range(1, 11) if ref[i] < 128 and ref[i + 1] < 128)
+    word = chr(ref[i]) + chr(ref[i + 1])  # tiny's byte tokens: two tokens
+    banned = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=[word])
+    sampled = banned.replace(temperature=0.9, seed=4, bad_words=[word, chr(ref[0])])
+    sync, async_, _, pending = both([(ids, banned), (ids, sampled)], kv_cache_tokens=4096)
+    assert_same(sync, async_)
+    assert pending > 0
+    got = sync["q0"][0]
+    assert got[: i + 1] == ref[: i + 1] and got[i + 1] != ref[i + 1]
+    assert ref[0] not in sync["q1"][0]
+
+
 def test_prompt_logprobs_of_a_chunked_prompt_match() -> None:
     """With async scheduling a prompt's next chunk is planned before the
     previous chunk's prompt logprobs are back: every position is still asked

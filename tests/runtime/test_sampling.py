@@ -9,7 +9,9 @@ import torch
 
 from medha_runtime import LLM, SamplingParams
 from medha_runtime.model import ForwardBatch, load_model
+from medha_runtime.model.tiny import tiny_tokenizer
 from medha_runtime.sampling import Penalties, Sampler, SampleSpec, greedy_argmax
+from medha_runtime.sampling_params import bad_words_token_ids
 from medha_sched import AffineCostModel
 from tests.numerics import assert_twice_torch
 
@@ -49,6 +51,10 @@ def greedy(**kw) -> SamplingParams:
         ({"logprobs": -2}, "-2"),
         ({"seed": "abc"}, "'abc'"),
         ({"ignore_eos": "yes"}, "'yes'"),
+        ({"bad_words": "word"}, "'word'"),
+        ({"bad_words": ["ok", ""]}, "''"),
+        ({"bad_words": ["  "]}, "'  '"),
+        ({"bad_words": [3]}, "3"),
     ],
 )
 def test_bad_params_name_the_value(kwargs, needle) -> None:
@@ -65,6 +71,8 @@ def test_params_normalize_stop() -> None:
     assert p.replace(max_tokens=3).max_tokens == 3
     with pytest.raises(ValueError, match="max_tokens"):
         p.replace(max_tokens=-1)
+    assert SamplingParams(bad_words=["a", " b"]).bad_words == ("a", " b")
+    assert SamplingParams(bad_words=None).bad_words == SamplingParams().bad_words == ()
 
 
 # ---------------------------------------------------------------- Sampler
@@ -500,3 +508,123 @@ def test_llm_draws_only_allowed_tokens_and_refuses_ids_past_the_vocabulary(llm) 
     assert set(out[0].outputs[0].token_ids) <= set(allowed)
     with pytest.raises(ValueError, match="allowed_token_ids: token id 100000 is outside"):
         llm.generate([[5, 6, 7]], dataclasses.replace(p, allowed_token_ids=[1, 100000]))
+
+
+# ---------------------------------------------------------------- bad_words
+def rising(vocab: int = 20, *top: int) -> torch.Tensor:
+    """fp32 ``[1, vocab]`` logits whose most likely tokens are ``top`` (in that order)."""
+    logits = torch.zeros(1, vocab)
+    for rank, tok in enumerate(top):
+        logits[0, tok] = 10.0 - rank
+    return logits
+
+
+def test_a_single_token_bad_word_is_never_drawn_and_logprobs_stay_raw() -> None:
+    logits = rising(20, 5, 9, 2)
+    s = Sampler()
+    r = s.sample(logits, [spec("g", temperature=0.0, logprobs=1, bad_words=((5,),))])[0]
+    raw = torch.log_softmax(logits[0], -1)
+    assert r.token_id == 9 and r.logprob == pytest.approx(float(raw[9]), abs=1e-6)
+    assert r.top[0][0] == 5  # the model's own most likely token, banned or not
+    drawn = {
+        s.sample(logits, [spec(f"d{i}", seed=i, bad_words=((5,), (9,)))])[0].token_id
+        for i in range(100)
+    }
+    assert drawn and not drawn & {5, 9}
+    # a bias cannot bring a bad word back, and the bias still moves the others
+    biased = spec("b", temperature=0.0, bad_words=((5,),), logit_bias=((5, 100.0), (2, 5.0)))
+    assert s.sample(logits, [biased])[0].token_id == 2
+
+
+def test_a_multi_token_bad_words_last_token_is_banned_only_after_its_prefix() -> None:
+    first, second = rising(20, 3, 9), rising(20, 7, 9)
+    word = ((3, 7),)
+    s = Sampler()
+    # step 1 draws 3 (the prefix); at step 2 the word's last token 7 is banned
+    assert s.sample(first, [spec("w", temperature=0.0, bad_words=word)])[0].token_id == 3
+    assert s.sample(second, [spec("w", temperature=0.0, bad_words=word)])[0].token_id == 9
+    # without the prefix just before, 7 is drawn: first token, or after another token
+    assert s.sample(second, [spec("x", temperature=0.0, bad_words=word)])[0].token_id == 7
+    assert s.sample(second, [spec("x", temperature=0.0, bad_words=word)])[0].token_id == 7
+    # the engine's history (prompt, output) gives the prefix of a request seen anew
+    resumed = spec("y", temperature=0.0, bad_words=((4, 3, 7),), history=((3,), (4, 3)))
+    assert s.sample(second, [resumed])[0].token_id == 9
+    prompt_only = spec("z", temperature=0.0, bad_words=word, history=((3,), ()))
+    assert s.sample(second, [prompt_only])[0].token_id == 7  # the prompt is no prefix
+    s.forget(["w"])
+    assert s.sample(second, [spec("w", temperature=0.0, bad_words=word)])[0].token_id == 7
+
+
+def test_bad_words_compose_with_allowed_tokens_and_min_tokens() -> None:
+    logits = rising(20, 5, 9, 2, 11)
+    s = Sampler()
+    both = spec("a", temperature=0.0, allowed=(5, 9, 11), bad_words=((5,),))
+    assert s.sample(logits, [both])[0].token_id == 9
+    held = spec("m", temperature=0.0, allowed=(5, 9, 11), bad_words=((5,),), suppress=(9,))
+    assert s.sample(logits, [held])[0].token_id == 11
+    # a word's last token that is the only one left to draw is not banned (no empty row)
+    only = spec("o", seed=1, allowed=(7,), bad_words=((3, 7),), history=((), (3,)))
+    assert s.sample(rising(20, 7), [only])[0].token_id == 7
+
+
+def test_the_token_mask_is_built_once_per_request(monkeypatch) -> None:
+    import medha_runtime.sampling as sampling
+
+    built = []
+    real = sampling._token_mask
+
+    def counted(*args):
+        built.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(sampling, "_token_mask", counted)
+    logits = rising(30, 4, 8, 12)
+    s = Sampler()
+    for _ in range(5):
+        rows = [spec("a", seed=2, allowed=(8, 12)), spec("b", temperature=0.0, bad_words=((4,),))]
+        got = [r.token_id for r in s.sample(logits.expand(2, -1), rows)]
+        assert got[0] in (8, 12) and got[1] == 8
+    assert len(built) == 2  # one per request, not one per step
+    s.forget(["a", "b"])
+    # a finished request's mask is dropped: a new request of that id builds its own
+    assert s.sample(logits, [spec("a", temperature=0.0, allowed=(12,))])[0].token_id == 12
+    assert len(built) == 3
+
+
+def test_bad_words_token_ids_follow_vllm() -> None:
+    tok = tiny_tokenizer()
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    # tiny's bytes: " ab" is one token more than "ab", so only "ab" is kept (as vLLM)
+    assert bad_words_token_ids(["ab", "  ab", "c"], encode) == ((97, 98), (99,))
+
+
+def test_llm_never_draws_a_bad_word(llm) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = llm.generate(["The quick brown fox"], greedy)[0].outputs[0]
+    first, second = plain.token_ids[:2]
+    assert first == ord(plain.text[0]) < 128  # a byte token of tiny: its own character
+    out = llm.generate(["The quick brown fox"], greedy.replace(bad_words=[chr(first)]))
+    ids = out[0].outputs[0].token_ids
+    assert len(ids) == 12 and first not in ids
+    # a two-token word: its first token is drawn as before, then its last is not
+    word = chr(first) + chr(second)
+    ids = llm.generate(["The quick brown fox"], greedy.replace(bad_words=[word]))[0]
+    ids = ids.outputs[0].token_ids
+    assert ids[0] == first and ids[1] != second
+    assert all(ids[i : i + 2] != [first, second] for i in range(len(ids) - 1))
+
+
+def test_llm_refuses_bad_words_that_leave_nothing_to_draw(llm) -> None:
+    p = SamplingParams(max_tokens=3, allowed_token_ids=[ord("x"), ord("y")], bad_words=["x", "y"])
+    with pytest.raises(ValueError, match=r"^bad_words: .*no token could be drawn"):
+        llm.generate([[5, 6]], p)
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    held = p.replace(allowed_token_ids=[ord("x"), eos], min_tokens=1)
+    with pytest.raises(ValueError, match=r"^bad_words: .*min_tokens=1"):
+        llm.generate([[5, 6]], held)
+    ok = p.replace(allowed_token_ids=[ord("x"), ord("z")], temperature=0.0)
+    assert llm.generate([[5, 6]], ok)[0].outputs[0].token_ids == [ord("z")] * 3
+    assert not llm.engine.has_unfinished_requests()

@@ -158,3 +158,19 @@ def test_chat_answers_paris(ours, expected) -> None:
 def test_tp3_greedy_matches(smollm2_gguf, ours, expected) -> None:
     """Three gloo worker ranks, each loading only its rows of the GGUF: the same tokens."""
     assert _generate(smollm2_gguf, _prompts(ours[0]), tp=3) == expected
+
+
+def test_bad_words_take_the_word_with_and_without_a_leading_space(ours) -> None:
+    from medha_runtime.sampling_params import bad_words_token_ids
+
+    tokenizer, _ = ours
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    (paris,), (spaced,) = encode("Paris"), encode(" Paris")
+    assert paris != spaced  # a word's token at a text's start differs from one inside it
+    hello, hello_spaced = tuple(encode("hello world")), tuple(encode(" hello world"))
+    assert len(hello) == len(hello_spaced) == 2
+    got = bad_words_token_ids([" Paris", "hello world", "Paris"], encode)
+    assert got == ((paris,), (spaced,), hello, hello_spaced)

@@ -125,6 +125,41 @@ def test_allowed_tokens_min_tokens_holds_back_are_a_400_streaming_too(server: Se
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
+def test_bad_words_never_appear_in_completions_or_chats(server: Server) -> None:
+    c = client(server)
+    greedy = {"model": "tiny", "max_tokens": 12, "temperature": 0.0}
+    body = {"ignore_eos": True}
+    text = c.completions.create(prompt="The quick brown fox", extra_body=body, **greedy)
+    text = text.choices[0].text
+    word = text[0]  # tiny's tokens are bytes: the greedy first character is one token
+    assert word.isascii() and word.isprintable() and word != " "
+    out = c.completions.create(
+        prompt="The quick brown fox", extra_body={**body, "bad_words": [word]}, **greedy
+    )
+    assert word not in out.choices[0].text and out.usage.completion_tokens == 12
+    chat = {"messages": [{"role": "user", "content": "hi"}], **greedy}
+    reply = c.chat.completions.create(extra_body=body, **chat).choices[0].message.content
+    word = next(ch for ch in reply if ch.isascii() and ch.isprintable() and ch != " ")
+    banned = c.chat.completions.create(extra_body={**body, "bad_words": [word]}, **chat)
+    assert word not in banned.choices[0].message.content
+
+
+def test_bad_words_refusals_are_a_400_streaming_too(server: Server) -> None:
+    cases = (
+        ({"bad_words": ["ok", ""]}, "bad_words must be"),
+        ({"bad_words": ["x"], "allowed_token_ids": [ord("x")]}, "no token could be drawn"),
+    )
+    for body, needle in cases:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client(server).completions.create(
+                    model="tiny", prompt=[5, 6], max_tokens=3, stream=stream, extra_body=body
+                )
+            assert err.value.body["param"] == "bad_words", err.value.body
+            assert needle in err.value.body["message"]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 def test_echo_keeps_the_prompt_text_when_truncation_cuts_nothing(server: Server) -> None:
     greedy = {"model": "tiny", "max_tokens": 1, "temperature": 0.0}
     out = client(server).completions.create(

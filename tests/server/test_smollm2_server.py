@@ -42,3 +42,17 @@ def test_smollm2_knows_the_capital_of_france(smollm2_server: Server) -> None:
     choice = reply.choices[0]
     assert "Paris" in choice.message.content, choice.message.content
     assert choice.finish_reason == "stop"  # <|im_end|> ends the turn
+
+
+def test_smollm2_bad_words_keep_a_word_out_of_the_answer(smollm2_server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused")
+    ask = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 24,
+    }
+    assert "Paris" in client.chat.completions.create(**ask).choices[0].message.content
+    # " Paris" inside a sentence is another token than "Paris": both are banned
+    reply = client.chat.completions.create(**ask, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in reply.choices[0].message.content, reply.choices[0].message.content

@@ -76,6 +76,7 @@ class _Common(BaseModel):
     # keep only the prompt's last k tokens (-1: the last max_model_len - 1)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Medha: fed to the scheduler (priority: lower runs earlier, vLLM's meaning)
     ttft_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     tpot_slo_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -157,7 +158,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_decoding_backend": (_absent, "guided decoding is not supported"),
     "guided_whitespace_pattern": (_absent, "guided decoding is not supported"),
     "structured_outputs": (_absent, "structured outputs are not supported"),
-    "bad_words": (_absent, "bad_words is not supported"),
     "logits_processors": (_absent, "logits_processors is not supported"),
     "spaces_between_special_tokens": (_is(True), "only spaces_between_special_tokens=true"),
     "chat_template": (_absent, "a request's own chat_template is not supported"),

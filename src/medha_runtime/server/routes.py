@@ -17,7 +17,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from medha_runtime.sampling_params import SamplingParams, check_allowed_tokens, truncate_prompt
+from medha_runtime.sampling_params import (
+    SamplingParams,
+    check_allowed_tokens,
+    resolve_bad_words,
+    truncate_prompt,
+)
 from medha_runtime.server import formatting as fmt
 from medha_runtime.server.admission import AdmissionGate
 from medha_runtime.server.client import EngineClient
@@ -303,6 +308,7 @@ class Frontend:
                 ),
                 logit_bias=body.logit_bias,
                 allowed_token_ids=body.allowed_token_ids,
+                bad_words=body.bad_words,
                 seed=body.seed,
                 max_tokens=max_tokens,
                 min_tokens=body.min_tokens,
@@ -315,7 +321,12 @@ class Frontend:
                 include_stop_str_in_output=body.include_stop_str_in_output,
             )
             tok = self.tokenizer
-            check_allowed_tokens(params, tok.tokenizer.stop_token_ids if tok is not None else ())
+            stops = tok.tokenizer.stop_token_ids if tok is not None else ()
+            check_allowed_tokens(params, stops)
+            if params.bad_words and tok is not None:  # checked here for a 400; the engine
+                front = tok  # reads them again (token ids are its own business)
+                encode = lambda word: front.encode(word, add_special_tokens=False)  # noqa: E731
+                resolve_bad_words(params, encode, stops, self.vocab_size)
             return params
         except ValueError as exc:
             message = str(exc)  # it starts with the field's name ("min_tokens=20 must ...")
