@@ -161,6 +161,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _json_list(text: str) -> tuple[str, ...]:
+    from medha_runtime.server.cors import json_str_list
+
+    try:
+        return json_str_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser(
         "serve",
@@ -177,6 +186,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEDHA_API_KEY, if set)",
+    )
+    for flag, what in (
+        ("--allowed-origins", "origins (e.g. '[\"https://app.example\"]')"),
+        ("--allowed-methods", "HTTP methods"),
+        ("--allowed-headers", "request headers"),
+    ):
+        s.add_argument(
+            flag,
+            type=_json_list,
+            default=("*",),
+            metavar="JSON_LIST",
+            help=f'CORS: the {what} allowed cross-origin, a JSON list (default ["*"]: any)',
+        )
+    s.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: let browsers send credentials (cookies, Authorization) cross-origin",
     )
     s.add_argument("--served-model-name", default=None, help="model id in the API (default MODEL)")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -364,6 +390,7 @@ def _serve(args: argparse.Namespace, sock: Any = None) -> int:
     import os
 
     from medha_runtime.server import EngineArgs, run_server
+    from medha_runtime.server.cors import CorsConfig
 
     role = _serve_role(args, os.environ)
     if role[0] == "worker":  # torchrun, RANK > 0
@@ -384,6 +411,12 @@ def _serve(args: argparse.Namespace, sock: Any = None) -> int:
         log_level=args.log_level,
         log_requests=not args.disable_log_requests,
         sock=sock,
+        cors=CorsConfig(
+            allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+        ),
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
     return 0
