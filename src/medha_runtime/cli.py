@@ -260,7 +260,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEXT",
-        help="chat template to use instead of the model's: a Jinja file, or the Jinja text itself",
+        help="chat template to use instead of the model's: a Jinja file, or the Jinja text "
+        "itself (its escapes, such as \\n, read as vLLM reads them)",
     )
     s.add_argument(
         "--cost-model",
@@ -425,7 +426,9 @@ def _serve(args: argparse.Namespace, sock: Any = None) -> int:
 def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -> EngineConfig:
     """The :class:`~medha_runtime.config.EngineConfig` that ``serve``'s flags describe."""
     from medha_runtime.config import EngineConfig
+    from medha_runtime.tokenizer import unescape_inline_chat_template
 
+    template = args.chat_template
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -438,7 +441,7 @@ def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
         max_batch_requests=args.max_batch_requests,
-        chat_template=args.chat_template,
+        chat_template=None if template is None else unescape_inline_chat_template(template),
         generation_config=args.generation_config,
         block_size=args.block_size,
         seed=args.seed,
