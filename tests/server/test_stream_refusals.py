@@ -81,3 +81,24 @@ def test_an_accepted_stream_still_flows(steep) -> None:
     assert reasons.count("length") == 2, reasons
     assert len(reasons) == 2 * 4  # a chunk per token of each sample
     assert_idle(steep)
+
+
+def test_stop_strings_without_a_tokenizer_are_a_400_streamed_or_not(tmp_path) -> None:
+    from medha_runtime.model.tiny import save_tiny
+
+    model = save_tiny(tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    server = start_server(model=str(model))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="stop strings need one"):
+                out = client.completions.create(
+                    model=str(model), prompt=[5, 6, 7], max_tokens=2, stop=["x"], stream=stream
+                )
+                if stream:
+                    list(out)
+        assert_idle(server)
+    finally:
+        stop_server(server)
