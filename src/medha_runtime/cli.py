@@ -423,38 +423,38 @@ def _serve(args: argparse.Namespace, sock: Any = None) -> int:
     return 0
 
 
+#: ``serve``'s flags that configure the engine besides MODEL (each sets the
+#: ``EngineConfig`` field of its name); every node of a multi-node run must give the same
+ENGINE_FLAGS = (
+    "dtype", "tp", "spp", "kvp", "policy", "chunk_size", "target_batch_time",
+    "max_model_len", "kv_cache_tokens", "max_batch_requests", "chat_template",
+    "generation_config", "block_size", "seed", "cost_model", "cost_model_out", "device",
+    "num_threads", "enable_prefix_caching", "step_log", "async_scheduling", "cuda_graphs",
+)  # fmt: skip
+
+
 def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -> EngineConfig:
     """The :class:`~medha_runtime.config.EngineConfig` that ``serve``'s flags describe."""
     from medha_runtime.config import EngineConfig
     from medha_runtime.tokenizer import unescape_inline_chat_template
 
-    template = args.chat_template
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        tp=args.tp,
-        spp=args.spp,
-        kvp=args.kvp,
-        policy=args.policy,
-        chunk_size=args.chunk_size,
-        target_batch_time=args.target_batch_time,
-        max_model_len=args.max_model_len,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_batch_requests=args.max_batch_requests,
-        chat_template=None if template is None else unescape_inline_chat_template(template),
-        generation_config=args.generation_config,
-        block_size=args.block_size,
-        seed=args.seed,
-        cost_model=args.cost_model,
-        cost_model_out=args.cost_model_out,
-        device=args.device,
-        num_threads=args.num_threads,
-        enable_prefix_caching=args.enable_prefix_caching,
-        step_log=args.step_log,
-        distributed=distributed,
-        async_scheduling=args.async_scheduling,
-        cuda_graphs=args.cuda_graphs,
-    )
+    kw = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    if kw["chat_template"] is not None:
+        kw["chat_template"] = unescape_inline_chat_template(kw["chat_template"])
+    return EngineConfig(model=args.model, distributed=distributed, **kw)
+
+
+def _engine_flags(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``(--flag, value as text)`` for each of :data:`ENGINE_FLAGS`, for the check-in."""
+
+    def text(value: Any) -> str:
+        if value is None:
+            return "unset"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return repr(value) if isinstance(value, str) else str(value)
+
+    return tuple(("--" + n.replace("_", "-"), text(getattr(args, n))) for n in ENGINE_FLAGS)
 
 
 def _serve_role(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, ...]:
@@ -505,6 +505,7 @@ def _dist_config(
         control_timeout_s=wait,
         keepalive_s=min(5.0, wait / 4),
         model=args.model,
+        engine_flags=_engine_flags(args),
         **kw,
     )
 
