@@ -6,12 +6,11 @@ joins one ``torch.distributed`` world at ``MASTER_ADDR:MASTER_PORT``
 process; the driver is rank 0 and hosts the store unless torchrun's agent
 does) and then one extra gloo *control* group that carries pickled messages
 from the driver (step plans, keepalives, shutdown) and the sampling rank's
-sampled rows back to it. Outside torchrun every rank first checks
-in on the store (:func:`check_in`): a rank whose world size, ranks per node,
-MODEL or engine flags differ from the driver's, or whose rank another process
-holds already, fails at
-once with the reason (and so does the driver while it waits), instead of waiting
-the whole start bound in silence.
+sampled rows back to it. Outside torchrun every rank first checks in on the
+store (:func:`check_in`): a rank whose world size, ranks per node, MODEL or
+engine flags differ from the driver's, or whose rank another process holds
+already, fails at once with the reason (and so does the driver while it waits),
+instead of waiting the whole start bound in silence.
 
 Bounds (nothing waits forever):
 
@@ -165,9 +164,9 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
     """The rendezvous store (rank 0 hosts it), once every rank has checked in.
 
     Rank 0 publishes its world size, ranks per node (``local_ranks``), model and engine
-    flags and waits
-    until the other ``world_size - 1`` ranks have checked in; any other rank reads
-    them, refuses to join where one differs from its own, and claims its rank (a
+    flags and waits until the other ``world_size - 1`` ranks have checked in; any other
+    rank reads them, refuses to join where one differs from its own (naming each
+    differing engine flag with both values), and claims its rank (a
     second claimant is refused: a node started twice with one ``--node-rank``).
     A refusal tells rank 0 too, which fails with the same reason while it waits.
     Raises :class:`JoinRefused` with the reason, also when the driver's store cannot

@@ -2,7 +2,7 @@
 
 :func:`build_app` assembles the pieces: the engine client (started in the
 app's lifespan), the endpoints (:mod:`medha_runtime.server.routes`), error
-handlers that answer OpenAI error bodies, API-key and body-size middleware,
+handlers that answer OpenAI error bodies, API-key, body-size and CORS middleware,
 and the log (:mod:`medha_runtime.server.logs`). Nothing here imports torch:
 the model's facts and its tokenizer arrive from the engine process as plain
 data (:class:`~medha_runtime.server.messages.EngineReady`).
