@@ -161,6 +161,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _json_list(text: str) -> tuple[str, ...]:
+    from medha_runtime.server.cors import json_str_list
+
+    try:
+        return json_str_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser(
         "serve",
@@ -177,6 +186,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEDHA_API_KEY, if set)",
+    )
+    for flag, what in (
+        ("--allowed-origins", "origins (e.g. '[\"https://app.example\"]')"),
+        ("--allowed-methods", "HTTP methods"),
+        ("--allowed-headers", "request headers"),
+    ):
+        s.add_argument(
+            flag,
+            type=_json_list,
+            default=("*",),
+            metavar="JSON_LIST",
+            help=f'CORS: the {what} allowed cross-origin, a JSON list (default ["*"]: any)',
+        )
+    s.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: let browsers send credentials (cookies, Authorization) cross-origin",
     )
     s.add_argument("--served-model-name", default=None, help="model id in the API (default MODEL)")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -234,7 +260,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEXT",
-        help="chat template to use instead of the model's: a Jinja file, or the Jinja text itself",
+        help="chat template to use instead of the model's: a Jinja file, or the Jinja text "
+        "itself (its escapes, such as \\n, read as vLLM reads them)",
     )
     s.add_argument(
         "--cost-model",
@@ -364,6 +391,7 @@ def _serve(args: argparse.Namespace, sock: Any = None) -> int:
     import os
 
     from medha_runtime.server import EngineArgs, run_server
+    from medha_runtime.server.cors import CorsConfig
 
     role = _serve_role(args, os.environ)
     if role[0] == "worker":  # torchrun, RANK > 0
@@ -384,41 +412,49 @@ def _serve(args: argparse.Namespace, sock: Any = None) -> int:
         log_level=args.log_level,
         log_requests=not args.disable_log_requests,
         sock=sock,
+        cors=CorsConfig(
+            allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+        ),
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
     return 0
 
 
+#: ``serve``'s flags that configure the engine besides MODEL (each sets the
+#: ``EngineConfig`` field of its name); every node of a multi-node run must give the same
+ENGINE_FLAGS = (
+    "dtype", "tp", "spp", "kvp", "policy", "chunk_size", "target_batch_time",
+    "max_model_len", "kv_cache_tokens", "max_batch_requests", "chat_template",
+    "generation_config", "block_size", "seed", "cost_model", "cost_model_out", "device",
+    "num_threads", "enable_prefix_caching", "step_log", "async_scheduling", "cuda_graphs",
+)  # fmt: skip
+
+
 def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -> EngineConfig:
     """The :class:`~medha_runtime.config.EngineConfig` that ``serve``'s flags describe."""
     from medha_runtime.config import EngineConfig
+    from medha_runtime.tokenizer import unescape_inline_chat_template
 
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        tp=args.tp,
-        spp=args.spp,
-        kvp=args.kvp,
-        policy=args.policy,
-        chunk_size=args.chunk_size,
-        target_batch_time=args.target_batch_time,
-        max_model_len=args.max_model_len,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_batch_requests=args.max_batch_requests,
-        chat_template=args.chat_template,
-        generation_config=args.generation_config,
-        block_size=args.block_size,
-        seed=args.seed,
-        cost_model=args.cost_model,
-        cost_model_out=args.cost_model_out,
-        device=args.device,
-        num_threads=args.num_threads,
-        enable_prefix_caching=args.enable_prefix_caching,
-        step_log=args.step_log,
-        distributed=distributed,
-        async_scheduling=args.async_scheduling,
-        cuda_graphs=args.cuda_graphs,
-    )
+    kw = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    if kw["chat_template"] is not None:
+        kw["chat_template"] = unescape_inline_chat_template(kw["chat_template"])
+    return EngineConfig(model=args.model, distributed=distributed, **kw)
+
+
+def _engine_flags(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``(--flag, value as text)`` for each of :data:`ENGINE_FLAGS`, for the check-in."""
+
+    def text(value: Any) -> str:
+        if value is None:
+            return "unset"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return repr(value) if isinstance(value, str) else str(value)
+
+    return tuple(("--" + n.replace("_", "-"), text(getattr(args, n))) for n in ENGINE_FLAGS)
 
 
 def _serve_role(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, ...]:
@@ -469,6 +505,7 @@ def _dist_config(
         control_timeout_s=wait,
         keepalive_s=min(5.0, wait / 4),
         model=args.model,
+        engine_flags=_engine_flags(args),
         **kw,
     )
 

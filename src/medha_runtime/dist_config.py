@@ -6,11 +6,11 @@ joins one ``torch.distributed`` world at ``MASTER_ADDR:MASTER_PORT``
 process; the driver is rank 0 and hosts the store unless torchrun's agent
 does) and then one extra gloo *control* group that carries pickled messages
 from the driver (step plans, keepalives, shutdown) and the sampling rank's
-sampled rows back to it. Outside torchrun every rank first checks
-in on the store (:func:`check_in`): a rank whose world size or ranks per node
-differ from the driver's, or whose rank another process holds already, fails at
-once with the reason (and so does the driver while it waits), instead of waiting
-the whole start bound in silence.
+sampled rows back to it. Outside torchrun every rank first checks in on the
+store (:func:`check_in`): a rank whose world size, ranks per node, MODEL or
+engine flags differ from the driver's, or whose rank another process holds
+already, fails at once with the reason (and so does the driver while it waits),
+instead of waiting the whole start bound in silence.
 
 Bounds (nothing waits forever):
 
@@ -57,6 +57,10 @@ class DistConfig:
         model: the MODEL this node was told to serve (``serve``'s argument), compared
             with the driver's at check-in (every rank runs the driver's); None: not
             compared.
+        engine_flags: ``(flag, value as text)`` for each engine flag this node was
+            started with (``serve``'s ``--dtype``, ``--max-model-len``, ...),
+            compared with the driver's at check-in (every rank runs the driver's
+            engine); empty: not compared.
     """
 
     world_size: int
@@ -68,6 +72,7 @@ class DistConfig:
     control_timeout_s: float = 600.0
     keepalive_s: float = 5.0
     model: str | None = None
+    engine_flags: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 2)
@@ -83,6 +88,12 @@ class DistConfig:
             raise ValueError(f"master_addr must be a host name, got {self.master_addr!r}")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"model must be None or a model name, got {self.model!r}")
+        flags = self.engine_flags
+        if not isinstance(flags, tuple) or not all(
+            isinstance(f, tuple) and len(f) == 2 and all(isinstance(x, str) for x in f)
+            for f in flags
+        ):
+            raise ValueError(f"engine_flags must be (flag, value) pairs of strings, got {flags!r}")
         for name in ("start_timeout_s", "control_timeout_s", "keepalive_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S:
@@ -152,9 +163,10 @@ _WORLD, _JOINED, _REFUSED = "medha/world", "medha/joined", "medha/refused"
 def check_in(config: DistConfig, *, rank: int) -> Any:
     """The rendezvous store (rank 0 hosts it), once every rank has checked in.
 
-    Rank 0 publishes its world size, ranks per node (``local_ranks``) and model and waits
-    until the other ``world_size - 1`` ranks have checked in; any other rank reads
-    them, refuses to join where one differs from its own, and claims its rank (a
+    Rank 0 publishes its world size, ranks per node (``local_ranks``), model and engine
+    flags and waits until the other ``world_size - 1`` ranks have checked in; any other
+    rank reads them, refuses to join where one differs from its own (naming each
+    differing engine flag with both values), and claims its rank (a
     second claimant is refused: a node started twice with one ``--node-rank``).
     A refusal tells rank 0 too, which fails with the same reason while it waits.
     Raises :class:`JoinRefused` with the reason, also when the driver's store cannot
@@ -185,7 +197,8 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
             "and port?"
         ) from None
     if rank == 0:
-        store.set(_WORLD, json.dumps([world, config.local_ranks, config.model]))
+        facts = [world, config.local_ranks, config.model, config.engine_flags]
+        store.set(_WORLD, json.dumps(facts))
         deadline = time.monotonic() + config.start_timeout_s
         while (joined := store.add(_JOINED, 0)) < world - 1:
             if store.check([_REFUSED]):
@@ -197,7 +210,8 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
                 )
             time.sleep(0.05)
         return store
-    theirs, their_k, their_model = json.loads(store.get(_WORLD))
+    theirs, their_k, their_model, their_flags = json.loads(store.get(_WORLD))
+    flags = _flag_differences(config.engine_flags, their_flags)
     why = None
     if theirs != world:
         why = (
@@ -217,6 +231,12 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
             f"{config.model!r}, but the driver serves {their_model!r} (every node runs "
             "the driver's MODEL, from the same path): give every node the same MODEL"
         )
+    elif flags:
+        why = (
+            f"rank {rank} cannot join at {where}: its node was started with engine flags "
+            f"other than the driver's (every node runs the driver's engine): {flags}: "
+            "give every node the same engine flags"
+        )
     elif store.add(f"medha/rank/{rank}", 1) > 1:
         why = (
             f"rank {rank} has joined already at {where}: was another node started with "
@@ -227,6 +247,25 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
         raise JoinRefused(why)
     store.add(_JOINED, 1)
     return store
+
+
+def _flag_differences(mine: Any, theirs: Any) -> str:
+    """``"--tp 1 on this node, 2 on the driver; ..."`` for each engine flag whose value
+    differs ("" where none does, or where either side sent none)."""
+    if not mine or not theirs:
+        return ""
+    a, b = dict(mine), {str(k): str(v) for k, v in theirs}
+    parts = [
+        f"{flag} {_short(a.get(flag, 'unset'))} on this node, "
+        f"{_short(b.get(flag, 'unset'))} on the driver"
+        for flag in dict.fromkeys([*a, *b])
+        if a.get(flag) != b.get(flag)
+    ]
+    return "; ".join(parts)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def build_rank(spec: Any) -> tuple[Any, Any, str | None]:

@@ -95,6 +95,29 @@ def read_chat_template(spec: str | os.PathLike[str]) -> str:
     return source
 
 
+def unescape_inline_chat_template(spec: str) -> str:
+    """``serve --chat-template``'s value with its backslash escapes (``\\n``, ``\\t``,
+    ``\\u00e9``, ``\\\\``) read, as ``vllm serve`` reads them, where it is Jinja text
+    rather than a file's path; a path (or anything else) comes back as is. Unlike
+    vLLM's ``codecs.decode(..., "unicode_escape")``, non-ASCII characters are kept.
+
+    Raises:
+        ChatTemplateError: a malformed escape (such as ``\\x4``), naming the text.
+    """
+    if os.path.isfile(spec) or ("{{" not in spec and "{%" not in spec):
+        return spec
+    import codecs
+    import warnings
+
+    raw = spec.encode("latin-1", "backslashreplace")  # non-latin-1 text as \\uXXXX
+    try:
+        with warnings.catch_warnings():  # "invalid escape sequence '\q'": kept as is
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return codecs.decode(raw, "unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"chat template {spec!r}: {exc.reason}") from None
+
+
 def _token_content(value: Any) -> str | None:
     """A special token from tokenizer_config.json: a string or ``{"content": ...}``."""
     if isinstance(value, Mapping):

@@ -108,3 +108,53 @@ def test_max_new_tokens_only_lowers_a_completions_default_of_16(tmp_path) -> Non
         assert chat.usage.completion_tokens == 40
     finally:
         stop_server(server)
+
+
+def test_inline_chat_template_escapes_are_read_as_vllm_reads_them(tmp_path) -> None:
+    """``--chat-template '<{{ x }}>\\n'`` (a backslash and an n, as a shell passes them):
+    vLLM unescapes inline template text, so the template ends in a real newline; a
+    file's text is used as is."""
+    from medha_runtime.cli import build_parser, engine_config
+
+    def served(spec: str) -> str | None:
+        args = build_parser().parse_args(["serve", "tiny", "--chat-template", spec])
+        return engine_config(args, distributed=None).chat_template
+
+    assert served("{{ 'é' }}\\n\\t\\u00e9\\\\") == "{{ 'é' }}\n\t\u00e9\\"
+    path = tmp_path / "t.jinja"
+    path.write_text("<{{ messages[-1]['content'] }}>\\n", encoding="utf-8")
+    assert served(str(path)) == str(path)  # read as is when the engine loads it
+    from medha_runtime.tokenizer import read_chat_template
+
+    assert read_chat_template(str(path)).endswith(">\\n")
+
+
+def test_inline_chat_template_newline_reaches_the_prompt() -> None:
+    # (a template's last newline is dropped, as by transformers' Jinja settings)
+    server = start_server("--chat-template", "<{{ messages[-1]['content'] }}>\\n.")
+    try:
+        import httpx
+
+        messages = [{"role": "user", "content": "hello"}]
+        chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
+        plain = httpx.post(
+            f"{server.url}/tokenize",
+            json={"prompt": "<hello>\n.", "add_special_tokens": False},
+            timeout=30,
+        )
+        assert chat.status_code == plain.status_code == 200, chat.text + plain.text
+        assert chat.json()["tokens"] == plain.json()["tokens"]
+    finally:
+        stop_server(server)
+
+
+def test_an_inline_chat_template_with_a_bad_escape_is_one_line() -> None:
+    cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", "--port", "0"]
+    proc = subprocess.run(
+        [*cmd, "--chat-template", "{{ x }}\\x4"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("medha-runtime serve: error: chat template '{{ x }}\\\\x4':"), last
+    assert "truncated \\xXX escape" in last

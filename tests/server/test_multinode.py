@@ -225,6 +225,20 @@ MISMATCHES = [
         ("--tp", "2", "--nnodes", "2", "--model-on-node-1", "smollm2"),
         ("with MODEL 'smollm2'", "the driver serves 'tiny'"),
     ),
+    (  # engine flags: node 1's were ignored without a word
+        ("--tp", "2", "--nnodes", "2"),
+        ("--tp", "2", "--nnodes", "2", "--max-model-len", "128", "--no-enable-prefix-caching"),
+        (
+            "--max-model-len 128 on this node, 256 on the driver",
+            "--enable-prefix-caching off on this node, on on the driver",
+            "give every node the same engine flags",
+        ),
+    ),
+    (  # the same world size from another layout
+        ("--tp", "2", "--nnodes", "2"),
+        ("--spp", "2", "--nnodes", "2"),
+        ("--tp 1 on this node, 2 on the driver", "--spp 2 on this node, 1 on the driver"),
+    ),
 ]
 
 
@@ -235,7 +249,8 @@ def test_nodes_with_different_layouts_fail_at_once(
     """Node 0 and node 1 disagree on the world size (2 ranks against --tp 3 --nnodes 3) or
     on the node count (--nnodes 2 against 4, one world of 4 ranks: node 1 claimed node 0's
     rank 1): both exit 1 within seconds, naming the two (they waited the whole start
-    bound, 600 s, in silence). Or on MODEL: node 1 ran node 0's without a word."""
+    bound, 600 s, in silence). Or on MODEL or an engine flag (each named with both
+    values): node 1 ran node 0's without a word."""
     port = free_port()
     node = ("--master-addr", "127.0.0.1", "--master-port", str(port))
     cmd = [sys.executable, "-m", "medha_runtime", "serve", "tiny", *LIMITS, "--device", "cpu"]
@@ -442,7 +457,29 @@ def test_dist_config_validates() -> None:
         DistConfig(world_size=2, keepalive_s=9, control_timeout_s=5)
     with pytest.raises(ValueError, match="master_port must be at most 65535, got 70000"):
         DistConfig(world_size=2, master_port=70000)
+    with pytest.raises(ValueError, match=r"engine_flags must be \(flag, value\) pairs"):
+        DistConfig(world_size=2, engine_flags=(("--tp", 2),))  # type: ignore[arg-type]
     from medha_runtime.config import EngineConfig
 
     with pytest.raises(ValueError, match=r"world has 4 ranks but tp\*spp\*kvp = 2\*1\*1 = 2"):
         EngineConfig(tp=2, distributed=DistConfig(world_size=4))
+
+
+def test_every_engine_flag_is_compared_at_check_in() -> None:
+    """The flags a node sends to the check-in are the ones that build its engine config."""
+    import dataclasses
+
+    from medha_runtime.cli import ENGINE_FLAGS, _serve_role, build_parser
+    from medha_runtime.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "distributed"}
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest for a in serve._actions}
+    assert set(ENGINE_FLAGS) == fields & flags, set(ENGINE_FLAGS) ^ (fields & flags)
+    argv = ["serve", "tiny", "--tp", "2", "--nnodes", "2", "--node-rank", "1"]
+    args = build_parser().parse_args([*argv, "--max-num-seqs", "8", "--chat-template", "{{ x }}"])
+    sent = dict(_serve_role(args, {})[1].engine_flags)
+    assert len(sent) == len(ENGINE_FLAGS)
+    assert sent["--max-batch-requests"] == "8" and sent["--tp"] == "2"
+    assert sent["--chat-template"] == "'{{ x }}'" and sent["--max-model-len"] == "unset"
+    assert sent["--enable-prefix-caching"] == "on" and sent["--cuda-graphs"] == "unset"

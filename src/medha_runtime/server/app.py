@@ -2,7 +2,7 @@
 
 :func:`build_app` assembles the pieces: the engine client (started in the
 app's lifespan), the endpoints (:mod:`medha_runtime.server.routes`), error
-handlers that answer OpenAI error bodies, API-key and body-size middleware,
+handlers that answer OpenAI error bodies, API-key, body-size and CORS middleware,
 and the log (:mod:`medha_runtime.server.logs`). Nothing here imports torch:
 the model's facts and its tokenizer arrive from the engine process as plain
 data (:class:`~medha_runtime.server.messages.EngineReady`).
@@ -15,7 +15,7 @@ import contextlib
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from medha_runtime.server.admission import AdmissionGate
 from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from medha_runtime.server.client import EngineClient, EngineDeadError, StartCancelled
+from medha_runtime.server.cors import CorsConfig
+from medha_runtime.server.cors import install as install_cors
 from medha_runtime.server.engine_proc import EngineArgs
 from medha_runtime.server.logs import StatsLogger, log_lines, logger, startup_summary
 from medha_runtime.server.metrics import ServerMetrics
@@ -60,7 +62,8 @@ class ServerConfig:
     exits with code 1 so a supervisor restarts it); None keeps answering 503.
     ``log_requests``: one access line per request. ``stats_interval_s``:
     seconds between statistics lines while busy. ``address``: shown in the
-    start-up summary.
+    start-up summary. ``cors``: the origins, methods and headers allowed
+    cross-origin (default: any, without credentials, as vLLM).
     """
 
     engine: EngineArgs
@@ -71,6 +74,7 @@ class ServerConfig:
     log_requests: bool = True
     stats_interval_s: float = 10.0
     address: str = ""
+    cors: CorsConfig = field(default_factory=CorsConfig)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -157,6 +161,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Medha OpenAI-compatible server", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(APIKey, key=config.api_key)
+    install_cors(app, config.cors)
     app.state.client = client
     app.state.metrics = metrics
     app.state.front = front

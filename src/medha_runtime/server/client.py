@@ -24,6 +24,7 @@ from typing import Any
 from medha_runtime.server.engine_proc import EngineArgs, engine_main
 from medha_runtime.server.messages import (
     AbortRequest,
+    AddAccepted,
     AddFailed,
     AddRequest,
     Alive,
@@ -46,6 +47,13 @@ class EngineDeadError(RuntimeError):
 
 class StartCancelled(EngineDeadError):
     """The server was told to stop while the engine was starting."""
+
+
+@dataclass
+class Accepted:
+    """Put on a request's queue when the engine took it (where it asked to be told)."""
+
+    index: int
 
 
 @dataclass
@@ -173,6 +181,10 @@ class EngineClient:
                     entry[0].put_nowait((entry[1], msg, time.monotonic()))
                     if msg.finish_reason is not None:
                         self.queues.pop(msg.request_id, None)
+            elif isinstance(msg, AddAccepted):
+                entry = self.queues.get(msg.request_id)
+                if entry is not None:
+                    entry[0].put_nowait(Accepted(entry[1]))
             elif isinstance(msg, AddFailed):
                 entry = self.queues.pop(msg.request_id, None)
                 if entry is not None:

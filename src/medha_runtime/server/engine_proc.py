@@ -27,6 +27,7 @@ from typing import Any
 from medha_runtime.config import EngineConfig
 from medha_runtime.server.messages import (
     AbortRequest,
+    AddAccepted,
     AddFailed,
     AddRequest,
     Alive,
@@ -43,6 +44,7 @@ from medha_runtime.server.pulse import Pulse
 
 __all__ = [
     "AbortRequest",
+    "AddAccepted",
     "AddFailed",
     "AddRequest",
     "Alive",
@@ -281,6 +283,8 @@ def _add(engine: Any, msg: AddRequest, tracks: dict[str, _Track], send: Any) -> 
     except Exception as exc:
         send(AddFailed(msg.request_id, f"{type(exc).__name__}: {exc}", bad_request=False))
         return
+    if msg.ack:
+        send(AddAccepted(msg.request_id))
     hold = max((len(s) for s in msg.params.stop), default=1) - 1
     tracks[msg.request_id] = _Track(len(msg.prompt_token_ids), hold)
 

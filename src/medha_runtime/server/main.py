@@ -25,6 +25,7 @@ from typing import Any
 from medha_runtime.server.app import ServerConfig, build_app
 from medha_runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from medha_runtime.server.client import EngineDeadError
+from medha_runtime.server.cors import CorsConfig
 from medha_runtime.server.engine_proc import EngineArgs
 from medha_runtime.server.logs import setup_logging
 from medha_runtime.server.startup import bind_socket, check_device
@@ -44,9 +45,11 @@ def run_server(
     exit_after_engine_death_s: float | None = 2.0,
     stats_interval_s: float = 10.0,
     sock: socket.socket | None = None,
+    cors: CorsConfig | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. ``sock``: a socket :func:`bind_socket` made (the
-    command line binds it before it imports the server); else ``host:port`` is bound."""
+    command line binds it before it imports the server); else ``host:port`` is bound.
+    ``cors``: what cross-origin requests may do (default: :class:`CorsConfig`'s)."""
     import uvicorn
 
     setup_logging(log_level)
@@ -62,6 +65,7 @@ def run_server(
         log_requests=log_requests,
         stats_interval_s=stats_interval_s,
         address=f"http://{host}:{sock.getsockname()[1]}",
+        cors=cors or CorsConfig(),
     )
     app = build_app(config)
     server = _Server(

@@ -6,7 +6,9 @@ sockets on ``ipc://`` paths (pickled plain dataclasses):
 - HTTP -> engine: :class:`AddRequest`, :class:`AbortRequest`, :class:`Shutdown`;
 - engine -> HTTP: :class:`EngineReady` (or :class:`EngineFailed`) once, then
   :class:`RequestDelta` s (new token ids and text, finish info),
-  :class:`AddFailed` for a request the engine refused, a :class:`Heartbeat`
+  :class:`AddFailed` for a request the engine refused (:class:`AddAccepted`
+  for one it took, where the request asked: a stream waits for it before its
+  200 headers), a :class:`Heartbeat`
   with the scheduler's gauges between steps, and an :class:`Alive` pulse
   from a thread, which a long step cannot delay.
 
@@ -33,6 +35,8 @@ class AddRequest:
     tpot_slo_s: float | None = None
     priority: int = 0
     cache_salt: str | None = None
+    #: answer :class:`AddAccepted` once the engine took it (streams wait for it)
+    ack: bool = False
 
 
 @dataclass
@@ -101,6 +105,13 @@ class EngineStopped:
     the engine signalled alone): the server stops too, with exit code 0."""
 
     signal: str = "SIGTERM"
+
+
+@dataclass
+class AddAccepted:
+    """The engine took the request (sent before any of its deltas, where asked)."""
+
+    request_id: str
 
 
 @dataclass

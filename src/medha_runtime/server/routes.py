@@ -381,6 +381,7 @@ class Frontend:
                 "tpot_slo_s": None if body.tpot_slo_ms is None else body.tpot_slo_ms / 1e3,
                 "priority": body.priority,
                 "cache_salt": body.cache_salt,
+                "ack": bool(body.stream),  # a stream waits for the engine's accept
             }
 
         await run.submit(prompts, body.n, make)
@@ -388,8 +389,16 @@ class Frontend:
         return run
 
     async def answer(self, run: Run, body: Any, chat: bool) -> Any:
-        """The JSON response, or a streaming one."""
+        """The JSON response, or a streaming one (once the engine took the request: a
+        refusal, such as a prompt only the scheduler can judge too long, is then a
+        plain 400 error, streamed or not)."""
         if body.stream:
+            try:
+                await run.accepted()
+            except APIError as exc:
+                run.finish(exc.status)
+                exc.logged = True  # the run wrote the access line
+                raise
             return StreamingResponse(
                 self.stream(run, body, chat),
                 media_type="text/event-stream",

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from medha_runtime.server.client import EngineClient, Failure
+from medha_runtime.server.client import Accepted, EngineClient, Failure
 from medha_runtime.server.messages import AddRequest, RequestDelta
 from medha_runtime.server.metrics import ServerMetrics
 from medha_runtime.server.protocol import APIError
@@ -88,6 +88,7 @@ class Run:
         self.disconnected = False
         self._watcher: asyncio.Task[None] | None = None
         self._done = False
+        self._early: list[Any] = []  # deltas read while waiting for the engine's accept
 
     # ------------------------------------------------------------ submission
     async def submit(self, prompts: list[Prompt], n: int, make: Callable[[int, Sub], Any]) -> None:
@@ -117,6 +118,34 @@ class Run:
                     return
 
         self._watcher = asyncio.get_running_loop().create_task(wait())
+
+    async def accepted(self) -> None:
+        """Wait until the engine took every sub (submitted with ``ack``): its
+        ``Accepted``, or any delta of it, which is kept for :meth:`deltas`. A stream
+        waits here before its 200 headers, so that a refusal is a plain error answer;
+        the first token comes after the accept on the same socket, so no later.
+
+        Raises :class:`APIError` when the engine refused a sub (or failed); returns
+        early (with :attr:`disconnected` set) when the client left.
+        """
+        waiting = set(range(len(self.subs)))
+        while waiting:
+            item = await self.queue.get()
+            if item is DISCONNECTED:
+                self.disconnected = True
+                return
+            if isinstance(item, Failure):
+                raise self._refused(item)
+            if isinstance(item, Accepted):
+                waiting.discard(item.index)
+            else:
+                waiting.discard(item[0])
+                self._early.append(item)
+
+    def _refused(self, failure: Failure) -> APIError:
+        if failure.index is not None:
+            self.subs[failure.index].refused = True
+        return APIError(failure.message, 400 if failure.bad_request else 503)
 
     # ------------------------------------------------------------- following
     def record(self, sub: Sub, delta: RequestDelta, now: float) -> None:
@@ -161,15 +190,15 @@ class Run:
         (with :attr:`disconnected` set) when the client left.
         """
         left = sum(1 for s in self.subs if s.finish_reason is None)
-        while left:
-            item = await self.queue.get()
+        while left and not self.disconnected:
+            item = self._early.pop(0) if self._early else await self.queue.get()
             if item is DISCONNECTED:
                 self.disconnected = True
                 return
             if isinstance(item, Failure):
-                if item.index is not None:
-                    self.subs[item.index].refused = True
-                raise APIError(item.message, 400 if item.bad_request else 503)
+                raise self._refused(item)
+            if isinstance(item, Accepted):
+                continue
             idx, delta, now = item
             sub = self.subs[idx]
             before = len(sub.tokens)
