@@ -444,17 +444,31 @@ def engine_config(args: argparse.Namespace, *, distributed: DistConfig | None) -
     return EngineConfig(model=args.model, distributed=distributed, **kw)
 
 
-def _engine_flags(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    """``(--flag, value as text)`` for each of :data:`ENGINE_FLAGS`, for the check-in."""
+#: engine flags only the driver reads (its step log, where it saves the learned cost
+#: model): the check-in does not compare them
+DRIVER_ONLY_FLAGS = ("step_log", "cost_model_out")
 
-    def text(value: Any) -> str:
+
+def _engine_flags(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``(--flag, value as text)`` for each of :data:`ENGINE_FLAGS` but the driver's own
+    (:data:`DRIVER_ONLY_FLAGS`), for the check-in; a dtype by its canonical name
+    (``bf16`` and ``bfloat16`` are one)."""
+    from medha_runtime.config import canonical_dtype
+
+    def text(name: str, value: Any) -> str:
         if value is None:
             return "unset"
         if isinstance(value, bool):
             return "on" if value else "off"
+        if name == "dtype":
+            value = canonical_dtype(value)
         return repr(value) if isinstance(value, str) else str(value)
 
-    return tuple(("--" + n.replace("_", "-"), text(getattr(args, n))) for n in ENGINE_FLAGS)
+    return tuple(
+        ("--" + n.replace("_", "-"), text(n, getattr(args, n)))
+        for n in ENGINE_FLAGS
+        if n not in DRIVER_ONLY_FLAGS
+    )
 
 
 def _serve_role(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, ...]:

@@ -40,6 +40,24 @@ _GIB = 1 << 30
 #: 2,048-token prefill")
 OFFLINE_THROUGHPUT_CHUNK = 2048
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "float", "fp16", "half", "bf16")
+#: dtype aliases and the canonical name each stands for
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """The canonical name of a dtype name or alias (``"bf16"`` -> ``"bfloat16"``,
+    ``"torch.float16"`` -> ``"float16"``; ``"auto"`` stays); another text is returned as
+    is (:class:`EngineConfig` refuses it)."""
+    name = name.removeprefix("torch.")
+    return DTYPE_ALIASES.get(name, name)
+
+
 #: ``attention_backend`` values: "auto" and ``medha_kernels.backends.BACKENDS`` (named here
 #: because this module imports no torch)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native", "flashinfer")

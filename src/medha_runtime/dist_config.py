@@ -197,7 +197,14 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
             "and port?"
         ) from None
     if rank == 0:
-        facts = [world, config.local_ranks, config.model, config.engine_flags]
+        facts = {
+            "format": CHECK_IN_FORMAT,
+            "medha": medha_version(),
+            "world": world,
+            "local_ranks": config.local_ranks,
+            "model": config.model,
+            "engine_flags": config.engine_flags,
+        }
         store.set(_WORLD, json.dumps(facts))
         deadline = time.monotonic() + config.start_timeout_s
         while (joined := store.add(_JOINED, 0)) < world - 1:
@@ -210,9 +217,13 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
                 )
             time.sleep(0.05)
         return store
-    theirs, their_k, their_model, their_flags = json.loads(store.get(_WORLD))
-    flags = _flag_differences(config.engine_flags, their_flags)
-    why = None
+    facts = json.loads(store.get(_WORLD))
+    why = _other_version(facts, rank, where)
+    if why is not None:
+        store.set(_REFUSED, why)
+        raise JoinRefused(why)
+    theirs, their_k, their_model = facts["world"], facts["local_ranks"], facts["model"]
+    flags = _flag_differences(config.engine_flags, facts["engine_flags"])
     if theirs != world:
         why = (
             f"rank {rank} of a world of {world} ranks cannot join the driver's world of "
@@ -247,6 +258,39 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
         raise JoinRefused(why)
     store.add(_JOINED, 1)
     return store
+
+
+#: the layout of the facts the driver publishes at check-in (a JSON object from 2 on)
+CHECK_IN_FORMAT = 2
+
+
+def medha_version() -> str:
+    """This installation's Medha version (``"unknown"`` where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("medha")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _other_version(facts: Any, rank: int, where: str) -> str | None:
+    """Why rank ``rank`` cannot read the driver's check-in ``facts`` (another Medha
+    version, or another check-in layout), or None."""
+    mine = medha_version()
+    if not isinstance(facts, dict) or facts.get("format") != CHECK_IN_FORMAT:
+        theirs = facts.get("medha", "unknown") if isinstance(facts, dict) else "an older one"
+        return (
+            f"rank {rank} cannot join at {where}: the driver runs another Medha version "
+            f"({theirs}; this node runs {mine} and cannot read its check-in): give every "
+            "node the same Medha version"
+        )
+    if facts.get("medha") != mine:
+        return (
+            f"rank {rank} cannot join at {where}: the driver runs Medha {facts.get('medha')}, "
+            f"this node {mine}: give every node the same Medha version"
+        )
+    return None
 
 
 def _flag_differences(mine: Any, theirs: Any) -> str:

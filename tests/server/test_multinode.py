@@ -479,7 +479,53 @@ def test_every_engine_flag_is_compared_at_check_in() -> None:
     argv = ["serve", "tiny", "--tp", "2", "--nnodes", "2", "--node-rank", "1"]
     args = build_parser().parse_args([*argv, "--max-num-seqs", "8", "--chat-template", "{{ x }}"])
     sent = dict(_serve_role(args, {})[1].engine_flags)
-    assert len(sent) == len(ENGINE_FLAGS)
+    assert len(sent) == len(ENGINE_FLAGS) - 2  # all but the driver's own outputs
+    assert "--step-log" not in sent and "--cost-model-out" not in sent
     assert sent["--max-batch-requests"] == "8" and sent["--tp"] == "2"
     assert sent["--chat-template"] == "'{{ x }}'" and sent["--max-model-len"] == "unset"
     assert sent["--enable-prefix-caching"] == "on" and sent["--cuda-graphs"] == "unset"
+
+
+def test_driver_only_flags_are_not_compared_and_dtype_aliases_are_one() -> None:
+    """A node 1 without node 0's --step-log (which only the driver writes) was refused,
+    and so was --dtype bf16 against --dtype bfloat16 (one dtype)."""
+    from medha_runtime.cli import _serve_role, build_parser
+    from medha_runtime.dist_config import _flag_differences
+
+    argv = ["serve", "tiny", "--tp", "2", "--nnodes", "2", "--node-rank"]
+    driver = build_parser().parse_args([*argv, "0", "--dtype", "bf16", "--step-log", "s.jsonl"])
+    node = build_parser().parse_args([*argv, "1", "--dtype", "bfloat16"])
+    mine, theirs = (_serve_role(a, {})[1].engine_flags for a in (node, driver))
+    assert dict(mine)["--dtype"] == "'bfloat16'"
+    assert _flag_differences(mine, theirs) == ""
+    other = build_parser().parse_args([*argv, "1", "--dtype", "fp16"])
+    differ = _flag_differences(_serve_role(other, {})[1].engine_flags, theirs)
+    assert differ == "--dtype 'float16' on this node, 'bfloat16' on the driver", differ
+
+
+@pytest.mark.parametrize(
+    "facts, says",
+    [
+        ([2, 1, "tiny", []], "the driver runs another Medha version (an older one;"),
+        ({"format": 3, "medha": "9.9"}, "the driver runs another Medha version (9.9;"),
+        ({"format": 2, "medha": "0.0.1"}, "the driver runs Medha 0.0.1, this node "),
+    ],
+)
+def test_a_driver_of_another_version_is_refused_by_name(facts: object, says: str) -> None:
+    """A node reading a check-in of another layout died with a ValueError traceback
+    (unpacking), and the driver then waited its whole start bound."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from medha_runtime.dist_config import _REFUSED, _WORLD, DistConfig, JoinRefused, check_in
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=30))
+    store.set(_WORLD, json.dumps(facts))  # what a driver of that version published
+    config = DistConfig(world_size=2, master_port=port, start_timeout_s=10.0)
+    with pytest.raises(JoinRefused, match="give every node the same Medha version") as info:
+        check_in(config, rank=1)
+    assert says in str(info.value), str(info.value)
+    assert store.get(_REFUSED).decode() == str(info.value)  # the driver hears it too

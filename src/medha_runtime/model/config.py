@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from medha_runtime.config import canonical_dtype
 from medha_runtime.model.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from medha_runtime.tokenizer import token_ids
 
@@ -31,13 +32,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-_DTYPE_ALIASES = {
-    "fp32": "float32",
-    "float": "float32",
-    "fp16": "float16",
-    "half": "float16",
-    "bf16": "bfloat16",
-}
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -47,7 +41,7 @@ def dtype_name(dtype: str | torch.dtype) -> str:
             if value == dtype:
                 return name
         raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(_DTYPES)}")
-    name = _DTYPE_ALIASES.get(dtype.removeprefix("torch."), dtype.removeprefix("torch."))
+    name = canonical_dtype(dtype)
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
     return name
