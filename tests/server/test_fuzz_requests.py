@@ -601,12 +601,6 @@ def test_fuzz_tokenize_and_detokenize(server: Server) -> None:
     check_healthy(server)
 
 
-def test_the_log_holds_no_traceback(server: Server, log_path: Path) -> None:
-    """After the examples above: nothing the server caught or not left a traceback."""
-    check_healthy(server)
-    assert "Traceback" not in log_path.read_text(errors="replace")
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_every_refused_field_is_a_400_naming_it(server: Server, path: str) -> None:
     """Each field Medha does not implement, alone at a value other than its "off" one, is
@@ -735,3 +729,9 @@ def test_extreme_sampling_values_answer_and_keep_the_engine(
         else:
             assert r.json()["usage"]["completion_tokens"] >= 2
     check_healthy(server)
+
+
+def test_the_log_holds_no_traceback(server: Server, log_path: Path) -> None:
+    """The module's last test: nothing above left a traceback in the server's log."""
+    check_healthy(server)
+    assert "Traceback" not in log_path.read_text(errors="replace")
