@@ -213,7 +213,7 @@ class Sampler:
             )  # [P, 3]: presence, frequency, repetition
             presence, frequency, repetition = (params[:, j : j + 1] for j in range(3))
             sub = logits[pen]
-            rep = torch.where(sub > 0, sub / repetition, sub * repetition)
+            rep = _bounded(torch.where(sub > 0, sub / repetition, sub * repetition), sub)
             sub = torch.where(seen, rep, sub)
             sub = sub - frequency * counts - presence * (counts > 0).float()
             logits[pen] = sub
@@ -281,7 +281,7 @@ class Sampler:
             temps = torch.tensor(
                 [specs[i].temperature for i in drawn], dtype=torch.float32, device=logits.device
             )
-            scaled = logits[drawn] / temps[:, None]
+            scaled = _bounded(logits[drawn] / temps[:, None], logits[drawn])
             scaled = _min_p(scaled, [specs[i].min_p for i in drawn])
             for j, i in enumerate(drawn):
                 spec = specs[i]
@@ -357,6 +357,20 @@ def _ban_unless_last(row: torch.Tensor, tokens: list[int]) -> None:
     left[index] = False
     if bool(left.any()):
         row[index] = float("-inf")
+
+
+def _bounded(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` (fp32 ``[S, V]``, ``old`` after a repetition penalty or over the temperature)
+    finite where ``old`` was: an extreme but valid value (a penalty of 1e-300, which fp32
+    holds as 0; a temperature of 1e300) overflows a logit to +-inf, or gives NaN (0 x inf,
+    -inf / inf), and softmax of such a row is NaN, which stopped the engine. An overflow
+    becomes the largest (or smallest) float, so that token stays the most (least) likely;
+    NaN becomes 0, the limit of a 0 logit's penalty; a -inf of ``old`` (a token ruled out)
+    stays -inf."""
+    big = torch.finfo(new.dtype).max
+    return torch.where(
+        torch.isfinite(old), torch.nan_to_num(new, nan=0.0, posinf=big, neginf=-big), old
+    )
 
 
 def _min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:

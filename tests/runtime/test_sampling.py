@@ -628,3 +628,36 @@ def test_llm_refuses_bad_words_that_leave_nothing_to_draw(llm) -> None:
     ok = p.replace(allowed_token_ids=[ord("x"), ord("z")], temperature=0.0)
     assert llm.generate([[5, 6]], ok)[0].outputs[0].token_ids == [ord("z")] * 3
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kw", "seen_tokens"),
+    [
+        # fp32 holds 1e-300 as 0: a seen token's positive logit / 0 was +inf, softmax NaN
+        ({"penalties": Penalties(0.0, 0.0, 1e-300)}, True),
+        ({"penalties": Penalties(0.0, 0.0, 1e-40)}, True),
+        # fp32 holds 1e300 as inf: 0 x inf was NaN
+        ({"penalties": Penalties(0.0, 0.0, 1e300)}, True),
+        # a ruled-out token's -inf / inf was NaN
+        ({"temperature": 1e300, "suppress": (3, 4)}, False),
+        ({"temperature": 1e300, "allowed": (5, 6)}, False),
+    ],
+)
+def test_extreme_valid_values_draw_a_token_not_a_nan(kw: dict, seen_tokens: bool) -> None:
+    """Such a request stopped the engine ("probability tensor contains either inf, nan");
+    now it draws, and never a ruled-out token."""
+    logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(5)) * 4
+    logits[0, 7] = 0.0  # a seen token with a 0 logit
+    history = ((1, 2, 7), (9,)) if seen_tokens else None
+    s = Sampler()
+    sp = spec("r", seed=3, history=history, **kw)
+    toks = [s.sample(logits, [sp])[0].token_id for _ in range(20)]
+    assert all(0 <= t < 20 for t in toks)
+    assert not set(toks) & {3, 4}
+    if "allowed" in kw:
+        assert set(toks) <= {5, 6}
+    if kw.get("penalties") is not None and kw["penalties"].repetition < 1e-30:
+        # a positive seen logit over a (near) zero penalty is the most likely by far
+        best = {t for t in (1, 2, 9) if logits[0, t] > 0}
+        if best:
+            assert set(toks) <= best

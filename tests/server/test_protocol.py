@@ -10,6 +10,7 @@ from medha_runtime.server.protocol import (
     CompletionRequest,
     RefusedField,
     check_request,
+    check_text,
     unknown_fields,
 )
 
@@ -30,6 +31,34 @@ def test_off_values_pass_and_others_are_refused() -> None:
         bad = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
         check_request(ChatCompletionRequest(messages=bad), chat=True)
     assert err.value.param == "messages[0].content[0].type"
+
+
+def test_check_text_names_where_a_lone_surrogate_is() -> None:
+    ok = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "h\u00e9 \U0001f600"}], stop=["\n"], my_field="\x00"
+    )
+    check_text(ok)
+    check_text(CompletionRequest(prompt=[[1, 2], [3]]))
+    for body, param in [
+        (CompletionRequest(prompt=["ok", "a\ud800"]), "prompt[1]"),
+        (
+            CompletionRequest(prompt="x", stream=True, stream_options={"z": "\udfff"}),
+            "stream_options.z",
+        ),
+        (CompletionRequest(prompt="x", extra_thing={"k": ["\udc80"]}), "extra_thing.k[0]"),
+        (CompletionRequest(prompt="x", extra_thing={"\ud800": 1}), "extra_thing.\\ud800"),
+        (
+            ChatCompletionRequest(
+                messages=[{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]
+            ),
+            "messages[0].content[0].text",
+        ),
+    ]:
+        with pytest.raises(RefusedField, match="lone surrogate") as err:
+            check_text(body)
+        assert err.value.param == param
+        assert err.value.param in str(err.value)
+        str(err.value).encode("utf-8")  # the message itself can be answered
 
 
 def test_cache_salt_is_a_field_and_an_empty_one_is_refused() -> None:

@@ -302,6 +302,7 @@ def _install_routes(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Any:
+        front.check_text(body)
         front.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", 400, "prompt")
@@ -322,12 +323,17 @@ def _install_routes(
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Any:
+        front.check_text(body)
         front.check_model(body.model)
         vocab = front.vocab_size
         if vocab is not None:
             bad = [t for t in body.tokens if not 0 <= t < vocab]
             if bad:
-                raise APIError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+                raise APIError(
+                    f"tokens: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                    400,
+                    "tokens",
+                )
         return {"prompt": front.need_tokenizer().decode(body.tokens)}
 
 

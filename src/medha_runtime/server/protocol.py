@@ -4,7 +4,9 @@ Every field is honoured or refused. :func:`check_request` refuses (HTTP 400,
 naming the field) what Medha does not implement: tools and function calls,
 a ``response_format`` other than text, content parts other than text,
 ``suffix``, ``best_of`` other than ``n``, beam search, guided decoding, and
-the like; also unknown message roles and messages without content. A field
+the like; also unknown message roles and messages without content.
+:func:`check_text` refuses a string that is not Unicode text (a lone
+surrogate, which JSON can escape and UTF-8 cannot hold). A field
 nobody knows passes, as vLLM lets it pass, and is logged at warning level
 once per name (:func:`unknown_fields`).
 """
@@ -55,7 +57,8 @@ class _Common(BaseModel):
     top_p: float | None = None
     n: int = Field(default=1, ge=1, le=128)
     stop: Union[str, list[str], None] = None  # noqa: UP007
-    seed: int | None = None
+    # a 64-bit signed seed, as vLLM bounds it (a larger one was reduced to 64 bits)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's records: nothing to do
@@ -244,6 +247,55 @@ def check_messages(messages: list[ChatMessage]) -> None:
                         f"{at}.content[{j}].text: a text part needs a string, "
                         f"got {part.get('text')!r}",
                     )
+
+
+def check_text(body: BaseModel) -> None:
+    """Raise :class:`RefusedField` for a string (or a field's name) in the body that is
+    not Unicode text: JSON can escape a lone surrogate (``"\\ud800"``), UTF-8 cannot
+    hold one, so the tokenizer, the log and the answer would fail on it."""
+    at = _surrogate_at(body, "")
+    if at is not None:
+        param = at.lstrip(".") or "body"
+        raise RefusedField(
+            param, f"{param}: a string holds a lone surrogate, which is not valid Unicode text"
+        )
+
+
+def _surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in ``value`` that UTF-8 cannot encode, or None."""
+    if isinstance(value, str):
+        return None if _encodes(value) else path
+    if isinstance(value, BaseModel):
+        items = [(n, getattr(value, n)) for n in type(value).model_fields]
+        items += list((value.model_extra or {}).items())
+        value = dict(items)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{path}.{key}" if isinstance(key, str) else path
+            if isinstance(key, str) and not _encodes(key):
+                return f"{path}.{_escaped(key)}"
+            found = _surrogate_at(item, name)
+            if found is not None:
+                return found
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        for i, item in enumerate(value):
+            found = _surrogate_at(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _escaped(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode as ``\\udXXXX`` escapes (safe to answer)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 #: fields of every kind that are known but need no check (their meaning is

@@ -36,6 +36,7 @@ from medha_runtime.server.protocol import (
     RefusedField,
     check_messages,
     check_request,
+    check_text,
     error_body,
     unknown_fields,
 )
@@ -118,6 +119,14 @@ class Frontend:
         ready = self.client.ready
         info = ready.info if ready is not None else None
         return dict(info.sampling_defaults) if info is not None else {}
+
+    def check_text(self, body: Any) -> None:
+        """A 400 for a string that is not Unicode text (a lone surrogate), before it is
+        echoed in an answer or a log line, or tokenized."""
+        try:
+            check_text(body)
+        except RefusedField as exc:
+            raise APIError(str(exc), 400, exc.param) from None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -256,7 +265,8 @@ class Frontend:
             )
 
     def check_vocab(self, body: Any, prompts: list[Prompt]) -> None:
-        """Refuse token ids outside the vocabulary (in a prompt or ``logit_bias``) with a 400
+        """Refuse token ids outside the vocabulary (in a prompt, ``logit_bias``,
+        ``stop_token_ids`` or ``allowed_token_ids``) with a 400
         before anything is submitted, so a stream gets the 400 too, not a 200 with an
         error event (the engine checks them again)."""
         vocab = self.vocab_size
@@ -277,6 +287,14 @@ class Frontend:
                 f"(0..{vocab - 1})",
                 400,
                 "logit_bias",
+            )
+        bad = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:  # the model never draws it: the stop would be ignored
+            raise APIError(
+                f"stop_token_ids: token id {bad[0]} is outside the model's vocabulary "
+                f"(0..{vocab - 1})",
+                400,
+                "stop_token_ids",
             )
         bad = [t for t in body.allowed_token_ids or () if not 0 <= t < vocab]
         if bad:
@@ -552,6 +570,7 @@ class Frontend:
 
     # ------------------------------------------------------------- endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self.check_text(body)
         self.check_model(body.model)
         self.check_alive()
         self.check_fields(body, chat=False)
@@ -599,6 +618,7 @@ class Frontend:
         return prompts
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        self.check_text(body)
         self.check_model(body.model)
         self.check_alive()
         self.check_fields(body, chat=True)
@@ -607,6 +627,12 @@ class Frontend:
         mt = body.max_completion_tokens
         if mt is None:
             mt = body.max_tokens
+        elif mt < 1:  # named as sent (the sampling check names max_tokens)
+            raise APIError(
+                f"max_completion_tokens must be an integer >= 1, got {mt}",
+                400,
+                "max_completion_tokens",
+            )
         self.check_lengths(len(ids), mt)
         self.check_vocab(body, [Prompt(None, ids)])
         if mt is None:  # the room left, at most the model's generation config's
