@@ -83,15 +83,17 @@ class _Bans:
 
     ``mask``: bool ``[V]``, True for a token never drawn (outside
     ``allowed`` or a one-token bad word; None: no such token); ``words``: the
-    bad words of more than one token; ``tail``: the output's last tokens
-    (``keep``: the longest word's length less one). ``allowed`` and
-    ``bad_words`` are the spec's, to notice a request id used anew.
+    bad words of more than one token, indexed by their length less one, then by
+    all but their last token, to those last tokens (a step looks up each length
+    once, however many words); ``tail``: the output's last tokens (``keep``: the
+    longest word's length less one). ``allowed`` and ``bad_words`` are the
+    spec's, to notice a request id used anew.
     """
 
     allowed: tuple[int, ...]
     bad_words: tuple[tuple[int, ...], ...]
     mask: torch.Tensor | None
-    words: tuple[tuple[int, ...], ...]
+    words: dict[int, dict[tuple[int, ...], list[int]]]
     tail: list[int]
     keep: int
 
@@ -103,9 +105,11 @@ class _Bans:
     def word_ends(self) -> list[int]:
         """Last tokens of the words whose rest the output ends with."""
         tail, n = self.tail, len(self.tail)
-        return [
-            w[-1] for w in self.words if len(w) - 1 <= n and tuple(tail[n - len(w) + 1 :]) == w[:-1]
-        ]
+        ends: list[int] = []
+        for k, by_prefix in self.words.items():
+            if k <= n:
+                ends.extend(by_prefix.get(tuple(tail[n - k :]), ()))
+        return ends
 
 
 class Sampler:
@@ -224,8 +228,11 @@ class Sampler:
         id used again); a row with ``history`` restarts the output's tail from it."""
         b = self._bans.get(spec.request_id)
         if b is None or not b.matches(spec):
-            words = tuple(w for w in spec.bad_words if len(w) > 1)
-            keep = max((len(w) - 1 for w in words), default=0)
+            words: dict[int, dict[tuple[int, ...], list[int]]] = {}
+            for w in spec.bad_words:
+                if len(w) > 1:
+                    words.setdefault(len(w) - 1, {}).setdefault(w[:-1], []).append(w[-1])
+            keep = max(words, default=0)
             mask = _token_mask(spec, vocab, device)
             b = self._bans[spec.request_id] = _Bans(
                 spec.allowed, spec.bad_words, mask, words, [], keep

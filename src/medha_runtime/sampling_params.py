@@ -183,10 +183,11 @@ class SamplingParams:
             put(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         words = () if self.bad_words is None else self.bad_words
         if not isinstance(words, (list, tuple)) or not all(
-            isinstance(w, str) and w.strip() for w in words
+            isinstance(w, str) and w.strip() and _is_text(w) for w in words
         ):
             raise ValueError(
-                f"bad_words must be a list of strings with a non-space character, got {words!r}"
+                "bad_words must be a list of Unicode strings with a non-space character, "
+                f"got {words!r}"
             )
         put(self, "bad_words", tuple(words))
         for name in ("logprobs", "prompt_logprobs"):
@@ -343,6 +344,16 @@ def bad_words_token_ids(
         if len(spaced) == len(plain) and spaced[0] != plain[0]:
             out.setdefault(spaced)
     return tuple(out)
+
+
+def _is_text(word: str) -> bool:
+    """Whether ``word`` is Unicode text (no lone surrogate, which the tokenizer refuses
+    with a TypeError)."""
+    try:
+        word.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def resolve_bad_words(

@@ -305,7 +305,7 @@ class Frontend:
                 "allowed_token_ids",
             )
 
-    def sampling(
+    async def sampling(
         self, body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
         d = self.sampling_defaults
@@ -344,7 +344,8 @@ class Frontend:
             if params.bad_words and tok is not None:  # checked here for a 400; the engine
                 front = tok  # reads them again (token ids are its own business)
                 encode = lambda word: front.encode(word, add_special_tokens=False)  # noqa: E731
-                resolve_bad_words(params, encode, stops, self.vocab_size)
+                chars = text_chars(params.bad_words)  # many words: off the loop too
+                await off_loop(chars, resolve_bad_words, params, encode, stops, self.vocab_size)
             return params
         except ValueError as exc:
             message = str(exc)  # it starts with the field's name ("min_tokens=20 must ...")
@@ -589,7 +590,7 @@ class Frontend:
         if body.echo and body.logprobs is not None:
             want.append(body.logprobs)  # echoed prompt tokens get their logprobs too
         pl = max((w for w in want if w is not None), default=None)
-        params = self.sampling(body, max_tokens, body.logprobs, pl)
+        params = await self.sampling(body, max_tokens, body.logprobs, pl)
         run = await self.start(request, body, prompts, params, chat=False)
         return await self.answer(run, body, chat=False)
 
@@ -641,6 +642,6 @@ class Frontend:
         else:
             max_tokens = mt
         lp = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling(body, max_tokens, lp, body.prompt_logprobs)
+        params = await self.sampling(body, max_tokens, lp, body.prompt_logprobs)
         run = await self.start(request, body, [Prompt(None, ids)], params, chat=True)
         return await self.answer(run, body, chat=True)
