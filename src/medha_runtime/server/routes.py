@@ -54,6 +54,17 @@ async def off_loop(chars: int, fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
+async def _settled(run: Run, wait: Any) -> None:
+    """Await ``wait`` (the run's accept or its whole answer); an :class:`APIError` it
+    raises ends the run with its status (the run writes the access line) and goes on."""
+    try:
+        await wait
+    except APIError as exc:
+        run.finish(exc.status)
+        exc.logged = True
+        raise
+
+
 def text_chars(value: Any) -> int:
     """Characters of text in a prompt or a chat's messages (token ids count none)."""
     if isinstance(value, str):
@@ -412,23 +423,13 @@ class Frontend:
         refusal, such as a prompt only the scheduler can judge too long, is then a
         plain 400 error, streamed or not)."""
         if body.stream:
-            try:
-                await run.accepted()
-            except APIError as exc:
-                run.finish(exc.status)
-                exc.logged = True  # the run wrote the access line
-                raise
+            await _settled(run, run.accepted())
             return StreamingResponse(
                 self.stream(run, body, chat),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        try:
-            await run.collect()
-        except APIError as exc:
-            run.finish(exc.status)
-            exc.logged = True  # the run wrote the access line
-            raise
+        await _settled(run, run.collect())
         run.finish(200)
         if run.disconnected:
             return None
