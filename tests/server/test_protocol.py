@@ -275,3 +275,26 @@ def test_a_long_text_encodes_to_the_same_ids_off_the_gil() -> None:
     for tokenize in (True, False):
         got = front.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
         assert got == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+
+
+def test_unknown_field_names_are_remembered_up_to_a_bound(caplog) -> None:
+    """Each unknown name is warned about once; a client sending new names in every request
+    grew the set of names warned about without bound."""
+    import logging
+
+    from medha_runtime.server.protocol import CompletionRequest
+    from medha_runtime.server.routes import MAX_WARNED_FIELDS, Frontend
+
+    front = Frontend(None, None, None, model_name="m")  # check_fields reads none of them
+    with caplog.at_level(logging.WARNING, logger="medha_runtime.server.routes"):
+        for i in range(MAX_WARNED_FIELDS + 50):
+            body = CompletionRequest(model="m", prompt="p", **{f"x{i}": 1, "x0": 1})
+            front.check_fields(body, chat=False)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("'x0' is not known" in m for m in lines) == 1
+    assert sum("is not known to Medha" in m for m in lines) == MAX_WARNED_FIELDS
+    assert (
+        lines[-1]
+        == f"more than {MAX_WARNED_FIELDS} unknown request field names: no more are logged"
+    )
+    assert len(front._warned) == MAX_WARNED_FIELDS + 1

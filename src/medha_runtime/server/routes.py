@@ -88,6 +88,11 @@ ERROR_TYPES = {
 }
 
 
+#: unknown request field names warned about once each; past this many, no more are
+#: remembered (a client sending new names in every request grew the set without bound)
+MAX_WARNED_FIELDS = 256
+
+
 class Frontend:
     """State shared by the endpoints. ``tokenizer`` is set once the engine is ready."""
 
@@ -160,13 +165,20 @@ class Frontend:
         except RefusedField as exc:
             raise APIError(str(exc), 400, exc.param) from None
         for name in unknown_fields(body):
-            if name not in self._warned:
-                self._warned.add(name)
+            if name in self._warned or len(self._warned) > MAX_WARNED_FIELDS:
+                continue
+            self._warned.add(name)
+            if len(self._warned) > MAX_WARNED_FIELDS:
                 logger.warning(
-                    "request field %r is not known to Medha and is ignored (as vLLM does); "
-                    "this warning is logged once per field name",
-                    name,
+                    "more than %d unknown request field names: no more are logged",
+                    MAX_WARNED_FIELDS,
                 )
+                continue
+            logger.warning(
+                "request field %r is not known to Medha and is ignored (as vLLM does); "
+                "this warning is logged once per field name",
+                name,
+            )
 
     def need_tokenizer(self) -> FrontTokenizer:
         if self.client.ready is None:  # the tokenizer comes with the engine
