@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -13,22 +14,27 @@ from tests.server.conftest import start_server, stop_server
 openai = pytest.importorskip("openai")
 
 
+def chat_is_prompt(url: str, messages: list, prompt: str) -> Any:
+    """Assert that the server's chat template renders ``messages`` as the text ``prompt``
+    (their ``/tokenize`` tokens are equal); returns the prompt's ``/tokenize`` response."""
+    import httpx
+
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30)
+    plain = httpx.post(
+        f"{url}/tokenize", json={"prompt": prompt, "add_special_tokens": False}, timeout=30
+    )
+    assert chat.status_code == plain.status_code == 200, chat.text + plain.text
+    assert chat.json()["tokens"] == plain.json()["tokens"]
+    return plain
+
+
 def test_the_served_chat_template_is_the_flags(tmp_path) -> None:
     path = tmp_path / "t.jinja"
     path.write_text("<{{ messages[-1]['content'] }}>", encoding="utf-8")
     server = start_server("--chat-template", str(path), "--max-num-seqs", "2")
     try:
-        import httpx
-
         messages = [{"role": "user", "content": "hello"}]
-        chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
-        plain = httpx.post(
-            f"{server.url}/tokenize",
-            json={"prompt": "<hello>", "add_special_tokens": False},
-            timeout=30,
-        )
-        assert chat.status_code == plain.status_code == 200, chat.text + plain.text
-        assert chat.json()["tokens"] == plain.json()["tokens"]
+        plain = chat_is_prompt(server.url, messages, "<hello>")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
         replies = [
             client.chat.completions.create(
@@ -133,17 +139,7 @@ def test_inline_chat_template_newline_reaches_the_prompt() -> None:
     # (a template's last newline is dropped, as by transformers' Jinja settings)
     server = start_server("--chat-template", "<{{ messages[-1]['content'] }}>\\n.")
     try:
-        import httpx
-
-        messages = [{"role": "user", "content": "hello"}]
-        chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
-        plain = httpx.post(
-            f"{server.url}/tokenize",
-            json={"prompt": "<hello>\n.", "add_special_tokens": False},
-            timeout=30,
-        )
-        assert chat.status_code == plain.status_code == 200, chat.text + plain.text
-        assert chat.json()["tokens"] == plain.json()["tokens"]
+        chat_is_prompt(server.url, [{"role": "user", "content": "hello"}], "<hello>\n.")
     finally:
         stop_server(server)
 

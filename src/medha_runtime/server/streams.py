@@ -131,16 +131,23 @@ class Run:
         waiting = set(range(len(self.subs)))
         while waiting:
             item = await self.queue.get()
-            if item is DISCONNECTED:
-                self.disconnected = True
+            if self._ends(item):
                 return
-            if isinstance(item, Failure):
-                raise self._refused(item)
             if isinstance(item, Accepted):
                 waiting.discard(item.index)
             else:
                 waiting.discard(item[0])
                 self._early.append(item)
+
+    def _ends(self, item: Any) -> bool:
+        """Whether ``item`` is the client's disconnect (noted in :attr:`disconnected`);
+        raises the :class:`APIError` of a :class:`Failure`."""
+        if item is DISCONNECTED:
+            self.disconnected = True
+            return True
+        if isinstance(item, Failure):
+            raise self._refused(item)
+        return False
 
     def _refused(self, failure: Failure) -> APIError:
         if failure.index is not None:
@@ -192,11 +199,8 @@ class Run:
         left = sum(1 for s in self.subs if s.finish_reason is None)
         while left and not self.disconnected:
             item = self._early.pop(0) if self._early else await self.queue.get()
-            if item is DISCONNECTED:
-                self.disconnected = True
+            if self._ends(item):
                 return
-            if isinstance(item, Failure):
-                raise self._refused(item)
             if isinstance(item, Accepted):
                 continue
             idx, delta, now = item
