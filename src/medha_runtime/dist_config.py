@@ -158,6 +158,10 @@ class JoinRefused(RuntimeError):
 
 #: the check-in keys on the rendezvous store (the default group's keys have a prefix)
 _WORLD, _JOINED, _REFUSED = "medha/world", "medha/joined", "medha/refused"
+#: what the driver publishes beyond ``_WORLD``'s ``[world, local_ranks, model]`` (which
+#: keeps its layout, so that a node of an earlier Medha still reads it and joins as it
+#: did): the check-in format, the Medha version and the engine flags
+_FACTS = "medha/facts"
 
 
 def check_in(config: DistConfig, *, rank: int) -> Any:
@@ -200,12 +204,10 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
         facts = {
             "format": CHECK_IN_FORMAT,
             "medha": medha_version(),
-            "world": world,
-            "local_ranks": config.local_ranks,
-            "model": config.model,
             "engine_flags": config.engine_flags,
         }
-        store.set(_WORLD, json.dumps(facts))
+        store.set(_FACTS, json.dumps(facts))  # before _WORLD, which a node waits for
+        store.set(_WORLD, json.dumps([world, config.local_ranks, config.model]))
         deadline = time.monotonic() + config.start_timeout_s
         while (joined := store.add(_JOINED, 0)) < world - 1:
             if store.check([_REFUSED]):
@@ -217,12 +219,12 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
                 )
             time.sleep(0.05)
         return store
-    facts = json.loads(store.get(_WORLD))
+    theirs, their_k, their_model = json.loads(store.get(_WORLD))
+    facts = json.loads(store.get(_FACTS)) if store.check([_FACTS]) else None
     why = _other_version(facts, rank, where)
     if why is not None:
         store.set(_REFUSED, why)
         raise JoinRefused(why)
-    theirs, their_k, their_model = facts["world"], facts["local_ranks"], facts["model"]
     flags = _flag_differences(config.engine_flags, facts["engine_flags"])
     if theirs != world:
         why = (
@@ -260,7 +262,8 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
     return store
 
 
-#: the layout of the facts the driver publishes at check-in (a JSON object from 2 on)
+#: the layout of the facts the driver publishes at check-in under ``_FACTS`` (a JSON
+#: object; a driver of an earlier Medha publishes none)
 CHECK_IN_FORMAT = 2
 
 
@@ -275,8 +278,10 @@ def medha_version() -> str:
 
 
 def _other_version(facts: Any, rank: int, where: str) -> str | None:
-    """Why rank ``rank`` cannot read the driver's check-in ``facts`` (another Medha
-    version, or another check-in layout), or None."""
+    """Why rank ``rank`` cannot read the driver's check-in ``facts`` (None: the driver
+    published none, being of an earlier Medha; another check-in layout; another Medha
+    version, where both know theirs: a source tree run uninstalled says "unknown"), or
+    None."""
     mine = medha_version()
     if not isinstance(facts, dict) or facts.get("format") != CHECK_IN_FORMAT:
         theirs = facts.get("medha", "unknown") if isinstance(facts, dict) else "an older one"
@@ -285,7 +290,7 @@ def _other_version(facts: Any, rank: int, where: str) -> str | None:
             f"({theirs}; this node runs {mine} and cannot read its check-in): give every "
             "node the same Medha version"
         )
-    if facts.get("medha") != mine:
+    if "unknown" not in (mine, facts.get("medha")) and facts.get("medha") != mine:
         return (
             f"rank {rank} cannot join at {where}: the driver runs Medha {facts.get('medha')}, "
             f"this node {mine}: give every node the same Medha version"

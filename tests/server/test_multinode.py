@@ -506,9 +506,9 @@ def test_driver_only_flags_are_not_compared_and_dtype_aliases_are_one() -> None:
 @pytest.mark.parametrize(
     "facts, says",
     [
-        ([2, 1, "tiny", []], "the driver runs another Medha version (an older one;"),
+        (None, "the driver runs another Medha version (an older one;"),
         ({"format": 3, "medha": "9.9"}, "the driver runs another Medha version (9.9;"),
-        ({"format": 2, "medha": "0.0.1"}, "the driver runs Medha 0.0.1, this node "),
+        ({"format": 2, "medha": "0.0.1", "engine_flags": []}, "the driver runs Medha 0.0.1, "),
     ],
 )
 def test_a_driver_of_another_version_is_refused_by_name(facts: object, says: str) -> None:
@@ -519,13 +519,71 @@ def test_a_driver_of_another_version_is_refused_by_name(facts: object, says: str
 
     import torch.distributed as dist
 
-    from medha_runtime.dist_config import _REFUSED, _WORLD, DistConfig, JoinRefused, check_in
+    from medha_runtime.dist_config import (
+        _FACTS,
+        _REFUSED,
+        _WORLD,
+        DistConfig,
+        JoinRefused,
+        check_in,
+    )
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=30))
-    store.set(_WORLD, json.dumps(facts))  # what a driver of that version published
+    if facts is not None:  # what a driver of that version published
+        store.set(_FACTS, json.dumps(facts))
+    store.set(_WORLD, json.dumps([2, 1, None]))
     config = DistConfig(world_size=2, master_port=port, start_timeout_s=10.0)
     with pytest.raises(JoinRefused, match="give every node the same Medha version") as info:
         check_in(config, rank=1)
     assert says in str(info.value), str(info.value)
     assert store.get(_REFUSED).decode() == str(info.value)  # the driver hears it too
+
+
+def test_the_driver_keeps_the_world_layout_earlier_nodes_read() -> None:
+    """A node of the previous Medha unpacks ``[world, local_ranks, model]``: the driver
+    still publishes that, and its version and flags under another key."""
+    import datetime
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    from medha_runtime.dist_config import (
+        _FACTS,
+        _REFUSED,
+        _WORLD,
+        CHECK_IN_FORMAT,
+        DistConfig,
+        JoinRefused,
+        check_in,
+        medha_version,
+    )
+
+    port = free_port()
+    flags = (("--tp", "2"),)
+    config = DistConfig(
+        world_size=2, master_port=port, start_timeout_s=20.0, model="tiny", engine_flags=flags
+    )
+    errors: list[BaseException] = []
+
+    def driver() -> None:
+        try:
+            check_in(config, rank=0)
+        except JoinRefused as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=20))
+    theirs, their_k, their_model = json.loads(client.get(_WORLD))  # as the old node reads
+    assert (theirs, their_k, their_model) == (2, 1, "tiny")
+    facts = json.loads(client.get(_FACTS))
+    assert facts == {
+        "format": CHECK_IN_FORMAT,
+        "medha": medha_version(),
+        "engine_flags": [list(f) for f in flags],
+    }
+    client.set(_REFUSED, "test over")
+    thread.join(timeout=20)
+    assert not thread.is_alive() and str(errors[0]) == "test over"

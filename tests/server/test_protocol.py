@@ -298,3 +298,17 @@ def test_unknown_field_names_are_remembered_up_to_a_bound(caplog) -> None:
         == f"more than {MAX_WARNED_FIELDS} unknown request field names: no more are logged"
     )
     assert len(front._warned) == MAX_WARNED_FIELDS + 1
+
+
+def test_check_text_reads_lists_that_start_with_a_number() -> None:
+    """Only the token-id fields' lists are skipped by their first item: ``[1, "\\ud800"]``
+    in ``chat_template_kwargs`` passed, and a template that printed it was a 500."""
+    from medha_runtime.server.protocol import ChatCompletionRequest, RefusedField, check_text
+
+    msgs = [{"role": "user", "content": "x"}]
+    body = ChatCompletionRequest(
+        model="m", messages=msgs, chat_template_kwargs={"x": [1, "\ud800"]}
+    )
+    with pytest.raises(RefusedField, match=r"^chat_template_kwargs\.x\[1\]: a string holds"):
+        check_text(body)
+    check_text(CompletionRequest(model="m", prompt=[[1, 2], [3]], stop_token_ids=[4]))

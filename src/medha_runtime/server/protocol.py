@@ -13,6 +13,7 @@ once per name (:func:`unknown_fields`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -277,12 +278,22 @@ def _surrogate_at(value: Any, path: str) -> str | None:
             found = _surrogate_at(item, name)
             if found is not None:
                 return found
-    elif isinstance(value, list) and value and not isinstance(value[0], int):
+    elif isinstance(value, list) and value:
+        if isinstance(value[0], int) and _INDEX.sub("", path) in _TOKEN_ID_FIELDS:
+            return None  # token ids: the field's type made every item an int
         for i, item in enumerate(value):
-            found = _surrogate_at(item, f"{path}[{i}]")
-            if found is not None:
-                return found
+            if isinstance(item, (str, list, dict, BaseModel)):
+                found = _surrogate_at(item, f"{path}[{i}]")
+                if found is not None:
+                    return found
     return None
+
+
+#: the body's fields of token ids (``[int]``, or ``[[int]]`` for ``prompt``), whose lists
+#: :func:`_surrogate_at` skips unread; any other list is read whole (``[1, "\\ud800"]`` in
+#: ``chat_template_kwargs`` reached the tokenizer)
+_TOKEN_ID_FIELDS = {".prompt", ".tokens", ".stop_token_ids", ".allowed_token_ids"}
+_INDEX = re.compile(r"\[\d+\]")
 
 
 def _encodes(text: str) -> bool:
