@@ -312,3 +312,31 @@ def test_check_text_reads_lists_that_start_with_a_number() -> None:
     with pytest.raises(RefusedField, match=r"^chat_template_kwargs\.x\[1\]: a string holds"):
         check_text(body)
     check_text(CompletionRequest(model="m", prompt=[[1, 2], [3]], stop_token_ids=[4]))
+
+
+def test_null_is_the_default_where_vllm_takes_null() -> None:
+    """vLLM declares these Optional: a client sending null got a 400 here."""
+    body = CompletionRequest.model_validate(
+        {
+            "prompt": "x",
+            "stream": None,
+            "echo": None,
+            "n": None,
+            "return_tokens_as_token_ids": None,
+            "stream_options": {"include_usage": None, "continuous_usage_stats": None},
+        }
+    )
+    assert (body.stream, body.echo, body.n, body.return_tokens_as_token_ids) == (
+        False,
+        False,
+        1,
+        False,
+    )
+    assert not body.stream_options.include_usage and not body.stream_options.continuous_usage_stats
+    msgs = [{"role": "user", "content": "x"}]
+    chat = ChatCompletionRequest.model_validate({"messages": msgs, "logprobs": None, "n": None})
+    assert (chat.logprobs, chat.n) == (False, 1)
+    with pytest.raises(ValueError, match="stream"):  # a wrong value is still refused
+        CompletionRequest.model_validate({"prompt": "x", "stream": "sometimes"})
+    with pytest.raises(ValueError, match="ignore_eos"):  # vLLM takes no null here either
+        CompletionRequest.model_validate({"prompt": "x", "ignore_eos": None})

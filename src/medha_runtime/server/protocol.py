@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 TokenIds = list[int]
 
@@ -42,10 +42,21 @@ class RefusedField(ValueError):
         self.param = param
 
 
+def _null_is_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A field's default where the body gives null (vLLM declares these ``Optional``)."""
+    if value is None and info.field_name is not None:
+        return cls.model_fields[info.field_name].default
+    return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+    _nulls = field_validator("include_usage", "continuous_usage_stats", mode="before")(
+        classmethod(_null_is_default)
+    )
 
 
 class _Common(BaseModel):
@@ -88,12 +99,18 @@ class _Common(BaseModel):
     # vLLM: prefix-cache hits only on blocks of requests with the same salt
     cache_salt: str | None = None
 
+    _nulls = field_validator("n", "stream", "return_tokens_as_token_ids", mode="before")(
+        classmethod(_null_is_default)
+    )
+
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]  # noqa: UP007
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True
+
+    _echo_null = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
 
 class ChatMessage(BaseModel):
@@ -111,6 +128,8 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    _logprobs_null = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
 
 class TokenizeRequest(BaseModel):
