@@ -39,7 +39,6 @@ _GIB = 1 << 30
 #: products at full rate on a CPU (see docs/benchmarks.md, "Batch 32 and the
 #: 2,048-token prefill")
 OFFLINE_THROUGHPUT_CHUNK = 2048
-DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "float", "fp16", "half", "bf16")
 #: dtype aliases and the canonical name each stands for
 DTYPE_ALIASES = {
     "fp32": "float32",
@@ -48,6 +47,7 @@ DTYPE_ALIASES = {
     "half": "float16",
     "bf16": "bfloat16",
 }
+DTYPES = ("auto", "float32", "float16", "bfloat16", *DTYPE_ALIASES)
 
 
 def canonical_dtype(name: str) -> str:

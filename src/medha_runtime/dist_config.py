@@ -34,6 +34,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from medha_runtime.version import medha_version
+
 #: the longest wait torch.distributed takes (a store's waits count nanoseconds: 1e10 s
 #: overflows, and timedelta refuses inf)
 MAX_WAIT_S = 1e8
@@ -265,16 +267,6 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
 #: the layout of the facts the driver publishes at check-in under ``_FACTS`` (a JSON
 #: object; a driver of an earlier Medha publishes none)
 CHECK_IN_FORMAT = 2
-
-
-def medha_version() -> str:
-    """This installation's Medha version (``"unknown"`` where it is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("medha")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _other_version(facts: Any, rank: int, where: str) -> str | None:

@@ -66,7 +66,9 @@ from medha_runtime.sampling import (
 )
 from medha_runtime.sampling_params import (
     check_allowed_tokens,
+    check_token_ids,
     resolve_bad_words,
+    stop_tokens,
     truncate_prompt,
 )
 from medha_runtime.step_log import StepLog, initial_model_path
@@ -509,12 +511,7 @@ class LLMEngine:
     def _check_vocab(self, where: str, ids: Sequence[int]) -> None:
         """A ValueError naming the first of ``ids`` outside the vocabulary (``where``
         prefixes the message: the field, or nothing for the prompt)."""
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"{where}token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})"
-            )
+        check_token_ids(where, ids, self.config.vocab_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request; returns its final output (``finish_reason="abort"``), or None
@@ -848,7 +845,7 @@ class LLMEngine:
         p = st.params
         suppress: tuple[int, ...] = ()
         if len(st.output_ids) + ahead < p.min_tokens:
-            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            ids = stop_tokens(p, self.eos_token_ids)
             suppress = tuple(sorted(t for t in ids if t < self.config.vocab_size))
         top_k = p.top_k if p.top_k > 0 else 0
         penalties = history = None

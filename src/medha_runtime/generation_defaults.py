@@ -25,13 +25,12 @@ built-in defaults, vLLM's name for that), or a directory holding a
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from medha_runtime.model.errors import ConfigError, MissingFileError
-from medha_runtime.sampling_params import SamplingParams
+from medha_runtime.sampling_params import SamplingParams, is_number
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -93,11 +92,7 @@ def read_generation_defaults(file: str | os.PathLike[str]) -> dict[str, Any]:
         value = data.get(key)
         if value is None:
             continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
+        if not is_number(value):
             raise ConfigError(f"{file}: {key} must be a finite number, got {value!r}")
         if key in _INTEGER_KEYS and not float(value).is_integer():
             raise ConfigError(f"{file}: {key} must be a whole number, got {value!r}")

@@ -25,8 +25,35 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def is_number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_text(text: str) -> bool:
+    """Whether ``text`` is Unicode text: UTF-8 can encode it (no lone surrogate, which
+    JSON's ``"\\ud800"`` escape can give and the tokenizer refuses)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def stop_tokens(params: SamplingParams, eos_token_ids: Iterable[int]) -> set[int]:
+    """The tokens ``min_tokens`` holds back: ``stop_token_ids``, and the model's EOS
+    unless ``ignore_eos``."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
+def check_token_ids(where: str, ids: Iterable[int], vocab: int) -> None:
+    """A ValueError naming the first of ``ids`` outside ``0..vocab-1`` (``where`` prefixes
+    the message: ``"field: "``, or nothing for a prompt)."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(
+            f"{where}token id {bad} is outside the model's vocabulary (0..{vocab - 1})"
+        )
 
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
@@ -38,7 +65,7 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     try:
         for key, bias in items:  # type: ignore[union-attr]
             tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-            if not _is_int(tok) or tok < 0 or not _is_number(bias):
+            if not _is_int(tok) or tok < 0 or not is_number(bias):
                 raise ValueError
             out[tok] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(bias)))
     except (TypeError, ValueError):
@@ -129,21 +156,21 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        if not _is_number(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(
                 f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}"
             )
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
+            if not is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         put(self, "logit_bias", _bias_pairs(self.logit_bias))
         k = self.truncate_prompt_tokens
@@ -183,7 +210,7 @@ class SamplingParams:
             put(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         words = () if self.bad_words is None else self.bad_words
         if not isinstance(words, (list, tuple)) or not all(
-            isinstance(w, str) and w.strip() and _is_text(w) for w in words
+            isinstance(w, str) and w.strip() and is_text(w) for w in words
         ):
             raise ValueError(
                 "bad_words must be a list of Unicode strings with a non-space character, "
@@ -317,8 +344,7 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: Iterable[int]) -
     allowed = params.allowed_token_ids
     if not allowed or params.min_tokens == 0:
         return
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    if set(allowed) <= stops:
+    if set(allowed) <= stop_tokens(params, eos_token_ids):
         raise ValueError(
             f"allowed_token_ids: every allowed token {list(allowed)} is a stop token, which "
             f"min_tokens={params.min_tokens} holds back: no token could be drawn"
@@ -346,16 +372,6 @@ def bad_words_token_ids(
     return tuple(out)
 
 
-def _is_text(word: str) -> bool:
-    """Whether ``word`` is Unicode text (no lone surrogate, which the tokenizer refuses
-    with a TypeError)."""
-    try:
-        word.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def resolve_bad_words(
     params: SamplingParams,
     encode: Callable[[str], Sequence[int]],
@@ -372,12 +388,7 @@ def resolve_bad_words(
     """
     ids = bad_words_token_ids(params.bad_words, encode)
     if vocab_size is not None:
-        bad = [t for w in ids for t in w if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"bad_words: token id {bad[0]} is outside the model's vocabulary "
-                f"(0..{vocab_size - 1})"
-            )
+        check_token_ids("bad_words: ", (t for w in ids for t in w), vocab_size)
     banned = {w[0] for w in ids if len(w) == 1}
     if banned:
         _check_drawable(params, banned, eos_token_ids, vocab_size)
@@ -388,9 +399,7 @@ def _check_drawable(
     params: SamplingParams, banned: set[int], eos_token_ids: Iterable[int], vocab: int | None
 ) -> None:
     """A ValueError where ``banned`` leaves no token to draw (see :func:`resolve_bad_words`)."""
-    held: set[int] = set()
-    if params.min_tokens:
-        held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    held = stop_tokens(params, eos_token_ids) if params.min_tokens else set()
     allowed = params.allowed_token_ids
     if allowed:
         if set(allowed) <= banned:
@@ -406,7 +415,7 @@ def _check_drawable(
         return
     if vocab is None:
         return
-    if len({t for t in banned if t < vocab}) == vocab:
+    if len(banned) == vocab:  # resolve_bad_words checked that each is below vocab
         raise ValueError(
             "bad_words: they ban every token of the vocabulary: no token could be drawn"
         )

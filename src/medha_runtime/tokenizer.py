@@ -18,6 +18,7 @@ A model directory supplies:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -455,7 +456,9 @@ def _tojson(
     )
 
 
+@functools.lru_cache(maxsize=16)
 def _compile(source: str) -> Any:
+    """``source`` compiled (cached: a template is checked at start-up, then used)."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

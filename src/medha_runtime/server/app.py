@@ -41,6 +41,7 @@ from medha_runtime.server.protocol import (
 )
 from medha_runtime.server.routes import ERROR_TYPES, Frontend, off_loop, text_chars
 from medha_runtime.server.tokens import FrontTokenizer
+from medha_runtime.version import medha_version
 
 __all__ = ["APIError", "ServerConfig", "build_app"]
 
@@ -286,13 +287,7 @@ def _install_routes(
 
     @app.get("/version")
     async def version() -> Any:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as package_version
-
-        try:
-            return {"version": package_version("medha")}
-        except PackageNotFoundError:  # run from a source tree that is not installed
-            return {"version": "unknown"}
+        return {"version": medha_version()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

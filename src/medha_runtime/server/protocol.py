@@ -19,6 +19,8 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from medha_runtime.sampling_params import is_text
+
 TokenIds = list[int]
 
 #: chat roles the templates know
@@ -99,9 +101,15 @@ class _Common(BaseModel):
     # vLLM: prefix-cache hits only on blocks of requests with the same salt
     cache_salt: str | None = None
 
-    _nulls = field_validator("n", "stream", "return_tokens_as_token_ids", mode="before")(
-        classmethod(_null_is_default)
-    )
+    _nulls = field_validator(
+        "n",
+        "stream",
+        "return_tokens_as_token_ids",
+        "echo",
+        "logprobs",
+        mode="before",
+        check_fields=False,
+    )(classmethod(_null_is_default))  # echo: completions only; logprobs: both
 
 
 class CompletionRequest(_Common):
@@ -109,8 +117,6 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True
-
-    _echo_null = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
 
 class ChatMessage(BaseModel):
@@ -128,8 +134,6 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-
-    _logprobs_null = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
 
 class TokenizeRequest(BaseModel):
@@ -284,7 +288,7 @@ def check_text(body: BaseModel) -> None:
 def _surrogate_at(value: Any, path: str) -> str | None:
     """The path of the first string in ``value`` that UTF-8 cannot encode, or None."""
     if isinstance(value, str):
-        return None if _encodes(value) else path
+        return None if is_text(value) else path
     if isinstance(value, BaseModel):
         items = [(n, getattr(value, n)) for n in type(value).model_fields]
         items += list((value.model_extra or {}).items())
@@ -292,7 +296,7 @@ def _surrogate_at(value: Any, path: str) -> str | None:
     if isinstance(value, dict):
         for key, item in value.items():
             name = f"{path}.{key}" if isinstance(key, str) else path
-            if isinstance(key, str) and not _encodes(key):
+            if isinstance(key, str) and not is_text(key):
                 return f"{path}.{_escaped(key)}"
             found = _surrogate_at(item, name)
             if found is not None:
@@ -313,14 +317,6 @@ def _surrogate_at(value: Any, path: str) -> str | None:
 #: ``chat_template_kwargs`` reached the tokenizer)
 _TOKEN_ID_FIELDS = {".prompt", ".tokens", ".stop_token_ids", ".allowed_token_ids"}
 _INDEX = re.compile(r"\[\d+\]")
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _escaped(text: str) -> str:

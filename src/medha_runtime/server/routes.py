@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from medha_runtime.sampling_params import (
     SamplingParams,
     check_allowed_tokens,
+    check_token_ids,
     resolve_bad_words,
     truncate_prompt,
 )
@@ -63,6 +64,14 @@ async def _settled(run: Run, wait: Any) -> None:
         run.finish(exc.status)
         exc.logged = True
         raise
+
+
+def _token_ids_in(vocab: int, param: str, where: str, ids: Any) -> None:
+    """A 400 naming ``param`` for the first of ``ids`` outside the vocabulary."""
+    try:
+        check_token_ids(where, ids, vocab)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, param) from None
 
 
 def text_chars(value: Any) -> int:
@@ -296,13 +305,7 @@ class Frontend:
         if vocab is None:
             return
         for p in prompts:
-            bad = [t for t in p.ids if not 0 <= t < vocab]
-            if bad:
-                raise APIError(
-                    f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})",
-                    400,
-                    "prompt",
-                )
+            _token_ids_in(vocab, "prompt", "", p.ids)
         bad = [k for k in body.logit_bias or () if int(k) >= vocab]  # keys checked: digits
         if bad:
             raise APIError(
@@ -311,22 +314,9 @@ class Frontend:
                 400,
                 "logit_bias",
             )
-        bad = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
-        if bad:  # the model never draws it: the stop would be ignored
-            raise APIError(
-                f"stop_token_ids: token id {bad[0]} is outside the model's vocabulary "
-                f"(0..{vocab - 1})",
-                400,
-                "stop_token_ids",
-            )
-        bad = [t for t in body.allowed_token_ids or () if not 0 <= t < vocab]
-        if bad:
-            raise APIError(
-                f"allowed_token_ids: token id {bad[0]} is outside the model's vocabulary "
-                f"(0..{vocab - 1})",
-                400,
-                "allowed_token_ids",
-            )
+        # (a stop id the model never draws would be ignored)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            _token_ids_in(vocab, name, f"{name}: ", getattr(body, name) or ())
 
     async def sampling(
         self, body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
