@@ -15,6 +15,9 @@
 #                                    # step, decode kernels replayed from a graph (about 4 min)
 #   bash benchmarks/gpu_call.sh 7    # graphs of the layers only (LM head eager), one shared
 #                                    # block table: their tests, the 8B step, the engine (2 min)
+#   bash benchmarks/gpu_call.sh 8    # the N-way merge read in blocks of states: the Triton and
+#                                    # graph tests on CUDA, decode kernels (eager, from a graph,
+#                                    # FlashInfer), the engine eager against graphs (about 4 min)
 #
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
@@ -24,12 +27,12 @@
 # MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5|6|7 [gpu_suite.py arguments]}
+call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5|6|7|8 [gpu_suite.py arguments]}
 shift
 case "$call" in
-    1 | 2 | 3 | 4 | 5 | 6 | 7) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
     *)
-        echo "gpu_call: the call is 1 to 7, not $call" >&2
+        echo "gpu_call: the call is 1 to 8, not $call" >&2
         exit 2
         ;;
 esac
@@ -138,6 +141,18 @@ case "$call" in
             "${sp8b[@]}" \
             --no-stacks --top 10
         bounded "${MEDHA_GPU_EVT_S:-45}" evt python3 benchmarks/engine_vs_transformers.py \
+            --device cuda --dtype bfloat16 --threads 4 --modes sync graphs
+        ;;
+    8)  # the N-way merge read in blocks; FlashInfer only for the kernels part
+        export PYTHONPATH="${src}/tmp/site"
+        bounded "${MEDHA_GPU_TESTS_S:-100}" tests python3 -m pytest -q -p no:cacheprovider \
+            -n 4 --timeout 90 tests/kernels/test_triton.py tests/runtime/test_decode_graphs.py
+        export PYTHONPATH="${src}/tmp/site:/tmp/fi"
+        bounded "${MEDHA_GPU_KERNELS_S:-110}" kernels_run python3 benchmarks/gpu_suite.py \
+            --out "$out" --stage kernels --budget-s 100 --kernel-ops decode \
+            --backends medha/triton,medha/triton-graph,flashinfer
+        export PYTHONPATH="${src}/tmp/site"
+        bounded "${MEDHA_GPU_EVT_S:-60}" evt python3 benchmarks/engine_vs_transformers.py \
             --device cuda --dtype bfloat16 --threads 4 --modes sync graphs
         ;;
 esac

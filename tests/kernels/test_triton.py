@@ -397,6 +397,27 @@ def test_merge_states(dtype, head_dim, num_states):
         assert torch.all(lse[~finite] == -INF) and torch.all(out[~finite] == 0)
 
 
+
+@pytest.mark.parametrize(("dtype", "num_states"), [(F32, 70), (BF16, 33), (F16, 129)])
+def test_merge_states_across_read_blocks(dtype, num_states):
+    """More states than one read block (32): empties, maxima and NaNs in later blocks."""
+    tokens, heads, head_dim = 6, 5, 72
+    v = _randn(tokens, num_states, heads, head_dim, dtype=dtype)
+    s = _randn(tokens, num_states, heads) * 4
+    s[0] = -INF  # all empty
+    s[1, :32] = -INF  # the first block empty, the rest not
+    s[2, -1] += 60.0  # the maximum in the last block: earlier sums rescaled
+    s[3, 32, 1], v[3, 32, 1] = float("nan"), INF  # NaN counts as empty
+    s[4, 2:] = -INF  # only the first block holds anything
+    s[5, :-1] = -INF  # only the very last state
+    out, lse = merge_states(v, s, backend="triton")
+    v_true, s_true = merge_ref(v, s)
+    v_base, s_base = merge_ref(v, s, upcast=False)
+    assert_twice_torch(out, v_true, v_base, what="v")
+    assert_twice_torch(lse, s_true, s_base, what="s")
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == -INF)
+    assert torch.equal(out[5], v[5, -1]) and torch.equal(lse[5], s[5, -1])
+
 # --- append_paged_kv ------------------------------------------------------------------------
 
 

@@ -8,6 +8,10 @@ import triton
 from medha_kernels.triton._common import block_d, head_block, rne_bf16
 from medha_kernels.triton.kernels.merge import merge_state_kernel, merge_states_kernel
 
+# States an N-way merge program reads at once (its tiles are [BLOCK_S, heads, dim],
+# about 4K elements: with many states, one head per program).
+MERGE_STATES_BLOCK = 32
+
 
 def _merge2(
     v_a: torch.Tensor,
@@ -84,7 +88,8 @@ def launch_merge_states(
     if rows == 0 or num_heads == 0:
         return
     bd = block_d(head_dim)
-    bh = head_block(num_heads, bd)
+    bs = min(triton.next_power_of_2(max(num, 1)), MERGE_STATES_BLOCK)
+    bh = head_block(num_heads, bd * bs)
     grid = (rows, triton.cdiv(num_heads, bh))
     merge_states_kernel[grid](
         v,
@@ -101,6 +106,7 @@ def launch_merge_states(
         *s_out.stride(),
         DECODE_ROWS=cu_seqlens is not None,
         RNE_BF16=rne_bf16(v_out.dtype),
+        BLOCK_S=bs,
         BLOCK_H=bh,
         BLOCK_D=bd,
     )
