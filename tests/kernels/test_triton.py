@@ -397,7 +397,6 @@ def test_merge_states(dtype, head_dim, num_states):
         assert torch.all(lse[~finite] == -INF) and torch.all(out[~finite] == 0)
 
 
-
 @pytest.mark.parametrize(("dtype", "num_states"), [(F32, 70), (BF16, 33), (F16, 129)])
 def test_merge_states_across_read_blocks(dtype, num_states):
     """More states than one read block (32): empties, maxima and NaNs in later blocks."""
@@ -417,6 +416,7 @@ def test_merge_states_across_read_blocks(dtype, num_states):
     assert_twice_torch(lse, s_true, s_base, what="s")
     assert torch.all(out[0] == 0) and torch.all(lse[0] == -INF)
     assert torch.equal(out[5], v[5, -1]) and torch.equal(lse[5], s[5, -1])
+
 
 # --- append_paged_kv ------------------------------------------------------------------------
 

@@ -155,9 +155,7 @@ def merge_states_kernel(
     for n0 in range(0, num, BLOCK_S):
         n = n0 + offs_s
         ok = (n[:, None] < num) & h_ok[None, :]
-        s_n = clean_lse(
-            tl.load(s_rows + n[:, None] * stride_s_n, mask=ok, other=float("-inf"))
-        )
+        s_n = clean_lse(tl.load(s_rows + n[:, None] * stride_s_n, mask=ok, other=float("-inf")))
         m_new = tl.maximum(m, tl.max(s_n, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2((m - m_safe) * 1.4426950408889634)
