@@ -2,6 +2,7 @@
 
     python benchmarks/triton_tiles.py --json tiles.json            # on a CUDA device
     python benchmarks/triton_tiles.py --ops decode --graph --decode-shapes 1:4096,1:32768,8:4096
+    python benchmarks/triton_tiles.py --ops decode --graph --decode-configs "64,4,3,8;32,2,2,4"
 
 Each prefill configuration (query rows per program, keys per tile, warps, pipeline
 stages) runs ``medha_kernels.chunked_prefill_attention(backend="triton")`` on
@@ -76,6 +77,18 @@ def _decode_case(b: int, ctx: int, dev, dtype, block: int = 16):
     return run, 4 * b * HQ * D * ctx, nbytes
 
 
+def _parse_decode_configs(text: str) -> list[dict[str, int]]:
+    """``"64,4,3,8;32,2,2,4"``: BLOCK_N, warps, stages, programs per SM, per configuration."""
+    keys = ("BLOCK_N", "num_warps", "num_stages", "programs_per_sm")
+    cfgs = []
+    for item in text.split(";"):
+        values = [int(x) for x in item.split(",")]
+        if len(values) != len(keys):
+            raise SystemExit(f"--decode-configs: {item!r} is not BLOCK_N,warps,stages,per_sm")
+        cfgs.append({"rows": 16, **dict(zip(keys, values, strict=True))})
+    return cfgs
+
+
 def _configs(op: str, quick: bool) -> list[dict[str, int]]:
     if op == "prefill":
         grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
@@ -87,6 +100,34 @@ def _configs(op: str, quick: bool) -> list[dict[str, int]]:
         keys = ("BLOCK_N", "num_warps", "num_stages", "programs_per_sm")
         cfgs = [{"rows": 16, **dict(zip(keys, g, strict=True))} for g in grid]
     return cfgs[:2] if quick else cfgs
+
+
+def _sweep(cfgs, op, fn_or_maker, cuda, args, t_end, saved) -> list[dict]:
+    """Time each configuration in ``args.repeats`` interleaved rounds: rows of
+    ``{"cfg", "s"}`` (the median round) or ``{"cfg", "error"}``."""
+    arch = "cuda9"
+    times: list[list[float]] = [[] for _ in cfgs]
+    errors: dict[int, str] = {}
+    for _ in range(max(args.repeats, 1)):
+        for i, cfg in enumerate(cfgs):
+            if i in errors:
+                continue
+            if time.monotonic() > t_end:
+                print(f"budget spent: {op} stops after {sum(map(len, times))} timings")
+                break
+            tri._TILES_BY_ARCH[arch] = {**saved, op: cfg}
+            fn = fn_or_maker if op == "prefill" else fn_or_maker()
+            try:
+                times[i].append(_time(fn, cuda, graph=args.graph and op == "decode"))
+            except Exception as exc:  # a config the compiler refuses (shared memory)
+                errors[i] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    rows = []
+    for i, cfg in enumerate(cfgs):
+        if i in errors:
+            rows.append({"cfg": cfg, "error": errors[i]})
+        elif times[i]:
+            rows.append({"cfg": cfg, "s": sorted(times[i])[len(times[i]) // 2]})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         help="decode shapes B:L,... (default 1:1048576,1:4096,16:32768,64:4096)",
     )
     ap.add_argument("--ops", default="prefill,decode", help="prefill, decode or both")
+    ap.add_argument(
+        "--decode-configs",
+        default=None,
+        help="only these decode configurations: BLOCK_N,warps,stages,per_sm;... (see --repeats)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over the configurations, interleaved; each row is the median round",
+    )
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -133,33 +185,29 @@ def main(argv: list[str] | None = None) -> int:
                     if op == "prefill"
                     else _decode_case(*shape, dev, dtype)
                 )
-                rows = []
-                for cfg in _configs(op, args.quick):
-                    if time.monotonic() > t_end:
-                        print(f"budget spent: {op} {shape} stops after {len(rows)} configs")
-                        break
-                    tri._TILES_BY_ARCH[arch] = {**saved, op: cfg}
-                    fn = fn_or_maker if op == "prefill" else fn_or_maker()
-                    try:
-                        sec = _time(fn, cuda, graph=args.graph and op == "decode")
-                    except Exception as exc:  # a config the compiler refuses (shared memory)
-                        rows.append(
-                            {"cfg": cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-                        )
-                        continue
-                    row = {"cfg": cfg, "us": sec * 1e6, "tflops": flops / sec / 1e12}
-                    if nbytes:
-                        row["gbps"] = nbytes / sec / 1e9
-                    rows.append(row)
+                cfgs = _configs(op, args.quick)
+                if op == "decode" and args.decode_configs:
+                    cfgs = _parse_decode_configs(args.decode_configs)
+                rows = _sweep(cfgs, op, fn_or_maker, cuda, args, t_end, saved)
+                for row in rows:
+                    if "s" in row:
+                        sec = row.pop("s")
+                        row.update(us=sec * 1e6, tflops=flops / sec / 1e12)
+                        if nbytes:
+                            row["gbps"] = nbytes / sec / 1e9
                 ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
                 results.setdefault(op, []).append({"shape": shape, "rows": rows})
                 print(f"== {op} {shape}: {len(ok)} configs ran, {len(rows) - len(ok)} refused")
                 for r in ok[:5]:
                     extra = f" {r['gbps']:.0f} GB/s" if "gbps" in r else ""
                     print(f"   {r['us']:10.1f} us {r['tflops']:7.1f} TFLOP/s{extra}  {r['cfg']}")
-                default = next((r for r in rows if r["cfg"] == {**tri._DEFAULT_TILES[op]}), None)
-                if default and "us" in default:
-                    print(f"   default {default['us']:.1f} us")
+                for name, table in (("default", tri._DEFAULT_TILES), ("cuda9", saved)):
+                    mine = next((r for r in rows if r["cfg"] == {**table[op]}), None)
+                    if mine and "us" in mine:
+                        print(f"   {name} {mine['us']:.1f} us")
+                if len(ok) <= 8:
+                    for r in rows:
+                        print(f"   {r.get('us', float('nan')):10.1f} us  {r['cfg']}")
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump(results, f, indent=1)

@@ -1,6 +1,7 @@
 """Merging attention states ``(v, s)``: two-way (optionally in place, masked) and N-way.
 
-One program handles one token and ``BLOCK_H`` heads x ``BLOCK_D`` (padded) dims.
+One program handles one token and ``BLOCK_H`` heads x ``BLOCK_D`` (padded) dims;
+the N-way merge reads ``BLOCK_S`` of the token's states at a time.
 Weights are ``exp2((s - max s) * log2 e)``, never ``exp(s)``, so a common offset
 is exact. +inf/NaN LSEs count as empty; an empty state's ``v`` is never loaded
 (selected away), so garbage in it cannot leak. All-empty gives ``(0, -inf)``.
