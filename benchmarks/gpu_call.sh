@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_call.sh 8    # the N-way merge read in blocks of states: the Triton and
 #                                    # graph tests on CUDA, decode kernels (eager, from a graph,
 #                                    # FlashInfer), the engine eager against graphs (about 4 min)
+#   bash benchmarks/gpu_call.sh 9    # decode and merge kernels beside FlashInfer, then split-KV
+#                                    # programs per SM against the number of decodes (about 4 min)
 #
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
@@ -27,12 +29,12 @@
 # MEDHA_GPU_SKIP_INSTALL=1 skips the installs (to try the script on a developer machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5|6|7|8 [gpu_suite.py arguments]}
+call=${1:?usage: bash benchmarks/gpu_call.sh 1|2|3|4|5|6|7|8|9 [gpu_suite.py arguments]}
 shift
 case "$call" in
-    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;;
     *)
-        echo "gpu_call: the call is 1 to 8, not $call" >&2
+        echo "gpu_call: the call is 1 to 9, not $call" >&2
         exit 2
         ;;
 esac
@@ -154,5 +156,16 @@ case "$call" in
         export PYTHONPATH="${src}/tmp/site"
         bounded "${MEDHA_GPU_EVT_S:-60}" evt python3 benchmarks/engine_vs_transformers.py \
             --device cuda --dtype bfloat16 --threads 4 --modes sync graphs
+        ;;
+    9)  # the decode tiles of 2026-11-28 beside FlashInfer; programs per SM by batch size
+        export PYTHONPATH="${src}/tmp/site:/tmp/fi"
+        bounded "${MEDHA_GPU_KERNELS_S:-120}" kernels_run python3 benchmarks/gpu_suite.py \
+            --out "$out" --stage kernels --budget-s 110 --kernel-ops decode,merge \
+            --backends medha/triton,medha/triton-graph,flashinfer
+        export PYTHONPATH="${src}"
+        bounded "${MEDHA_GPU_TILES_S:-120}" tiles python3 benchmarks/triton_tiles.py \
+            --ops decode --graph --repeats 5 --budget-s 110 --json "$out/tiles.json" \
+            --decode-shapes 1:32768,2:32768,4:32768,8:32768,16:32768,32:32768,1:131072,4:131072 \
+            --decode-configs "64,4,2,2;64,4,2,4;64,4,2,8;64,4,3,8"
         ;;
 esac
