@@ -10,7 +10,9 @@ sampled rows back to it. Outside torchrun every rank first checks in on the
 store (:func:`check_in`): a rank whose world size, ranks per node, MODEL or
 engine flags differ from the driver's, or whose rank another process holds
 already, fails at once with the reason (and so does the driver while it waits),
-instead of waiting the whole start bound in silence.
+instead of waiting the whole start bound in silence. Under torchrun the ranks
+compare the driver's Medha version, MODEL and engine flags with their own right
+after joining (:func:`agree`), and every rank fails with the reasons.
 
 Bounds (nothing waits forever):
 
@@ -148,9 +150,41 @@ def join_world(config: DistConfig, *, rank: int, local_rank: int) -> Any:
     dist.init_process_group(
         backend, rank=rank, world_size=config.world_size, timeout=timeout, **where
     )
+    if not config.start_local:
+        agree(config, rank=rank)
     return dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=config.control_timeout_s)
     )
+
+
+def agree(config: DistConfig, *, rank: int) -> None:
+    """Under torchrun (whose agent hosts the store, so no :func:`check_in`): rank 0's
+    Medha version, MODEL and engine flags go to every rank over the default group;
+    each compares them with its own, and every rank hears every refusal.
+
+    Raises :class:`JoinRefused` on every rank where any rank differs, naming each
+    such rank and, for a flag, both values (as :func:`check_in` does).
+    """
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = {
+            "format": CHECK_IN_FORMAT,
+            "medha": medha_version(),
+            "model": config.model,
+            "engine_flags": [list(pair) for pair in config.engine_flags],
+        }
+    dist.broadcast_object_list(box, src=0)
+    where = f"{config.master_addr}:{config.master_port}"
+    why = _other_version(box[0], rank, where)
+    if why is None:
+        why = _config_mismatch(config, rank, where, box[0]["model"], box[0])
+    refusals: list[Any] = [None] * config.world_size
+    dist.all_gather_object(refusals, why)
+    said = [r for r in refusals if r]
+    if said:
+        raise JoinRefused("; ".join(said))
 
 
 class JoinRefused(RuntimeError):
@@ -227,7 +261,6 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
     if why is not None:
         store.set(_REFUSED, why)
         raise JoinRefused(why)
-    flags = _flag_differences(config.engine_flags, facts["engine_flags"])
     if theirs != world:
         why = (
             f"rank {rank} of a world of {world} ranks cannot join the driver's world of "
@@ -240,19 +273,9 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
             f"rank(s) per node, the driver's {their_k} per node: every node needs the "
             "same node count"
         )
-    elif None not in (config.model, their_model) and config.model != their_model:
-        why = (
-            f"rank {rank} cannot join at {where}: its node was started with MODEL "
-            f"{config.model!r}, but the driver serves {their_model!r} (every node runs "
-            "the driver's MODEL, from the same path): give every node the same MODEL"
-        )
-    elif flags:
-        why = (
-            f"rank {rank} cannot join at {where}: its node was started with engine flags "
-            f"other than the driver's (every node runs the driver's engine): {flags}: "
-            "give every node the same engine flags"
-        )
-    elif store.add(f"medha/rank/{rank}", 1) > 1:
+    else:
+        why = _config_mismatch(config, rank, where, their_model, facts)
+    if why is None and store.add(f"medha/rank/{rank}", 1) > 1:
         why = (
             f"rank {rank} has joined already at {where}: was another node started with "
             "the same node rank?"
@@ -286,6 +309,27 @@ def _other_version(facts: Any, rank: int, where: str) -> str | None:
         return (
             f"rank {rank} cannot join at {where}: the driver runs Medha {facts.get('medha')}, "
             f"this node {mine}: give every node the same Medha version"
+        )
+    return None
+
+
+def _config_mismatch(
+    config: DistConfig, rank: int, where: str, their_model: Any, facts: dict
+) -> str | None:
+    """Why rank ``rank``'s MODEL or engine flags are not the driver's (its ``facts``), or
+    None."""
+    if None not in (config.model, their_model) and config.model != their_model:
+        return (
+            f"rank {rank} cannot join at {where}: its node was started with MODEL "
+            f"{config.model!r}, but the driver serves {their_model!r} (every node runs "
+            "the driver's MODEL, from the same path): give every node the same MODEL"
+        )
+    flags = _flag_differences(config.engine_flags, facts["engine_flags"])
+    if flags:
+        return (
+            f"rank {rank} cannot join at {where}: its node was started with engine flags "
+            f"other than the driver's (every node runs the driver's engine): {flags}: "
+            "give every node the same engine flags"
         )
     return None
 

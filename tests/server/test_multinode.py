@@ -346,6 +346,36 @@ def test_torchrun_spp2(reference: list[str]) -> None:
             proc.wait(timeout=10)
 
 
+def test_torchrun_nodes_with_other_engine_flags_both_say_why(tmp_path: Path) -> None:
+    """Two torchrun nodes (one rank each) whose --dtype differs: there was no check-in
+    under torchrun, so rank 1 built its own bfloat16 model under rank 0's float32
+    engine. Now both ranks exit at start-up, and each names the flag with both values."""
+    master, port = free_port(), free_port()
+    run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    run += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master)]
+    serve = ["-m", "medha_runtime", "serve", "tiny", "--port", str(port), *LIMITS]
+    serve += [*TORCHRUN_LAYOUT, "--log-level", "warning"]
+    procs, logs = [], []
+    try:
+        for node, dtype in ((0, "float32"), (1, "bfloat16")):
+            logs.append(tmp_path / f"node{node}.log")
+            with logs[-1].open("wb") as err:
+                cmd = [*run, "--node-rank", str(node), *serve, "--dtype", dtype]
+                procs.append(subprocess.Popen(cmd, stdout=err, stderr=err, start_new_session=True))
+        codes = [proc.wait(timeout=120) for proc in procs]
+        texts = [log.read_text(errors="replace") for log in logs]
+        assert all(code != 0 for code in codes), (codes, texts)
+        want = "--dtype 'bfloat16' on this node, 'float32' on the driver"
+        for text in texts:
+            assert "rank 1 cannot join" in text and want in text, text
+    finally:
+        for proc in procs:
+            if proc.poll() is None or session_alive(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
 # ------------------------------------------------------------- bad set-ups
 BAD_SETUPS = [
     (["--tp", "3", "--nnodes", "2"], {}, "tp*spp*kvp = 3 is not divisible by --nnodes 2"),
