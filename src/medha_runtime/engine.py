@@ -201,6 +201,8 @@ class _RequestState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: why the request ended with ``finish_reason="error"`` (its token could not be sampled)
+    error: str | None = None
 
 
 class LLMEngine:
@@ -766,7 +768,11 @@ class LLMEngine:
             if dropped and dropped.get(rid, -1) >= out.batch_id:
                 continue  # finished when an earlier batch ended: a decode issued ahead
             tokens[rid] = s.token_id
-            if self._append(self._requests[rid], s):
+            if s.error is not None:  # it ends now, as a stop token would end it
+                st = self._requests[rid]
+                st.finish_reason, st.error = "error", s.error
+                stopped.add(rid)
+            elif self._append(self._requests[rid], s):
                 stopped.add(rid)
         if dropped:
             for rid in [r for r, b in dropped.items() if b <= out.batch_id]:
@@ -819,6 +825,7 @@ class LLMEngine:
             logprobs=[dict(e) for e in st.logprobs] if st.logprobs is not None else None,
             finish_reason=st.finish_reason,
             stop_reason=st.stop_reason,
+            error=st.error,
         )
         prompt_lps = None
         if st.prompt_logprobs is not None:
