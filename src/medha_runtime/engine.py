@@ -8,7 +8,8 @@ One :meth:`LLMEngine.step`:
    that the executor runs on every rank;
 3. each sampled token is appended to its request, detokenized incrementally
    and checked against the stop conditions (EOS unless ``ignore_eos``, stop
-   token ids, stop strings; none before ``min_tokens``);
+   token ids, stop strings; none before ``min_tokens``); a row the sampler could
+   not sample (``Sampled.error``) ends its request with ``finish_reason="error"``;
 4. ``scheduler.on_batch_end`` gets the tokens and the requests the engine
    stopped; ``max_tokens`` is the scheduler's (``finish_reason="length"``).
 

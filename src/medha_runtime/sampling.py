@@ -32,7 +32,10 @@ sampling rank: the last stage's first rank) draws:
 Prompt logprobs (:meth:`Sampler.prompt_logprobs`) are ``log_softmax`` of the
 raw logits at every prompt position, as a teacher-forced forward gives them.
 Stop conditions (stop strings, stop token ids, EOS, ``max_tokens``) are
-checked by the engine after sampling.
+checked by the engine after sampling. A row that cannot be sampled (non-finite
+logits make ``torch.multinomial`` raise) gets ``Sampled.error`` instead of
+stopping the step (see :meth:`Sampler.sample`); the engine ends its request with
+``finish_reason="error"``.
 """
 
 from __future__ import annotations
