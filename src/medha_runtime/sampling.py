@@ -281,13 +281,12 @@ class Sampler:
         try:
             self._sample(logits, specs, out)
         except Exception:
+            done = [i for i, r in enumerate(out) if r is not None]  # not counted yet
             for i, spec in enumerate(specs):
                 if out[i] is None:
                     out[i] = self._sample_alone(logits[i : i + 1], spec)
-        result = [s for s in out if s is not None]
-        ok = [i for i, s in enumerate(result) if s.error is None]
-        self._count([specs[i] for i in ok], [result[i].token_id for i in ok])
-        return result
+            self._count([specs[i] for i in done], [out[i].token_id for i in done])  # type: ignore[union-attr]
+        return out  # type: ignore[return-value]
 
     def _sample_alone(self, logits: torch.Tensor, spec: SampleSpec) -> Sampled:
         """One row (fp32 ``[1, V]``) sampled by itself; an exception becomes its error."""
@@ -302,8 +301,8 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, specs: Sequence[SampleSpec], out: list[Sampled | None]
     ) -> None:
-        """Fill ``out[i]`` for row ``i`` of fp32 ``[S, V]`` logits, row after row (an
-        exception leaves the rows sampled so far filled)."""
+        """Fill ``out[i]`` for row ``i`` of fp32 ``[S, V]`` logits, row after row, then
+        count them (an exception leaves the rows sampled so far filled, uncounted)."""
         if all(_plain_greedy(s) for s in specs):  # a decode batch's usual case: the arg-max
             out[:] = [Sampled(tok) for tok in greedy_argmax(logits.float()).tolist()]
             return
@@ -343,6 +342,7 @@ class Sampler:
                     out[i] = Sampled(tok)
                 else:
                     out[i] = _with_logprobs(raw_lp[i], tok, spec)
+        self._count(specs, [r.token_id for r in out])  # type: ignore[union-attr]
 
     @torch.no_grad()
     def prompt_logprobs(
