@@ -1,7 +1,7 @@
 """A request whose token cannot be sampled (non-finite logits) ends with
 ``finish_reason="error"``; the others in its batch get their own tokens and the
-engine goes on serving, in one process and with worker processes (spp = 2, async
-scheduling: a later batch already holds the failed request's next decode)."""
+engine goes on serving, in one process and with worker processes (spp = 2, tp = 2;
+with async scheduling a later batch already holds the failed request's next decode)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def poisoned(tmp_path_factory: pytest.TempPathFactory) -> str:
 LAYOUTS = {
     "one-process": {},
     "async": {"async_scheduling": True},
+    "spp2-workers": {"spp": 2, "async_scheduling": False},
     "spp2-async-workers": {"spp": 2, "async_scheduling": True},
+    "tp2-workers": {"tp": 2},
 }
 
 
