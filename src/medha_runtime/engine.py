@@ -8,7 +8,8 @@ One :meth:`LLMEngine.step`:
    that the executor runs on every rank;
 3. each sampled token is appended to its request, detokenized incrementally
    and checked against the stop conditions (EOS unless ``ignore_eos``, stop
-   token ids, stop strings; none before ``min_tokens``);
+   token ids, stop strings; none before ``min_tokens``); a row the sampler could
+   not sample (``Sampled.error``) ends its request with ``finish_reason="error"``;
 4. ``scheduler.on_batch_end`` gets the tokens and the requests the engine
    stopped; ``max_tokens`` is the scheduler's (``finish_reason="length"``).
 
@@ -201,6 +202,8 @@ class _RequestState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: why the request ended with ``finish_reason="error"`` (its token could not be sampled)
+    error: str | None = None
 
 
 class LLMEngine:
@@ -766,7 +769,11 @@ class LLMEngine:
             if dropped and dropped.get(rid, -1) >= out.batch_id:
                 continue  # finished when an earlier batch ended: a decode issued ahead
             tokens[rid] = s.token_id
-            if self._append(self._requests[rid], s):
+            if s.error is not None:  # it ends now, as a stop token would end it
+                st = self._requests[rid]
+                st.finish_reason, st.error = "error", s.error
+                stopped.add(rid)
+            elif self._append(self._requests[rid], s):
                 stopped.add(rid)
         if dropped:
             for rid in [r for r, b in dropped.items() if b <= out.batch_id]:
@@ -819,6 +826,7 @@ class LLMEngine:
             logprobs=[dict(e) for e in st.logprobs] if st.logprobs is not None else None,
             finish_reason=st.finish_reason,
             stop_reason=st.stop_reason,
+            error=st.error,
         )
         prompt_lps = None
         if st.prompt_logprobs is not None:

@@ -1,9 +1,11 @@
 """What ``LLM.generate`` returns: vLLM's ``RequestOutput`` / ``CompletionOutput`` shapes.
 
 ``finish_reason`` is ``"stop"`` (EOS, a stop token id or a stop string),
-``"length"`` (``max_tokens`` or the context limit) or ``"abort"``; it is None
-while the request runs. ``stop_reason`` is the stop string or stop token id
-that ended it (None for EOS and for the other reasons).
+``"length"`` (``max_tokens`` or the context limit), ``"abort"`` or ``"error"``
+(its next token could not be sampled, e.g. non-finite logits: ``error`` says
+why; the engine goes on serving the other requests); it is None while the
+request runs. ``stop_reason`` is the stop string or stop token id that ended
+it (None for EOS and for the other reasons).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ class CompletionOutput:
             ``SamplingParams.logprobs`` is set).
         logprobs: per generated token, ``{token_id: logprob}`` holding the
             chosen token and the top-k alternatives (None unless asked).
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None.
         stop_reason: the stop string or stop token id that matched, else None.
+        error: with ``finish_reason="error"``, why (the exception that sampling
+            the request's next token raised); else None.
     """
 
     index: int
@@ -37,6 +41,7 @@ class CompletionOutput:
     logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -32,7 +32,10 @@ sampling rank: the last stage's first rank) draws:
 Prompt logprobs (:meth:`Sampler.prompt_logprobs`) are ``log_softmax`` of the
 raw logits at every prompt position, as a teacher-forced forward gives them.
 Stop conditions (stop strings, stop token ids, EOS, ``max_tokens``) are
-checked by the engine after sampling.
+checked by the engine after sampling. A row that cannot be sampled (non-finite
+logits make ``torch.multinomial`` raise) gets ``Sampled.error`` instead of
+stopping the step (see :meth:`Sampler.sample`); the engine ends its request with
+``finish_reason="error"``.
 """
 
 from __future__ import annotations
@@ -260,14 +263,49 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[Sampled]:
-        """One token per row of ``logits`` (fp32 ``[S, V]``), row ``i`` by ``specs[i]``."""
+        """One token per row of ``logits`` (fp32 ``[S, V]``), row ``i`` by ``specs[i]``.
+
+        An exception while sampling the batch does not escape: the rows not sampled
+        yet are retried one by one, and a row that fails alone gets a
+        :class:`Sampled` with ``error`` set. The others get the tokens an error-free
+        batch gives them (rows are independent; a row drawn before the failure keeps
+        its token, so no generator draws twice), and the penalty and bad-word state
+        counts each sampled row once.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(specs):
             raise ValueError(
                 f"expected logits [{len(specs)}, vocab] for {len(specs)} rows, "
                 f"got {tuple(logits.shape)}"
             )
+        out: list[Sampled | None] = [None] * len(specs)
+        try:
+            self._sample(logits, specs, out)
+        except Exception:
+            done = [i for i, r in enumerate(out) if r is not None]  # not counted yet
+            for i, spec in enumerate(specs):
+                if out[i] is None:
+                    out[i] = self._sample_alone(logits[i : i + 1], spec)
+            self._count([specs[i] for i in done], [out[i].token_id for i in done])  # type: ignore[union-attr]
+        return out  # type: ignore[return-value]
+
+    def _sample_alone(self, logits: torch.Tensor, spec: SampleSpec) -> Sampled:
+        """One row (fp32 ``[1, V]``) sampled by itself; an exception becomes its error."""
+        out: list[Sampled | None] = [None]
+        try:
+            self._sample(logits, [spec], out)
+        except Exception as exc:
+            return Sampled(0, error=f"sampling failed: {type(exc).__name__}: {exc}")
+        assert out[0] is not None
+        return out[0]
+
+    def _sample(
+        self, logits: torch.Tensor, specs: Sequence[SampleSpec], out: list[Sampled | None]
+    ) -> None:
+        """Fill ``out[i]`` for row ``i`` of fp32 ``[S, V]`` logits, row after row, then
+        count them (an exception leaves the rows sampled so far filled, uncounted)."""
         if all(_plain_greedy(s) for s in specs):  # a decode batch's usual case: the arg-max
-            return [Sampled(tok) for tok in greedy_argmax(logits.float()).tolist()]
+            out[:] = [Sampled(tok) for tok in greedy_argmax(logits.float()).tolist()]
+            return
         # logprobs are of the raw logits (step 4), so taken before they are processed
         lp_rows = [i for i, s in enumerate(specs) if s.logprobs is not None]
         raw_lp: dict[int, torch.Tensor] = {}
@@ -275,7 +313,6 @@ class Sampler:
             lp = torch.log_softmax(logits[lp_rows].float(), dim=-1)
             raw_lp = {i: lp[j] for j, i in enumerate(lp_rows)}
         logits = self.process(logits, specs)
-        out: list[Sampled | None] = [None] * len(specs)
         greedy_rows = [i for i, s in enumerate(specs) if s.greedy]
         if greedy_rows:
             g_logits = logits if len(greedy_rows) == len(specs) else logits[greedy_rows]
@@ -305,9 +342,7 @@ class Sampler:
                     out[i] = Sampled(tok)
                 else:
                     out[i] = _with_logprobs(raw_lp[i], tok, spec)
-        result = [s for s in out if s is not None]
-        self._count(specs, [s.token_id for s in result])
-        return result
+        self._count(specs, [r.token_id for r in out])  # type: ignore[union-attr]
 
     @torch.no_grad()
     def prompt_logprobs(

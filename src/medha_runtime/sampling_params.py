@@ -285,11 +285,16 @@ class SampleSpec(NamedTuple):
 
 
 class Sampled(NamedTuple):
-    """One sampled token: its id, its logprob (None unless asked) and the top alternatives."""
+    """One sampled token: its id, its logprob (None unless asked) and the top alternatives.
+
+    ``error`` (None: sampled) says why the row could not be sampled (non-finite
+    logits, say); ``token_id`` is then 0, a placeholder the engine never outputs.
+    """
 
     token_id: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+    error: str | None = None
 
 
 class PromptLogprobSpec(NamedTuple):

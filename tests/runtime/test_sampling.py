@@ -352,8 +352,9 @@ def test_sampler_counts_its_own_tokens_between_steps() -> None:
         assert tok == want
         out.append(tok)
     s.forget(["r"])
-    with pytest.raises(RuntimeError, match="history"):
-        s.sample(logits[:1], [spec("r", temperature=0.0, penalties=pen)])
+    # without its history the row cannot be sampled: an error naming it, not an exception
+    (bad,) = s.sample(logits[:1], [spec("r", temperature=0.0, penalties=pen)])
+    assert bad.error is not None and "history" in bad.error
 
 
 def test_min_p_one_keeps_only_the_top_token() -> None:
@@ -697,3 +698,42 @@ def test_extreme_valid_values_draw_a_token_not_a_nan(kw: dict, seen_tokens: bool
         best = {t for t in (1, 2, 9) if logits[0, t] > 0}
         if best:
             assert set(toks) <= best
+
+
+# ------------------------------------------------- a row that cannot be sampled
+@pytest.mark.parametrize("at", [0, 1, 2, 3, 4])
+def test_a_row_that_fails_gets_an_error_and_the_others_their_own_tokens(at: int) -> None:
+    """Non-finite logits in one row make ``torch.multinomial`` raise: that row gets an
+    error naming the cause, and the others (retried one by one) exactly the tokens of a
+    batch without it, at this step and the next (a seeded row drawn before the failure is
+    not drawn again; a penalized row's token is counted once), wherever the bad row is."""
+    g = torch.Generator().manual_seed(4)
+    steps = [torch.randn(4, 30, generator=g) * 2 for _ in range(4)]
+    pen = Penalties(0.0, 50.0, 1.0)  # a token counted (once or twice) is never drawn again
+
+    def specs(step: int) -> list[SampleSpec]:
+        history = ((1, 2), ()) if step == 0 else None
+        return [
+            spec("drawn", temperature=0.8, seed=3, logprobs=2),
+            spec("later", temperature=1.3, seed=5),
+            spec("pen", temperature=0.3, seed=9, penalties=pen, history=history),
+            spec("pen-greedy", temperature=0.0, penalties=pen, history=history),
+        ]
+
+    def run(with_bad: bool) -> list[list[tuple]]:
+        s, out = Sampler(), []
+        for step, logits in enumerate(steps):
+            rows, sp = logits, specs(step)
+            if with_bad and step == 0:  # the bad row at ``at``
+                bad = torch.full((1, 30), float("nan"))
+                rows = torch.cat([logits[:at], bad, logits[at:]])
+                sp = [*sp[:at], spec("bad", seed=11), *sp[at:]]
+            got = s.sample(rows, sp)
+            if with_bad and step == 0:
+                assert got[at].error is not None and "probability tensor" in got[at].error
+                got = [*got[:at], *got[at + 1 :]]
+            assert all(r.error is None for r in got)
+            out.append([tuple(r) for r in got])
+        return out
+
+    assert run(True) == run(False)

@@ -297,13 +297,13 @@ def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send
             comp = out.outputs[0]
             ids, text, logprobs = comp.token_ids, comp.text, comp.logprobs
             reason, stop_reason = comp.finish_reason, comp.stop_reason
-            visible = text
+            visible, error = text, comp.error
         else:
             st = engine.progress(rid)
             if st is None:
                 continue
             ids, text, logprobs = st.output_ids, st.text, st.logprobs
-            reason = stop_reason = None
+            reason = stop_reason = error = None
             visible = text[: len(text) - t.holdback] if t.holdback else text
         new_ids = list(ids[t.tokens_sent :])
         new_text = visible[t.chars_sent :] if len(visible) > t.chars_sent else ""
@@ -338,6 +338,7 @@ def _emit(engine: Any, tracks: dict[str, _Track], finished: dict[str, Any], send
                 stop_reason,
                 new_lp,
                 deadline_met,
+                error,
                 prompt_logprobs=prompt_lps,
                 num_cached_tokens=cached,
             )

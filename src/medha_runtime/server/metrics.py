@@ -86,7 +86,8 @@ class ServerMetrics:
             [*labels, "finished_reason"],
             registry=reg,
         )
-        self.success = {r: success.labels(model_name, r) for r in ("stop", "length", "abort")}
+        reasons = ("stop", "length", "abort", "error")  # vLLM's finish reasons
+        self.success = {r: success.labels(model_name, r) for r in reasons}
         deadline = Counter(
             "medha:request_ttft_deadline",
             "Requests whose first token met (or missed) the scheduler's TTFT deadline.",

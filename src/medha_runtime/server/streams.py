@@ -207,8 +207,8 @@ class Run:
             sub = self.subs[idx]
             before = len(sub.tokens)
             self.record(sub, delta, now)
-            if delta.error is not None:  # the engine failed the step: unavailable
-                raise APIError(delta.error, 503)
+            if delta.error is not None:  # the engine failed this request (500) or the step
+                raise APIError(delta.error, 500 if delta.finish_reason == "error" else 503)
             if delta.finish_reason is not None:
                 left -= 1
             yield sub, delta, before
