@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import statistics
 import time
@@ -87,6 +88,8 @@ from medha_sched import (
     parse_cost_model_spec,
 )
 from medha_sched.cost.online import OnlineCostModel
+
+logger = logging.getLogger(__name__)
 
 #: the iteration-time budget when none is given (raised for slow devices, see LLMEngine)
 DEFAULT_TARGET_TIME = 0.05
@@ -773,6 +776,7 @@ class LLMEngine:
                 st = self._requests[rid]
                 st.finish_reason, st.error = "error", s.error
                 stopped.add(rid)
+                logger.warning("request %s failed: %s", rid, s.error)
             elif self._append(self._requests[rid], s):
                 stopped.add(rid)
         if dropped:

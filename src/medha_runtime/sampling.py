@@ -40,6 +40,7 @@ stopping the step (see :meth:`Sampler.sample`); the engine ends its request with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -304,7 +305,7 @@ class Sampler:
         """Fill ``out[i]`` for row ``i`` of fp32 ``[S, V]`` logits, row after row, then
         count them (an exception leaves the rows sampled so far filled, uncounted)."""
         if all(_plain_greedy(s) for s in specs):  # a decode batch's usual case: the arg-max
-            out[:] = [Sampled(tok) for tok in greedy_argmax(logits.float()).tolist()]
+            out[:] = [Sampled(tok) for tok in _greedy_tokens(logits.float())]
             return
         # logprobs are of the raw logits (step 4), so taken before they are processed
         lp_rows = [i for i, s in enumerate(specs) if s.logprobs is not None]
@@ -316,7 +317,7 @@ class Sampler:
         greedy_rows = [i for i, s in enumerate(specs) if s.greedy]
         if greedy_rows:
             g_logits = logits if len(greedy_rows) == len(specs) else logits[greedy_rows]
-            greedy_ids = greedy_argmax(g_logits).tolist()
+            greedy_ids = _greedy_tokens(g_logits)
             for j, i in enumerate(greedy_rows):
                 spec, tok = specs[i], greedy_ids[j]
                 if spec.logprobs is None:
@@ -507,6 +508,24 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     vocabulary (torch 2.13: 1.70 against 5.41 ms at 32 rows, one thread).
     """
     return row_argmax(logits)
+
+
+def _greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The arg-max token of each row of fp32 ``[S, V]`` logits (:func:`greedy_argmax`).
+
+    Raises ValueError where a row's largest logit is NaN (the model's output is
+    not finite: the arg-max counts NaN as the largest) or -inf (every token is
+    ruled out), so that :meth:`Sampler.sample` gives that row an error, as a drawn
+    row gets one from ``torch.multinomial``. One host read, as before.
+    """
+    ids = greedy_argmax(logits)
+    best = logits.gather(1, ids[:, None])[:, 0]
+    pairs = torch.stack([ids.double(), best.double()], dim=1).tolist()
+    for _, value in pairs:
+        if math.isnan(value) or value == -math.inf:
+            why = "not finite" if math.isnan(value) else "-inf: every token is ruled out"
+            raise ValueError(f"no token can be chosen: the largest logit is {why}")
+    return [int(tok) for tok, _ in pairs]
 
 
 def logit_rows(chunk: object, first_row: int) -> list[int]:

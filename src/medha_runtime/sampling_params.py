@@ -288,7 +288,9 @@ class Sampled(NamedTuple):
     """One sampled token: its id, its logprob (None unless asked) and the top alternatives.
 
     ``error`` (None: sampled) says why the row could not be sampled (non-finite
-    logits, say); ``token_id`` is then 0, a placeholder the engine never outputs.
+    logits, say); ``token_id`` is then 0, a placeholder the engine never outputs
+    (it reaches the scheduler as the failed request's last token, and stage 0 as
+    the input of a decode of it already issued, whose result is dropped).
     """
 
     token_id: int

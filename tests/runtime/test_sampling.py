@@ -708,8 +708,9 @@ def test_a_row_that_fails_gets_an_error_and_the_others_their_own_tokens(at: int)
     batch without it, at this step and the next (a seeded row drawn before the failure is
     not drawn again; a penalized row's token is counted once), wherever the bad row is."""
     g = torch.Generator().manual_seed(4)
-    steps = [torch.randn(4, 30, generator=g) * 2 for _ in range(4)]
-    pen = Penalties(0.0, 50.0, 1.0)  # a token counted (once or twice) is never drawn again
+    steps = [torch.randn(5, 30, generator=g) * 2 for _ in range(4)]
+    pen = Penalties(0.0, 0.7, 1.0)  # the counts are compared below, once against twice
+    words = ((7, 8, 9), (4, 5))  # bad words of several tokens: the sampler keeps a tail
 
     def specs(step: int) -> list[SampleSpec]:
         history = ((1, 2), ()) if step == 0 else None
@@ -718,9 +719,10 @@ def test_a_row_that_fails_gets_an_error_and_the_others_their_own_tokens(at: int)
             spec("later", temperature=1.3, seed=5),
             spec("pen", temperature=0.3, seed=9, penalties=pen, history=history),
             spec("pen-greedy", temperature=0.0, penalties=pen, history=history),
+            spec("words", temperature=2.0, seed=13, bad_words=words),
         ]
 
-    def run(with_bad: bool) -> list[list[tuple]]:
+    def run(with_bad: bool) -> tuple[list[list[tuple]], dict]:
         s, out = Sampler(), []
         for step, logits in enumerate(steps):
             rows, sp = logits, specs(step)
@@ -734,6 +736,10 @@ def test_a_row_that_fails_gets_an_error_and_the_others_their_own_tokens(at: int)
                 got = [*got[:at], *got[at + 1 :]]
             assert all(r.error is None for r in got)
             out.append([tuple(r) for r in got])
-        return out
+        state = {rid: h.output.tolist() for rid, h in s._histories.items()}
+        state |= {f"{rid} tail": b.tail for rid, b in s._bans.items() if b.words}
+        return out, state
 
-    assert run(True) == run(False)
+    with_bad, without = run(True), run(False)
+    assert with_bad[0] == without[0]
+    assert with_bad[1] == without[1] and set(with_bad[1]) == {"pen", "pen-greedy", "words tail"}

@@ -20,6 +20,8 @@ IN_PROMPT = [72, 105, POISON, 32, 116, 104, 101, 114, 101]
 SEEDED = SamplingParams(temperature=0.9, seed=123, max_tokens=8, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 DRAWN = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+#: greedy with logprobs: the sampler's general path, not the plain arg-max
+GREEDY_LP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 #: draws the poisoned token first, so its next token (a decode) fails
 DRAWS_POISON = SamplingParams(
     temperature=1.0, max_tokens=8, ignore_eos=True, logit_bias={POISON: 100.0}
@@ -57,3 +59,10 @@ def test_a_request_that_cannot_be_sampled_ends_alone_with_an_error(poisoned, lay
         assert llm.engine.dead is None and not llm.engine.has_unfinished_requests()
         again = [o.outputs[0] for o in llm.generate([CLEAN, CLEAN], [SEEDED, GREEDY])]
         assert [o.token_ids for o in again] == [o.token_ids for o in solo]
+        # greedy: the arg-max of NaN logits raised nothing and gave token 0 ("\x00")
+        for params in (GREEDY, GREEDY_LP):
+            outs = llm.generate([IN_PROMPT, CLEAN], [params, GREEDY])
+            bad, clean = (o.outputs[0] for o in outs)
+            assert bad.finish_reason == "error" and bad.token_ids == [], bad
+            assert "the largest logit is not finite" in bad.error
+            assert clean.token_ids == solo[1].token_ids
