@@ -18,8 +18,9 @@
 #   bash benchmarks/gpu_call.sh 8    # the N-way merge read in blocks of states: the Triton and
 #                                    # graph tests on CUDA, decode kernels (eager, from a graph,
 #                                    # FlashInfer), the engine eager against graphs (about 4 min)
-#   bash benchmarks/gpu_call.sh 9    # decode and merge kernels beside FlashInfer, then split-KV
-#                                    # programs per SM against the number of decodes (about 4 min)
+#   bash benchmarks/gpu_call.sh 9    # decode and merge kernels beside FlashInfer, split-KV
+#                                    # programs per SM against the number of decodes, a short
+#                                    # chunk's paged prefill with and without split keys (5 min)
 #
 # Further arguments go to benchmarks/gpu_suite.py (e.g. `--jobs 4`, `--runtime-parts fcfs
 # --profile .gpu/runtime.profile.json`). It installs the carried wheels (.whl/serve into
@@ -167,5 +168,7 @@ case "$call" in
             --ops decode --graph --repeats 5 --budget-s 110 --json "$out/tiles.json" \
             --decode-shapes 1:32768,2:32768,4:32768,8:32768,16:32768,32:32768,1:131072,4:131072 \
             --decode-configs "64,4,2,2;64,4,2,4;64,4,2,8;64,4,3,8"
+        bounded "${MEDHA_GPU_PAGED_S:-90}" paged_prefill python3 benchmarks/paged_prefill.py \
+            --json "$out/paged_prefill.json"
         ;;
 esac

@@ -55,3 +55,20 @@ def test_cpu_attention_tiles_quick_compares_both_tilings() -> None:
     assert tiles["fixed 4096-key tiles"] == 4096
     assert tiles["sized to the query"] < 4096
     assert all(cells[4].strip().endswith(" ms") for cells in rows)
+
+
+def test_paged_prefill_benchmark_runs_its_three_launches(tmp_path: Path) -> None:
+    """benchmarks/paged_prefill.py (the Triton interpreter here): each shape gets the
+    split, unsplit and contiguous times, and the short chunk over many keys is split."""
+    import os
+
+    out = tmp_path / "paged_prefill.json"
+    cmd = [sys.executable, "benchmarks/paged_prefill.py", "--quick", "--json", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["C"], r["L"]) for r in rows] == [(5, 700), (33, 300)]
+    assert rows[0]["splits"] > 1
+    for r in rows:
+        assert all(r[f"{k} us"] > 0 for k in ("split", "no split", "contiguous"))

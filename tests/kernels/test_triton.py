@@ -265,6 +265,46 @@ def test_planned_paged_attention_sizes_launches_to_the_step(num_qs, kv_lens):
         assert tri_attn.decode_splits(3000, 1, q.device, BF16) == 24 > tri_attn.MAX_SPLITS
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_planned_prefill_splits_the_keys_of_a_short_chunk(monkeypatch, causal):
+    """A short chunk over a long context has one query tile per KV head: a plan splits
+    its keys over several programs (merged after), and the step still matches the
+    float64 truth, beside a decode, a whole prefill and a chunk that ends mid-tile;
+    without splits (``MAX_PREFILL_SPLITS = 1``) the result is the same."""
+    from types import SimpleNamespace
+
+    from medha_kernels import plan_paged_attention
+    from medha_kernels.triton import attention as tri_attn
+
+    num_qs, kv_lens = [5, 1, 33, 3], [700, 300, 33, 260]
+    batch = _paged_batch(BF16, 64, 4, num_qs, kv_lens, kv_heads=1)
+    q, k_cache, v_cache, cu, lens, table = batch
+    kw = {
+        "cu_seqlens_q": cu, "kv_lens": lens, "block_table": table, "num_qo_heads": 4,
+        "num_kv_heads": 1, "head_dim": 64, "block_size": 16, "dtype": BF16,
+        "backend": "triton", "causal": causal,
+    }  # fmt: skip
+    meta = SimpleNamespace(
+        query_counts=num_qs, lens=kv_lens, num_kv_heads=1, num_qo_heads=4, head_dim=64,
+        num_q=sum(num_qs), device=q.device,
+    )  # fmt: skip
+    tiles = tri_attn._tiles(4, 64, q.device, BF16)
+    # 4 tiles of 16 queries (5, 33 in 3, 3) x 1 KV head; 700 keys in splits of >= 128
+    target = tri_attn._target_programs(q.device)
+    assert tri_attn.prefill_splits(meta, tiles) == min(6, -(-target // 4)) > 1
+    o, lse = plan_paged_attention(**kw).run(q, k_cache, v_cache)
+    _check_paged(o, lse, *batch, causal=causal)
+    monkeypatch.setattr(tri_attn, "MAX_PREFILL_SPLITS", 1)
+    assert tri_attn.prefill_splits(meta, tiles) == 1
+    o1, lse1 = plan_paged_attention(**kw).run(q, k_cache, v_cache)
+    torch.testing.assert_close(o.float(), o1.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse1, atol=1e-5, rtol=1e-5)
+    # the partials of every row stay within PREFILL_PARTIALS_BYTES
+    monkeypatch.setattr(tri_attn, "MAX_PREFILL_SPLITS", 64)
+    monkeypatch.setattr(tri_attn, "PREFILL_PARTIALS_BYTES", 3 * sum(num_qs) * 4 * 64 * 4)
+    assert tri_attn.prefill_splits(meta, tiles) == 3
+
+
 def test_decode_plan_sized_for_longer_rows_than_the_step():
     """A CUDA graph's decode plan is built once for the longest row possible; a step of
     shorter rows then runs with more splits than it needs (those past each row's keys

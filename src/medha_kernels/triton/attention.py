@@ -30,6 +30,8 @@ from medha_kernels.triton.merge import launch_merge_states
 
 MAX_SPLITS = 16  # most KV splits per sequence (chunked prefill; unplanned decode)
 MAX_DECODE_SPLITS = 256  # most KV splits per decode in a planned step
+MAX_PREFILL_SPLITS = 64  # most KV splits per query tile in a planned step's prefill launch
+PREFILL_PARTIALS_BYTES = 64 << 20  # most bytes of fp32 partial states those splits hold
 SPLIT_MIN_KV = 128  # fewest keys worth a split of their own
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -134,6 +136,27 @@ def decode_splits(max_kv: int, programs: int, device: torch.device, dtype: torch
     return num_kv_splits(max_kv, max(programs, 1), target, MAX_DECODE_SPLITS)
 
 
+def prefill_splits(meta, tiles: dict) -> int:
+    """KV splits for a planned step's prefill launch (1: none).
+
+    A short chunk over a long context has few query tiles: one per KV head for
+    a 32-token chunk, so 8 programs on a whole GPU, each streaming every key of
+    the context. When the tiles alone would leave the device idle, each gets
+    ``num_kv_splits`` splits of its keys (at most ``MAX_PREFILL_SPLITS``),
+    merged after; the fp32 partials of every query row, ``[num_q, splits, H, D]``,
+    stay within ``PREFILL_PARTIALS_BYTES``.
+    """
+    counts, lens = meta.query_counts, meta.lens
+    prefills = [(n, n_kv) for n, n_kv in zip(counts, lens, strict=True) if n > 1]
+    if not prefills:
+        return 1
+    programs = sum(triton.cdiv(n, tiles["BLOCK_Q"]) for n, _ in prefills) * meta.num_kv_heads
+    longest = max(n_kv for _, n_kv in prefills)
+    splits = num_kv_splits(longest, programs, _target_programs(meta.device), MAX_PREFILL_SPLITS)
+    per_split = max(meta.num_q * meta.num_qo_heads * meta.head_dim * 4, 1)
+    return max(1, min(splits, PREFILL_PARTIALS_BYTES // per_split))
+
+
 def chunked_prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,13 +253,18 @@ def plan_paged_attention(meta) -> Callable:
     if decode_lens:
         programs = len(decode_lens) * meta.num_kv_heads
         splits = decode_splits(max(decode_lens), programs, meta.device, meta.dtype)
+    group = meta.num_qo_heads // meta.num_kv_heads
+    psplits = 1
+    if prefill:
+        psplits = prefill_splits(meta, _tiles(group, meta.head_dim, meta.device, meta.dtype))
     cu, lens, table = meta.cu_seqlens_q, meta.kv_lens, meta.block_table
     causal, scale = meta.causal, meta.sm_scale
 
     def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
         return _paged(
-            q, k_cache, v_cache, cu, lens, table, causal, scale, prefill=prefill, splits=splits
-        )
+            q, k_cache, v_cache, cu, lens, table, causal, scale,
+            prefill=prefill, splits=splits, prefill_splits=psplits,
+        )  # fmt: skip
 
     return run
 
@@ -253,8 +281,10 @@ def _paged(
     *,
     prefill: bool,
     splits: int,
+    prefill_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill launch if ``prefill``, the split-KV decode launch and merge if ``splits``."""
+    """The prefill launch if ``prefill`` (``prefill_splits`` KV splits per query tile,
+    merged), the split-KV decode launch and merge if ``splits``."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -274,32 +304,10 @@ def _paged(
     )
     bd = block_d(head_dim)
     if prefill:
-        tiles = _tiles(group, head_dim, q.device, q.dtype)
-        paged_prefill_kernel[(num_q // tiles["BLOCK_Q"] + batch, num_kv_heads)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            lse,
-            cu,
-            lens,
-            block_table,
-            batch,
-            k_cache.shape[1],
-            sm_scale * _LOG2E,
-            head_dim,
-            *strides,
-            *out.stride(),
-            *lse.stride(),
-            GROUP=group,
-            EVEN_D=head_dim == bd,
-            CAUSAL=causal,
-            SKIP_DECODE=True,
-            RNE_BF16=rne_bf16(q.dtype),
-            **flags,
-            **tiles,
-            **_launch_opts(q.device, q.dtype),
-        )
+        _paged_prefill(
+            q, k_cache, v_cache, out, lse, cu, lens, block_table, causal, sm_scale,
+            strides, prefill_splits,
+        )  # fmt: skip
     if splits == 0:
         return out, lse
     dtiles = _tiles(group, head_dim, q.device, q.dtype, "decode")
@@ -331,3 +339,70 @@ def _paged(
     )
     launch_merge_states(o_part, lse_part, out, lse, cu_seqlens=cu)
     return out, lse
+
+
+def _paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu: torch.Tensor,
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+    strides: tuple[int, ...],
+    splits: int,
+) -> None:
+    """The query tiles of the sequences with several queries, into ``out`` / ``lse``.
+
+    With ``splits > 1`` each tile's keys are split: fp32 partials ``[num_q, splits,
+    H, D]`` / ``[num_q, splits, H]`` merged into ``out`` / ``lse``. Their LSEs start
+    at -inf, so the rows no tile writes (decodes, which the decode launch writes
+    after) merge to the empty state.
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    batch = lens.shape[0]
+    tiles = _tiles(group, head_dim, q.device, q.dtype)
+    if splits > 1:
+        o_dst = torch.empty(
+            (num_q, splits, num_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse_dst = torch.full(
+            (num_q, splits, num_heads), float("-inf"), dtype=torch.float32, device=q.device
+        )
+        o_strides, lse_strides = o_dst.stride(), lse_dst.stride()
+    else:
+        o_dst, lse_dst = out, lse
+        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
+        lse_strides = (lse.stride(0), 0, lse.stride(1))
+    paged_prefill_kernel[(num_q // tiles["BLOCK_Q"] + batch, num_kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        o_dst,
+        lse_dst,
+        cu,
+        lens,
+        block_table,
+        batch,
+        k_cache.shape[1],
+        sm_scale * _LOG2E,
+        head_dim,
+        *strides,
+        *o_strides,
+        *lse_strides,
+        GROUP=group,
+        EVEN_D=head_dim == block_d(head_dim),
+        CAUSAL=causal,
+        SKIP_DECODE=True,
+        RNE_BF16=splits == 1 and rne_bf16(q.dtype),
+        **_flags(q.dtype),
+        **tiles,
+        **_launch_opts(q.device, q.dtype),
+    )
+    if splits > 1:
+        launch_merge_states(o_dst, lse_dst, out, lse)

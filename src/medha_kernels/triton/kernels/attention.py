@@ -337,9 +337,11 @@ def paged_prefill_kernel(
     stride_v_h,
     stride_v_d,
     stride_o_t,
+    stride_o_s,
     stride_o_h,
     stride_o_d,
     stride_lse_t,
+    stride_lse_s,
     stride_lse_h,
     GROUP: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -353,14 +355,20 @@ def paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(num_q // BLOCK_Q + batch, num_kv_heads)``: one query tile of one sequence.
+    """Grid ``(num_q // BLOCK_Q + batch, num_kv_heads, num_splits)``: one query tile of
+    one sequence, and one split of its keys.
 
     Sequence ``b``'s queries are the newest of its ``kv_lens[b]`` keys. With
     ``SKIP_DECODE`` sequences with a single query are left to the split-KV
-    decode kernel.
+    decode kernel. Split ``s`` covers keys ``[s * L, (s + 1) * L)`` with ``L =
+    cdiv(kv_lens[b], num_splits)`` rounded up to ``BLOCK_N``; its state goes to
+    index ``s`` along the output's split stride (a partial buffer; 0 with one
+    split). A split with no visible key stores ``(0, -inf)``.
     """
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     b = _find_seq(cu_seqlens_ptr, tile_idx, num_seqs, BLOCK_Q)
     q_lo = tl.load(cu_seqlens_ptr + b)
     q_hi = tl.load(cu_seqlens_ptr + b + 1)
@@ -399,12 +407,15 @@ def paged_prefill_kernel(
     vis_hi = kv_hi
     if CAUSAL:
         vis_hi = tl.minimum(kv_hi, q_offset + first + 1)
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(kv_hi, lo + split_len)
     acc, m_i, l_i = _attend(
         q,
         q_pos,
         row_ok,
-        0,
-        kv_hi,
+        lo,
+        hi,
         vis_hi,
         k_ptr + kv_head * stride_k_h,
         v_ptr + kv_head * stride_v_h,
@@ -430,11 +441,12 @@ def paged_prefill_kernel(
     )
     o_ptrs = (
         o_ptr
+        + split * stride_o_s
         + tok64[:, None] * stride_o_t
         + head[:, None] * stride_o_h
         + offs_d[None, :] * stride_o_d
     )
-    lse_ptrs = lse_ptr + tok64 * stride_lse_t + head * stride_lse_h
+    lse_ptrs = lse_ptr + split * stride_lse_s + tok64 * stride_lse_t + head * stride_lse_h
     _store_state(acc, m_i, l_i, o_ptrs, lse_ptrs, io_ok, row_ok, RNE_BF16)
 
 
