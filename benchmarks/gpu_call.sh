@@ -158,7 +158,11 @@ case "$call" in
         bounded "${MEDHA_GPU_EVT_S:-60}" evt python3 benchmarks/engine_vs_transformers.py \
             --device cuda --dtype bfloat16 --threads 4 --modes sync graphs
         ;;
-    9)  # the decode tiles of 2026-11-28 beside FlashInfer; programs per SM by batch size
+    9)  # the decode tiles of 2026-11-28 beside FlashInfer; programs per SM by batch size;
+        # a short chunk's paged prefill with split keys (its tests on CUDA first)
+        export PYTHONPATH="${src}/tmp/site"
+        bounded "${MEDHA_GPU_TESTS_S:-90}" tests python3 -m pytest -q -p no:cacheprovider \
+            -n 4 --timeout 80 tests/kernels/test_triton.py tests/test_benchmark_kernels.py
         export PYTHONPATH="${src}/tmp/site:/tmp/fi"
         bounded "${MEDHA_GPU_KERNELS_S:-120}" kernels_run python3 benchmarks/gpu_suite.py \
             --out "$out" --stage kernels --budget-s 110 --kernel-ops decode,merge \

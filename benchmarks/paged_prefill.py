@@ -16,10 +16,13 @@ bf16, causal. Three rows per shape, timed in one run:
 
     python3 benchmarks/paged_prefill.py                    # on a CUDA device
     python3 benchmarks/paged_prefill.py --shapes 32:131072,512:32768 --json out.json
-    TRITON_INTERPRET=1 python3 benchmarks/paged_prefill.py --quick   # the script, on the CPU
+    TRITON_INTERPRET=1 python3 benchmarks/paged_prefill.py --quick --device cpu   # the script
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) on a GPU, one
-wall-clock run on the CPU (where they mean nothing).
+wall-clock run on the CPU (where they mean nothing). Each shape's split output
+is also compared with the unsplit one and the contiguous kernel's (the largest
+differences of ``o`` and of the LSE); past ``O_TOL`` / ``LSE_TOL`` the script
+says MISMATCH and exits 1.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ import medha_kernels as mk
 from medha_kernels.triton import attention as tri
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
+#: the largest differences the split may show against the other two (bf16 outputs
+#: rounded once from fp32 partials against once from the whole sum; fp32 LSEs)
+O_TOL, LSE_TOL = 2e-2, 1e-3
 DEFAULT_SHAPES = "32:16384,32:131072,32:1048576,128:131072,512:131072,2048:131072"
 
 
@@ -85,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="C:L,... (queries:keys)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and heads (the CPU)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default=None, help="cuda (the default where there is one) or cpu")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
     dtype = torch.bfloat16
     heads = (4, 1, 64) if args.quick else (HQ, HKV, D)
     shapes = [(5, 700), (33, 300)] if args.quick else [
@@ -95,10 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     rows = []
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, heads {heads}, bf16")
-    print("| C | L | splits | split (us) | no split (us) | contiguous (us) | no split / split |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| C | L | splits | split (us) | no split (us) | contiguous (us) | no split / split "
+        "| max diff o / LSE |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    bad = 0
     for c, ctx in shapes:
         fns = _case(c, ctx, dev, dtype, heads)
+        diff_o, diff_lse = _differences(fns)
+        ok = diff_o <= O_TOL and diff_lse <= LSE_TOL
+        bad += not ok
         times = {name: _time(fn, cuda) * 1e6 for name, fn in fns.items()}
         meta = SimpleNamespace(
             query_counts=[c], lens=[ctx], num_kv_heads=heads[1], num_qo_heads=heads[0],
@@ -106,16 +120,28 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         splits = tri.prefill_splits(meta, tri._tiles(heads[0] // heads[1], heads[2], dev, dtype))
         row = {"C": c, "L": ctx, "splits": splits, **{f"{k} us": v for k, v in times.items()}}
-        rows.append(row)
+        rows.append({**row, "max_diff_o": diff_o, "max_diff_lse": diff_lse, "ok": ok})
         print(
             f"| {c} | {ctx} | {splits} | {times['split']:.1f} | {times['no split']:.1f} | "
-            f"{times['contiguous']:.1f} | {times['no split'] / times['split']:.2f}x |",
+            f"{times['contiguous']:.1f} | {times['no split'] / times['split']:.2f}x | "
+            f"{diff_o:.2g} / {diff_lse:.2g} {'ok' if ok else 'MISMATCH'} |",
             flush=True,
         )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(dev), "rows": rows}, f, indent=1)
-    return 0
+    return 1 if bad else 0
+
+
+def _differences(fns: dict) -> tuple[float, float]:
+    """The largest ``|o|`` and ``|LSE|`` differences of the split run against the others."""
+    o, lse = fns["split"]()
+    diff_o = diff_lse = 0.0
+    for name in ("no split", "contiguous"):
+        o2, lse2 = fns[name]()
+        diff_o = max(diff_o, (o.float() - o2.float()).abs().max().item())
+        diff_lse = max(diff_lse, (lse - lse2).abs().max().item())
+    return diff_o, diff_lse
 
 
 if __name__ == "__main__":

@@ -301,8 +301,12 @@ def test_planned_prefill_splits_the_keys_of_a_short_chunk(monkeypatch, causal):
     torch.testing.assert_close(lse, lse1, atol=1e-5, rtol=1e-5)
     # the partials of every row stay within PREFILL_PARTIALS_BYTES
     monkeypatch.setattr(tri_attn, "MAX_PREFILL_SPLITS", 64)
-    monkeypatch.setattr(tri_attn, "PREFILL_PARTIALS_BYTES", 3 * sum(num_qs) * 4 * 64 * 4)
+    monkeypatch.setattr(tri_attn, "PREFILL_PARTIALS_BYTES", 3 * sum(num_qs) * 4 * 65 * 4)
     assert tri_attn.prefill_splits(meta, tiles) == 3
+    # query tiles that fill half the device already: no split
+    many = SimpleNamespace(**{**vars(meta), "query_counts": [16] * (target // 2 + 1)})
+    many.lens, many.num_q = [700] * len(many.query_counts), 16 * len(many.query_counts)
+    assert tri_attn.prefill_splits(many, tiles) == 1
 
 
 def test_decode_plan_sized_for_longer_rows_than_the_step():

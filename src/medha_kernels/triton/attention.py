@@ -141,19 +141,22 @@ def prefill_splits(meta, tiles: dict) -> int:
 
     A short chunk over a long context has few query tiles: one per KV head for
     a 32-token chunk, so 8 programs on a whole GPU, each streaming every key of
-    the context. When the tiles alone would leave the device idle, each gets
+    the context. When the tiles would fill less than half the device, each gets
     ``num_kv_splits`` splits of its keys (at most ``MAX_PREFILL_SPLITS``),
-    merged after; the fp32 partials of every query row, ``[num_q, splits, H, D]``,
-    stay within ``PREFILL_PARTIALS_BYTES``.
+    merged after; the fp32 partials of every query row (``[num_q, splits, H,
+    D]`` and their LSEs) stay within ``PREFILL_PARTIALS_BYTES``.
     """
     counts, lens = meta.query_counts, meta.lens
     prefills = [(n, n_kv) for n, n_kv in zip(counts, lens, strict=True) if n > 1]
     if not prefills:
         return 1
     programs = sum(triton.cdiv(n, tiles["BLOCK_Q"]) for n, _ in prefills) * meta.num_kv_heads
+    target = _target_programs(meta.device)
+    if 2 * programs > target:  # a split or two would buy little and cost a merge
+        return 1
     longest = max(n_kv for _, n_kv in prefills)
-    splits = num_kv_splits(longest, programs, _target_programs(meta.device), MAX_PREFILL_SPLITS)
-    per_split = max(meta.num_q * meta.num_qo_heads * meta.head_dim * 4, 1)
+    splits = num_kv_splits(longest, programs, target, MAX_PREFILL_SPLITS)
+    per_split = max(meta.num_q * meta.num_qo_heads * (meta.head_dim + 1) * 4, 1)
     return max(1, min(splits, PREFILL_PARTIALS_BYTES // per_split))
 
 
