@@ -145,22 +145,34 @@ class LLM:
         encoded = []
         for text, ids, salt in items:
             encoded.append((text, engine.encode(text) if ids is None else ids, salt))
-        rids = []
+        rids: list[str] = []
         try:
             for (text, ids, salt), p in zip(encoded, params, strict=True):
                 rids.append(engine.add_request(ids, p, prompt=text, cache_salt=salt))
-            done: dict[str, RequestOutput] = {}
-            with _Progress(use_tqdm, len(rids)) as progress:
-                while len(done) < len(rids):
-                    for out in engine.step():
-                        done[out.request_id] = out
-                        progress.finished(out)
+            done = self._run(rids, use_tqdm)
+            return [done[rid] for rid in rids]
         except BaseException:
             for rid in rids:
                 if engine.dead is None:
                     engine.abort_request(rid)
             raise
-        return [done[rid] for rid in rids]
+
+    def _run(
+        self, rids: Sequence[str], use_tqdm: bool | Callable[..., Any]
+    ) -> dict[str, RequestOutput]:
+        """Step the engine until every one of ``rids`` finished; their outputs by id.
+
+        Outputs of other requests are dropped: those of an earlier call that was
+        interrupted, aborted while in flight, finish (``"abort"``) in a later step.
+        """
+        wanted, done = set(rids), {}
+        with _Progress(use_tqdm, len(wanted)) as progress:
+            while len(done) < len(wanted):
+                for out in self.engine.step():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        progress.finished(out)
+        return done
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the fields the model's generation config sets

@@ -1,0 +1,53 @@
+"""The offline API's edges (vLLM's behaviour): interrupted calls, chat prompts,
+``max_tokens=None``, ``n``, and messages for bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from medha_runtime import LLM, SamplingParams
+from medha_sched import AffineCostModel
+
+COST = AffineCostModel(base=1e-3, per_token=1e-5, per_attn=1e-9)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+#: the first prompt finishes first, while the others are in flight
+STAGGERED = [GREEDY.replace(max_tokens=3), GREEDY, GREEDY]
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class _InterruptingBar:
+    """A ``use_tqdm`` callable whose bar raises KeyboardInterrupt at the first update."""
+
+    def __init__(self, **kwargs: object) -> None:
+        pass
+
+    def set_postfix_str(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        raise KeyboardInterrupt
+
+    def close(self) -> None:
+        pass
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("layout", [{"async_scheduling": True}, {"spp": 2}], ids=["async", "spp2"])
+def test_generate_after_an_interrupted_one_returns_its_own_outputs(layout) -> None:
+    """With async scheduling (spp=2 has it on by default), an aborted request still in
+    flight finished in a later call's step: that call took it for its own, ended early
+    and raised KeyError, leaving its own requests running."""
+    with LLM("tiny", cost_model=COST, max_model_len=128) as fresh:
+        want = _tokens(fresh.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+    with LLM("tiny", cost_model=COST, max_model_len=128, **layout) as llm:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, STAGGERED, use_tqdm=_InterruptingBar)
+        for _ in range(2):
+            # one prompt: fewer than the requests the interrupted call left in flight
+            assert _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == want
+        assert not llm.engine.has_unfinished_requests()
