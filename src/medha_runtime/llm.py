@@ -20,7 +20,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
 from medha_runtime.engine import LLMEngine
@@ -200,6 +200,7 @@ class LLM:
         ``continue_final_message`` (with ``add_generation_prompt=False``) ends the
         prompt after the last message's content, so the model continues it;
         ``chat_template_kwargs`` are extra template variables (``enable_thinking``...).
+        Each output's ``prompt`` is the rendered template text (vLLM's).
         """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -217,14 +218,19 @@ class LLM:
             conversations = list(messages)  # type: ignore[arg-type]
         prompts: list[Prompt] = []
         for i, conv in enumerate(conversations):
-            ids = tokenizer.apply_chat_template(
-                _conversation(conv, i),
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                continue_final_message=continue_final_message,
-                **template_variables(chat_template_kwargs),
+            text = cast(
+                str,
+                tokenizer.apply_chat_template(
+                    _conversation(conv, i),
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    continue_final_message=continue_final_message,
+                    **template_variables(chat_template_kwargs),
+                ),
             )
-            prompts.append({"prompt_token_ids": ids})
+            # templates emit BOS themselves: no special tokens added (as tokenize=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

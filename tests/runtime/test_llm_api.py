@@ -51,3 +51,15 @@ def test_generate_after_an_interrupted_one_returns_its_own_outputs(layout) -> No
             # one prompt: fewer than the requests the interrupted call left in flight
             assert _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == want
         assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_output_carries_the_rendered_prompt_text() -> None:
+    """vLLM's chat outputs carry the rendered template text as ``prompt``; it was None."""
+    messages = [{"role": "user", "content": "hello"}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM("tiny", cost_model=COST, max_model_len=256) as llm:
+        tok = llm.get_tokenizer()
+        text = tok.apply_chat_template(messages, tokenize=False)
+        out = llm.chat(messages, params, use_tqdm=False)[0]
+        assert out.prompt == text and "hello" in text
+        assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
