@@ -465,7 +465,7 @@ class LLMEngine:
         rid = str(serial) if request_id is None else request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        max_tokens = min(params.max_tokens, limit - n)
+        max_tokens = limit - n if params.max_tokens is None else min(params.max_tokens, limit - n)
         sched = Request.from_tokens(
             rid,
             self._now(),

@@ -96,8 +96,9 @@ class SamplingParams:
             [-100, 100]); stored as sorted ``(id, bias)`` pairs.
         seed: seeds this request's own generator (reproducible whatever the
             batch); None draws a seed from the engine's seed.
-        max_tokens: most tokens to generate (>= 1). The engine lowers it so
-            prompt plus output fit the model's context.
+        max_tokens: most tokens to generate (>= 1), or None for as many as the
+            context holds (vLLM's). The engine lowers it so prompt plus output fit
+            the model's context.
         min_tokens: stop tokens are suppressed and stop strings ignored until
             this many tokens exist (<= max_tokens).
         stop: strings that end generation; the text is cut before the match
@@ -141,7 +142,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
@@ -178,11 +179,12 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        mt = self.max_tokens
+        if mt is not None and (not _is_int(mt) or mt < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {mt!r}")  # or None
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if mt is not None and self.min_tokens > mt:
             raise ValueError(
                 f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
             )

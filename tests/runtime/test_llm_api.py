@@ -63,3 +63,14 @@ def test_chat_output_carries_the_rendered_prompt_text() -> None:
         out = llm.chat(messages, params, use_tqdm=False)[0]
         assert out.prompt == text and "hello" in text
         assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_max_tokens_none_generates_up_to_the_context_limit() -> None:
+    """vLLM reads max_tokens=None as "up to the context limit"; it was refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, min_tokens=3)
+    assert params.max_tokens is None
+    with LLM("tiny", cost_model=COST, max_model_len=48) as llm:
+        out = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 48 - 4 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)
