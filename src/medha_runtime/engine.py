@@ -439,6 +439,11 @@ class LLMEngine:
         self._check_alive()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r}")
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: LLMEngine.add_request runs one completion per request; add "
+                "one request per completion (LLM.generate does, with seed + i)"
+            )
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty: it needs at least one token")

@@ -20,6 +20,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
@@ -145,12 +146,16 @@ class LLM:
         encoded = []
         for text, ids, salt in items:
             encoded.append((text, engine.encode(text) if ids is None else ids, salt))
-        rids: list[str] = []
+        rids: list[str] = []  # every engine request, in order
+        groups: list[list[str]] = []  # each prompt's n requests
         try:
             for (text, ids, salt), p in zip(encoded, params, strict=True):
-                rids.append(engine.add_request(ids, p, prompt=text, cache_salt=salt))
+                groups.append([])
+                for sub in _completions(p):
+                    rids.append(engine.add_request(ids, sub, prompt=text, cache_salt=salt))
+                    groups[-1].append(rids[-1])
             done = self._run(rids, use_tqdm)
-            return [done[rid] for rid in rids]
+            return [_merge([done[rid] for rid in group]) for group in groups]
         except BaseException:
             for rid in rids:
                 if engine.dead is None:
@@ -232,6 +237,36 @@ class LLM:
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+_SEEDS = 2**64
+
+
+def _completions(params: SamplingParams) -> list[SamplingParams]:
+    """One engine request's params per completion: ``params`` for n = 1; else n with
+    n = 1, the ``i``-th seeded ``seed + i`` where a seed is given (the server's)."""
+    if params.n == 1:
+        return [params]
+    seed = params.seed
+    return [
+        params.replace(n=1, seed=None if seed is None else _wrap_seed(seed + i))
+        for i in range(params.n)
+    ]
+
+
+def _wrap_seed(seed: int) -> int:
+    """``seed`` back below 2**64 (the generator takes the low 64 bits anyway)."""
+    return seed - _SEEDS if seed >= _SEEDS else seed
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """A prompt's completions (one engine request each) as one output: the first
+    request's, with every completion (``index`` 0..n-1) and their preemptions."""
+    if len(outs) == 1:
+        return outs[0]
+    completions = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    preemptions = sum(o.num_preemptions for o in outs)
+    return replace(outs[0], outputs=completions, num_preemptions=preemptions)
 
 
 def _conversation(conv: object, i: int) -> list[dict[str, Any]]:

@@ -80,6 +80,12 @@ class SamplingParams:
     """How to sample one prompt's completion (vLLM's names and defaults).
 
     Attributes:
+        n: completions per prompt (>= 1). ``LLM.generate`` and ``LLM.chat`` run
+            each as an engine request of its own (with ``seed + i`` for the
+            ``i``-th where a seed is given, as the server does) and return them
+            in one :class:`RequestOutput` (``outputs[i].index == i``);
+            ``LLMEngine.add_request`` takes ``n == 1`` only (one completion per
+            engine request).
         temperature: 0 (or below 1e-5) is greedy; higher flattens the distribution.
         top_p: keep the smallest set of most likely tokens whose probability
             reaches ``top_p``, in (0, 1]; 1 keeps everything.
@@ -133,6 +139,7 @@ class SamplingParams:
     ``stop`` and ``stop_token_ids`` are stored as tuples.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -157,6 +164,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:

@@ -74,3 +74,30 @@ def test_max_tokens_none_generates_up_to_the_context_limit() -> None:
         assert len(out.token_ids) == 48 - 4 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
         SamplingParams(max_tokens=0)
+
+
+def test_n_completions_per_prompt_are_requests_of_their_own() -> None:
+    """vLLM's ``n``: one RequestOutput per prompt holding n completions (seed + i each
+    where a seed is given, as the server does); it was an unknown keyword."""
+    prompts = [[5, 6, 7], [8, 9]]
+    sampled = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=7)
+    with LLM("tiny", cost_model=COST, max_model_len=128) as llm:
+        outs = llm.generate(prompts, sampled.replace(n=3), use_tqdm=False)
+        assert [len(o.outputs) for o in outs] == [3, 3]
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert [c.index for c in out.outputs] == [0, 1, 2]
+            assert out.prompt_token_ids == prompt
+            for i, c in enumerate(out.outputs):
+                alone = llm.generate([prompt], sampled.replace(seed=7 + i), use_tqdm=False)
+                assert c.token_ids == alone[0].outputs[0].token_ids
+        unseeded = llm.generate([[5, 6, 7]], sampled.replace(seed=None, n=3), use_tqdm=False)
+        assert len({tuple(c.token_ids) for c in unseeded[0].outputs}) == 3
+        chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY.replace(n=2), use_tqdm=False)
+        first, second = chat[0].outputs
+        assert (first.index, second.index) == (0, 1) and first.token_ids == second.token_ids
+        with pytest.raises(ValueError, match=r"n=2: LLMEngine\.add_request"):
+            llm.engine.add_request([5, 6], GREEDY.replace(n=2))
+        assert not llm.engine.has_unfinished_requests()
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"n must be an integer >= 1, got {bad!r}"):
+            SamplingParams(n=bad)
