@@ -456,6 +456,7 @@ class LLMEngine:
         self._check_vocab("", ids)
         self._check_vocab("logit_bias: ", [t for t, _ in params.logit_bias])
         self._check_vocab("allowed_token_ids: ", params.allowed_token_ids or ())
+        self._check_vocab("stop_token_ids: ", params.stop_token_ids)
         check_allowed_tokens(params, self.eos_token_ids)
         n, limit = len(ids), self.max_model_len
         if n >= limit:

@@ -128,20 +128,7 @@ class LLM:
         if self._finalizer.alive is False:
             raise RuntimeError("this LLM was shut down")
         items = _normalize_prompts(prompts)
-        if sampling_params is None:
-            params: list[SamplingParams] = [self.get_default_sampling_params()] * len(items)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(items)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(items):
-                raise ValueError(
-                    f"got {len(params)} sampling params for {len(items)} prompts; pass one, "
-                    "or one per prompt"
-                )
-            for p in params:
-                if not isinstance(p, SamplingParams):
-                    raise ValueError(f"sampling params must be SamplingParams, got {p!r}")
+        params = self._params(sampling_params, len(items))
         engine = self.engine
         encoded = []
         for text, ids, salt in items:
@@ -178,6 +165,24 @@ class LLM:
                         done[out.request_id] = out
                         progress.finished(out)
         return done
+
+    def _params(self, given: object, count: int) -> list[SamplingParams]:
+        """``generate``'s sampling params, one per prompt (ValueError naming a bad one)."""
+        if given is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(given, SamplingParams):
+            return [given] * count
+        if isinstance(given, Mapping) or not isinstance(given, Sequence):
+            _check_params(given)
+        params = list(given)  # type: ignore[call-overload]
+        for p in params:
+            _check_params(p)
+        if len(params) != count:
+            raise ValueError(
+                f"got {len(params)} sampling params for {count} prompts; pass one, "
+                "or one per prompt"
+            )
+        return params
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the fields the model's generation config sets
@@ -237,6 +242,17 @@ class LLM:
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _check_params(p: object) -> None:
+    """A ValueError unless ``p`` is a SamplingParams (a dict is named as one)."""
+    if isinstance(p, Mapping):
+        raise ValueError(
+            f"sampling params must be SamplingParams, got a dict ({dict(p)!r}): "
+            "pass SamplingParams(**it)"
+        )
+    if not isinstance(p, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {p!r}")
 
 
 _SEEDS = 2**64
@@ -336,7 +352,9 @@ def _dict_prompt(p: Mapping[str, Any], i: int) -> _Item:
         raise ValueError(f"prompt {i}: cache_salt must be a non-empty string, got {salt!r}")
     if "prompt_token_ids" in p:
         return p.get("prompt"), _token_list(p["prompt_token_ids"], i), salt
-    if "prompt" in p and isinstance(p["prompt"], str):
+    if "prompt" in p and not isinstance(p["prompt"], str):
+        raise ValueError(f"prompt {i}: 'prompt' must be a string, got {p['prompt']!r}")
+    if "prompt" in p:
         return p["prompt"], None, salt
     raise ValueError(f"prompt {i}: a dict needs 'prompt' or 'prompt_token_ids'")
 

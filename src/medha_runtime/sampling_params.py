@@ -19,6 +19,8 @@ from typing import NamedTuple
 GREEDY_EPS = 1e-5
 #: OpenAI's bound on a logit bias (values beyond it are clamped)
 MAX_LOGIT_BIAS = 100.0
+#: the most top logprobs a request may ask for (vLLM's default ``max_logprobs``)
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -101,7 +103,8 @@ class SamplingParams:
         logit_bias: ``{token id: bias}`` added to the logits (clamped to
             [-100, 100]); stored as sorted ``(id, bias)`` pairs.
         seed: seeds this request's own generator (reproducible whatever the
-            batch); None draws a seed from the engine's seed.
+            batch), a 64-bit integer (-2**63 to 2**64 - 1); None draws a seed
+            from the engine's seed.
         max_tokens: most tokens to generate (>= 1), or None for as many as the
             context holds (vLLM's). The engine lowers it so prompt plus output fit
             the model's context.
@@ -109,13 +112,14 @@ class SamplingParams:
             this many tokens exist (<= max_tokens).
         stop: strings that end generation; the text is cut before the match
             (unless ``include_stop_str_in_output``). A single string is allowed.
-        stop_token_ids: token ids that end generation (even with ``ignore_eos``).
+        stop_token_ids: token ids that end generation (even with ``ignore_eos``);
+            the engine refuses one outside the vocabulary.
         ignore_eos: keep going past the model's EOS tokens (until max_tokens).
-        logprobs: None for none; 0 for the chosen tokens' logprobs; ``k > 0``
-            adds the ``k`` most likely tokens at each step. They are of the
+        logprobs: None for none; 0 for the chosen tokens' logprobs; ``k`` in
+            1..20 adds the ``k`` most likely tokens at each step. They are of the
             model's own distribution (``log_softmax`` of its logits, before
             the bias, penalties, temperature and filters), as vLLM gives them.
-        prompt_logprobs: None for none; ``k >= 0``: every prompt token after
+        prompt_logprobs: None for none; ``k`` in 0..20: every prompt token after
             the first gets its logprob (and the ``k`` most likely tokens) given
             the tokens before it.
         skip_special_tokens: leave special tokens out of the text.
@@ -186,8 +190,11 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        seed = self.seed
+        if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+            raise ValueError(
+                f"seed must be None or a 64-bit integer (-2**63 to 2**64 - 1), got {seed!r}"
+            )
         mt = self.max_tokens
         if mt is not None and (not _is_int(mt) or mt < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {mt!r}")  # or None
@@ -230,8 +237,10 @@ class SamplingParams:
         put(self, "bad_words", tuple(words))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer from 0 to {MAX_LOGPROBS}, got {value!r}"
+                )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

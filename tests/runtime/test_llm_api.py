@@ -101,3 +101,31 @@ def test_n_completions_per_prompt_are_requests_of_their_own() -> None:
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"n must be an integer >= 1, got {bad!r}"):
             SamplingParams(n=bad)
+
+
+def test_bad_offline_input_gets_messages_naming_it() -> None:
+    """A dict of params was named by its first key; a non-string 'prompt' was called
+    missing; a seed beyond 64 bits was reduced silently; stop_token_ids outside the
+    vocabulary and more than 20 logprobs (the whole vocabulary) were accepted."""
+    with LLM("tiny", cost_model=COST, max_model_len=64) as llm:
+        vocab = llm.engine.config.vocab_size
+        with pytest.raises(ValueError, match=r"got a dict \(\{'max_tokens': 3\}\).*SamplingParams"):
+            llm.generate(["a", "b"], {"max_tokens": 3}, use_tqdm=False)
+        with pytest.raises(ValueError, match="got a dict"):
+            llm.generate(["a", "b"], [{"max_tokens": 3}, GREEDY], use_tqdm=False)
+        with pytest.raises(ValueError, match="prompt 0: 'prompt' must be a string, got 5"):
+            llm.generate({"prompt": 5}, GREEDY, use_tqdm=False)
+        bad_stop = GREEDY.replace(stop_token_ids=[3, vocab])
+        with pytest.raises(ValueError, match=f"stop_token_ids: token id {vocab} is outside"):
+            llm.generate([[5, 6]], bad_stop, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        top = llm.generate([[5, 6, 7]], GREEDY.replace(logprobs=20, prompt_logprobs=20))[0]
+        assert len(top.outputs[0].logprobs[0]) in (20, 21)  # the chosen token may be extra
+    for seed in (2**64, -(2**63) - 1, 2**70):
+        with pytest.raises(ValueError, match=f"seed must be .*64-bit.*got {seed}"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{name} must be None or an integer from 0 to 20"):
+            SamplingParams(**{name: 21})
