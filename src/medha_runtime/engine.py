@@ -439,6 +439,11 @@ class LLMEngine:
         self._check_alive()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r}")
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: LLMEngine.add_request runs one completion per request; add "
+                "one request per completion (LLM.generate does, with seed + i)"
+            )
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty: it needs at least one token")
@@ -451,6 +456,7 @@ class LLMEngine:
         self._check_vocab("", ids)
         self._check_vocab("logit_bias: ", [t for t, _ in params.logit_bias])
         self._check_vocab("allowed_token_ids: ", params.allowed_token_ids or ())
+        self._check_vocab("stop_token_ids: ", params.stop_token_ids)
         check_allowed_tokens(params, self.eos_token_ids)
         n, limit = len(ids), self.max_model_len
         if n >= limit:
@@ -465,7 +471,7 @@ class LLMEngine:
         rid = str(serial) if request_id is None else request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        max_tokens = min(params.max_tokens, limit - n)
+        max_tokens = limit - n if params.max_tokens is None else min(params.max_tokens, limit - n)
         sched = Request.from_tokens(
             rid,
             self._now(),

@@ -20,7 +20,8 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from medha_runtime.config import OFFLINE_THROUGHPUT_CHUNK, EngineConfig
 from medha_runtime.engine import LLMEngine
@@ -127,40 +128,61 @@ class LLM:
         if self._finalizer.alive is False:
             raise RuntimeError("this LLM was shut down")
         items = _normalize_prompts(prompts)
-        if sampling_params is None:
-            params: list[SamplingParams] = [self.get_default_sampling_params()] * len(items)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(items)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(items):
-                raise ValueError(
-                    f"got {len(params)} sampling params for {len(items)} prompts; pass one, "
-                    "or one per prompt"
-                )
-            for p in params:
-                if not isinstance(p, SamplingParams):
-                    raise ValueError(f"sampling params must be SamplingParams, got {p!r}")
+        params = self._params(sampling_params, len(items))
         engine = self.engine
         encoded = []
         for text, ids, salt in items:
             encoded.append((text, engine.encode(text) if ids is None else ids, salt))
-        rids = []
+        rids: list[str] = []  # every engine request, in order
+        groups: list[list[str]] = []  # each prompt's n requests
         try:
             for (text, ids, salt), p in zip(encoded, params, strict=True):
-                rids.append(engine.add_request(ids, p, prompt=text, cache_salt=salt))
-            done: dict[str, RequestOutput] = {}
-            with _Progress(use_tqdm, len(rids)) as progress:
-                while len(done) < len(rids):
-                    for out in engine.step():
-                        done[out.request_id] = out
-                        progress.finished(out)
+                groups.append([])
+                for sub in _completions(p):
+                    rids.append(engine.add_request(ids, sub, prompt=text, cache_salt=salt))
+                    groups[-1].append(rids[-1])
+            done = self._run(rids, use_tqdm)
+            return [_merge([done[rid] for rid in group]) for group in groups]
         except BaseException:
             for rid in rids:
                 if engine.dead is None:
                     engine.abort_request(rid)
             raise
-        return [done[rid] for rid in rids]
+
+    def _run(
+        self, rids: Sequence[str], use_tqdm: bool | Callable[..., Any]
+    ) -> dict[str, RequestOutput]:
+        """Step the engine until every one of ``rids`` finished; their outputs by id.
+
+        Outputs of other requests are dropped: those of an earlier call that was
+        interrupted, aborted while in flight, finish (``"abort"``) in a later step.
+        """
+        wanted, done = set(rids), {}
+        with _Progress(use_tqdm, len(wanted)) as progress:
+            while len(done) < len(wanted):
+                for out in self.engine.step():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        progress.finished(out)
+        return done
+
+    def _params(self, given: object, count: int) -> list[SamplingParams]:
+        """``generate``'s sampling params, one per prompt (ValueError naming a bad one)."""
+        if given is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(given, SamplingParams):
+            return [given] * count
+        if isinstance(given, Mapping) or not isinstance(given, Sequence):
+            _check_params(given)
+        params = list(given)  # type: ignore[call-overload]
+        for p in params:
+            _check_params(p)
+        if len(params) != count:
+            raise ValueError(
+                f"got {len(params)} sampling params for {count} prompts; pass one, "
+                "or one per prompt"
+            )
+        return params
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the fields the model's generation config sets
@@ -188,6 +210,7 @@ class LLM:
         ``continue_final_message`` (with ``add_generation_prompt=False``) ends the
         prompt after the last message's content, so the model continues it;
         ``chat_template_kwargs`` are extra template variables (``enable_thinking``...).
+        Each output's ``prompt`` is the rendered template text (vLLM's).
         """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -205,15 +228,61 @@ class LLM:
             conversations = list(messages)  # type: ignore[arg-type]
         prompts: list[Prompt] = []
         for i, conv in enumerate(conversations):
-            ids = tokenizer.apply_chat_template(
-                _conversation(conv, i),
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                continue_final_message=continue_final_message,
-                **template_variables(chat_template_kwargs),
+            text = cast(
+                str,
+                tokenizer.apply_chat_template(
+                    _conversation(conv, i),
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    continue_final_message=continue_final_message,
+                    **template_variables(chat_template_kwargs),
+                ),
             )
-            prompts.append({"prompt_token_ids": ids})
+            # templates emit BOS themselves: no special tokens added (as tokenize=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _check_params(p: object) -> None:
+    """A ValueError unless ``p`` is a SamplingParams (a dict is named as one)."""
+    if isinstance(p, Mapping):
+        raise ValueError(
+            f"sampling params must be SamplingParams, got a dict ({dict(p)!r}): "
+            "pass SamplingParams(**it)"
+        )
+    if not isinstance(p, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {p!r}")
+
+
+_SEEDS = 2**64
+
+
+def _completions(params: SamplingParams) -> list[SamplingParams]:
+    """One engine request's params per completion: ``params`` for n = 1; else n with
+    n = 1, the ``i``-th seeded ``seed + i`` where a seed is given (the server's)."""
+    if params.n == 1:
+        return [params]
+    seed = params.seed
+    return [
+        params.replace(n=1, seed=None if seed is None else _wrap_seed(seed + i))
+        for i in range(params.n)
+    ]
+
+
+def _wrap_seed(seed: int) -> int:
+    """``seed`` back below 2**64 (the generator takes the low 64 bits anyway)."""
+    return seed - _SEEDS if seed >= _SEEDS else seed
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """A prompt's completions (one engine request each) as one output: the first
+    request's, with every completion (``index`` 0..n-1) and their preemptions."""
+    if len(outs) == 1:
+        return outs[0]
+    completions = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    preemptions = sum(o.num_preemptions for o in outs)
+    return replace(outs[0], outputs=completions, num_preemptions=preemptions)
 
 
 def _conversation(conv: object, i: int) -> list[dict[str, Any]]:
@@ -283,7 +352,9 @@ def _dict_prompt(p: Mapping[str, Any], i: int) -> _Item:
         raise ValueError(f"prompt {i}: cache_salt must be a non-empty string, got {salt!r}")
     if "prompt_token_ids" in p:
         return p.get("prompt"), _token_list(p["prompt_token_ids"], i), salt
-    if "prompt" in p and isinstance(p["prompt"], str):
+    if "prompt" in p and not isinstance(p["prompt"], str):
+        raise ValueError(f"prompt {i}: 'prompt' must be a string, got {p['prompt']!r}")
+    if "prompt" in p:
         return p["prompt"], None, salt
     raise ValueError(f"prompt {i}: a dict needs 'prompt' or 'prompt_token_ids'")
 

@@ -21,7 +21,7 @@ class CompletionOutput:
     """One completion of a prompt.
 
     Attributes:
-        index: the completion's index (always 0: one completion per prompt).
+        index: the completion's index among its prompt's ``n`` (0 unless ``n > 1``).
         text: the generated text (empty when the model has no tokenizer).
         token_ids: the generated token ids (a final EOS or stop token included).
         cumulative_logprob: sum of the chosen tokens' logprobs (None unless
@@ -52,12 +52,14 @@ class RequestOutput:
     """A prompt and its completion(s).
 
     Attributes:
-        request_id: the engine's id for the request.
+        request_id: the engine's id for the request (with ``n > 1``, the first
+            completion's request).
         prompt: the prompt text (None when token ids were given).
         prompt_token_ids: the prompt as token ids.
-        outputs: the completions (one).
+        outputs: the completions (one, or ``SamplingParams.n`` from ``LLM``).
         finished: whether generation is over.
-        num_preemptions: times the request was preempted (its KV recomputed).
+        num_preemptions: times the request was preempted (its KV recomputed;
+            summed over the ``n`` requests).
         prompt_logprobs: None unless asked; else None for the first prompt
             token, then per prompt token ``{token_id: logprob}`` (that token
             first, then the top-k alternatives) given the tokens before it.

@@ -19,6 +19,8 @@ from typing import NamedTuple
 GREEDY_EPS = 1e-5
 #: OpenAI's bound on a logit bias (values beyond it are clamped)
 MAX_LOGIT_BIAS = 100.0
+#: the most top logprobs a request may ask for (vLLM's default ``max_logprobs``)
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -80,6 +82,12 @@ class SamplingParams:
     """How to sample one prompt's completion (vLLM's names and defaults).
 
     Attributes:
+        n: completions per prompt (>= 1). ``LLM.generate`` and ``LLM.chat`` run
+            each as an engine request of its own (with ``seed + i`` for the
+            ``i``-th where a seed is given, as the server does) and return them
+            in one :class:`RequestOutput` (``outputs[i].index == i``);
+            ``LLMEngine.add_request`` takes ``n == 1`` only (one completion per
+            engine request).
         temperature: 0 (or below 1e-5) is greedy; higher flattens the distribution.
         top_p: keep the smallest set of most likely tokens whose probability
             reaches ``top_p``, in (0, 1]; 1 keeps everything.
@@ -95,20 +103,23 @@ class SamplingParams:
         logit_bias: ``{token id: bias}`` added to the logits (clamped to
             [-100, 100]); stored as sorted ``(id, bias)`` pairs.
         seed: seeds this request's own generator (reproducible whatever the
-            batch); None draws a seed from the engine's seed.
-        max_tokens: most tokens to generate (>= 1). The engine lowers it so
-            prompt plus output fit the model's context.
+            batch), a 64-bit integer (-2**63 to 2**64 - 1); None draws a seed
+            from the engine's seed.
+        max_tokens: most tokens to generate (>= 1), or None for as many as the
+            context holds (vLLM's). The engine lowers it so prompt plus output fit
+            the model's context.
         min_tokens: stop tokens are suppressed and stop strings ignored until
             this many tokens exist (<= max_tokens).
         stop: strings that end generation; the text is cut before the match
             (unless ``include_stop_str_in_output``). A single string is allowed.
-        stop_token_ids: token ids that end generation (even with ``ignore_eos``).
+        stop_token_ids: token ids that end generation (even with ``ignore_eos``);
+            the engine refuses one outside the vocabulary.
         ignore_eos: keep going past the model's EOS tokens (until max_tokens).
-        logprobs: None for none; 0 for the chosen tokens' logprobs; ``k > 0``
-            adds the ``k`` most likely tokens at each step. They are of the
+        logprobs: None for none; 0 for the chosen tokens' logprobs; ``k`` in
+            1..20 adds the ``k`` most likely tokens at each step. They are of the
             model's own distribution (``log_softmax`` of its logits, before
             the bias, penalties, temperature and filters), as vLLM gives them.
-        prompt_logprobs: None for none; ``k >= 0``: every prompt token after
+        prompt_logprobs: None for none; ``k`` in 0..20: every prompt token after
             the first gets its logprob (and the ``k`` most likely tokens) given
             the tokens before it.
         skip_special_tokens: leave special tokens out of the text.
@@ -132,6 +143,7 @@ class SamplingParams:
     ``stop`` and ``stop_token_ids`` are stored as tuples.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -141,7 +153,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
@@ -156,6 +168,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -176,13 +190,17 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        seed = self.seed
+        if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+            raise ValueError(
+                f"seed must be None or a 64-bit integer (-2**63 to 2**64 - 1), got {seed!r}"
+            )
+        mt = self.max_tokens
+        if mt is not None and (not _is_int(mt) or mt < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {mt!r}")  # or None
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if mt is not None and self.min_tokens > mt:
             raise ValueError(
                 f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
             )
@@ -219,8 +237,10 @@ class SamplingParams:
         put(self, "bad_words", tuple(words))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer from 0 to {MAX_LOGPROBS}, got {value!r}"
+                )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
