@@ -585,16 +585,20 @@ class Frontend:
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
         self.check_vocab(body, prompts)
+        # echo with max_tokens 0 scores the prompt (OpenAI's and vLLM's meaning): one
+        # token runs for the prompt's logprobs, and the answer drops it
+        score_only = body.echo and body.max_tokens == 0
         if body.max_tokens is None:  # OpenAI's 16, lowered by the generation config's (vLLM)
             max_tokens = min(16, int(self.sampling_defaults.get("max_tokens", 16)))
         else:
-            max_tokens = body.max_tokens
+            max_tokens = 1 if score_only else body.max_tokens
         want = [body.prompt_logprobs]
         if body.echo and body.logprobs is not None:
             want.append(body.logprobs)  # echoed prompt tokens get their logprobs too
         pl = max((w for w in want if w is not None), default=None)
         params = await self.sampling(body, max_tokens, body.logprobs, pl)
         run = await self.start(request, body, prompts, params, chat=False)
+        run.drop_output = score_only
         return await self.answer(run, body, chat=False)
 
     def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:

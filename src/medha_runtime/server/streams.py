@@ -12,6 +12,7 @@ ends it writes one access line (:mod:`medha_runtime.server.logs`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -62,6 +63,18 @@ class Prompt:
     ids: list[int]
 
 
+def _without_output(delta: RequestDelta) -> RequestDelta:
+    """``delta`` with no generated tokens; a normal end (a stop or the length) is
+    "length": nothing was to be generated."""
+    reason, stop = delta.finish_reason, delta.stop_reason
+    if reason in ("stop", "length"):
+        reason, stop = "length", None
+    return dataclasses.replace(
+        delta, new_token_ids=[], new_text="", logprobs=None, finish_reason=reason,
+        stop_reason=stop, num_output_tokens=0,
+    )  # fmt: skip
+
+
 class Run:
     """The engine requests of one HTTP request (see the module docstring).
 
@@ -89,6 +102,9 @@ class Run:
         self._watcher: asyncio.Task[None] | None = None
         self._done = False
         self._early: list[Any] = []  # deltas read while waiting for the engine's accept
+        #: scoring a prompt (``echo`` with ``max_tokens: 0``): the one token the engine
+        #: ran is dropped from every delta, and a request that ended ends with "length"
+        self.drop_output = False
 
     # ------------------------------------------------------------ submission
     async def submit(self, prompts: list[Prompt], n: int, make: Callable[[int, Sub], Any]) -> None:
@@ -204,6 +220,8 @@ class Run:
             if isinstance(item, Accepted):
                 continue
             idx, delta, now = item
+            if self.drop_output:
+                delta = _without_output(delta)
             sub = self.subs[idx]
             before = len(sub.tokens)
             self.record(sub, delta, now)
