@@ -76,3 +76,25 @@ def test_max_tokens_0_without_echo_is_a_400(server: Server) -> None:
         json={"prompt": "hi", "max_tokens": 0, "echo": False},
     )
     assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "max_tokens"
+
+
+def test_retrieve_model_is_the_listed_one(server: Server) -> None:
+    c = client(server)
+    listed = c.models.list().data[0]
+    got = c.models.retrieve("tiny")
+    assert got.model_dump() == listed.model_dump()
+    r = httpx.get(f"{server.url}/v1/models/tiny", headers=server.headers)
+    assert r.status_code == 200 and r.json()["max_model_len"] == 256
+
+
+def test_retrieve_unknown_model_is_an_openai_404(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("gpt-4o")
+    r = httpx.get(f"{server.url}/v1/models/org/other-model", headers=server.headers)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert "org/other-model" in err["message"] and err["code"] == 404
+    assert err["param"] == "model"
+    # the API key guards it as it guards the list
+    assert httpx.get(f"{server.url}/v1/models/tiny").status_code == 401
+

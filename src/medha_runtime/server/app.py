@@ -261,23 +261,27 @@ def _install_routes(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await front.chat_completions(body, request)
 
-    @app.get("/v1/models")
-    async def models() -> Any:
+    def model_card() -> dict[str, Any]:
         ready = client.ready
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": front.model_name,
-                    "object": "model",
-                    "created": int(client.started_at),
-                    "owned_by": "medha",
-                    "root": ready.model if ready is not None else None,
-                    "parent": None,
-                    "max_model_len": front.max_model_len,
-                }
-            ],
+            "id": front.model_name,
+            "object": "model",
+            "created": int(client.started_at),
+            "owned_by": "medha",
+            "root": ready.model if ready is not None else None,
+            "parent": None,
+            "max_model_len": front.max_model_len,
         }
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        """OpenAI's "retrieve model": the listed model, or a 404 naming the id."""
+        front.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:
