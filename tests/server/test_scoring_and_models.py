@@ -98,3 +98,9 @@ def test_retrieve_unknown_model_is_an_openai_404(server: Server) -> None:
     # the API key guards it as it guards the list
     assert httpx.get(f"{server.url}/v1/models/tiny").status_code == 401
 
+
+def test_405_names_the_allowed_methods(server: Server) -> None:
+    r = httpx.get(f"{server.url}/v1/completions", headers=server.headers)
+    assert r.status_code == 405
+    assert r.headers.get("allow") == "POST"
+    assert r.json()["error"]["code"] == 405

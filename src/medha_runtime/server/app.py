@@ -247,7 +247,9 @@ def _install_errors(app: FastAPI, front: Frontend) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):
             return _error(f"the request body is not valid UTF-8: {exc.__cause__}", 400)
-        return _error(str(exc.detail), exc.status_code)
+        response = _error(str(exc.detail), exc.status_code)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 15.5.6)
+        return response
 
 
 def _install_routes(
