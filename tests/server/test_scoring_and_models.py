@@ -44,6 +44,9 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server: Server) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.prompt_tokens  # prompt only
     assert lp.token_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    # the BOS token is not in the text: it adds no character (it counted 3, "<s>")
+    assert lp.tokens[0] == "<s>" and lp.text_offset[:2] == [0, 0]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(ch.text)
     # the same logprobs as a request that generates (its prompt part)
     more = client(server).completions.create(**{**SCORE, "max_tokens": 2, "temperature": 0})
     assert more.choices[0].logprobs.token_logprobs[: len(lp.tokens)] == lp.token_logprobs

@@ -442,14 +442,18 @@ class Frontend:
 
     # ------------------------------------------------------------ responses
     def completion_choice(self, s: Sub, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
-        text, ids, entries = s.text, list(s.tokens), list(s.logprobs)
+        text, ids, entries, pieces = s.text, list(s.tokens), list(s.logprobs), s.pieces
         if body.echo:
             text = self.prompt_text(s) + text
             ids = s.prompt_ids + ids
             entries = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + entries
+            if body.logprobs is not None:
+                pieces = self.prompt_pieces(s) + pieces
         c: dict[str, Any] = {"index": s.index, "text": text, "logprobs": None}
         if body.logprobs is not None:
-            c["logprobs"] = fmt.completion_logprobs(ids, entries, tt, top=body.logprobs)
+            c["logprobs"] = fmt.completion_logprobs(
+                ids, entries, tt, top=body.logprobs, pieces=pieces
+            )
         c["finish_reason"], c["stop_reason"] = s.finish_reason, s.stop_reason
         if body.prompt_logprobs is not None and s.prompt_logprobs is not None:
             c["prompt_logprobs"] = fmt.prompt_logprobs(
@@ -461,6 +465,18 @@ class Frontend:
         if s.prompt_text is not None:
             return s.prompt_text
         return self.need_tokenizer().decode(s.prompt_ids, skip_special_tokens=False)
+
+    def prompt_pieces(self, s: Sub) -> list[str]:
+        """Per prompt token, the text it adds to the echoed prompt (a special token
+        the prompt's own text lacks adds ""; a token whose character a later one
+        completes adds "" and shares that one's offset)."""
+        text = self.prompt_text(s)
+        tok = self.need_tokenizer().tokenizer
+        state = tok.detokenizer(skip_special_tokens=s.prompt_text is not None)
+        pieces = [state.add((t,)) for t in s.prompt_ids]
+        if pieces:
+            pieces[-1] += state.flush()
+        return fmt.fit_pieces(pieces, text)
 
     def completion_response(self, run: Run, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
         return {
@@ -516,14 +532,17 @@ class Frontend:
                 c["logprobs"] = fmt.chat_logprobs(new_ids, new_lps, tt, top=body.top_logprobs or 0)
         else:
             offset = s.emitted
+            pieces = s.pieces[len(s.pieces) - len(new_ids) :]
             if body.echo and first:
                 new_text = self.prompt_text(s) + new_text
                 new_ids = s.prompt_ids + new_ids
                 new_lps = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + new_lps
+                if body.logprobs is not None:
+                    pieces = self.prompt_pieces(s) + pieces
             c = {"index": s.index, "text": new_text, "logprobs": None}
             if body.logprobs is not None and new_ids and len(new_lps) == len(new_ids):
                 c["logprobs"] = fmt.completion_logprobs(
-                    new_ids, new_lps, tt, top=body.logprobs, text_offset=offset
+                    new_ids, new_lps, tt, top=body.logprobs, pieces=pieces, text_offset=offset
                 )
             s.emitted += len(new_text)
         c["finish_reason"] = None

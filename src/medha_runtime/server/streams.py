@@ -41,6 +41,8 @@ class Sub:
     last: float | None = None
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    #: per token, the text it added to ``text`` (a delta's text is its last token's)
+    pieces: list[str] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None
@@ -197,6 +199,10 @@ class Run:
             sub.cached_tokens = delta.num_cached_tokens
         sub.tokens.extend(delta.new_token_ids)
         sub.text += delta.new_text
+        if k:
+            sub.pieces += [""] * (k - 1) + [delta.new_text]
+        elif sub.pieces:  # text held back until the end, with no token of its own
+            sub.pieces[-1] += delta.new_text
         if delta.logprobs:
             sub.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
