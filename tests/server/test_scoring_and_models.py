@@ -79,6 +79,13 @@ def test_max_tokens_0_without_echo_is_a_400(server: Server) -> None:
         json={"prompt": "hi", "max_tokens": 0, "echo": False},
     )
     assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "max_tokens"
+    # scoring generates nothing: min_tokens is refused as sent (it named max_tokens=1)
+    r = httpx.post(
+        f"{server.url}/v1/completions", headers=server.headers, json={**SCORE, "min_tokens": 2}
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "min_tokens"
+    assert "max_tokens=0" in err["message"], err
 
 
 def test_retrieve_model_is_the_listed_one(server: Server) -> None:

@@ -604,13 +604,8 @@ class Frontend:
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
         self.check_vocab(body, prompts)
-        # echo with max_tokens 0 scores the prompt (OpenAI's and vLLM's meaning): one
-        # token runs for the prompt's logprobs, and the answer drops it
         score_only = body.echo and body.max_tokens == 0
-        if body.max_tokens is None:  # OpenAI's 16, lowered by the generation config's (vLLM)
-            max_tokens = min(16, int(self.sampling_defaults.get("max_tokens", 16)))
-        else:
-            max_tokens = 1 if score_only else body.max_tokens
+        max_tokens = self.completion_max_tokens(body, score_only)
         want = [body.prompt_logprobs]
         if body.echo and body.logprobs is not None:
             want.append(body.logprobs)  # echoed prompt tokens get their logprobs too
@@ -619,6 +614,21 @@ class Frontend:
         run = await self.start(request, body, prompts, params, chat=False)
         run.drop_output = score_only
         return await self.answer(run, body, chat=False)
+
+    def completion_max_tokens(self, body: CompletionRequest, score_only: bool) -> int:
+        """The engine's ``max_tokens``: OpenAI's 16 when unset, lowered by the generation
+        config's (vLLM). Scoring (``echo`` with ``max_tokens`` 0, OpenAI's and vLLM's
+        meaning) runs one token for the prompt's logprobs; the answer drops it."""
+        if score_only and body.min_tokens > 0:
+            raise APIError(
+                f"min_tokens={body.min_tokens} must not exceed max_tokens=0 (echo with "
+                "max_tokens 0 scores the prompt and generates nothing)",
+                400,
+                "min_tokens",
+            )
+        if body.max_tokens is None:
+            return min(16, int(self.sampling_defaults.get("max_tokens", 16)))
+        return 1 if score_only else body.max_tokens
 
     def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
         p = body.prompt
