@@ -117,12 +117,30 @@ TEXT = fmt.TokenText(lambda t: {1: "a", 2: "b", 3: "bytes:\\xe2"}[t], lambda t: 
 
 def test_completion_logprobs_shape() -> None:
     entries = [None, {2: -0.5, 1: -1.0}, {3: -2.0, 1: -0.1, 2: -3.0}]
-    out = fmt.completion_logprobs([1, 2, 3], entries, TEXT, top=1)
+    out = fmt.completion_logprobs([1, 2, 3], entries, TEXT, top=1, pieces=["a", "b", ""])
     assert out["tokens"] == ["a", "b", "bytes:\\xe2"]
     assert out["token_logprobs"] == [None, -0.5, -2.0]
     # the top one, and the chosen token always
     assert out["top_logprobs"] == [None, {"b": -0.5}, {"a": -0.1, "bytes:\\xe2": -2.0}]
     assert out["text_offset"] == [0, 1, 2]
+
+
+def test_text_offsets_index_the_text_not_the_token_strings() -> None:
+    """A partial character ("bytes:\\xe2", 10 characters as a token string) adds no
+    text; the token that completes it adds the character: offsets into "a€b"."""
+    entries = [None, {3: -1.0}, {2: -1.0}]
+    out = fmt.completion_logprobs([1, 3, 2], entries, TEXT, top=0, pieces=["a", "", "€b"])
+    assert out["text_offset"] == [0, 1, 1]
+    out = fmt.completion_logprobs([3, 2], entries[1:], TEXT, top=0, pieces=["", "x"], text_offset=5)
+    assert out["text_offset"] == [5, 5]
+
+
+def test_fit_pieces_join_to_the_text() -> None:
+    assert fmt.fit_pieces(["<s>", "Hi", " there"], "<s>Hi there") == ["<s>", "Hi", " there"]
+    # a decoding that differs from the text (one more space): offsets stay inside it
+    assert fmt.fit_pieces(["", " Hi", " there"], "Hi there") == ["", "Hi ", "there"]
+    assert fmt.fit_pieces(["a", "b"], "abcd") == ["a", "bcd"]
+    assert fmt.fit_pieces([], "") == []
 
 
 def test_prompt_logprobs_ranks() -> None:
@@ -167,7 +185,7 @@ def test_infinite_logprobs_are_written_as_json_numbers() -> None:
     inf = float("-inf")
     entries = [{1: -0.1, 2: inf, 3: inf}]
     out = [
-        fmt.completion_logprobs([1], entries, TEXT, top=3),
+        fmt.completion_logprobs([1], entries, TEXT, top=3, pieces=["a"]),
         fmt.chat_logprobs([1], entries, TEXT, top=3),
         fmt.prompt_logprobs([{2: inf, 1: -0.1, 3: inf}], TEXT, top=3),
     ]

@@ -247,7 +247,9 @@ def _install_errors(app: FastAPI, front: Frontend) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):
             return _error(f"the request body is not valid UTF-8: {exc.__cause__}", 400)
-        return _error(str(exc.detail), exc.status_code)
+        response = _error(str(exc.detail), exc.status_code)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 15.5.6)
+        return response
 
 
 def _install_routes(
@@ -261,23 +263,27 @@ def _install_routes(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await front.chat_completions(body, request)
 
-    @app.get("/v1/models")
-    async def models() -> Any:
+    def model_card() -> dict[str, Any]:
         ready = client.ready
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": front.model_name,
-                    "object": "model",
-                    "created": int(client.started_at),
-                    "owned_by": "medha",
-                    "root": ready.model if ready is not None else None,
-                    "parent": None,
-                    "max_model_len": front.max_model_len,
-                }
-            ],
+            "id": front.model_name,
+            "object": "model",
+            "created": int(client.started_at),
+            "owned_by": "medha",
+            "root": ready.model if ready is not None else None,
+            "parent": None,
+            "max_model_len": front.max_model_len,
         }
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        """OpenAI's "retrieve model": the listed model, or a 404 naming the id."""
+        front.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:

@@ -52,16 +52,23 @@ def completion_logprobs(
     tokens: TokenText,
     *,
     top: int,
+    pieces: Sequence[str],
     text_offset: int = 0,
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for ``token_ids`` (one entry each)."""
+    """The legacy completions ``logprobs`` object for ``token_ids`` (one entry each).
+
+    ``pieces``: per token, the text it adds to the returned text (``""`` for a
+    token whose character a later token completes, or a special token the text
+    leaves out); ``text_offset`` is each token's character offset into the
+    returned text (OpenAI's meaning), starting at ``text_offset``.
+    """
     strs, lps, tops, offsets = [], [], [], []
     pos = text_offset
-    for tok, e in zip(token_ids, entries, strict=True):
+    for tok, e, piece in zip(token_ids, entries, pieces, strict=True):
         s = tokens.text(tok)
         strs.append(s)
         offsets.append(pos)
-        pos += len(s)
+        pos += len(piece)
         if e is None:
             lps.append(None)
             tops.append(None)
@@ -71,6 +78,21 @@ def completion_logprobs(
         alts.setdefault(s, _lp(e.get(tok)))  # the chosen token is always listed (OpenAI's shape)
         tops.append(alts)
     return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def fit_pieces(pieces: Sequence[str], text: str) -> list[str]:
+    """``pieces`` (per token, its text) cut from ``text`` so that they join to it
+    exactly: each piece's end is kept where it falls inside ``text``, the last piece
+    takes the rest (a tokenizer whose decoding differs from the text given, say in
+    its spaces, still gets offsets that index that text, in order)."""
+    out, start, end = [], 0, 0
+    for piece in pieces:
+        end = min(end + len(piece), len(text))
+        out.append(text[start:end])
+        start = end
+    if out:
+        out[-1] += text[start:]
+    return out
 
 
 def chat_logprobs(

@@ -442,14 +442,18 @@ class Frontend:
 
     # ------------------------------------------------------------ responses
     def completion_choice(self, s: Sub, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
-        text, ids, entries = s.text, list(s.tokens), list(s.logprobs)
+        text, ids, entries, pieces = s.text, list(s.tokens), list(s.logprobs), s.pieces
         if body.echo:
             text = self.prompt_text(s) + text
             ids = s.prompt_ids + ids
             entries = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + entries
+            if body.logprobs is not None:
+                pieces = self.prompt_pieces(s) + pieces
         c: dict[str, Any] = {"index": s.index, "text": text, "logprobs": None}
         if body.logprobs is not None:
-            c["logprobs"] = fmt.completion_logprobs(ids, entries, tt, top=body.logprobs)
+            c["logprobs"] = fmt.completion_logprobs(
+                ids, entries, tt, top=body.logprobs, pieces=pieces
+            )
         c["finish_reason"], c["stop_reason"] = s.finish_reason, s.stop_reason
         if body.prompt_logprobs is not None and s.prompt_logprobs is not None:
             c["prompt_logprobs"] = fmt.prompt_logprobs(
@@ -461,6 +465,18 @@ class Frontend:
         if s.prompt_text is not None:
             return s.prompt_text
         return self.need_tokenizer().decode(s.prompt_ids, skip_special_tokens=False)
+
+    def prompt_pieces(self, s: Sub) -> list[str]:
+        """Per prompt token, the text it adds to the echoed prompt (a special token
+        the prompt's own text lacks adds ""; a token whose character a later one
+        completes adds "" and shares that one's offset)."""
+        text = self.prompt_text(s)
+        tok = self.need_tokenizer().tokenizer
+        state = tok.detokenizer(skip_special_tokens=s.prompt_text is not None)
+        pieces = [state.add((t,)) for t in s.prompt_ids]
+        if pieces:
+            pieces[-1] += state.flush()
+        return fmt.fit_pieces(pieces, text)
 
     def completion_response(self, run: Run, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
         return {
@@ -516,14 +532,17 @@ class Frontend:
                 c["logprobs"] = fmt.chat_logprobs(new_ids, new_lps, tt, top=body.top_logprobs or 0)
         else:
             offset = s.emitted
+            pieces = s.pieces[len(s.pieces) - len(new_ids) :]
             if body.echo and first:
                 new_text = self.prompt_text(s) + new_text
                 new_ids = s.prompt_ids + new_ids
                 new_lps = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + new_lps
+                if body.logprobs is not None:
+                    pieces = self.prompt_pieces(s) + pieces
             c = {"index": s.index, "text": new_text, "logprobs": None}
             if body.logprobs is not None and new_ids and len(new_lps) == len(new_ids):
                 c["logprobs"] = fmt.completion_logprobs(
-                    new_ids, new_lps, tt, top=body.logprobs, text_offset=offset
+                    new_ids, new_lps, tt, top=body.logprobs, pieces=pieces, text_offset=offset
                 )
             s.emitted += len(new_text)
         c["finish_reason"] = None
@@ -585,17 +604,31 @@ class Frontend:
         for p in prompts:
             self.check_lengths(len(p.ids), body.max_tokens)
         self.check_vocab(body, prompts)
-        if body.max_tokens is None:  # OpenAI's 16, lowered by the generation config's (vLLM)
-            max_tokens = min(16, int(self.sampling_defaults.get("max_tokens", 16)))
-        else:
-            max_tokens = body.max_tokens
+        score_only = body.echo and body.max_tokens == 0
+        max_tokens = self.completion_max_tokens(body, score_only)
         want = [body.prompt_logprobs]
         if body.echo and body.logprobs is not None:
             want.append(body.logprobs)  # echoed prompt tokens get their logprobs too
         pl = max((w for w in want if w is not None), default=None)
         params = await self.sampling(body, max_tokens, body.logprobs, pl)
         run = await self.start(request, body, prompts, params, chat=False)
+        run.drop_output = score_only
         return await self.answer(run, body, chat=False)
+
+    def completion_max_tokens(self, body: CompletionRequest, score_only: bool) -> int:
+        """The engine's ``max_tokens``: OpenAI's 16 when unset, lowered by the generation
+        config's (vLLM). Scoring (``echo`` with ``max_tokens`` 0, OpenAI's and vLLM's
+        meaning) runs one token for the prompt's logprobs; the answer drops it."""
+        if score_only and body.min_tokens > 0:
+            raise APIError(
+                f"min_tokens={body.min_tokens} must not exceed max_tokens=0 (echo with "
+                "max_tokens 0 scores the prompt and generates nothing)",
+                400,
+                "min_tokens",
+            )
+        if body.max_tokens is None:
+            return min(16, int(self.sampling_defaults.get("max_tokens", 16)))
+        return 1 if score_only else body.max_tokens
 
     def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
         p = body.prompt

@@ -12,6 +12,7 @@ ends it writes one access line (:mod:`medha_runtime.server.logs`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +41,8 @@ class Sub:
     last: float | None = None
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    #: per token, the text it added to ``text`` (a delta's text is its last token's)
+    pieces: list[str] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None
@@ -60,6 +63,18 @@ class Prompt:
 
     text: str | None
     ids: list[int]
+
+
+def _without_output(delta: RequestDelta) -> RequestDelta:
+    """``delta`` with no generated tokens; a normal end (a stop or the length) is
+    "length": nothing was to be generated."""
+    reason, stop = delta.finish_reason, delta.stop_reason
+    if reason in ("stop", "length"):
+        reason, stop = "length", None
+    return dataclasses.replace(
+        delta, new_token_ids=[], new_text="", logprobs=None, finish_reason=reason,
+        stop_reason=stop, num_output_tokens=0,
+    )  # fmt: skip
 
 
 class Run:
@@ -89,6 +104,9 @@ class Run:
         self._watcher: asyncio.Task[None] | None = None
         self._done = False
         self._early: list[Any] = []  # deltas read while waiting for the engine's accept
+        #: scoring a prompt (``echo`` with ``max_tokens: 0``): the one token the engine
+        #: ran is dropped from every delta, and a request that ended ends with "length"
+        self.drop_output = False
 
     # ------------------------------------------------------------ submission
     async def submit(self, prompts: list[Prompt], n: int, make: Callable[[int, Sub], Any]) -> None:
@@ -181,6 +199,10 @@ class Run:
             sub.cached_tokens = delta.num_cached_tokens
         sub.tokens.extend(delta.new_token_ids)
         sub.text += delta.new_text
+        if k:
+            sub.pieces += [""] * (k - 1) + [delta.new_text]
+        elif sub.pieces:  # text held back until the end, with no token of its own
+            sub.pieces[-1] += delta.new_text
         if delta.logprobs:
             sub.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -204,6 +226,8 @@ class Run:
             if isinstance(item, Accepted):
                 continue
             idx, delta, now = item
+            if self.drop_output:
+                delta = _without_output(delta)
             sub = self.subs[idx]
             before = len(sub.tokens)
             self.record(sub, delta, now)
