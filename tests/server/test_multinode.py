@@ -374,6 +374,21 @@ def test_torchrun_nodes_with_other_engine_flags_both_say_why(tmp_path: Path) -> 
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        for pid in serving_on(port):  # ranks torchrun started outside its session
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def serving_on(port: int) -> list[int]:
+    """Processes whose command line holds ``--port PORT`` (this test's ranks)."""
+    want = f"--port\0{port}\0".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if want in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+    return out
 
 
 # ------------------------------------------------------------- bad set-ups
