@@ -372,6 +372,11 @@ def completion_cases(draw: st.DrawFn) -> Case:
     draw(common_fields(case, chat=False))
     logprobs = an_int(st.integers(0, 3), (-1, 21))
     maybe_put(draw, case, {"logprobs": logprobs, "echo": a_bool(), "add_special_tokens": a_bool()})
+    if case.body.get("echo") is True and case.body.get("max_tokens") == 0:
+        case.bad.discard("max_tokens")  # scores the prompt (OpenAI's and vLLM's meaning)
+        min_tokens = case.body.get("min_tokens")
+        if type(min_tokens) is int and min_tokens > 0:
+            case.bad.add("min_tokens")  # more than the 0 it may generate
     return case
 
 

@@ -477,15 +477,17 @@ def test_second_ctrl_c_while_stopping_exits_0_without_a_traceback(tmp_path: Path
     skips the app's lifespan shutdown and cancels it on exit, and starlette logged the
     CancelledError's traceback. Now the engine is stopped all the same, quietly."""
     log_file = tmp_path / "serve.log"
+    longer = ("--max-model-len", "4096", "--kv-cache-tokens", "16384")
     with open(log_file, "w") as log:
-        s = start_server(*COST, stderr=log, log_level="info")
+        s = start_server(*COST, *longer, stderr=log, log_level="info")
     socks: list[socket.socket] = []
     try:
         m = re.search(r"engine process pid (\d+)", log_file.read_text())
         assert m is not None
         engine_pid = int(m.group(1))
         port = int(s.url.rsplit(":", 1)[1])
-        socks = [_orphan(port, stream=True) for _ in range(4)]
+        # 4,000 tokens each: four 200-token streams could end between two heartbeats
+        socks = [_orphan(port, stream=True, max_tokens=4000) for _ in range(4)]
         _wait_in_engine(s, 4, at_least=True)
         s.proc.send_signal(signal.SIGINT)
         time.sleep(0.03)  # uvicorn is still closing connections: a forced exit
