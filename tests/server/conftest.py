@@ -72,6 +72,14 @@ def start_server(
     raise RuntimeError("the server did not become healthy in time")
 
 
+def openai_client(server: Server, timeout: float = 60.0) -> object:
+    """The ``openai`` client of ``server`` (its API key, if any; no retries)."""
+    import openai
+
+    key = server.api_key or "none"
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, timeout=timeout, max_retries=0)
+
+
 def stop_server(server: Server) -> None:
     proc = server.proc
     if proc.poll() is None:

@@ -8,27 +8,13 @@ nothing generated, as OpenAI and vLLM give it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, Server, start_server, stop_server
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = start_server(api_key=API_KEY)
-    try:
-        yield s
-    finally:
-        stop_server(s)
-
-
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, timeout=60, max_retries=0)
-
+from tests.server.conftest import Server
+from tests.server.conftest import openai_client as client
 
 SCORE = {"model": "tiny", "prompt": "hi there", "max_tokens": 0, "echo": True, "logprobs": 1}
 
