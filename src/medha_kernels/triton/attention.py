@@ -160,6 +160,29 @@ def prefill_splits(meta, tiles: dict) -> int:
     return max(1, min(splits, PREFILL_PARTIALS_BYTES // per_split))
 
 
+def _split_outputs(
+    out: torch.Tensor, lse: torch.Tensor, splits: int, *, empty: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """Where a prefill launch of ``splits`` KV splits writes, and its strides.
+
+    One split: ``out`` ``[T, H, D]`` / ``lse`` ``[T, H]`` themselves, with a split
+    stride of 0. Several: fp32 partials ``[T, splits, H, D]`` / ``[T, splits, H]``
+    for :func:`launch_merge_states`; with ``empty`` their LSEs start at -inf, so
+    rows no program writes merge to the empty state.
+    """
+    if splits == 1:
+        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
+        return out, lse, o_strides, (lse.stride(0), 0, lse.stride(1))
+    num_q, num_heads, head_dim = out.shape
+    o_dst = torch.empty(
+        (num_q, splits, num_heads, head_dim), dtype=torch.float32, device=out.device
+    )
+    lse_dst = torch.empty((num_q, splits, num_heads), dtype=torch.float32, device=out.device)
+    if empty:
+        lse_dst.fill_(float("-inf"))
+    return o_dst, lse_dst, o_dst.stride(), lse_dst.stride()
+
+
 def chunked_prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -179,16 +202,7 @@ def chunked_prefill_attention(
     tiles = _tiles(group, head_dim, q.device, q.dtype)
     q_tiles = triton.cdiv(num_q, tiles["BLOCK_Q"])
     splits = num_kv_splits(num_kv, q_tiles * num_kv_heads, _target_programs(q.device))
-    if splits > 1:  # fp32 partial states [num_q, splits, H, D], merged below
-        o_dst = torch.empty(
-            (num_q, splits, num_heads, head_dim), dtype=torch.float32, device=q.device
-        )
-        lse_dst = torch.empty((num_q, splits, num_heads), dtype=torch.float32, device=q.device)
-        o_strides, lse_strides = o_dst.stride(), lse_dst.stride()
-    else:
-        o_dst, lse_dst = out, lse
-        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
-        lse_strides = (lse.stride(0), 0, lse.stride(1))
+    o_dst, lse_dst, o_strides, lse_strides = _split_outputs(out, lse, splits, empty=False)
     chunked_prefill_kernel[(q_tiles, num_kv_heads, splits)](
         q,
         k,
@@ -370,18 +384,7 @@ def _paged_prefill(
     group = num_heads // num_kv_heads
     batch = lens.shape[0]
     tiles = _tiles(group, head_dim, q.device, q.dtype)
-    if splits > 1:
-        o_dst = torch.empty(
-            (num_q, splits, num_heads, head_dim), dtype=torch.float32, device=q.device
-        )
-        lse_dst = torch.full(
-            (num_q, splits, num_heads), float("-inf"), dtype=torch.float32, device=q.device
-        )
-        o_strides, lse_strides = o_dst.stride(), lse_dst.stride()
-    else:
-        o_dst, lse_dst = out, lse
-        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
-        lse_strides = (lse.stride(0), 0, lse.stride(1))
+    o_dst, lse_dst, o_strides, lse_strides = _split_outputs(out, lse, splits, empty=True)
     paged_prefill_kernel[(num_q // tiles["BLOCK_Q"] + batch, num_kv_heads, splits)](
         q,
         k_cache,
