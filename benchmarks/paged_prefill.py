@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -57,7 +56,7 @@ def _time(fn, cuda: bool) -> float:
 
 
 def _case(c: int, ctx: int, dev: torch.device, dtype: torch.dtype, heads: tuple[int, int, int]):
-    """The runs of one shape: ``{name: fn}``."""
+    """The runs of one shape, ``{name: fn}``, and the split plan's metadata."""
     hq, hkv, d = heads
     nblocks = -(-ctx // BLOCK)
     kc, vc = (torch.randn(nblocks, BLOCK, hkv, d, device=dev).to(dtype) for _ in range(2))
@@ -71,19 +70,19 @@ def _case(c: int, ctx: int, dev: torch.device, dtype: torch.dtype, heads: tuple[
             cu_seqlens_q=cu, kv_lens=lens, block_table=table, num_qo_heads=hq,
             num_kv_heads=hkv, head_dim=d, block_size=BLOCK, dtype=dtype, backend="triton",
         )  # fmt: skip
-        return lambda: plan.run(q, kc, vc)
+        return lambda: plan.run(q, kc, vc), plan.meta
 
-    split = planned()
+    split, meta = planned()
     saved = tri.MAX_PREFILL_SPLITS
     tri.MAX_PREFILL_SPLITS = 1
     try:
-        whole = planned()
+        whole, _ = planned()
     finally:
         tri.MAX_PREFILL_SPLITS = saved
     k = kc[table[0].long()].reshape(-1, hkv, d)[:ctx]
     v = vc[table[0].long()].reshape(-1, hkv, d)[:ctx]
     contiguous = lambda: mk.chunked_prefill_attention(q, k, v, backend="triton")  # noqa: E731
-    return {"split": split, "no split": whole, "contiguous": contiguous}
+    return {"split": split, "no split": whole, "contiguous": contiguous}, meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,15 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     bad = 0
     for c, ctx in shapes:
-        fns = _case(c, ctx, dev, dtype, heads)
+        fns, meta = _case(c, ctx, dev, dtype, heads)
         diff_o, diff_lse = _differences(fns)
         ok = diff_o <= O_TOL and diff_lse <= LSE_TOL
         bad += not ok
         times = {name: _time(fn, cuda) * 1e6 for name, fn in fns.items()}
-        meta = SimpleNamespace(
-            query_counts=[c], lens=[ctx], num_kv_heads=heads[1], num_qo_heads=heads[0],
-            head_dim=heads[2], num_q=c, device=dev,
-        )  # fmt: skip
         splits = tri.prefill_splits(meta, tri._tiles(heads[0] // heads[1], heads[2], dev, dtype))
         row = {"C": c, "L": ctx, "splits": splits, **{f"{k} us": v for k, v in times.items()}}
         rows.append({**row, "max_diff_o": diff_o, "max_diff_lse": diff_lse, "ok": ok})

@@ -169,12 +169,7 @@ def agree(config: DistConfig, *, rank: int) -> None:
 
     box: list[Any] = [None]
     if rank == 0:
-        box[0] = {
-            "format": CHECK_IN_FORMAT,
-            "medha": medha_version(),
-            "model": config.model,
-            "engine_flags": [list(pair) for pair in config.engine_flags],
-        }
+        box[0] = {**_facts(config), "model": config.model}
     dist.broadcast_object_list(box, src=0)
     where = f"{config.master_addr}:{config.master_port}"
     why = _other_version(box[0], rank, where)
@@ -237,12 +232,7 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
             "and port?"
         ) from None
     if rank == 0:
-        facts = {
-            "format": CHECK_IN_FORMAT,
-            "medha": medha_version(),
-            "engine_flags": config.engine_flags,
-        }
-        store.set(_FACTS, json.dumps(facts))  # before _WORLD, which a node waits for
+        store.set(_FACTS, json.dumps(_facts(config)))  # before _WORLD, which a node waits for
         store.set(_WORLD, json.dumps([world, config.local_ranks, config.model]))
         deadline = time.monotonic() + config.start_timeout_s
         while (joined := store.add(_JOINED, 0)) < world - 1:
@@ -290,6 +280,16 @@ def check_in(config: DistConfig, *, rank: int) -> Any:
 #: the layout of the facts the driver publishes at check-in under ``_FACTS`` (a JSON
 #: object; a driver of an earlier Medha publishes none)
 CHECK_IN_FORMAT = 2
+
+
+def _facts(config: DistConfig) -> dict[str, Any]:
+    """What the driver tells the other ranks: the check-in format, its Medha version
+    and its engine flags."""
+    return {
+        "format": CHECK_IN_FORMAT,
+        "medha": medha_version(),
+        "engine_flags": [list(pair) for pair in config.engine_flags],
+    }
 
 
 def _other_version(facts: Any, rank: int, where: str) -> str | None:

@@ -778,12 +778,12 @@ class LLMEngine:
             if dropped and dropped.get(rid, -1) >= out.batch_id:
                 continue  # finished when an earlier batch ended: a decode issued ahead
             tokens[rid] = s.token_id
+            st = self._requests[rid]
             if s.error is not None:  # it ends now, as a stop token would end it
-                st = self._requests[rid]
                 st.finish_reason, st.error = "error", s.error
                 stopped.add(rid)
                 logger.warning("request %s failed: %s", rid, s.error)
-            elif self._append(self._requests[rid], s):
+            elif self._append(st, s):
                 stopped.add(rid)
         if dropped:
             for rid in [r for r, b in dropped.items() if b <= out.batch_id]:

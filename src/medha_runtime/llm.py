@@ -255,24 +255,9 @@ def _check_params(p: object) -> None:
         raise ValueError(f"sampling params must be SamplingParams, got {p!r}")
 
 
-_SEEDS = 2**64
-
-
 def _completions(params: SamplingParams) -> list[SamplingParams]:
-    """One engine request's params per completion: ``params`` for n = 1; else n with
-    n = 1, the ``i``-th seeded ``seed + i`` where a seed is given (the server's)."""
-    if params.n == 1:
-        return [params]
-    seed = params.seed
-    return [
-        params.replace(n=1, seed=None if seed is None else _wrap_seed(seed + i))
-        for i in range(params.n)
-    ]
-
-
-def _wrap_seed(seed: int) -> int:
-    """``seed`` back below 2**64 (the generator takes the low 64 bits anyway)."""
-    return seed - _SEEDS if seed >= _SEEDS else seed
+    """One engine request's params per completion (:meth:`SamplingParams.completion`)."""
+    return [params.completion(i) for i in range(params.n)]
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:

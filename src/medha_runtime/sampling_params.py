@@ -262,6 +262,17 @@ class SamplingParams:
         values.update(changes)
         return SamplingParams(**values)  # type: ignore[arg-type]
 
+    def completion(self, i: int) -> SamplingParams:
+        """The params of completion ``i`` of ``n``, one engine request each: ``n`` = 1,
+        and, where a seed is given, ``seed + i`` (kept below 2**64; the generator
+        takes its low 64 bits anyway)."""
+        if i == 0 and self.n == 1:
+            return self
+        seed = self.seed
+        if seed is not None and seed + i >= 2**64:
+            seed -= 2**64
+        return self.replace(n=1, seed=None if seed is None else seed + i)
+
 
 class Penalties(NamedTuple):
     """A row's penalties (see :class:`SamplingParams`)."""

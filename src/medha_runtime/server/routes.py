@@ -406,9 +406,8 @@ class Frontend:
         )
 
         def make(i: int, sub: Sub) -> dict[str, Any]:
-            p = params if body.seed is None or i == 0 else params.replace(seed=body.seed + i)
             return {
-                "params": p,
+                "params": params.completion(i),
                 "ttft_slo_s": None if body.ttft_slo_ms is None else body.ttft_slo_ms / 1e3,
                 "tpot_slo_s": None if body.tpot_slo_ms is None else body.tpot_slo_ms / 1e3,
                 "priority": body.priority,
@@ -444,11 +443,12 @@ class Frontend:
     def completion_choice(self, s: Sub, body: Any, tt: fmt.TokenText) -> dict[str, Any]:
         text, ids, entries, pieces = s.text, list(s.tokens), list(s.logprobs), s.pieces
         if body.echo:
-            text = self.prompt_text(s) + text
+            prompt = self.prompt_text(s)
+            text = prompt + text
             ids = s.prompt_ids + ids
             entries = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + entries
             if body.logprobs is not None:
-                pieces = self.prompt_pieces(s) + pieces
+                pieces = self.prompt_pieces(s, prompt) + pieces
         c: dict[str, Any] = {"index": s.index, "text": text, "logprobs": None}
         if body.logprobs is not None:
             c["logprobs"] = fmt.completion_logprobs(
@@ -466,11 +466,10 @@ class Frontend:
             return s.prompt_text
         return self.need_tokenizer().decode(s.prompt_ids, skip_special_tokens=False)
 
-    def prompt_pieces(self, s: Sub) -> list[str]:
-        """Per prompt token, the text it adds to the echoed prompt (a special token
-        the prompt's own text lacks adds ""; a token whose character a later one
+    def prompt_pieces(self, s: Sub, text: str) -> list[str]:
+        """Per prompt token, the text it adds to the echoed prompt ``text`` (a special
+        token the prompt's own text lacks adds ""; a token whose character a later one
         completes adds "" and shares that one's offset)."""
-        text = self.prompt_text(s)
         tok = self.need_tokenizer().tokenizer
         state = tok.detokenizer(skip_special_tokens=s.prompt_text is not None)
         pieces = [state.add((t,)) for t in s.prompt_ids]
@@ -531,16 +530,18 @@ class Frontend:
             if body.logprobs and new_lps:
                 c["logprobs"] = fmt.chat_logprobs(new_ids, new_lps, tt, top=body.top_logprobs or 0)
         else:
-            offset = s.emitted
-            pieces = s.pieces[len(s.pieces) - len(new_ids) :]
+            offset, generated = s.emitted, len(new_ids)
+            prompt = ""
             if body.echo and first:
-                new_text = self.prompt_text(s) + new_text
+                prompt = self.prompt_text(s)
+                new_text = prompt + new_text
                 new_ids = s.prompt_ids + new_ids
                 new_lps = list(s.prompt_logprobs or [None] * len(s.prompt_ids)) + new_lps
-                if body.logprobs is not None:
-                    pieces = self.prompt_pieces(s) + pieces
             c = {"index": s.index, "text": new_text, "logprobs": None}
             if body.logprobs is not None and new_ids and len(new_lps) == len(new_ids):
+                pieces = s.pieces[len(s.pieces) - generated :]
+                if body.echo and first:
+                    pieces = self.prompt_pieces(s, prompt) + pieces
                 c["logprobs"] = fmt.completion_logprobs(
                     new_ids, new_lps, tt, top=body.logprobs, pieces=pieces, text_offset=offset
                 )
